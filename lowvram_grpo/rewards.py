@@ -1,0 +1,185 @@
+"""Reward functions, by name. This is where rewards are computed.
+
+Each function has TRL's reward signature `(prompts, completions, **kwargs) -> list[float]`: one score
+per completion. Completions may be plain strings or conversational (a list of `{"role", "content"}`
+messages); `answer` (the gold final answer, one per completion) arrives as a keyword from the
+dataset column of that name.
+
+The five are the Unsloth Llama-3.1-8B GRPO notebook's, with two deliberate fixes:
+- the format regexes match across lines (`re.DOTALL`): the notebook's `.*?` without it never matches a
+  reasoning of more than one line, so its strict/soft rewards miss most well-formed answers;
+- `correctness` compares numbers, not strings: "1,000", "$1000.00" and "1000" all equal a gold "1,000",
+  as a careful human grader would score them.
+
+`REWARD_MAX` gives each function's best score, used by tests and the report.
+"""
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Callable, Optional
+
+RewardFn = Callable[..., list]
+REWARDS: dict[str, RewardFn] = {}
+REWARD_MAX: dict[str, float] = {}
+
+
+def register(name: str, max_score: float):
+    """Add a reward to the registry under `name` (also its `__name__`, which TRL uses in its logs)."""
+
+    def wrap(fn: RewardFn) -> RewardFn:
+        fn.__name__ = name
+        fn.__qualname__ = name
+        REWARDS[name] = fn
+        REWARD_MAX[name] = max_score
+        return fn
+
+    return wrap
+
+
+# --------------------------------------------------------------------------- text helpers
+
+def completion_text(completion) -> str:
+    """The generated text of one completion, plain or conversational."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    if isinstance(completion, dict):
+        return str(completion.get("content", ""))
+    return str(completion)
+
+
+def extract_xml_answer(text: str) -> str:
+    """The text inside the last <answer>...</answer> (the notebook's rule: without tags, the whole text)."""
+    answer = text.split("<answer>")[-1]
+    answer = answer.split("</answer>")[0]
+    return answer.strip()
+
+
+def extract_hash_answer(text: str) -> Optional[str]:
+    """GSM8K's gold answer: what follows '####' (None when the marker is missing)."""
+    if "####" not in text:
+        return None
+    return text.split("####")[-1].strip()
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_PLAIN_INTEGER = re.compile(r"-?\d{1,3}(?:,\d{3})+|-?\d+")
+# What may surround a number in a final answer and still be "just the number": currency, units, period.
+_DECORATION = re.compile(r"^[\s$€£]*|[\s%.]*$")
+
+
+def parse_number(text: str) -> Optional[Decimal]:
+    """A number written any usual way ('1,000', '$18.00', '-3', '.5') -> Decimal; None if there is none."""
+    match = _NUMBER.fullmatch(text.strip())
+    if match is None:
+        return None
+    try:
+        return Decimal(match.group(0).replace(",", ""))
+    except InvalidOperation:
+        return None
+
+
+def answer_number(answer_text: str) -> Optional[Decimal]:
+    """The number a final answer states: the whole answer if it is one number (with $, %, a trailing
+    period or units around it), else the last number in it ('The total is 72 clips.' -> 72)."""
+    stripped = _DECORATION.sub("", answer_text)
+    value = parse_number(stripped)
+    if value is not None:
+        return value
+    numbers = _NUMBER.findall(answer_text)
+    return parse_number(numbers[-1]) if numbers else None
+
+
+def _gold_list(answer, n: int) -> list:
+    if answer is None:
+        raise ValueError("the dataset has no 'answer' column: correctness needs the gold answers")
+    if isinstance(answer, (str, int, float)):
+        return [str(answer)] * n
+    return [str(a) for a in answer]
+
+
+# --------------------------------------------------------------------------- the notebook's five
+
+@register("correctness", 2.0)
+def correctness_reward(prompts, completions, answer=None, **kwargs) -> list[float]:
+    """2.0 when the stated answer equals the gold answer as a number; 0.0 otherwise.
+
+    With <answer> tags the stated answer is the tagged text (its last number if it has words around
+    it); without tags the whole completion must be just the number, as in the notebook."""
+    golds = _gold_list(answer, len(completions))
+    scores = []
+    for completion, gold in zip(completions, golds):
+        text = completion_text(completion)
+        gold_value = parse_number(gold) if parse_number(gold) is not None else answer_number(gold)
+        if "<answer>" in text:
+            stated = answer_number(extract_xml_answer(text))
+        else:
+            stated = parse_number(_DECORATION.sub("", text))
+        scores.append(2.0 if stated is not None and gold_value is not None and stated == gold_value else 0.0)
+    return scores
+
+
+@register("int", 0.5)
+def int_reward(prompts, completions, **kwargs) -> list[float]:
+    """0.5 when the tagged answer is a plain integer ('42', '-3', '1,000'): nudges towards a bare number."""
+    return [0.5 if _PLAIN_INTEGER.fullmatch(extract_xml_answer(completion_text(c))) else 0.0 for c in completions]
+
+
+_STRICT = re.compile(r"^<reasoning>\n.*?\n</reasoning>\n<answer>\n.*?\n</answer>\n?$", re.DOTALL)
+_SOFT = re.compile(r"<reasoning>.*?</reasoning>\s*<answer>.*?</answer>", re.DOTALL)
+
+
+@register("strict_format", 0.5)
+def strict_format_reward(prompts, completions, **kwargs) -> list[float]:
+    """0.5 when the whole completion is exactly <reasoning>\\n...\\n</reasoning>\\n<answer>\\n...\\n</answer>."""
+    return [0.5 if _STRICT.match(completion_text(c)) else 0.0 for c in completions]
+
+
+@register("soft_format", 0.5)
+def soft_format_reward(prompts, completions, **kwargs) -> list[float]:
+    """0.5 when a <reasoning> block is followed by an <answer> block anywhere in the completion."""
+    return [0.5 if _SOFT.search(completion_text(c)) else 0.0 for c in completions]
+
+
+def count_xml(text: str) -> float:
+    """1/8 for each well-placed tag, minus a little for text after </answer> (the notebook's rule)."""
+    count = 0.0
+    if text.count("<reasoning>\n") == 1:
+        count += 0.125
+    if text.count("\n</reasoning>\n") == 1:
+        count += 0.125
+    if text.count("\n<answer>\n") == 1:
+        count += 0.125
+        count -= len(text.split("\n</answer>\n")[-1]) * 0.001
+    if text.count("\n</answer>") == 1:
+        count += 0.125
+        count -= (len(text.split("\n</answer>")[-1]) - 1) * 0.001
+    return count
+
+
+@register("xmlcount", 0.5)
+def xmlcount_reward(prompts, completions, **kwargs) -> list[float]:
+    """Partial credit per tag, so a model that writes some of the format already gets a signal."""
+    return [count_xml(completion_text(c)) for c in completions]
+
+
+# --------------------------------------------------------------------------- shaping
+
+@register("brevity", 0.5)
+def brevity_reward(prompts, completions, **kwargs) -> list[float]:
+    """0.5 x (1 - characters/1000), at least 0: a small push to finish before max_completion_length
+    (completions cut off there earn no format or correctness reward). Any text earns some of it, so
+    even an untrained model's group has reward differences to learn from."""
+    return [0.5 * max(0.0, 1.0 - len(completion_text(c)) / 1000.0) for c in completions]
+
+
+def format_ok(text: str) -> bool:
+    """The format the report counts as 'well formed' (format_rate): a reasoning block then an answer block."""
+    return bool(_SOFT.search(text))
+
+
+def xml_formatted(reasoning: str, answer: str) -> str:
+    """A completion in the exact format the strict reward wants (used for priming examples and tests)."""
+    return f"<reasoning>\n{reasoning.strip()}\n</reasoning>\n<answer>\n{answer.strip()}\n</answer>\n"

@@ -1,0 +1,107 @@
+"""Command line: `python -m lowvram_grpo.run --preset tiny --max-steps 3 --output-dir runs/tiny`.
+
+Errors a user can cause (unknown preset, bad --set, missing dataset, unwritable output dir, a GPU
+preset without a GPU) end as one `error: ...` line on stderr and exit 2; nothing is written.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m lowvram_grpo.run", description="GRPO + LoRA training on one small GPU, or on a CPU.")
+    p.add_argument("--preset", default=None, help="preset name from presets/ (see --list-presets) or a YAML file; "
+                   "default: smollm2_cpu without CUDA")
+    p.add_argument("--list-presets", action="store_true", help="list the presets and exit")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value (repeatable), e.g. --set train.learning_rate=1e-5")
+    p.add_argument("--max-steps", type=_positive_int, help="training steps (train.max_steps)")
+    p.add_argument("--dataset", help="a .jsonl/.json/.parquet file with question/answer, or a hub id (data.dataset)")
+    p.add_argument("--output-dir", type=Path, help="where the run writes its files (default: outputs/PRESET-TIME)")
+    p.add_argument("--backend", default="auto", choices=["auto", "unsloth", "hf"], help="model backend (default: auto)")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit without training")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    return p
+
+
+def default_preset() -> str:
+    from .backends import cuda_available
+
+    if cuda_available():
+        print("note: CUDA is present, but the GPU presets' automatic choice is not built yet; "
+              "running the CPU default. Pick one with --preset llama8b_4bit.", file=sys.stderr)
+    return "smollm2_cpu"
+
+
+def describe_presets() -> str:
+    from .config import list_presets, read_preset
+
+    lines = []
+    for name in list_presets():
+        raw = read_preset(name)
+        lines.append(f"{name:<16}{raw.get('description', '')}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from .backends import BackendError
+    from .config import ConfigError, load_config
+    from .data import DataError
+    from .lora_io import AdapterError
+
+    try:
+        if args.list_presets:
+            print(describe_presets())
+            return 0
+        overrides = list(args.overrides)
+        if args.max_steps is not None:
+            overrides.append(f"train.max_steps={args.max_steps}")
+        if args.dataset is not None:
+            overrides.append(f"data.dataset={args.dataset}")
+        config = load_config(args.preset or default_preset(), overrides)
+        if args.dry_run:
+            print(config.to_yaml(), end="")
+            return 0
+        from .pipeline import default_output_dir, run
+
+        run(config, args.output_dir or default_output_dir(config.preset), backend=args.backend)
+        return 0
+    except (ConfigError, DataError, BackendError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except AdapterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # an unexpected failure: one line unless --debug
+        if args.debug or os.environ.get("LOWVRAM_GRPO_DEBUG"):
+            raise
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"error: {type(exc).__name__}: {message[:500]} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

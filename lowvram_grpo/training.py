@@ -1,0 +1,131 @@
+"""GRPO training through TRL's `GRPOTrainer`: the algorithm stays in TRL.
+
+This module maps our config onto `GRPOConfig`, hands TRL the PEFT model, the reward functions (with
+their weights) and the prompt rows, and adds two callbacks: a progress bar (step, reward, loss, time
+left) and a `metrics.jsonl` writer (one JSON object per logged step).
+
+Choices, as in the Unsloth notebook: one prompt's group of `num_generations` completions per
+micro-step (per_device_train_batch_size defaults to num_generations), advantages normalised within
+each group (TRL's default), a KL penalty `beta` against the adapter-free base (no second model in
+memory: PEFT disables the adapters for the reference pass), paged 8-bit AdamW.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from transformers import PrinterCallback, ProgressCallback, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from .rewards import REWARDS
+
+
+def grpo_args(config, output_dir: Path, cuda: bool) -> GRPOConfig:
+    t, mem = config.train, config.memory
+    import torch
+
+    bf16 = cuda and config.model.dtype in ("auto", "bfloat16") and torch.cuda.is_bf16_supported()
+    fp16 = cuda and not bf16 and config.model.dtype != "float32"
+    return GRPOConfig(
+        output_dir=str(output_dir),
+        learning_rate=t.learning_rate,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        weight_decay=t.weight_decay,
+        warmup_steps=t.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of max_steps
+        lr_scheduler_type=t.lr_scheduler_type,
+        optim=t.optim,
+        per_device_train_batch_size=t.batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        num_generations=t.num_generations,
+        max_completion_length=t.max_completion_length,
+        temperature=t.temperature,
+        top_p=t.top_p,
+        beta=t.beta,
+        epsilon=t.epsilon,
+        loss_type=t.loss_type,
+        max_grad_norm=t.max_grad_norm,
+        max_steps=t.max_steps,
+        save_strategy="steps",
+        save_steps=t.save_steps,
+        logging_steps=t.logging_steps,
+        seed=t.seed,
+        data_seed=t.seed,
+        reward_weights=config.rewards.weight_list,
+        use_vllm=config.model.fast_inference,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=mem.gpu_memory_utilization,
+        gradient_checkpointing=mem.gradient_checkpointing != "false",
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        bf16=bf16,
+        fp16=fp16,
+        use_cpu=not cuda,
+        report_to="none",
+        disable_tqdm=True,  # our ProgressBar replaces HF's bar and its printed log dicts
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+    )
+
+
+class MetricsWriter(TrainerCallback):
+    """Appends each logged step to metrics.jsonl: `step`, `reward`, `loss` and every other TRL metric."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "reward" not in logs:  # the end-of-training summary has no reward
+            return
+        row = {"step": state.global_step}
+        for key, value in logs.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                row[key] = value if math.isfinite(value) else None
+        with self.path.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+
+class ProgressBar(TrainerCallback):
+    """A tqdm bar: step/total, time left, and the latest reward and loss."""
+
+    def __init__(self, total: int, initial: int = 0):
+        self.total, self.initial, self.bar = total, initial, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=self.total, initial=self.initial, desc="GRPO", unit="step", dynamic_ncols=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.update(state.global_step - self.bar.n)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.bar is not None and logs and "reward" in logs:
+            self.bar.set_postfix(reward=f"{logs['reward']:.3f}", loss=f"{logs.get('loss', float('nan')):.4f}", refresh=True)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def build_trainer(handle, config, train_rows: list[dict], output_dir: Path, cuda: bool) -> GRPOTrainer:
+    """TRL's GRPOTrainer for the handle's PEFT model, with our progress bar and metrics file."""
+    from datasets import Dataset
+
+    from . import logprobs_fallback
+
+    logprobs_fallback.install()  # TRL's log-prob kernel is Triton (GPU only): route CPU tensors to PyTorch
+    trainer = GRPOTrainer(
+        model=handle.model,
+        processing_class=handle.tokenizer,
+        reward_funcs=[REWARDS[name] for name in config.rewards.names],
+        args=grpo_args(config, output_dir, cuda),
+        train_dataset=Dataset.from_list(train_rows),
+    )
+    for callback in (PrinterCallback, ProgressCallback):
+        trainer.remove_callback(callback)
+    trainer.add_callback(ProgressBar(config.train.max_steps))
+    trainer.add_callback(MetricsWriter(Path(output_dir) / "metrics.jsonl"))
+    return trainer
