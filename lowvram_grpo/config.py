@@ -297,6 +297,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if tp is bool and isinstance(value, bool):

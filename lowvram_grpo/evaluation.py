@@ -10,27 +10,28 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .backends.base import LoraRequest, ModelHandle, SamplingParams
+from .backends.base import Completion, LoraRequest, ModelHandle, SamplingParams
 from .rewards import REWARDS, completion_text, format_ok
 
 METRICS = ("reward_mean", "accuracy", "format_rate", "mean_completion_tokens")
 
 
-def generate_answers(handle: ModelHandle, rows: list[dict], config, lora_request: Optional[LoraRequest]) -> list[str]:
+def generate_answers(handle: ModelHandle, rows: list[dict], config, lora_request: Optional[LoraRequest]) -> list[Completion]:
     ev = config.eval
-    texts: list[str] = []
+    texts: list[Completion] = []
     for start in range(0, len(rows), ev.batch_size):
         batch = rows[start:start + ev.batch_size]
         params = SamplingParams(
             temperature=ev.temperature, top_p=ev.top_p, max_tokens=config.train.max_completion_length,
             seed=ev.seed + start,  # per batch, identical for before and after
         )
-        texts += handle.fast_generate([r["prompt"] for r in batch], params, lora_request=lora_request)
+        texts += handle.generate([r["prompt"] for r in batch], params, lora_request=lora_request)
     return texts
 
 
-def score(rows: list[dict], completions: list[str], config, tokenizer) -> dict:
+def score(rows: list[dict], generated: list[Completion], config) -> dict:
     """The four summary numbers for completions of `rows`."""
+    completions = [c.text for c in generated]
     prompts = [r["prompt"] for r in rows]
     answers = [r["answer"] for r in rows]
     total = [0.0] * len(rows)
@@ -38,20 +39,19 @@ def score(rows: list[dict], completions: list[str], config, tokenizer) -> dict:
         for i, value in enumerate(REWARDS[name](prompts, completions, answer=answers)):
             total[i] += weight * value
     correct = REWARDS["correctness"](prompts, completions, answer=answers)
-    lengths = [len(tokenizer(completion_text(c), add_special_tokens=False)["input_ids"]) for c in completions]
     n = len(rows)
     return {
         "reward_mean": sum(total) / n,
         "accuracy": sum(1 for c in correct if c > 0) / n,
         "format_rate": sum(1 for c in completions if format_ok(completion_text(c))) / n,
-        "mean_completion_tokens": sum(lengths) / n,
+        "mean_completion_tokens": sum(c.num_tokens for c in generated) / n,
         "n": n,
     }
 
 
 def evaluate(handle: ModelHandle, rows: list[dict], config, lora_request: Optional[LoraRequest]) -> tuple[dict, list[str]]:
-    completions = generate_answers(handle, rows, config, lora_request)
-    return score(rows, completions, config, handle.tokenizer), completions
+    generated = generate_answers(handle, rows, config, lora_request)
+    return score(rows, generated, config), [c.text for c in generated]
 
 
 def format_table(before: dict, after: dict) -> str:

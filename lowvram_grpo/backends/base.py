@@ -40,11 +40,19 @@ class LoraRequest:
     path: str
 
 
+@dataclass(frozen=True)
+class Completion:
+    """One generated answer: its text and how many tokens it took (stop token included)."""
+
+    text: str
+    num_tokens: int
+
+
 Prompt = Union[str, Sequence[dict]]
 
 
 class GenerationEngine(Protocol):
-    def generate(self, texts: list[str], params: SamplingParams, lora_request: Optional[LoraRequest]) -> list[str]:
+    def generate(self, texts: list[str], params: SamplingParams, lora_request: Optional[LoraRequest]) -> list[Completion]:
         ...
 
 
@@ -60,7 +68,7 @@ class TransformersEngine:
             return model.disable_adapter()
         return _active_adapter(model, lora_request.name)
 
-    def generate(self, texts: list[str], params: SamplingParams, lora_request: Optional[LoraRequest]) -> list[str]:
+    def generate(self, texts: list[str], params: SamplingParams, lora_request: Optional[LoraRequest]) -> list[Completion]:
         import torch
 
         model, tokenizer = self.handle.model, self.handle.tokenizer
@@ -90,7 +98,23 @@ class TransformersEngine:
         finally:
             model.train(was_training)
         new_tokens = out[:, batch["input_ids"].shape[1]:]
-        return tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+        texts_out = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+        lengths = _generated_lengths(new_tokens, tokenizer)
+        return [Completion(text, n) for text, n in zip(texts_out, lengths)]
+
+
+def _generated_lengths(new_tokens, tokenizer) -> list[int]:
+    """Tokens generated per row: up to and including the first end-of-sequence token (the rest is padding)."""
+    stop_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
+    lengths = []
+    for row in new_tokens.tolist():
+        n = len(row)
+        for i, token in enumerate(row):
+            if token in stop_ids:
+                n = i + 1
+                break
+        lengths.append(n)
+    return lengths
 
 
 @contextlib.contextmanager
@@ -122,7 +146,12 @@ class ModelHandle:
 
     def fast_generate(self, prompts: Union[Prompt, list[Prompt]], sampling_params: Optional[SamplingParams] = None,
                       lora_request: Optional[LoraRequest] = None) -> list[str]:
-        """Completions for `prompts` (templated strings or chat messages); base model when lora_request is None."""
+        """Completion texts for `prompts` (templated strings or chat messages); base model when lora_request is None."""
+        return [c.text for c in self.generate(prompts, sampling_params, lora_request)]
+
+    def generate(self, prompts: Union[Prompt, list[Prompt]], sampling_params: Optional[SamplingParams] = None,
+                 lora_request: Optional[LoraRequest] = None) -> list[Completion]:
+        """Like fast_generate, with each completion's token count."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
             prompts = [prompts]
         texts = [self.apply_chat_template(p) for p in prompts]

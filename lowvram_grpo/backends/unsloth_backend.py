@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..builtin_models import resolve_model_path
-from .base import LoraRequest, ModelHandle, SamplingParams
+from .base import Completion, LoraRequest, ModelHandle, SamplingParams
 
 
 def prepare() -> None:
@@ -84,11 +84,11 @@ class VLLMEngine:
             self._vllm_requests[lora_request.path] = self.model.load_lora(lora_request.path)
         return self._vllm_requests[lora_request.path]
 
-    def generate(self, texts: list[str], params: SamplingParams, lora_request: Optional[LoraRequest]) -> list[str]:
+    def generate(self, texts: list[str], params: SamplingParams, lora_request: Optional[LoraRequest]) -> list[Completion]:
         from vllm import SamplingParams as VLLMSamplingParams
 
         sampling = VLLMSamplingParams(
             temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, seed=params.seed
         )
         outputs = self.model.fast_generate(texts, sampling_params=sampling, lora_request=self._vllm_lora(lora_request))
-        return [o.outputs[0].text for o in outputs]
+        return [Completion(o.outputs[0].text, len(o.outputs[0].token_ids)) for o in outputs]

@@ -1,0 +1,36 @@
+"""Shared test helpers. Tests run real components (transformers, peft, trl, bitsandbytes, unsloth's
+CPU backend) on the locally built tiny Llama; nothing is mocked."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+
+
+def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m lowvram_grpo.run ARGS` in a fresh process, from the repo root."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "lowvram_grpo.run", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    from lowvram_grpo.builtin_models import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+@pytest.fixture
+def gsm8k_path() -> Path:
+    if not SHARED_GSM8K.is_file():
+        pytest.skip(f"{SHARED_GSM8K} is absent (the shared GSM8K data is not beside this checkout)")
+    return SHARED_GSM8K

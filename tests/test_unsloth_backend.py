@@ -1,0 +1,37 @@
+"""The unsloth backend, for real, in its own process: unsloth must be imported before trl and
+transformers, and it patches them, so it never shares a process with the hf-backend tests.
+On this CPU machine unsloth runs its own CPU backend (same FastLanguageModel calls, no vLLM)."""
+import importlib.util
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("unsloth") is None,
+                                reason="unsloth is not installed (pip install -r requirements-cpu.txt installs it)")
+
+
+def test_unsloth_backend_trains_the_tiny_model_for_two_steps(tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli("--preset", "tiny", "--max-steps", "2", "--backend", "unsloth", "--output-dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Unsloth" in proc.stdout + proc.stderr  # unsloth itself announced its backend
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["backend"] == "unsloth" and summary["steps"] == 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    weights = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in weights.items())
+
+
+def test_unsloth_is_imported_only_by_the_backend_module():
+    import re
+    from pathlib import Path
+
+    statement = re.compile(r"^\s*(import unsloth|from unsloth)", re.MULTILINE)
+    package = Path(__file__).resolve().parent.parent / "lowvram_grpo"
+    importers = sorted(p.relative_to(package).as_posix() for p in package.rglob("*.py")
+                       if statement.search(p.read_text()))
+    assert importers == ["backends/unsloth_backend.py"]
