@@ -68,6 +68,7 @@ def main(argv=None) -> int:
     from .config import ConfigError, load_config
     from .data import DataError
     from .lora_io import AdapterError
+    from .smollm2 import ModelUnavailable
 
     try:
         if args.list_presets:
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
 
         run(config, args.output_dir or default_output_dir(config.preset), backend=args.backend)
         return 0
-    except (ConfigError, DataError, BackendError) as exc:
+    except (ConfigError, DataError, BackendError, ModelUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except AdapterError as exc:

