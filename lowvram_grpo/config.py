@@ -1,4 +1,4 @@
-"""Typed run configuration: sections `model`, `lora`, `train`, `data`, `rewards`, `eval`, `memory`.
+"""Typed run configuration: sections `model`, `lora`, `train`, `data`, `rewards`, `prime`, `eval`, `memory`.
 
 A preset is a YAML file in `presets/` whose top-level keys are these sections. `load_config` reads it,
 applies `--set section.key=value` overrides (values parsed as YAML), checks every key and type, and
@@ -205,6 +205,20 @@ class RewardsConfig:
 
 
 @dataclass
+class PrimeConfig:
+    """Optional supervised priming on formatted worked solutions before GRPO (see priming.py)."""
+
+    steps: int = _help("Supervised LoRA steps before GRPO; 0 = none. Gets a small model out of the all-zero-reward trap.", 0)
+    learning_rate: float = _help("AdamW learning rate of the priming steps.", 2e-4)
+    batch_size: int = _help("Examples per priming step. Memory grows linearly with it.", 8)
+
+    def __post_init__(self):
+        _check(self.steps >= 0, f"prime.steps must be >= 0 (0 = no priming); got {self.steps}")
+        _check(self.learning_rate > 0, f"prime.learning_rate must be > 0 (e.g. 2e-4); got {self.learning_rate}")
+        _check(self.batch_size >= 1, f"prime.batch_size must be >= 1; got {self.batch_size}")
+
+
+@dataclass
 class EvalConfig:
     """The before/after comparison on the held-out split."""
 
@@ -245,6 +259,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "data": DataConfig,
     "rewards": RewardsConfig,
+    "prime": PrimeConfig,
     "eval": EvalConfig,
     "memory": MemoryConfig,
 }
@@ -262,6 +277,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    prime: PrimeConfig = field(default_factory=PrimeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 

@@ -54,10 +54,14 @@ def evaluate(handle: ModelHandle, rows: list[dict], config, lora_request: Option
     return score(rows, generated, config), [c.text for c in generated]
 
 
-def format_table(before: dict, after: dict) -> str:
-    """The before/after table printed at the end of a run."""
-    lines = [f"{'held-out metric':<24}{'before':>10}{'after':>10}{'change':>10}"]
+def format_table(before: dict, after: dict, primed: Optional[dict] = None) -> str:
+    """The before/after table printed at the end of a run (with the primed column when priming ran)."""
+    middle = f"{'primed':>10}" if primed else ""
+    lines = [f"{'held-out metric':<24}{'before':>10}{middle}{'after':>10}{'change':>10}"]
     for key in METRICS:
         b, a = before[key], after[key]
-        lines.append(f"{key:<24}{b:>10.3f}{a:>10.3f}{a - b:>+10.3f}")
+        mid = f"{primed[key]:>10.3f}" if primed else ""
+        lines.append(f"{key:<24}{b:>10.3f}{mid}{a:>10.3f}{a - b:>+10.3f}")
+    if primed:
+        lines.append(f"(GRPO's own change in reward_mean, primed -> after: {after['reward_mean'] - primed['reward_mean']:+.3f})")
     return "\n".join(lines)

@@ -99,6 +99,17 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print) -
         log(f"measuring the base model on {len(eval_rows)} held-out questions ...")
         before, before_texts = evaluate(handle, eval_rows, config, lora_request=None)
 
+    # Optional supervised priming, so GRPO's groups have rewards that differ (priming.py says why).
+    priming, primed = None, None
+    if config.prime.steps > 0:
+        from .priming import prime
+
+        priming = prime(handle, train_questions, config, log)
+        primed_dir = handle.save_lora(output_dir / "primed_adapter")
+        if config.eval.enabled:
+            log("measuring the primed adapter ...")
+            primed, _ = evaluate(handle, eval_rows, config, lora_request=handle.load_lora(primed_dir))
+
     train_started = time.time()
     trainer.train()
     train_seconds = time.time() - train_started
@@ -119,7 +130,9 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print) -
         "train_seconds": round(train_seconds, 2),
         "total_seconds": round(time.time() - started, 2),
         "before": before,
+        "primed": primed,
         "after": after,
+        "priming": priming,
         "samples": [
             {"question": row["prompt"][-1]["content"], "answer": row["answer"], "base": b, "trained": a}
             for row, b, a in list(zip(eval_rows, before_texts, after_texts))[:2]
@@ -127,7 +140,7 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print) -
     }
     atomic_write_text(output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     if before and after:
-        log("\n" + format_table(before, after))
+        log("\n" + format_table(before, after, primed))
         for sample in summary["samples"]:
             log(f"\nQ: {sample['question']}  (gold: {sample['answer']})")
             log(f"--- base ---\n{sample['base'].strip()}\n--- trained ---\n{sample['trained'].strip()}")

@@ -35,3 +35,17 @@ def test_unsloth_is_imported_only_by_the_backend_module():
     importers = sorted(p.relative_to(package).as_posix() for p in package.rglob("*.py")
                        if statement.search(p.read_text()))
     assert importers == ["backends/unsloth_backend.py"]
+
+
+def test_choosing_a_backend_imports_neither_trl_nor_transformers():
+    """The CLI picks (and for unsloth, imports) the backend before trl/transformers load."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import lowvram_grpo.pipeline, lowvram_grpo.run, lowvram_grpo.config as c; "
+            "from lowvram_grpo.backends import choose_backend; c.load_config('llama8b_4bit'); choose_backend('auto'); "
+            "bad = [m for m in ('trl', 'transformers', 'peft', 'unsloth') if m in sys.modules]; "
+            "assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=str(__import__('pathlib').Path(__file__).resolve().parent.parent))
+    assert proc.returncode == 0, proc.stderr[-2000:]
