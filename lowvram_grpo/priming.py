@@ -67,5 +67,5 @@ def prime(handle, questions: list[Question], config, log=print) -> dict:
         losses.append(float(out.loss))
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     bar.close()
-    return {"steps": settings.steps, "first_loss": losses[0], "last_loss": losses[-1],
+    return {"steps": settings.steps, "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
             "seconds": round(time.time() - started, 1)}
