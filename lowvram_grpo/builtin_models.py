@@ -99,15 +99,16 @@ def _build_tiny(target: Path) -> None:
     tokenizer.save_pretrained(target)
 
 
-def ensure_tiny_model() -> Path:
-    """The tiny model's directory, building it on first use."""
-    target = cache_dir() / f"tiny-llama-{TINY_VERSION}"
-    if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+def build_once(name: str, build) -> Path:
+    """`cache_dir()/name`, made by `build(staging_dir)` on first use and renamed into place, so a
+    crash or a concurrent build never leaves a half-written model behind."""
+    target = cache_dir() / name
+    if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}.build-", dir=target.parent))
     try:
-        _build_tiny(staging)
+        build(staging)
         try:
             os.rename(staging, target)
         except OSError:  # another process finished first: keep theirs
@@ -116,3 +117,8 @@ def ensure_tiny_model() -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def ensure_tiny_model() -> Path:
+    """The tiny model's directory, building it on first use."""
+    return build_once(f"tiny-llama-{TINY_VERSION}", _build_tiny)

@@ -16,8 +16,6 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
-
 from .rewards import extract_hash_answer
 
 BUILTIN_TRAIN_SIZE = 2000
@@ -219,6 +217,3 @@ def drop_long_prompts(rows: list[dict], tokenizer, max_prompt_length: int) -> tu
             kept.append(row)
     return kept, len(rows) - len(kept)
 
-
-def first_question(rows: list[dict]) -> Optional[dict]:
-    return rows[0] if rows else None

@@ -26,14 +26,19 @@ OUTPUT_NAMES = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_t
 CHUNK_ELEMENTS = 8 * 1024 * 1024  # logits elements per chunk: 32 MB of fp32
 
 
-def _chunk_stats(hidden, weight, bias, targets, inv_t: float, softcap, logit_scale: float, want_entropy: bool):
+def _logits(hidden, weight, bias, inv_t: float, softcap, logit_scale: float):
+    """TRL's transform: scale, optional softcap, then temperature; in fp32."""
     z = hidden @ weight.t()
     if bias is not None:
         z = z + bias
     z = z.float() * logit_scale
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
-    z = z * inv_t
+    return z * inv_t
+
+
+def _chunk_stats(hidden, weight, bias, targets, inv_t: float, softcap, logit_scale: float, want_entropy: bool):
+    z = _logits(hidden, weight, bias, inv_t, softcap, logit_scale)
     log_norm = torch.logsumexp(z, dim=-1)
     log_probs = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
     if want_entropy:
@@ -46,13 +51,7 @@ def _chunk_stats(hidden, weight, bias, targets, inv_t: float, softcap, logit_sca
 
 def _chunk_extras(hidden, weight, bias, targets, inv_t, softcap, logit_scale):
     with torch.no_grad():
-        z = hidden @ weight.t()
-        if bias is not None:
-            z = z + bias
-        z = z.float() * logit_scale
-        if softcap is not None:
-            z = softcap * torch.tanh(z / softcap)
-        z = z * inv_t
+        z = _logits(hidden, weight, bias, inv_t, softcap, logit_scale)
         log_p = torch.log_softmax(z, dim=-1)
         return (torch.logsumexp(2 * log_p, dim=-1), z.mean(-1), z.argmax(-1) == targets)
 

