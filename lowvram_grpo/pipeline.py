@@ -9,8 +9,10 @@ reads straight through; each step lives in its own module:
     training.build_trainer     TRL's GRPOTrainer with our callbacks   (training.py)
     handle.save_lora           where the adapter is written           (lora_io.py)
     evaluation.evaluate        the before/after numbers               (evaluation.py)
+    report.write_report        report.md + PNG plots + warnings       (report.py)
 
-Outputs in `output_dir`: config.yaml (resolved), metrics.jsonl, adapter/ (PEFT), summary.json.
+Outputs in `output_dir`: config.yaml (resolved), metrics.jsonl, adapter/ (PEFT), summary.json,
+report.md and the plots (reward.png, kl.png, completion_length.png, clipped_ratio.png, loss.png).
 Bad input is rejected before anything is written (`ConfigError`, `DataError`, `BackendError`).
 """
 from __future__ import annotations
@@ -58,10 +60,12 @@ def prepare_output_dir(path: Path) -> Path:
     return path
 
 
-def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print) -> RunResult:
+def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, handle=None) -> RunResult:
+    """`handle`: a model already loaded by `backends.load_model` for this config (the notebook loads it
+    in its own cell); it is trained in place instead of loading a second copy."""
     started = time.time()
     check_runs_here(config)
-    backend = choose_backend(backend)
+    backend = choose_backend(backend) if handle is None else handle.backend
 
     # Data: questions in, held-out split aside. Fails before anything is written.
     train_questions, eval_questions = load_questions(config.data)
@@ -69,7 +73,8 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print) -
 
     # Model: unsloth must be imported before trl/transformers, so the backend goes first.
     prepare_backend(backend)
-    handle = load_model(config, backend)
+    if handle is None:
+        handle = load_model(config, backend)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -144,7 +149,10 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print) -
         for sample in summary["samples"]:
             log(f"\nQ: {sample['question']}  (gold: {sample['answer']})")
             log(f"--- base ---\n{sample['base'].strip()}\n--- trained ---\n{sample['trained'].strip()}")
-    log(f"\nadapter: {adapter_dir}\nsummary: {output_dir / 'summary.json'}")
+    from .report import write_report
+
+    report = write_report(output_dir)  # report.md + plots from metrics.jsonl and summary.json
+    log(f"\nadapter: {adapter_dir}\nsummary: {output_dir / 'summary.json'}\nreport:  {report}")
     return RunResult(output_dir=output_dir, adapter_dir=adapter_dir, summary=summary, handle=handle)
 
 

@@ -1,8 +1,9 @@
 """GRPO training through TRL's `GRPOTrainer`: the algorithm stays in TRL.
 
 This module maps our config onto `GRPOConfig`, hands TRL the PEFT model, the reward functions (with
-their weights) and the prompt rows, and adds two callbacks: a progress bar (step, reward, loss, time
-left) and a `metrics.jsonl` writer (one JSON object per logged step).
+their weights) and the prompt rows, and adds three callbacks: a progress bar (step, reward, loss, time
+left), a `metrics.jsonl` writer (one JSON object per logged step) and the training-signal warnings
+(signals.py: truncated completions, groups with all-equal rewards, a flat reward).
 
 Choices, as in the Unsloth notebook: one prompt's group of `num_generations` completions per
 micro-step (per_device_train_batch_size defaults to num_generations), advantages normalised within
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
@@ -76,14 +78,40 @@ class MetricsWriter(TrainerCallback):
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not logs or "reward" not in logs:  # the end-of-training summary has no reward
+        row = metric_row(state.global_step, logs)
+        if row is None:
             return
-        row = {"step": state.global_step}
-        for key, value in logs.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                row[key] = value if math.isfinite(value) else None
         with self.path.open("a", encoding="utf-8") as fh:
             fh.write(json.dumps(row) + "\n")
+
+
+def metric_row(step: int, logs) -> dict | None:
+    """One training step's numbers as metrics.jsonl stores them (None for logs that are not a training step)."""
+    if not logs or "reward" not in logs:  # the end-of-training summary has no reward
+        return None
+    row = {"step": step}
+    for key, value in logs.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            row[key] = value if math.isfinite(value) else None
+    return row
+
+
+class SignalWarnings(TrainerCallback):
+    """Prints a training-signal warning (signals.py) the first time its pattern shows in the logged metrics."""
+
+    def __init__(self, max_completion_length: int):
+        from .signals import SignalMonitor
+
+        self.monitor = SignalMonitor(max_completion_length)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        row = metric_row(state.global_step, logs)
+        if row is None:
+            return
+        from tqdm.auto import tqdm
+
+        for signal in self.monitor.add(row):
+            tqdm.write(f"warning: {signal}", file=sys.stderr)  # above the progress bar, not through it
 
 
 class ProgressBar(TrainerCallback):
@@ -128,4 +156,5 @@ def build_trainer(handle, config, train_rows: list[dict], output_dir: Path, cuda
         trainer.remove_callback(callback)
     trainer.add_callback(ProgressBar(config.train.max_steps))
     trainer.add_callback(MetricsWriter(Path(output_dir) / "metrics.jsonl"))
+    trainer.add_callback(SignalWarnings(config.train.max_completion_length))
     return trainer

@@ -1,0 +1,286 @@
+"""The run report: `report.md` and PNG plots in a run's output dir, from what the run wrote.
+
+Every run writes it at the end (pipeline.run); `python -m lowvram_grpo.report RUN_DIR` rebuilds it
+from `metrics.jsonl`, `summary.json` and `config.yaml`. It holds:
+
+- plots per GRPO step: reward (total and per reward function), KL, completion length, the share of
+  completions cut at `max_completion_length` (with the share of groups whose rewards were all equal), loss;
+- the before/(primed/)after table on the held-out questions and the sample answers;
+- the training-signal warnings (signals.py), replayed over the whole log.
+
+The plots use matplotlib's object API (no pyplot), so writing them never changes the backend of the
+process that calls this (a notebook keeps its inline plots).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from .evaluation import METRICS
+from .lora_io import atomic_write_text
+from .signals import CLIPPED_KEY, THRESHOLD, ZERO_STD_KEY, Signal, scan
+
+REPORT_FILE = "report.md"
+PLOT_FILES = ("reward.png", "kl.png", "completion_length.png", "clipped_ratio.png", "loss.png")
+
+
+class ReportError(ValueError):
+    """A run dir the report cannot be built from; the message says what is missing or wrong."""
+
+
+# ----------------------------------------------------------------------------- reading the run
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise ReportError(f"{run_dir} has no metrics.jsonl: pass the --output-dir of a lowvram_grpo run")
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ReportError(f"{path} line {number} is not JSON ({exc.msg}): the file is damaged") from None
+        if not isinstance(row, dict) or "step" not in row:
+            raise ReportError(f"{path} line {number} is not a metrics row (an object with a 'step'): the file is damaged")
+        rows.append(row)
+    return rows
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ReportError(f"{path} is not JSON ({exc.msg}): the file is damaged") from None
+    if not isinstance(data, dict):
+        raise ReportError(f"{path} is not a JSON object: the file is damaged")
+    return data
+
+
+def read_config(run_dir: Path) -> dict:
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ReportError(f"{path} is not YAML ({exc}): the file is damaged") from None
+    return data if isinstance(data, dict) else {}
+
+
+# ----------------------------------------------------------------------------- plots
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) where `key` has a number; metrics.jsonl writes non-finite values as null."""
+    pairs = [(row["step"], row[key]) for row in rows if isinstance(row.get(key), (int, float))]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _line_plot(path: Path, title: str, ylabel: str, lines: list[tuple[str, str]], rows: list[dict],
+               hline: Optional[tuple[float, str]] = None, ylim: Optional[tuple[float, float]] = None,
+               emphasise: Optional[str] = None) -> bool:
+    """One PNG: each (label, metric key) as a line over GRPO steps. False (nothing written) if no line has data."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    drawn = [(label, *_series(rows, key), key) for label, key in lines]
+    drawn = [d for d in drawn if d[1]]
+    if not drawn:
+        return False
+    fig = Figure(figsize=(8.5, 4), dpi=110, layout="constrained")
+    ax = fig.subplots()
+    for label, steps, values, key in drawn:
+        style = dict(linewidth=2.4, color="black", zorder=3) if key == emphasise else dict(linewidth=1.4)
+        ax.plot(steps, values, label=label, marker="o" if len(steps) <= 30 else None, markersize=3.5, **style)
+    if hline is not None:
+        ax.axhline(hline[0], color="tab:red", linestyle="--", linewidth=1, label=hline[1])
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    ax.set_title(title)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel(ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    if len(drawn) > 1 or hline is not None:
+        fig.legend(fontsize=8, loc="outside right upper")  # beside the axes: never over a line
+    fig.savefig(path)
+    return True
+
+
+def reward_keys(rows: list[dict], config: dict) -> list[str]:
+    """Per-reward-function keys TRL logs (`rewards/<name>/mean`), in the config's order where known."""
+    logged = {key for row in rows for key in row if key.startswith("rewards/") and key.endswith("/mean")}
+    ordered = [f"rewards/{name}/mean" for name in (config.get("rewards") or {}).get("names", [])]
+    return [k for k in ordered if k in logged] + sorted(logged - set(ordered))
+
+
+def write_plots(run_dir: Path, rows: list[dict], config: dict) -> dict[str, Optional[str]]:
+    """Write the PNGs; returns plot name -> file name (None where the run logged no such metric)."""
+    max_len = (config.get("train") or {}).get("max_completion_length")
+    per_reward = [(key.split("/")[1], key) for key in reward_keys(rows, config)]
+    plots = {
+        "reward": dict(title="Reward per step (total = weighted sum of the reward functions)",
+                       ylabel="mean reward over the step's completions",
+                       lines=[("total (weighted)", "reward")] + per_reward, emphasise="reward"),
+        "kl": dict(title="KL divergence from the base model", ylabel="KL (per token, mean)", lines=[("KL", "kl")]),
+        "completion_length": dict(
+            title="Completion length", ylabel="tokens",
+            lines=[("mean", "completions/mean_length"), ("min", "completions/min_length"),
+                   ("max", "completions/max_length")],
+            hline=(max_len, f"max_completion_length = {max_len}") if max_len else None),
+        "clipped_ratio": dict(
+            title="Cut-off completions and groups without signal", ylabel="fraction",
+            lines=[("completions cut at max_completion_length", CLIPPED_KEY),
+                   ("groups with all-equal rewards", ZERO_STD_KEY)],
+            hline=(THRESHOLD, f"warning threshold {THRESHOLD}"), ylim=(-0.03, 1.03)),
+        "loss": dict(title="GRPO loss", ylabel="loss", lines=[("loss", "loss")]),
+    }
+    written = {}
+    for name, spec in plots.items():
+        file_name = f"{name}.png"
+        written[name] = file_name if _line_plot(run_dir / file_name, rows=rows, **spec) else None
+    return written
+
+
+# ----------------------------------------------------------------------------- markdown
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def _printable(text: str) -> str:
+    """Sampled text as it can be shown: control characters (random models emit them) as \\xNN."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def _fenced(text: str) -> str:
+    fence = "~~~~" if "~~~" in text else "~~~"
+    return f"{fence}\n{_printable(text).strip() or '(empty)'}\n{fence}"
+
+
+def comparison_table(summary: dict) -> str:
+    """The held-out before/(primed/)after table in markdown."""
+    before, primed, after = summary.get("before"), summary.get("primed"), summary.get("after")
+    if not (before and after):
+        return "No before/after numbers: evaluation was off for this run (`eval.enabled`)."
+    columns = ["before (base)"] + (["primed"] if primed else []) + ["after (GRPO)", "change"]
+    lines = ["| held-out metric | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for key in METRICS:
+        cells = [before[key]] + ([primed[key]] if primed else []) + [after[key], after[key] - before[key]]
+        text = [f"{v:.3f}" for v in cells[:-1]] + [f"{cells[-1]:+.3f}"]
+        lines.append(f"| {key} | " + " | ".join(text) + " |")
+    note = f"\n\n{after.get('n', '?')} held-out questions; same prompts, sampling and seed for every column."
+    if primed:
+        note += f" GRPO's own change in reward_mean (primed -> after): {after['reward_mean'] - primed['reward_mean']:+.3f}."
+    return "\n".join(lines) + note
+
+
+def samples_section(summary: dict) -> str:
+    samples = summary.get("samples") or []
+    if not samples:
+        return "No sample answers (evaluation was off)."
+    parts = []
+    for i, sample in enumerate(samples, start=1):
+        parts.append(f"**Question {i}:** {_printable(sample['question'])}  \n**Gold answer:** {sample['answer']}\n\n"
+                     f"Base model:\n\n{_fenced(sample['base'])}\n\nTrained adapter:\n\n{_fenced(sample['trained'])}")
+    return "\n\n".join(parts)
+
+
+def warnings_section(signals: list[Signal]) -> str:
+    if not signals:
+        return "None: completions mostly finished within max_completion_length, groups had differing rewards, and the reward moved."
+    return "\n".join(f"- **{s.kind}** (from step {s.step}): {s.message}" for s in signals)
+
+
+def plots_section(plots: dict[str, Optional[str]], config: dict) -> str:
+    captions = {
+        "reward": "Reward per step",
+        "kl": "KL divergence from the base model",
+        "completion_length": "Completion length",
+        "clipped_ratio": "Cut-off completions and groups without signal",
+        "loss": "Loss",
+    }
+    parts = []
+    for name, file_name in plots.items():
+        if file_name:
+            parts.append(f"### {captions[name]}\n\n![{captions[name]}]({file_name})")
+        elif name == "kl" and (config.get("train") or {}).get("beta") == 0:
+            parts.append(f"### {captions[name]}\n\nNot logged: train.beta = 0, so the loss has no KL term.")
+        else:
+            parts.append(f"### {captions[name]}\n\nNot logged by this run.")
+    return "\n\n".join(parts)
+
+
+def header(run_dir: Path, summary: Optional[dict], config: dict, rows: list[dict]) -> str:
+    preset = (summary or {}).get("preset") or config.get("preset") or run_dir.name
+    lines = [f"# Run report: {preset}", ""]
+    if summary:
+        lines.append(f"`{summary.get('model')}` on {summary.get('device')} (backend {summary.get('backend')}): "
+                     f"{summary.get('steps')} GRPO steps in {summary.get('train_seconds')} s "
+                     f"({summary.get('total_seconds')} s for the whole run).")
+    else:
+        lines.append("No summary.json: the run did not finish; the plots show the steps it logged.")
+    lines += ["", f"{len(rows)} logged steps in `metrics.jsonl`. Rebuild this report with "
+              f"`python -m lowvram_grpo.report {run_dir}`."]
+    return "\n".join(lines)
+
+
+def render(run_dir: Path, rows: list[dict], summary: Optional[dict], config: dict,
+           signals: list[Signal], plots: dict[str, Optional[str]]) -> str:
+    sections = [
+        header(run_dir, summary, config, rows),
+        "## Before / after on the held-out questions\n\n" + (comparison_table(summary) if summary else "Not available: no summary.json."),
+        "## Training-signal warnings\n\n" + warnings_section(signals),
+        "## Plots\n\n" + plots_section(plots, config),
+        "## Sample answers\n\n" + (samples_section(summary) if summary else "Not available: no summary.json."),
+    ]
+    return "\n\n".join(sections) + "\n"
+
+
+# ----------------------------------------------------------------------------- entry points
+def write_report(run_dir) -> Path:
+    """Write report.md and the PNGs into `run_dir` from its metrics.jsonl, summary.json and config.yaml."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ReportError(f"run dir {run_dir} does not exist: pass the --output-dir of a lowvram_grpo run")
+    rows = read_metrics(run_dir)  # everything is read and checked before anything is written
+    summary = _read_json(run_dir / "summary.json")
+    config = read_config(run_dir)
+    max_len = (config.get("train") or {}).get("max_completion_length")
+    signals = scan(rows, max_len)
+    plots = write_plots(run_dir, rows, config)
+    path = run_dir / REPORT_FILE
+    atomic_write_text(path, render(run_dir, rows, summary, config, signals, plots))
+    return path
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump (as the run CLI)
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def main(argv=None) -> int:
+    parser = _Parser(prog="python -m lowvram_grpo.report",
+                                     description="Rebuild report.md and the PNG plots of a run from its files.")
+    parser.add_argument("run_dir", type=Path, help="a run's --output-dir (holds metrics.jsonl and summary.json)")
+    args = parser.parse_args(argv)
+    try:
+        path = write_report(args.run_dir)
+    except ReportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: cannot write the report into {args.run_dir}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,155 @@
+"""The run report (report.md + PNG plots) and the training-signal warnings.
+
+The warning checks are pure functions over metric rows, tested on hand-made rows; the report and the
+live warning are tested on real tiny GRPO runs in fresh processes, one of them with
+max_completion_length=4 so that (nearly) every completion is cut off."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from matplotlib.image import imread
+
+from conftest import REPO, run_cli
+from lowvram_grpo import signals
+from lowvram_grpo.report import PLOT_FILES, REPORT_FILE, main as report_main, write_report
+
+
+def rows_with(key, values, **extra):
+    return [{"step": i + 1, key: v, **extra} for i, v in enumerate(values)]
+
+
+# ----------------------------------------------------------------------------- warning checks
+def test_truncation_warns_when_most_recent_completions_are_cut_and_says_what_to_do():
+    message = signals.truncation(rows_with(signals.CLIPPED_KEY, [0.9, 1.0, 0.8]), max_completion_length=64)
+    assert message and "90%" in message
+    assert "train.max_completion_length=128" in message and "prime.steps" in message
+
+
+@pytest.mark.parametrize("ratios", [[0.1, 0.2, 0.5], [1.0], [], [None, None, None]])
+def test_truncation_is_quiet_for_few_cut_completions_a_single_step_or_no_data(ratios):
+    assert signals.truncation(rows_with(signals.CLIPPED_KEY, ratios), 64) is None
+
+
+def test_truncation_looks_at_the_recent_window_only():
+    recovered = [1.0] * 6 + [0.0] * signals.WINDOW
+    assert signals.truncation(rows_with(signals.CLIPPED_KEY, recovered)) is None
+    # ... but the replay over the whole log still reports that it happened, from the step it first held
+    found = signals.scan(rows_with(signals.CLIPPED_KEY, recovered))
+    assert [(s.kind, s.step) for s in found] == [("truncated", 2)]
+
+
+def test_no_signal_warns_when_most_groups_have_all_equal_rewards():
+    message = signals.no_signal(rows_with(signals.ZERO_STD_KEY, [1.0, 1.0, 0.75]))
+    assert message and "all-equal rewards" in message and "num_generations" in message
+    assert signals.no_signal(rows_with(signals.ZERO_STD_KEY, [0.25, 0.5])) is None
+
+
+def test_flat_reward_needs_the_full_run_of_unchanged_steps():
+    flat = [0.0] * signals.FLAT_STEPS
+    message = signals.flat_reward(rows_with("reward", flat))
+    assert message and "0.000" in message and "priming" in message
+    assert signals.flat_reward(rows_with("reward", flat[1:])) is None
+    assert signals.flat_reward(rows_with("reward", flat[:-1] + [0.2])) is None
+    assert "learning_rate" in signals.flat_reward(rows_with("reward", [0.7] * signals.FLAT_STEPS))
+
+
+def test_monitor_reports_each_kind_once():
+    monitor = signals.SignalMonitor(max_completion_length=24)
+    row = {signals.CLIPPED_KEY: 1.0, signals.ZERO_STD_KEY: 1.0, "reward": 0.0}
+    first = [monitor.add({"step": i, **row}) for i in range(1, 4)]
+    assert first[0] == []  # one step alone is not a pattern
+    assert sorted(s.kind for s in first[1]) == ["no_signal", "truncated"]
+    assert first[2] == []
+    later = [monitor.add({"step": i, **row}) for i in range(4, 4 + signals.FLAT_STEPS)]
+    assert [s.kind for batch in later for s in batch] == ["flat_reward"]
+
+
+# ----------------------------------------------------------------------------- report from hand-made files
+def test_report_of_an_unfinished_run_without_kl(tmp_path):
+    """No summary.json (the run stopped) and beta 0 (TRL logs no KL): the report says so, plots what exists."""
+    rows = [{"step": i, "reward": 0.0, "loss": 0.0, "rewards/correctness/mean": 0.0, signals.CLIPPED_KEY: 1.0,
+             signals.ZERO_STD_KEY: 1.0, "completions/mean_length": 64.0} for i in range(1, 13)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "config.yaml").write_text("preset: x\ntrain:\n  beta: 0.0\n  max_completion_length: 64\n")
+    text = write_report(tmp_path).read_text()
+    assert "the run did not finish" in text
+    assert "Not logged: train.beta = 0" in text
+    assert not (tmp_path / "kl.png").exists()
+    for kind in ("truncated", "no_signal", "flat_reward"):
+        assert f"**{kind}**" in text
+    assert (tmp_path / "reward.png").is_file() and "![Reward per step](reward.png)" in text
+
+
+# ----------------------------------------------------------------------------- real tiny runs
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report") / "run"
+    proc = run_cli("--preset", "tiny", "--max-steps", "3", "--output-dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+def test_a_tiny_run_writes_report_and_plots(tiny_run):
+    out, proc = tiny_run
+    text = (out / REPORT_FILE).read_text()
+    assert "| held-out metric | before (base) | after (GRPO) | change |" in text
+    assert "| reward_mean |" in text and "## Sample answers" in text and "## Training-signal warnings" in text
+    for name in PLOT_FILES:  # tiny has beta > 0, so KL is logged too
+        image = imread(out / name)
+        assert image.shape[0] > 300 and image.shape[1] > 600, name
+        assert f"]({name})" in text
+    assert f"report:  {out / REPORT_FILE}" in proc.stdout
+    # per-reward-function lines: TRL logs rewards/<name>/mean for each configured reward
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {"rewards/brevity/mean", "completions/clipped_ratio", "frac_reward_zero_std", "kl"} <= metrics[0].keys()
+
+
+def test_report_cli_rebuilds_the_report(tiny_run, tmp_path):
+    out, _ = tiny_run
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("adapter", "checkpoint-*", "*.png", REPORT_FILE))
+    assert report_main([str(copy)]) == 0
+    assert (copy / REPORT_FILE).read_text() == (out / REPORT_FILE).read_text().replace(str(out), str(copy))
+    assert all((copy / name).is_file() for name in PLOT_FILES)
+
+
+def run_report_cli(*args):
+    return subprocess.run([sys.executable, "-m", "lowvram_grpo.report", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_report_cli_bad_dirs_give_one_error_line_and_write_nothing(tmp_path):
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "rew\n')
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = {str(tmp_path / "missing"): "does not exist", str(empty): "no metrics.jsonl",
+             str(damaged): "line 2 is not JSON"}
+    for run_dir, expected in cases.items():
+        proc = run_report_cli(run_dir)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr
+    assert sorted(p.name for p in damaged.iterdir()) == ["metrics.jsonl"]
+    assert sorted(p.name for p in empty.iterdir()) == []
+    proc = run_report_cli()
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_truncated_run_warns_during_the_run_and_in_the_report(tmp_path):
+    """Acceptance: a run whose completions are (nearly) all cut off shows the truncation warning."""
+    out = tmp_path / "cut"
+    proc = run_cli("--preset", "tiny", "--max-steps", "3", "--set", "train.max_completion_length=4",
+                   "--output-dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    clipped = [row["completions/clipped_ratio"] for row in metrics]
+    assert sum(clipped) / len(clipped) > 0.5, clipped  # the premise: most completions really were cut
+    warning = [line for line in proc.stderr.splitlines() if "warning: step" in line]
+    assert warning and "cut off at train.max_completion_length=4" in warning[0], proc.stderr[-2000:]
+    assert "train.max_completion_length=8" in warning[0] and "prime.steps" in warning[0]
+    report = (out / REPORT_FILE).read_text()
+    assert "- **truncated** (from step 2):" in report and "cut off at train.max_completion_length=4" in report
