@@ -119,7 +119,10 @@ class TrainConfig:
     loss_type: str = _help("GRPO loss normalisation: grpo, bnpo, dr_grpo or dapo (see TRL).", "grpo")
     max_grad_norm: float = _help("Gradient clipping norm (the notebook uses 0.1).", 0.1)
     max_steps: int = _help("Optimizer steps to train.", 250)
-    save_steps: int = _help("Save a checkpoint every this many steps.", 250)
+    save_steps: int = _help("Save a checkpoint (adapter, optimizer, RNG, data position, metrics) every this many steps; --resume continues from the newest.", 250)
+    keep_checkpoints: int = _help("Checkpoints kept on disk (the newest); older ones are deleted after each save.", 2)
+    max_nonfinite_steps: int = _help(
+        "A step whose loss or gradient is NaN/inf is skipped (counted as skipped_nonfinite); this many in a row stop the run.", 3)
     logging_steps: int = _help("Log metrics every this many steps.", 1)
     seed: int = _help("Seed for data order, sampling and initialisation.", 3407)
 
@@ -154,6 +157,11 @@ class TrainConfig:
         _check(self.max_grad_norm > 0, f"train.max_grad_norm must be > 0; got {self.max_grad_norm}")
         _check(self.max_steps >= 1, f"train.max_steps must be >= 1; got {self.max_steps}")
         _check(self.save_steps >= 1, f"train.save_steps must be >= 1; got {self.save_steps}")
+        _check(self.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1 (--resume needs one); got {self.keep_checkpoints}")
+        _check(self.max_nonfinite_steps >= 1, f"train.max_nonfinite_steps must be >= 1 (e.g. 3); got {self.max_nonfinite_steps}")
+        _check(0 <= self.adam_beta1 < 1, f"train.adam_beta1 must be in [0, 1) (e.g. 0.9); got {self.adam_beta1}")
+        _check(0 <= self.adam_beta2 < 1, f"train.adam_beta2 must be in [0, 1) (e.g. 0.99); got {self.adam_beta2}")
+        _check(self.weight_decay >= 0, f"train.weight_decay must be >= 0 (e.g. 0.1); got {self.weight_decay}")
         _check(self.logging_steps >= 1, f"train.logging_steps must be >= 1; got {self.logging_steps}")
 
 
@@ -180,24 +188,43 @@ class DataConfig:
 
 @dataclass
 class RewardsConfig:
-    """Reward functions (by name, from lowvram_grpo.rewards.REWARDS) and their weights."""
+    """Reward functions (by name: built-in ones from lowvram_grpo.rewards.REWARDS, or your own file's) and their weights."""
 
     names: list[str] = _help(
         "Reward functions summed into the GRPO reward.",
         factory=lambda: ["xmlcount", "soft_format", "strict_format", "int", "correctness"],
     )
     weights: Optional[list[float]] = _help("One weight per name; null = all 1.0.", None)
+    module: Optional[str] = _help(
+        "A .py file of your own reward functions, TRL's signature (prompts, completions, **kwargs) -> list[float]; "
+        "name them in rewards.names. Imported and probed on a sample completion when the config loads.",
+        None,
+    )
+    on_error: str = _help(
+        "A reward that raises or returns a wrong length, NaN or a non-number: 'stop' ends the run naming it; "
+        "'zero' scores that batch 0 and warns.",
+        "stop",
+    )
 
     def __post_init__(self):
-        from .rewards import REWARDS  # plain-Python module, no heavy imports
+        from . import rewards  # plain-Python module, no heavy imports
 
-        _check(len(self.names) > 0, "rewards.names is empty: name at least one of " + ", ".join(REWARDS))
-        for name in self.names:
-            _check(name in REWARDS, f"unknown reward {name!r} in rewards.names: choose from {', '.join(REWARDS)}")
+        _check(len(self.names) > 0, "rewards.names is empty: name at least one of " + ", ".join(rewards.REWARDS))
         _check(len(set(self.names)) == len(self.names), f"rewards.names lists a reward twice: {self.names}")
+        _one_of("rewards", "on_error", self.on_error, ("stop", "zero"))
         if self.weights is not None:
             _check(len(self.weights) == len(self.names),
                    f"rewards.weights has {len(self.weights)} values for {len(self.names)} names: give one weight per name")
+        if self.module is not None:
+            self.module = str(Path(self.module).expanduser().resolve())  # config.yaml must work from any directory
+        try:
+            module = rewards.load_reward_module(self.module) if self.module else None
+            for name in self.names:
+                fn = rewards.lookup_reward(name, module)
+                if fn is not rewards.REWARDS.get(name):
+                    rewards.probe_reward(fn, name)
+        except rewards.RewardError as exc:
+            raise ConfigError(str(exc)) from None
 
     @property
     def weight_list(self) -> list[float]:
@@ -389,7 +416,18 @@ def read_preset(name_or_path: str) -> dict:
     if not isinstance(raw, dict):
         raise ConfigError(f"preset {path} must be a YAML mapping of sections")
     raw.setdefault("preset", path.stem)
+    _module_beside_preset(raw, path)
     return raw
+
+
+def _module_beside_preset(raw: dict, preset: Path) -> None:
+    """A relative rewards.module that is not in the current directory is looked for beside the preset."""
+    rewards = raw.get("rewards")
+    module = rewards.get("module") if isinstance(rewards, dict) else None
+    if isinstance(module, str) and not Path(module).is_absolute() and not Path(module).exists():
+        beside = preset.parent / module
+        if beside.exists():
+            rewards["module"] = str(beside)
 
 
 def apply_override(raw: dict, assignment: str) -> None:

@@ -1,12 +1,16 @@
 """Where adapters are written and read. An adapter on disk is either complete or absent.
 
 `save_adapter` writes PEFT's files (`adapter_config.json`, `adapter_model.safetensors`) and the
-tokenizer into a hidden staging dir beside the target, checks them, then swaps it into place with
-renames, so a crash at any moment leaves the old adapter or the new one, never a mix.
-`load_adapter_into` checks an adapter before PEFT sees it and turns PEFT's errors into one line.
+tokenizer into a hidden staging dir beside the target, checks them, then swaps it into place
+(`atomic_replace_dir`), so a kill at any moment leaves the old adapter or the new one, never a mix.
+Checkpoints (checkpoints.py) and small files (`atomic_write_text`: config.yaml, summary.json) use
+the same two helpers. `load_adapter_into` checks an adapter before PEFT sees it and turns PEFT's
+errors into one line.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -20,16 +24,59 @@ class AdapterError(ValueError):
     """An adapter that is missing, incomplete, corrupt, or made for another model."""
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _exchange_paths(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not Linux/glibc
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):  # old kernel or a filesystem without it
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def _aside_name(target: Path) -> Path:
+    return target.with_name(f".{target.name}.old")
+
+
+def restore_interrupted_replace(target: Path) -> None:
+    """Put back an old copy a kill left aside between the two renames of the fallback path."""
+    target, aside = Path(target), _aside_name(Path(target))
+    if aside.exists():
+        if target.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(aside, target)
+
+
 def atomic_replace_dir(staging: Path, target: Path) -> None:
-    """Put `staging` at `target`; an existing `target` is moved aside first and removed after."""
-    old = None
+    """Put the complete dir `staging` at `target`. An existing `target` is swapped out in one atomic
+    step where the OS can (Linux); elsewhere it is renamed aside first, and `restore_interrupted_replace`
+    puts it back if a kill lands between the two renames."""
+    staging, target = Path(staging), Path(target)
+    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it private; the result should not be
+    restore_interrupted_replace(target)
+    if target.exists() and _exchange_paths(staging, target):
+        shutil.rmtree(staging, ignore_errors=True)  # now holds the old copy
+        return
+    aside = None
     if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(target, old)
+        aside = _aside_name(target)
+        os.rename(target, aside)
     os.rename(staging, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -41,17 +88,37 @@ def atomic_write_text(path: Path, text: str) -> None:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; a config or summary should not be
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
+def remove_stale_staging(parent: Path, prefix: str) -> None:
+    """Remove hidden staging dirs named `prefix<pid>-...` left by a killed process (never a live one's)."""
+    for path in Path(parent).glob(f"{prefix}*"):
+        pid = path.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def save_adapter(model, tokenizer, target: Path) -> Path:
     """Save the model's trained ('default') adapter and tokenizer to `target` atomically."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    remove_stale_staging(target.parent, f".{target.name}.tmp-")
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent))
     try:
         adapters = ["default"] if "default" in getattr(model, "peft_config", {}) else None
         model.save_pretrained(staging, selected_adapters=adapters, safe_serialization=True)

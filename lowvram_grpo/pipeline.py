@@ -26,7 +26,9 @@ from typing import Optional
 from .backends import BackendError, choose_backend, cuda_available, load_model, prepare_backend
 from .config import ConfigError, RunConfig
 from .data import DataError, drop_long_prompts, load_questions, to_prompt_rows
+from . import checkpoints
 from .lora_io import atomic_write_text
+from .rewards import RewardError
 
 
 @dataclass
@@ -60,9 +62,11 @@ def prepare_output_dir(path: Path) -> Path:
     return path
 
 
-def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, handle=None) -> RunResult:
+def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, handle=None,
+        resume_from: Optional[Path] = None) -> RunResult:
     """`handle`: a model already loaded by `backends.load_model` for this config (the notebook loads it
-    in its own cell); it is trained in place instead of loading a second copy."""
+    in its own cell); it is trained in place instead of loading a second copy. `resume_from`: a
+    checkpoint in `output_dir` to continue this run from (see `resume`)."""
     started = time.time()
     check_runs_here(config)
     backend = choose_backend(backend) if handle is None else handle.backend
@@ -96,17 +100,22 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, h
     from .training import build_trainer
 
     trainer = build_trainer(handle, config, train_rows, output_dir, cuda)
-    atomic_write_text(output_dir / "config.yaml", config.to_yaml())
-    (output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a rerun into the same dir starts its log afresh
+    if resume_from is None:
+        atomic_write_text(output_dir / "config.yaml", config.to_yaml())
+        (output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a rerun into the same dir starts its log afresh
+    else:  # the log and the guard's counters as they were at the checkpoint
+        checkpoints.restore_metrics(resume_from, output_dir / "metrics.jsonl")
+        trainer.nonfinite_guard.load(checkpoints.read_run_state(resume_from))
 
     before, before_texts = (None, [])
-    if config.eval.enabled:
+    if config.eval.enabled and resume_from is None:
+
         log(f"measuring the base model on {len(eval_rows)} held-out questions ...")
         before, before_texts = evaluate(handle, eval_rows, config, lora_request=None)
 
     # Optional supervised priming, so GRPO's groups have rewards that differ (priming.py says why).
     priming, primed = None, None
-    if config.prime.steps > 0:
+    if config.prime.steps > 0 and resume_from is None:  # a resumed run's checkpoint holds the primed + trained adapter
         from .priming import prime
 
         priming = prime(handle, train_questions, config, log)
@@ -115,11 +124,23 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, h
             log("measuring the primed adapter ...")
             primed, _ = evaluate(handle, eval_rows, config, lora_request=handle.load_lora(primed_dir))
 
+    if resume_from is None:  # kept for a resumed run, which does not measure or prime again
+        write_start_summary(output_dir, before, before_texts, primed, priming)
+    else:
+        before, before_texts, primed, priming = read_start_summary(output_dir)
+        log(f"resuming from {resume_from}")
+
     train_started = time.time()
-    trainer.train()
+    try:
+        with trainer.stop_signals.installed():  # Ctrl-C / SIGTERM: stop at the step's end with a checkpoint
+            trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    except RewardError as exc:
+        raise checkpoints.TrainingStopped(f"{exc}; {_resume_hint(output_dir)}") from None
     train_seconds = time.time() - train_started
+    trainer.nonfinite_guard.raise_if_stopped(output_dir, checkpoints.latest_checkpoint(output_dir))
 
     adapter_dir = handle.save_lora(output_dir / "adapter")
+    trainer.stop_signals.raise_if_stopped(trainer.state, output_dir, adapter_dir)
 
     after, after_texts = (None, [])
     if config.eval.enabled:
@@ -127,6 +148,7 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, h
         after, after_texts = evaluate(handle, eval_rows, config, lora_request=handle.load_lora(adapter_dir))
 
     summary = {
+        "status": "complete",
         "preset": config.preset,
         "backend": backend,
         "device": "cuda" if cuda else "cpu",
@@ -138,6 +160,8 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, h
         "primed": primed,
         "after": after,
         "priming": priming,
+        "skipped_nonfinite": trainer.nonfinite_guard.skipped,
+        "reward_failures": {f.__name__: f.failures for f in trainer.reward_funcs if getattr(f, "failures", 0)},
         "samples": [
             {"question": row["prompt"][-1]["content"], "answer": row["answer"], "base": b, "trained": a}
             for row, b, a in list(zip(eval_rows, before_texts, after_texts))[:2]
@@ -154,6 +178,37 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, h
     report = write_report(output_dir)  # report.md + plots from metrics.jsonl and summary.json
     log(f"\nadapter: {adapter_dir}\nsummary: {output_dir / 'summary.json'}\nreport:  {report}")
     return RunResult(output_dir=output_dir, adapter_dir=adapter_dir, summary=summary, handle=handle)
+
+
+def write_start_summary(output_dir: Path, before, before_texts, primed, priming) -> None:
+    """summary.json while training runs: the numbers measured before GRPO, which a resumed run reuses."""
+    start = {"status": "training", "before": before, "before_texts": before_texts, "primed": primed, "priming": priming}
+    atomic_write_text(output_dir / "summary.json", json.dumps(start, indent=2) + "\n")
+
+
+def read_start_summary(output_dir: Path) -> tuple:
+    try:
+        start = json.loads((output_dir / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        start = {}
+    return start.get("before"), start.get("before_texts", []), start.get("primed"), start.get("priming")
+
+
+def _resume_hint(run_dir: Path) -> str:
+    if checkpoints.latest_checkpoint(run_dir) is None:
+        return "no checkpoint was written yet: fix it and start the run again"
+    return f"fix it and continue from the last checkpoint with: {checkpoints.resume_command(run_dir)}"
+
+
+def resume(run_dir: Path, backend: str = "auto", log=print) -> RunResult:
+    """Continue the run in `run_dir` (`--resume`) from its newest complete checkpoint to its configured end."""
+    run_dir = Path(run_dir)
+    config = checkpoints.resumable_config(run_dir)
+    checkpoints.remove_leftovers(run_dir)
+    checkpoint = checkpoints.latest_checkpoint(run_dir)
+    if checkpoint is None:
+        log(f"no complete checkpoint in {run_dir} yet: running it again from the start")
+    return run(config, run_dir, backend, log, resume_from=checkpoint)
 
 
 def default_output_dir(preset: str) -> Path:

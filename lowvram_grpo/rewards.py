@@ -12,11 +12,23 @@ The five are the Unsloth Llama-3.1-8B GRPO notebook's, with two deliberate fixes
   as a careful human grader would score them.
 
 `REWARD_MAX` gives each function's best score, used by tests and the report.
+
+A preset may add its own rewards from a file (`rewards.module: my_rewards.py`): its functions are
+selectable by name in `rewards.names`; the file is imported and each named function is probed on a
+sample completion when the config loads. TRL gets every reward through `guarded`, which checks one
+finite number per completion and names the function when that fails (`rewards.on_error`).
 """
 from __future__ import annotations
 
+import importlib.util
+import inspect
+import math
+import numbers
 import re
+import sys
+import types
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
 from typing import Callable, Optional
 
 RewardFn = Callable[..., list]
@@ -183,3 +195,123 @@ def format_ok(text: str) -> bool:
 def xml_formatted(reasoning: str, answer: str) -> str:
     """A completion in the exact format the strict reward wants (used for priming examples and tests)."""
     return f"<reasoning>\n{reasoning.strip()}\n</reasoning>\n<answer>\n{answer.strip()}\n</answer>\n"
+
+
+# --------------------------------------------------------------------------- a user's own reward file, checked scores
+
+class RewardError(RuntimeError):
+    """A reward function that raised, or returned something other than one finite number per completion."""
+
+
+def check_scores(name: str, scores, n: int) -> list[float]:
+    """`scores` as a list of `n` finite floats, else RewardError naming the function and the problem."""
+    if isinstance(scores, (str, bytes, dict)) or not hasattr(scores, "__iter__"):
+        raise RewardError(f"reward {name!r} returned {type(scores).__name__}, not a list of {n} numbers (one per completion)")
+    values = list(scores)
+    if len(values) != n:
+        raise RewardError(f"reward {name!r} returned {len(values)} scores for {n} completions: return one number per completion")
+    checked = []
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise RewardError(f"reward {name!r} returned {value!r} ({type(value).__name__}) as score {i}: scores must be numbers")
+        if not math.isfinite(value):
+            raise RewardError(f"reward {name!r} returned {value} as score {i}: scores must be finite numbers")
+        checked.append(float(value))
+    return checked
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
+
+
+def guarded(fn: RewardFn, name: str, on_error: str = "stop", warn=None) -> RewardFn:
+    """`fn` with its scores checked. A failure raises RewardError (on_error 'stop') or scores the batch 0
+    and warns the first time (on_error 'zero'). Keeps `name` as `__name__`: TRL logs rewards by it."""
+
+    def reward(prompts, completions, **kwargs):
+        try:
+            return check_scores(name, fn(prompts=prompts, completions=completions, **kwargs), len(completions))
+        except RewardError as exc:
+            problem = exc
+        except Exception as exc:  # the user's code: any failure is reported the same way
+            problem = RewardError(f"reward {name!r} raised {_first_line(exc)}")
+        if on_error != "zero":
+            raise problem from None
+        reward.failures += 1
+        if reward.failures == 1:
+            (warn or _warn)(f"warning: {problem}; scoring its completions 0 (rewards.on_error: zero)")
+        return [0.0] * len(completions)
+
+    reward.__name__ = reward.__qualname__ = name
+    reward.__doc__ = fn.__doc__
+    reward.failures = 0
+    return reward
+
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+_MODULES: dict[tuple, object] = {}
+
+
+def load_reward_module(path: str):
+    """Import a user's reward file (cached by path and modification time). RewardError says what is wrong."""
+    file = Path(path)
+    if file.suffix != ".py":
+        raise RewardError(f"rewards.module must be a .py file of reward functions; got {path!r}")
+    if not file.is_file():
+        raise RewardError(f"rewards.module {path} does not exist: give the path of a .py file (relative to the current directory or the preset)")
+    key = (str(file.resolve()), file.stat().st_mtime_ns)
+    if key not in _MODULES:
+        spec = importlib.util.spec_from_file_location(f"lowvram_grpo_user_rewards_{len(_MODULES)}", file)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException as exc:  # SyntaxError, ImportError, SystemExit, ... all mean the same to the user
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            raise RewardError(f"rewards.module {path} failed to import: {_first_line(exc)}") from None
+        _MODULES[key] = module
+    return _MODULES[key]
+
+
+def module_reward_names(module) -> list[str]:
+    """The public functions a reward file defines itself (not the ones it imports)."""
+    return sorted(n for n, f in vars(module).items()
+                  if not n.startswith("_") and inspect.isfunction(f) and f.__module__ == module.__name__)
+
+
+def lookup_reward(name: str, module=None) -> RewardFn:
+    """A reward by name: a built-in one, or a function of the user's reward file."""
+    if module is not None and name in vars(module):
+        if name in REWARDS:
+            raise RewardError(f"rewards.module {module.__file__} defines {name!r}, the name of a built-in reward: rename it")
+        fn = getattr(module, name)
+        if not callable(fn):
+            raise RewardError(f"{name!r} in rewards.module {module.__file__} is a {type(fn).__name__}, not a function")
+        return fn
+    if name in REWARDS:
+        return REWARDS[name]
+    where = f"; {module.__file__} defines: {', '.join(module_reward_names(module)) or 'no functions'}" if module else ""
+    raise RewardError(f"unknown reward {name!r} in rewards.names: choose from {', '.join(REWARDS)}{where}")
+
+
+def probe_reward(fn: RewardFn, name: str) -> None:
+    """Call a user's reward once on a sample completion, with the keywords TRL passes, and check the scores."""
+    prompt = [{"role": "system", "content": "Answer in the format."}, {"role": "user", "content": "What is 2 + 2?"}]
+    completion = [{"role": "assistant", "content": xml_formatted("2 + 2 = 4", "4")}]
+    state = types.SimpleNamespace(global_step=0, max_steps=1, epoch=0.0, log_history=[])
+    try:
+        guarded(fn, name)(prompts=[prompt], completions=[completion], answer=["4"], solution=["2 + 2 = 4"],
+                          completion_ids=[[0]], trainer_state=state, log_extra=lambda *a, **k: None,
+                          log_metric=lambda *a, **k: None)
+    except RewardError as exc:
+        raise RewardError(f"{exc} (on a sample completion, checked when rewards.module loads)") from None
+
+
+def reward_functions(rewards_config, warn=None) -> list[RewardFn]:
+    """The configured rewards, in order, each wrapped by `guarded` (what TRL is handed)."""
+    module = load_reward_module(rewards_config.module) if rewards_config.module else None
+    return [guarded(lookup_reward(name, module), name, rewards_config.on_error, warn) for name in rewards_config.names]

@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", help="a .jsonl/.json/.parquet file with question/answer, or a hub id (data.dataset)")
     p.add_argument("--output-dir", type=Path, help="where the run writes its files (default: outputs/PRESET-TIME)")
     p.add_argument("--backend", default="auto", choices=["auto", "unsloth", "hf"], help="model backend (default: auto)")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                   help="continue an interrupted run from its newest checkpoint to its configured end "
+                        "(its config.yaml; no --preset/--set/--max-steps/--dataset/--output-dir)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit without training")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     return p
@@ -62,9 +65,31 @@ def describe_presets() -> str:
     return "\n".join(lines)
 
 
+_FIXED_BY_RESUME = {"preset": "--preset", "overrides": "--set", "max_steps": "--max-steps",
+                    "dataset": "--dataset", "output_dir": "--output-dir"}
+
+
+def resume_run(args, resumable_config) -> int:
+    """--resume RUN_DIR: the run's own config.yaml, continued in RUN_DIR."""
+    from .config import ConfigError
+
+    given = [flag for dest, flag in _FIXED_BY_RESUME.items() if getattr(args, dest, None)]
+    if given:
+        raise ConfigError(f"--resume continues a run with its own config.yaml and output dir: drop {', '.join(given)}")
+    config = resumable_config(args.resume)
+    if args.dry_run:
+        print(config.to_yaml(), end="")
+        return 0
+    from .pipeline import resume
+
+    resume(args.resume, backend=args.backend)
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from .backends import BackendError
+    from .checkpoints import TrainingStopped, resumable_config
     from .config import ConfigError, load_config
     from .data import DataError
     from .lora_io import AdapterError
@@ -74,6 +99,8 @@ def main(argv=None) -> int:
         if args.list_presets:
             print(describe_presets())
             return 0
+        if args.resume is not None:
+            return resume_run(args, resumable_config)
         overrides = list(args.overrides)
         if args.max_steps is not None:
             overrides.append(f"train.max_steps={args.max_steps}")
@@ -93,6 +120,9 @@ def main(argv=None) -> int:
     except AdapterError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except TrainingStopped as exc:  # NaN guard, a failing reward, Ctrl-C / SIGTERM: the message says how to go on
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

@@ -14,13 +14,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import tempfile
 import sys
 from pathlib import Path
 
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from .rewards import REWARDS
+from . import checkpoints
+from .guards import NonFiniteGuard, StopOnSignal
+from .lora_io import atomic_replace_dir
+from .rewards import reward_functions
 
 
 def grpo_args(config, output_dir: Path, cuda: bool) -> GRPOConfig:
@@ -123,7 +129,8 @@ class ProgressBar(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=self.total, initial=self.initial, desc="GRPO", unit="step", dynamic_ncols=True)
+        initial = max(self.initial, state.global_step)  # a resumed run starts at its checkpoint's step
+        self.bar = tqdm(total=self.total, initial=initial, desc="GRPO", unit="step", dynamic_ncols=True)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.bar is not None:
@@ -138,22 +145,74 @@ class ProgressBar(TrainerCallback):
             self.bar.close()
 
 
+class CheckpointingGRPOTrainer(GRPOTrainer):
+    """TRL's GRPOTrainer whose checkpoints are written atomically with our run state (checkpoints.py),
+    and whose resume restores the trained adapter. build_trainer sets the attributes below."""
+
+    nonfinite_guard: NonFiniteGuard
+    keep_checkpoints: int = 2
+    metrics_path: Path
+    data_per_step: dict
+    _staging_root = None
+
+    def _get_output_dir(self, trial) -> str:
+        # transformers writes checkpoint-N under this dir: during a save, the hidden staging dir
+        return str(self._staging_root) if self._staging_root is not None else super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        run_dir = Path(self.args.output_dir)
+        name = f"checkpoint-{self.state.global_step}"
+        self._staging_root = Path(tempfile.mkdtemp(prefix=f"{checkpoints.STAGING_PREFIX}{os.getpid()}-", dir=run_dir))
+        try:
+            super()._save_checkpoint(model, trial)
+            checkpoints.write_run_state(self._staging_root / name, self._run_state(), self.metrics_path)
+            atomic_replace_dir(self._staging_root / name, run_dir / name)
+        finally:
+            shutil.rmtree(self._staging_root, ignore_errors=True)
+            self._staging_root = None
+        checkpoints.prune_checkpoints(run_dir, self.keep_checkpoints)
+
+    def _run_state(self) -> dict:
+        step = self.state.global_step
+        return {
+            "global_step": step,
+            "max_steps": self.state.max_steps,
+            "epoch": self.state.epoch,
+            # where the data stands; transformers re-derives the dataloader position from global_step
+            "data_position": {f"{k}_seen": v * step for k, v in self.data_per_step.items()},
+            **self.nonfinite_guard.state(),
+        }
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        checkpoints.restore_trained_adapter(model if model is not None else self.model, Path(resume_from_checkpoint))
+
+
 def build_trainer(handle, config, train_rows: list[dict], output_dir: Path, cuda: bool) -> GRPOTrainer:
-    """TRL's GRPOTrainer for the handle's PEFT model, with our progress bar and metrics file."""
+    """TRL's GRPOTrainer for the handle's PEFT model, with our checkpoints, guards (guards.py),
+    progress bar and metrics file."""
     from datasets import Dataset
 
     from . import logprobs_fallback
 
     logprobs_fallback.install()  # TRL's log-prob kernel is Triton (GPU only): route CPU tensors to PyTorch
-    trainer = GRPOTrainer(
+    trainer = CheckpointingGRPOTrainer(
         model=handle.model,
         processing_class=handle.tokenizer,
-        reward_funcs=[REWARDS[name] for name in config.rewards.names],
+        reward_funcs=reward_functions(config.rewards),  # each checked: one finite number per completion
         args=grpo_args(config, output_dir, cuda),
         train_dataset=Dataset.from_list(train_rows),
     )
     for callback in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(callback)
+    trainer.nonfinite_guard = NonFiniteGuard(config.train.max_nonfinite_steps, config.train.learning_rate)
+    trainer.stop_signals = StopOnSignal()
+    trainer.keep_checkpoints = config.train.keep_checkpoints
+    trainer.metrics_path = Path(output_dir) / "metrics.jsonl"
+    trainer.data_per_step = {"prompts": config.train.generation_batch_size // config.train.num_generations,
+                             "completions": config.train.generation_batch_size}
+    trainer.add_callback(trainer.nonfinite_guard)  # before MetricsWriter: it adds skipped_nonfinite to the logs
+    trainer.add_callback(trainer.stop_signals)
     trainer.add_callback(ProgressBar(config.train.max_steps))
     trainer.add_callback(MetricsWriter(Path(output_dir) / "metrics.jsonl"))
     trainer.add_callback(SignalWarnings(config.train.max_completion_length))

@@ -1,0 +1,113 @@
+"""What stops a run early, and how: the numerical guard and Ctrl-C / SIGTERM.
+
+- `NonFiniteGuard`: a step whose gradient is NaN/inf (a NaN/inf loss makes it so) is skipped: its
+  gradients are dropped just before the optimizer step, so no weight and no optimizer state moves.
+  Skipped steps are counted in metrics.jsonl (`skipped_nonfinite`); `train.max_nonfinite_steps` in
+  a row stop the run with a message.
+- `StopOnSignal`: the first SIGINT (Ctrl-C) or SIGTERM asks the trainer to stop at the end of the
+  current step and write a checkpoint; the pipeline then writes the adapter and raises `Interrupted`
+  (exit 130 / 143) with the `--resume` command. A second Ctrl-C stops at once.
+
+Both raise `checkpoints.TrainingStopped` (or its `Interrupted`), which the CLI prints as one `error:`
+line with its exit code. This module imports transformers: only training.py imports it.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from .checkpoints import Interrupted, TrainingStopped, resume_command
+
+
+class NonFiniteGuard(TrainerCallback):
+    """Skips optimizer steps with a non-finite gradient; stops after `max_in_a_row` of them in a row."""
+
+    def __init__(self, max_in_a_row: int, learning_rate: float):
+        self.max_in_a_row, self.learning_rate = max_in_a_row, learning_rate
+        self.skipped, self.in_a_row, self.stopped_at = 0, 0, None
+
+    def state(self) -> dict:
+        return {"skipped_nonfinite": self.skipped, "nonfinite_in_a_row": self.in_a_row}
+
+    def load(self, state: dict) -> None:
+        self.skipped = int(state.get("skipped_nonfinite", 0))
+        self.in_a_row = int(state.get("nonfinite_in_a_row", 0))
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        import torch
+
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not params or torch.isfinite(torch.nn.utils.get_total_norm([p.grad for p in params])):
+            self.in_a_row = 0
+            return
+        for p in params:
+            p.grad = None  # optimizers skip parameters without a gradient: no update, no moment change
+        self.skipped += 1
+        self.in_a_row += 1
+        if self.in_a_row >= self.max_in_a_row:
+            self.stopped_at = state.global_step + 1  # the step being taken
+            control.should_training_stop = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and "reward" in logs:  # a training step's row (metrics.jsonl)
+            logs["skipped_nonfinite"] = self.skipped
+
+    def raise_if_stopped(self, run_dir: Path, checkpoint) -> None:
+        if self.stopped_at is None:
+            return
+        where = f"the last checkpoint before it is {checkpoint}" if checkpoint else "no checkpoint was written"
+        raise TrainingStopped(
+            f"stopped at step {self.stopped_at}: {self.in_a_row} steps in a row had a NaN/inf loss or gradient "
+            f"(each skipped; train.max_nonfinite_steps={self.max_in_a_row}). Lower train.learning_rate "
+            f"(now {self.learning_rate:g}) or check that the rewards stay small and finite; {where}"
+        )
+
+
+class StopOnSignal(TrainerCallback):
+    """Turns the first SIGINT/SIGTERM during training into a stop at the next step boundary, with a checkpoint."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received = None
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Our handlers while the block runs (main thread only: Python allows handlers nowhere else)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without a checkpoint
+        self.received = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this step and writing a checkpoint "
+              f"(Ctrl-C again stops at once)", file=sys.stderr, flush=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.received is not None:
+            control.should_save = True  # the trainer writes checkpoint-<step> right after this event
+            control.should_training_stop = True
+
+    def raise_if_stopped(self, state, run_dir: Path, adapter_dir: Path) -> None:
+        if self.received is None or state.global_step >= state.max_steps:
+            return
+        name = signal.Signals(self.received).name
+        raise Interrupted(
+            f"stopped by {name} after step {state.global_step} of {state.max_steps}; checkpoint "
+            f"{Path(run_dir) / f'checkpoint-{state.global_step}'} and adapter {adapter_dir} written. "
+            f"Continue with: {resume_command(run_dir)}",
+            self.received,
+        )
