@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .backends import BackendError, choose_backend, cuda_available, load_model, prepare_backend
+from .backends import BackendError, choose_backend, cuda_available, export_model, load_model, prepare_backend
 from .config import ConfigError, RunConfig
 from .data import DataError, drop_long_prompts, load_questions, to_prompt_rows
 from . import checkpoints
 from .lora_io import atomic_write_text
+from .memory import out_of_memory_reported
 from .rewards import RewardError
 
 
@@ -50,6 +51,32 @@ def check_runs_here(config: RunConfig) -> None:
         raise BackendError("model.fast_inference uses vLLM, which needs an NVIDIA GPU: add --set model.fast_inference=false")
 
 
+def check_export(export: Optional[str], backend: str) -> None:
+    """Refuse, before anything is written, an export the chosen backend cannot do."""
+    if export not in (None, "merged16", "gguf"):
+        raise ConfigError(f"unknown export {export!r}: choose merged16 or gguf")
+    if export == "gguf" and backend != "unsloth":
+        raise BackendError("--export gguf needs the unsloth backend (its llama.cpp converter): "
+                           "add --backend unsloth, or use --export merged16 and convert with llama.cpp")
+
+
+def show_memory_plan(config: RunConfig, backend: str, log):
+    """On CUDA: log the memory plan for the card present (or memory.vram_gb) and return it; None on CPU."""
+    if not cuda_available():
+        return None
+    from .memory import PlanError, format_plan, plan, present_vram_gb
+
+    try:
+        memory_plan = plan(config, config.memory.vram_gb or present_vram_gb(), backend)
+    except PlanError as exc:
+        log(f"memory plan: {exc}")
+        return None
+    log(format_plan(memory_plan))
+    if memory_plan.fits is False:
+        log("warning: the memory plan does not fit this card; --auto-fit applies the settings above")
+    return memory_plan
+
+
 def prepare_output_dir(path: Path) -> Path:
     path = Path(path)
     try:
@@ -63,17 +90,21 @@ def prepare_output_dir(path: Path) -> Path:
 
 
 def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, handle=None,
-        resume_from: Optional[Path] = None) -> RunResult:
+        resume_from: Optional[Path] = None, export: Optional[str] = None) -> RunResult:
     """`handle`: a model already loaded by `backends.load_model` for this config (the notebook loads it
     in its own cell); it is trained in place instead of loading a second copy. `resume_from`: a
-    checkpoint in `output_dir` to continue this run from (see `resume`)."""
+    checkpoint in `output_dir` to continue this run from (see `resume`). `export`: merged16 or gguf,
+    the model with the adapter merged in, written to `output_dir/export-KIND` after training."""
     started = time.time()
     check_runs_here(config)
     backend = choose_backend(backend) if handle is None else handle.backend
+    check_export(export, backend)
 
     # Data: questions in, held-out split aside. Fails before anything is written.
     train_questions, eval_questions = load_questions(config.data)
     output_dir = prepare_output_dir(output_dir)
+
+    memory_plan = show_memory_plan(config, backend, log)  # before every GPU run, before the model takes memory
 
     # Model: unsloth must be imported before trl/transformers, so the backend goes first.
     prepare_backend(backend)
@@ -132,7 +163,7 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, h
 
     train_started = time.time()
     try:
-        with trainer.stop_signals.installed():  # Ctrl-C / SIGTERM: stop at the step's end with a checkpoint
+        with trainer.stop_signals.installed(), out_of_memory_reported(memory_plan, output_dir):  # Ctrl-C / SIGTERM: stop at the step's end with a checkpoint
             trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     except RewardError as exc:
         raise checkpoints.TrainingStopped(f"{exc}; {_resume_hint(output_dir)}") from None
@@ -146,6 +177,8 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, h
     if config.eval.enabled:
         log("measuring the trained adapter (loaded back from disk) ...")
         after, after_texts = evaluate(handle, eval_rows, config, lora_request=handle.load_lora(adapter_dir))
+    if export:
+        log(f"exported ({export}): {export_model(handle, adapter_dir, output_dir / f'export-{export}', export)}")
 
     summary = {
         "status": "complete",

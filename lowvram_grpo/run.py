@@ -27,6 +27,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m lowvram_grpo.run", description="GRPO + LoRA training on one small GPU, or on a CPU.")
     p.add_argument("--preset", default=None, help="preset name from presets/ (see --list-presets) or a YAML file; "
@@ -41,7 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", type=Path, metavar="RUN_DIR",
                    help="continue an interrupted run from its newest checkpoint to its configured end "
                         "(its config.yaml; no --preset/--set/--max-steps/--dataset/--output-dir)")
-    p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit without training")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and the memory plan, and exit without training")
+    p.add_argument("--vram", type=_positive_float, metavar="GB", help="plan GPU memory for a card of this many GiB "
+                   "(memory.vram_gb) instead of the one present")
+    p.add_argument("--auto-fit", action="store_true", help="when the memory plan does not fit the card, apply the "
+                   "settings it suggests (printed)")
+    p.add_argument("--export", choices=["merged16", "gguf"], help="after training, also write the model with the "
+                   "adapter merged in: merged16 (16-bit safetensors) or gguf (q4_k_m; unsloth backend) into OUTPUT/export-KIND")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     return p
 
@@ -86,6 +102,51 @@ def resume_run(args, resumable_config) -> int:
     return 0
 
 
+def _planned_backend(requested: str) -> str:
+    """The backend a GPU run would use: 'auto' is unsloth on CUDA (where the plan matters)."""
+    return "hf" if requested == "hf" else "unsloth"
+
+
+def _card_gb(config) -> "float | None":
+    """The card to plan for: --vram (memory.vram_gb), else the GPU present, else None."""
+    if config.memory.vram_gb is not None:
+        return config.memory.vram_gb
+    from .memory import present_vram_gb
+
+    return present_vram_gb()
+
+
+def memory_plan_text(config, backend: str) -> str:
+    """The memory plan as `--dry-run` prints it (or why there is none)."""
+    from .memory import PlanError, format_plan, plan
+
+    title = f"GPU memory plan for {config.preset}: {config.model.name}, {backend} backend"
+    try:
+        return format_plan(plan(config, _card_gb(config), backend), title=title)
+    except PlanError as exc:
+        return f"GPU memory plan: {exc}"
+
+
+def auto_fit(config, backend: str):
+    """--auto-fit: the config with the memory plan's suggested settings applied, saying which."""
+    from .config import ConfigError
+    from .memory import apply_suggestions, plan
+
+    card = _card_gb(config)
+    if card is None:
+        raise ConfigError("--auto-fit needs a card size and no GPU is visible: add --vram GB")
+    p = plan(config, card, backend)
+    if p.fits:
+        print(f"auto-fit: {config.preset} already fits a {card:g} GiB card ({p.total_gb:.1f} GiB planned); nothing changed")
+        return config
+    if not p.suggestions:
+        raise ConfigError(f"--auto-fit: no settings of preset {config.preset} fit a {card:g} GiB card ({p.no_fit_reason}); "
+                          "pick a smaller model, e.g. --preset qwen1_5b_4bit")
+    print(f"auto-fit for a {card:g} GiB card: set {', '.join(map(str, p.suggestions))} "
+          f"({p.total_gb:.1f} -> {p.suggested_total_gb:.1f} GiB planned)")
+    return apply_suggestions(config, p.suggestions)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from .backends import BackendError
@@ -93,6 +154,7 @@ def main(argv=None) -> int:
     from .config import ConfigError, load_config
     from .data import DataError
     from .lora_io import AdapterError
+    from .memory import OutOfMemory
     from .smollm2 import ModelUnavailable
 
     try:
@@ -106,18 +168,23 @@ def main(argv=None) -> int:
             overrides.append(f"train.max_steps={args.max_steps}")
         if args.dataset is not None:
             overrides.append(f"data.dataset={args.dataset}")
+        if args.vram is not None:
+            overrides.append(f"memory.vram_gb={args.vram}")
         config = load_config(args.preset or default_preset(), overrides)
+        if args.auto_fit:
+            config = auto_fit(config, _planned_backend(args.backend))
         if args.dry_run:
             print(config.to_yaml(), end="")
+            print(memory_plan_text(config, _planned_backend(args.backend)))
             return 0
         from .pipeline import default_output_dir, run
 
-        run(config, args.output_dir or default_output_dir(config.preset), backend=args.backend)
+        run(config, args.output_dir or default_output_dir(config.preset), backend=args.backend, export=args.export)
         return 0
     except (ConfigError, DataError, BackendError, ModelUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except AdapterError as exc:
+    except (AdapterError, OutOfMemory) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except TrainingStopped as exc:  # NaN guard, a failing reward, Ctrl-C / SIGTERM: the message says how to go on

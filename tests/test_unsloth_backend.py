@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("unsloth") is None,
 
 def test_unsloth_backend_trains_the_tiny_model_for_two_steps(tmp_path):
     out = tmp_path / "run"
-    proc = run_cli("--preset", "tiny", "--max-steps", "2", "--backend", "unsloth", "--output-dir", str(out))
+    proc = run_cli("--preset", "tiny", "--max-steps", "2", "--backend", "unsloth", "--export", "merged16",
+                   "--output-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Unsloth" in proc.stdout + proc.stderr  # unsloth itself announced its backend
     summary = json.loads((out / "summary.json").read_text())
@@ -24,6 +25,23 @@ def test_unsloth_backend_trains_the_tiny_model_for_two_steps(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     weights = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in weights.items())
+    _check_merged_export(out / "export-merged16", out / "adapter")
+
+
+def _check_merged_export(exported, adapter):
+    """--export merged16 went through unsloth's save_pretrained_merged: a plain 16-bit checkpoint whose
+    weights are base + adapter, as PEFT merges them (checked here with transformers + peft, without unsloth)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(exported)
+    assert not hasattr(merged, "peft_config") and merged.dtype.itemsize == 2
+    base_path = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base = AutoModelForCausalLM.from_pretrained(base_path).state_dict()
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), adapter).merge_and_unload().state_dict()
+    export_error = max((merged.state_dict()[k].float() - w).abs().max().item() for k, w in reference.items())
+    adapter_effect = max((w - base[k]).abs().max().item() for k, w in reference.items())
+    assert export_error < adapter_effect / 4  # 16-bit rounding, well below what training changed
 
 
 def test_unsloth_is_imported_only_by_the_backend_module():

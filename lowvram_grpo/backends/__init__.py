@@ -66,5 +66,23 @@ def load_model(config, name: str) -> ModelHandle:
     return hf_backend.load_model(config)
 
 
+def export_model(handle: ModelHandle, adapter_dir, directory, kind: str):
+    """Write the base with the trained adapter merged in: kind merged16 (16-bit safetensors checkpoint)
+    or gguf (q4_k_m, unsloth only). Through unsloth's savers on the unsloth backend; PEFT's
+    merge_and_unload on the saved adapter on the hf backend. Returns the folder written."""
+    from pathlib import Path
+
+    directory = Path(directory)
+    if handle.backend == "unsloth":
+        from . import unsloth_backend
+
+        return unsloth_backend.export(handle.model, handle.tokenizer, directory, kind)
+    if kind != "merged16":
+        raise BackendError(f"--export {kind} needs the unsloth backend (its llama.cpp converter): use --export merged16")
+    from . import hf_backend
+
+    return hf_backend.export_merged16(handle.base_model, Path(adapter_dir), directory)
+
+
 __all__ = ["BACKENDS", "BackendError", "LoraRequest", "ModelHandle", "SamplingParams", "choose_backend",
-           "cuda_available", "load_model", "prepare_backend", "unsloth_installed"]
+           "cuda_available", "export_model", "load_model", "prepare_backend", "unsloth_installed"]

@@ -6,6 +6,8 @@ serves several GPUs later (TRL with accelerate places the model).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..builtin_models import resolve_model_path
 from .base import ModelHandle
 
@@ -58,3 +60,32 @@ def load_model(config) -> ModelHandle:
     )
     model = get_peft_model(model, lora)
     return ModelHandle(model, tokenizer, backend="hf", base_model=path)
+
+
+def export_merged16(base_model: str, adapter_dir: Path, directory: Path) -> Path:
+    """The base model in bfloat16 with the saved adapter merged in (PEFT merge_and_unload), written as a
+    plain transformers checkpoint plus the tokenizer, atomically. Built on the CPU from the adapter on
+    disk: a 4-bit base in GPU memory cannot be merged without rounding, and the live model stays as it is."""
+    import os
+    import shutil
+    import tempfile
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..lora_io import atomic_replace_dir
+
+    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.bfloat16, device_map="cpu")
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    tokenizer = AutoTokenizer.from_pretrained(str(adapter_dir))  # saved beside the adapter
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-{os.getpid()}-", dir=directory.parent))
+    try:
+        merged.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        atomic_replace_dir(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return directory

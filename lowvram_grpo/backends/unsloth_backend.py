@@ -9,6 +9,7 @@ checkpointing offloads activations to host RAM, which on a CPU is plain recomput
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 from ..builtin_models import resolve_model_path
@@ -30,6 +31,36 @@ def _dtype(name: str):
     return None if name == "auto" else getattr(torch, name)  # None: unsloth picks per device
 
 
+def _checkpointing(config):
+    return {"unsloth": "unsloth", "true": True, "false": False}[config.memory.gradient_checkpointing]
+
+
+def from_pretrained_kwargs(config, path: str) -> dict:
+    """`FastLanguageModel.from_pretrained`'s arguments for `config` (the notebook's call)."""
+    return dict(
+        model_name=path,
+        max_seq_length=config.model.max_seq_length,
+        dtype=_dtype(config.model.dtype),
+        load_in_4bit=config.memory.load_in_4bit,
+        fast_inference=config.model.fast_inference,
+        max_lora_rank=config.lora.r,
+        gpu_memory_utilization=config.memory.gpu_memory_utilization,
+        use_gradient_checkpointing=_checkpointing(config),
+    )
+
+
+def get_peft_model_kwargs(config) -> dict:
+    """`FastLanguageModel.get_peft_model`'s arguments (after the model) for `config`."""
+    return dict(
+        r=config.lora.r,
+        target_modules=list(config.lora.target_modules),
+        lora_alpha=config.lora.alpha,
+        lora_dropout=config.lora.dropout,
+        use_gradient_checkpointing=_checkpointing(config),
+        random_state=config.lora.random_state,
+    )
+
+
 def load_model(config) -> ModelHandle:
     import torch
     from unsloth import FastLanguageModel
@@ -39,34 +70,37 @@ def load_model(config) -> ModelHandle:
     cuda = torch.cuda.is_available()
     if config.model.fast_inference and not cuda:
         raise BackendError("model.fast_inference (vLLM) needs an NVIDIA GPU: set model.fast_inference=false on this machine")
-    checkpointing = {"unsloth": "unsloth", "true": True, "false": False}[config.memory.gradient_checkpointing]
     path = resolve_model_path(config.model.name)
-    kwargs = dict(
-        model_name=path,
-        max_seq_length=config.model.max_seq_length,
-        dtype=_dtype(config.model.dtype),
-        load_in_4bit=config.memory.load_in_4bit,
-        fast_inference=config.model.fast_inference,
-        max_lora_rank=config.lora.r,
-        gpu_memory_utilization=config.memory.gpu_memory_utilization,
-        use_gradient_checkpointing=checkpointing,
-    )
-    model, tokenizer = FastLanguageModel.from_pretrained(**kwargs)
-    model = FastLanguageModel.get_peft_model(
-        model,
-        r=config.lora.r,
-        target_modules=list(config.lora.target_modules),
-        lora_alpha=config.lora.alpha,
-        lora_dropout=config.lora.dropout,
-        use_gradient_checkpointing=checkpointing,
-        random_state=config.lora.random_state,
-    )
+    model, tokenizer = FastLanguageModel.from_pretrained(**from_pretrained_kwargs(config, path))
+    model = FastLanguageModel.get_peft_model(model, **get_peft_model_kwargs(config))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     handle = ModelHandle(model, tokenizer, backend="unsloth", base_model=path)
     if config.model.fast_inference:
         handle.engine = VLLMEngine(model)
     return handle
+
+
+# unsloth's savers, as the notebook calls them: (method name, keyword arguments).
+EXPORTS = {
+    "merged16": ("save_pretrained_merged", {"save_method": "merged_16bit"}),
+    "gguf": ("save_pretrained_gguf", {"quantization_method": "q4_k_m"}),
+}
+
+
+def export(model, tokenizer, directory: Path, kind: str) -> Path:
+    """Write the model with its adapter merged in through unsloth's saver for `kind` (EXPORTS).
+    unsloth writes into `directory` itself (GGUF: it fetches and builds llama.cpp on first use)."""
+    from . import BackendError
+
+    method, kwargs = EXPORTS[kind]
+    saver = getattr(model, method, None)
+    if saver is None:
+        raise BackendError(f"this unsloth model has no {method}: --export {kind} needs unsloth's savers")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    saver(str(directory), tokenizer, **kwargs)
+    return directory
 
 
 class VLLMEngine:

@@ -1,0 +1,620 @@
+"""The memory plan: an estimate, by component, of a run's peak GPU memory, and settings that make it fit.
+
+    p = plan(config, vram_gb=16)      # a MemoryPlan: named terms in bytes, total, fits, suggestions
+    print(format_plan(p))             # the table `--dry-run` and every GPU run print
+    config = apply_suggestions(config, p.suggestions)   # what `--auto-fit` does
+
+The terms (GiB = 2**30 bytes; a "16 GB" card has about 15-16 GiB):
+- base weights: linear layers in 4-bit NF4 (bitsandbytes, double quantization: ~0.516 bytes/param)
+  or 16-bit; embeddings, lm_head and norms stay 16-bit.
+- LoRA params + grads: fp32 (trainable weights are upcast for mixed precision), 8 bytes/param.
+- optimizer state: paged_adamw_8bit / adamw_8bit 2 bytes/param; 32-bit AdamW 8 bytes/param.
+- activations of one training micro-batch (per_device_train_batch_size sequences of prompt +
+  completion tokens); with gradient checkpointing only one layer's working set plus the layer
+  inputs, and with 'unsloth' checkpointing the layer inputs are offloaded to CPU RAM.
+- logits: completions x completion tokens x vocab. Held whole, with the log_softmax copy, they
+  take 4 bytes/element in 16-bit (Unsloth's published TRL+FA2 figure, 78.3 GB for Llama-3.1-8B at
+  8 x 20K tokens, is 3.8 bytes/element): the term that killed most GRPO runs. TRL 1.15 (pinned here)
+  never holds them whole: its fused LM head scores [4096 x 32768] fp32 tiles, so the term is two
+  tiles (<= 1 GiB) and the whole size is shown in its detail. Unsloth's GRPO loss chunks them too.
+- vLLM (model.fast_inference): vLLM takes gpu_memory_utilization x the card for the weights (shared
+  with training) and its KV cache; training must fit in the rest.
+- CUDA context, cuBLAS workspace and allocator fragmentation: a constant.
+
+Generation without vLLM (transformers' KV cache) happens before the backward pass, never with it,
+and is smaller than the training activations, so it does not add to the peak. 'unsloth' gradient
+checkpointing offloads only on the unsloth backend; `plan(..., backend="hf")` plans it as 'true'.
+
+Model shapes come from a small table of known architectures (no hub access at plan time) or from
+the config.json of a local checkpoint dir. Pure Python: no torch, no transformers.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from .config import ConfigError, RunConfig, config_from_dict
+
+GIB = 2 ** 30
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes + 8-bit absmax per 64 + fp32 per 256 blocks
+LORA_BYTES_PER_PARAM = 8          # fp32 weight + fp32 grad
+OPTIMIZER_BYTES_PER_PARAM = {"paged_adamw_8bit": 2, "adamw_8bit": 2, "adamw_torch": 8, "paged_adamw_32bit": 8}
+KV_BYTES = 2                      # vLLM keeps its KV cache in 16-bit
+TRL_TOKEN_CHUNK, TRL_VOCAB_CHUNK = 4096, 32768  # TRL 1.15's fused LM head tile (trl/kernels/chunked_logprob.py)
+CUDA_OVERHEAD_BYTES = int(0.6 * GIB)   # CUDA context + cuBLAS workspace + allocator fragmentation
+VLLM_RUNTIME_BYTES = int(0.5 * GIB)    # inside vLLM's share: CUDA graphs, sampler, profiling activations
+SUGGESTION_SPARE = 0.05           # suggested settings leave this share of the card unplanned
+OOM_UNDERESTIMATE = 0.3           # after an OOM, assume the training-side terms were this much larger
+
+
+class PlanError(ConfigError):
+    """The plan cannot be made (unknown model shape); the message says how to give the shape."""
+
+
+class OutOfMemory(RuntimeError):
+    """CUDA ran out of memory during training; the message is `oom_message`'s one line."""
+
+
+def present_vram_gb() -> Optional[float]:
+    """Total memory of the GPU present, in GiB; None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / GIB
+
+
+# --------------------------------------------------------------------------- model shapes
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs to know about an architecture (the config.json fields of a Llama/Qwen-style model)."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool
+    head_dim: Optional[int] = None
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.dim_per_head
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.dim_per_head
+
+    def linear_dims(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer in one decoder layer, by its usual module name."""
+        h, i = self.hidden, self.intermediate
+        return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
+                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    @property
+    def linear_params(self) -> int:
+        """Parameters in the decoder layers' linear layers: the part 4-bit quantization shrinks."""
+        return self.layers * sum(a * b for a, b in self.linear_dims().values())
+
+    @property
+    def other_params(self) -> int:
+        """Embeddings, lm_head (unless tied) and norms: kept in 16-bit even in a 4-bit model."""
+        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return embeddings + (2 * self.layers + 1) * self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.linear_params + self.other_params
+
+
+def _shape(name, hidden, layers, heads, kv_heads, intermediate, vocab, tied, head_dim=None) -> ModelShape:
+    return ModelShape(name, hidden, layers, heads, kv_heads, intermediate, vocab, tied, head_dim)
+
+
+# The config.json values of the models the presets use (and a few neighbours). Keys are matched
+# against the lowercased model name with any "org/" prefix and "meta-" dropped.
+KNOWN_SHAPES: dict[str, ModelShape] = {
+    "llama-3.1-8b": _shape("Llama-3.1-8B", 4096, 32, 32, 8, 14336, 128256, False),
+    "llama-3-8b": _shape("Llama-3-8B", 4096, 32, 32, 8, 14336, 128256, False),
+    "llama-3.2-3b": _shape("Llama-3.2-3B", 3072, 28, 24, 8, 8192, 128256, True),
+    "llama-3.2-1b": _shape("Llama-3.2-1B", 2048, 16, 32, 8, 8192, 128256, True),
+    "qwen2.5-7b": _shape("Qwen2.5-7B", 3584, 28, 28, 4, 18944, 152064, False),
+    "qwen2.5-3b": _shape("Qwen2.5-3B", 2048, 36, 16, 2, 11008, 151936, True),
+    "qwen2.5-1.5b": _shape("Qwen2.5-1.5B", 1536, 28, 12, 2, 8960, 151936, True),
+    "qwen2.5-0.5b": _shape("Qwen2.5-0.5B", 896, 24, 14, 2, 4864, 151936, True),
+    "smollm2-135m": _shape("SmolLM2-135M", 576, 30, 9, 3, 1536, 49152, True, 64),
+    "builtin:smollm2": _shape("SmolLM2-135M", 576, 30, 9, 3, 1536, 49152, True, 64),
+    "builtin:tiny": _shape("builtin:tiny", 64, 2, 4, 2, 128, 512, False, 16),
+}
+
+
+def shape_from_config_json(path: Path) -> ModelShape:
+    """The shape of a local checkpoint from its config.json (transformers' field names)."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"cannot read the model shape from {path}: {exc}") from None
+    raw = raw.get("text_config", raw)  # multimodal configs nest the language model's
+    try:
+        return ModelShape(
+            name=str(Path(path).parent), hidden=int(raw["hidden_size"]), layers=int(raw["num_hidden_layers"]),
+            heads=int(raw["num_attention_heads"]), kv_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
+            intermediate=int(raw["intermediate_size"]), vocab=int(raw["vocab_size"]),
+            tied_embeddings=bool(raw.get("tie_word_embeddings", False)), head_dim=raw.get("head_dim"),
+        )
+    except KeyError as exc:
+        raise PlanError(f"{path} lacks {exc.args[0]!r}: the plan needs hidden_size, num_hidden_layers, "
+                        "num_attention_heads, intermediate_size and vocab_size") from None
+
+
+def model_shape(name: str) -> ModelShape:
+    """The shape of model `name`: a local checkpoint dir (its config.json) or a known architecture."""
+    config_json = Path(name) / "config.json"
+    if config_json.is_file():
+        return shape_from_config_json(config_json)
+    key = name.lower()
+    if not key.startswith("builtin:"):
+        key = key.rsplit("/", 1)[-1].replace("meta-", "")
+    for known, shape in KNOWN_SHAPES.items():
+        if key == known or key.startswith(known + "-") or key.startswith(known + "_"):
+            return shape
+    raise PlanError(
+        f"no memory plan for model {name!r}: its shape is not in lowvram_grpo.memory.KNOWN_SHAPES "
+        f"({', '.join(sorted({s.name for s in KNOWN_SHAPES.values()}))}); download it and set model.name to "
+        "the local dir (its config.json gives the shape), or add its shape to KNOWN_SHAPES"
+    )
+
+
+# --------------------------------------------------------------------------- the plan
+
+@dataclass(frozen=True)
+class Term:
+    """One component of the planned peak."""
+
+    key: str        # weights, lora, optimizer, activations, logits, vllm, cuda
+    label: str      # what it is, with the setting's value (e.g. 'optimizer state, paged_adamw_8bit')
+    bytes: int
+    detail: str     # how it was computed
+    settings: str   # the settings that move it
+
+    @property
+    def gib(self) -> float:
+        return self.bytes / GIB
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """Set `key` (section.key) to `value` (it was `was`)."""
+
+    key: str
+    value: Any
+    was: Any
+
+    def as_override(self) -> str:
+        return f"{self.key}={_yaml_value(self.value)}"
+
+    def __str__(self) -> str:
+        return f"{self.as_override()} (was {_yaml_value(self.was)})"
+
+
+def _yaml_value(value: Any) -> str:
+    """A value as --set takes it (true/false/null, as YAML spells them)."""
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+@dataclass
+class MemoryPlan:
+    """Planned peak GPU memory of a run, by component."""
+
+    config: RunConfig = field(repr=False)
+    shape: ModelShape
+    terms: dict[str, Term]
+    vram_gb: Optional[float]          # the card planned for (GiB); None = not given
+    min_vram_gb: float                # the smallest card these exact settings fit
+    kv_cache_bytes: Optional[int] = None   # vLLM KV cache at gpu_memory_utilization (None without vLLM)
+    kv_needed_bytes: Optional[int] = None  # KV cache for one generation batch at full length
+    suggestions: list[Suggestion] = field(default_factory=list)
+    suggested_total_gb: Optional[float] = None  # the plan's total once the suggestions are applied
+    no_fit_reason: str = ""           # set when no settings of this preset fit the card
+    backend: str = "unsloth"          # the backend planned for ('unsloth' checkpointing offloads only there)
+
+    @property
+    def model(self) -> str:
+        return self.config.model.name
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.bytes for t in self.terms.values())
+
+    @property
+    def total_gb(self) -> float:
+        return self.total_bytes / GIB
+
+    @property
+    def fits(self) -> Optional[bool]:
+        """True/False for a given card; None when no card size is known."""
+        if self.vram_gb is None:
+            return None
+        kv_ok = self.kv_cache_bytes is None or self.kv_cache_bytes >= self.kv_needed_bytes
+        return self.total_gb <= self.vram_gb + 1e-9 and kv_ok
+
+    def largest(self, n: int = 3) -> list[Term]:
+        return sorted(self.terms.values(), key=lambda t: t.bytes, reverse=True)[:n]
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """The run's sizes the terms depend on."""
+
+    batch: int            # sequences per training micro-batch
+    generation_batch: int  # sequences vLLM generates at once
+    seq_len: int          # prompt + completion tokens
+    completion: int
+    compute_bytes: int    # 2 for 16-bit compute on a GPU, 4 for fp32
+
+
+def _sizes(config: RunConfig) -> _Sizes:
+    t = config.train
+    seq_len = min(t.max_prompt_length + t.max_completion_length, config.model.max_seq_length)
+    return _Sizes(batch=t.batch_size, generation_batch=t.generation_batch_size, seq_len=seq_len,
+                  completion=min(t.max_completion_length, seq_len),
+                  compute_bytes=4 if config.model.dtype == "float32" else 2)
+
+
+def lora_param_count(shape: ModelShape, config: RunConfig) -> int:
+    dims = {**shape.linear_dims(), "lm_head": (shape.hidden, shape.vocab)}
+    per_layer = sum(sum(dims[m]) for m in config.lora.target_modules if m in dims and m != "lm_head")
+    head = sum(dims["lm_head"]) if "lm_head" in config.lora.target_modules else 0
+    return config.lora.r * (per_layer * shape.layers + head)
+
+
+def activation_bytes_per_token_layer(shape: ModelShape, compute_bytes: int) -> int:
+    """Tensors one decoder layer keeps for backward, per token: norm inputs/outputs (some in fp32), q,
+    attention output (~8 x hidden), k and v (2 x kv_dim), gate, up, act(gate), act x up (4 x intermediate)."""
+    return (8 * shape.hidden + 2 * shape.kv_dim + 4 * shape.intermediate) * compute_bytes
+
+
+def _weights_term(shape: ModelShape, config: RunConfig, s: _Sizes) -> Term:
+    if config.memory.load_in_4bit:
+        size = int(shape.linear_params * NF4_BYTES_PER_PARAM + shape.other_params * s.compute_bytes)
+        label = "base weights, 4-bit NF4"
+        detail = (f"{shape.linear_params / 1e9:.2f}B linear params x {NF4_BYTES_PER_PARAM:.3f} B + "
+                  f"{shape.other_params / 1e9:.2f}B embedding/norm params x {s.compute_bytes} B")
+    else:
+        size = shape.params * s.compute_bytes
+        label = f"base weights, {8 * s.compute_bytes}-bit"
+        detail = f"{shape.params / 1e9:.2f}B params x {s.compute_bytes} B"
+    if config.model.fast_inference:
+        label += " (shared with vLLM)"
+    return Term("weights", label, size, detail, "model.name, memory.load_in_4bit")
+
+
+def _activation_term(shape: ModelShape, config: RunConfig, s: _Sizes, backend: str) -> Term:
+    tokens = s.batch * s.seq_len
+    layer = tokens * activation_bytes_per_token_layer(shape, s.compute_bytes)
+    checkpoint = tokens * shape.hidden * s.compute_bytes  # one layer input
+    mode = config.memory.gradient_checkpointing
+    if mode == "unsloth" and backend == "hf":  # only unsloth offloads; hf checkpoints in GPU memory
+        mode = "true"
+    if mode == "false":
+        size, how = shape.layers * layer, f"all {shape.layers} layers kept"
+    elif mode == "true":
+        size, how = shape.layers * checkpoint + layer, "layer inputs kept + one layer recomputed"
+    else:
+        size, how = checkpoint + layer, "layer inputs offloaded to CPU RAM + one layer recomputed"
+    return Term("activations", f"activations, gradient checkpointing={mode}", size,
+                f"{s.batch} sequences x {s.seq_len} tokens; {how}",
+                "memory.gradient_checkpointing, train.per_device_train_batch_size")
+
+
+def logits_bytes_held_whole(shape: ModelShape, completions: int, tokens: int, compute_bytes: int = 2) -> int:
+    """completions x tokens x vocab logits plus the log_softmax copy, as GRPO code without a chunked
+    LM head holds them (older TRL; Unsloth's 'TRL + FA2' comparison)."""
+    return completions * tokens * shape.vocab * 2 * compute_bytes
+
+
+def _logits_term(shape: ModelShape, s: _Sizes) -> Term:
+    """TRL 1.15 never holds the whole completions x tokens x vocab logits: its fused LM head
+    (trl.kernels.chunked_logprob) projects [4096 tokens, 32768 vocab] fp32 tiles, one at a time,
+    in the forward and again in the backward. The term is those two tiles; the detail gives the size
+    the logits (+ a log_softmax copy) would take held whole, as older TRL versions held them."""
+    rows = min(s.batch * s.seq_len, TRL_TOKEN_CHUNK)
+    size = 2 * rows * min(shape.vocab, TRL_VOCAB_CHUNK) * 4
+    whole = logits_bytes_held_whole(shape, s.batch, s.completion, s.compute_bytes)
+    return Term("logits", f"logits {s.batch} x {s.completion} x {shape.vocab}, in fp32 tiles", size,
+                f"2 tiles of {rows} x {min(shape.vocab, TRL_VOCAB_CHUNK)} x 4 B; held whole with a log_softmax "
+                f"copy they would be {whole / GIB:.2f} GiB",
+                "train.num_generations, train.max_completion_length")
+
+
+def _training_terms(shape: ModelShape, config: RunConfig, backend: str) -> dict[str, Term]:
+    s = _sizes(config)
+    lora = lora_param_count(shape, config)
+    optim_bytes = OPTIMIZER_BYTES_PER_PARAM[config.train.optim]
+    return {
+        "weights": _weights_term(shape, config, s),
+        "lora": Term("lora", f"LoRA params + grads, r={config.lora.r}", lora * LORA_BYTES_PER_PARAM,
+                     f"{lora / 1e6:.1f}M params x {LORA_BYTES_PER_PARAM} B (fp32 weight + grad)",
+                     "lora.r, lora.target_modules"),
+        "optimizer": Term("optimizer", f"optimizer state, {config.train.optim}", lora * optim_bytes,
+                          f"{lora / 1e6:.1f}M params x {optim_bytes} B", "train.optim"),
+        "activations": _activation_term(shape, config, s, backend),
+        "logits": _logits_term(shape, s),
+    }
+
+
+def _resolve_vram(config: RunConfig, vram_gb: Optional[float]) -> Optional[float]:
+    return vram_gb if vram_gb is not None else config.memory.vram_gb
+
+
+def _estimate(config: RunConfig, vram_gb: Optional[float], backend: str = "unsloth") -> MemoryPlan:
+    """The plan's terms for `config` on a card of `vram_gb` GiB (None: the smallest card that fits)."""
+    shape = model_shape(config.model.name)
+    terms = _training_terms(shape, config, backend)
+    cuda = Term("cuda", "CUDA context + allocator", CUDA_OVERHEAD_BYTES,
+                "CUDA context, cuBLAS workspace, fragmentation (a constant)", "")
+    outside_vllm = sum(t.bytes for k, t in terms.items() if k != "weights") + cuda.bytes
+    weights = terms["weights"].bytes
+    if not config.model.fast_inference:
+        terms["cuda"] = cuda
+        return MemoryPlan(config, shape, terms, vram_gb, (outside_vllm + weights) / GIB, backend=backend)
+
+    s = _sizes(config)
+    util = config.memory.gpu_memory_utilization
+    kv_per_token = 2 * shape.layers * shape.kv_dim * KV_BYTES
+    kv_needed = s.generation_batch * s.seq_len * kv_per_token
+    # vLLM takes util x card for the (shared) weights, its runtime and the KV cache; training gets the rest.
+    min_vram = max((weights + VLLM_RUNTIME_BYTES + kv_needed) / util, outside_vllm / (1 - util)) / GIB
+    card = vram_gb if vram_gb is not None else min_vram
+    reserved = int(util * card * GIB)
+    kv_cache = reserved - weights - VLLM_RUNTIME_BYTES
+    terms["vllm"] = Term(
+        "vllm", f"vLLM KV cache + runtime ({util:g} x {card:.1f} GiB - weights)", max(reserved - weights, 0),
+        f"gpu_memory_utilization {util:g} of the card, less the shared weights; KV cache {kv_cache / GIB:.2f} GiB, "
+        f"{kv_needed / GIB:.2f} GiB holds {s.generation_batch} sequences x {s.seq_len} tokens",
+        "memory.gpu_memory_utilization")
+    terms["cuda"] = cuda
+    return MemoryPlan(config, shape, terms, vram_gb, min_vram, kv_cache_bytes=kv_cache,
+                      kv_needed_bytes=kv_needed, backend=backend)
+
+
+def plan(config: RunConfig, vram_gb: Optional[float] = None, backend: str = "unsloth") -> MemoryPlan:
+    """Peak GPU memory of `config` on a card of `vram_gb` GiB (default: memory.vram_gb; None = no card:
+    the plan then gives the smallest card that fits), on `backend` ('unsloth', what auto picks on a
+    GPU, or 'hf'). A plan that does not fit carries suggestions."""
+    vram_gb = _resolve_vram(config, vram_gb)
+    result = _estimate(config, vram_gb, backend)
+    if result.fits is False:
+        fitted, changes = fit_settings(config, vram_gb, SUGGESTION_SPARE * vram_gb, backend)
+        if fitted is None:
+            result.no_fit_reason = changes
+        else:
+            result.suggestions = changes
+            result.suggested_total_gb = _estimate(fitted, vram_gb, backend).total_gb
+    return result
+
+
+# --------------------------------------------------------------------------- making a plan fit
+
+def with_settings(config: RunConfig, settings: dict[str, Any]) -> RunConfig:
+    """A validated copy of `config` with `section.key` settings replaced."""
+    raw = config.to_dict()
+    for dotted, value in settings.items():
+        section, key = dotted.split(".")
+        raw[section][key] = value
+    return config_from_dict(raw)
+
+
+def _get(config: RunConfig, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(config, section), key)
+
+
+def _fits(config: RunConfig, vram_gb: float, reserve_gb: float = 0.0, backend: str = "unsloth") -> bool:
+    """Does `config` fit a card of `vram_gb` GiB with `reserve_gb` of it left unplanned?"""
+    p = _estimate(config, vram_gb, backend)
+    return bool(p.fits) and p.total_gb + reserve_gb <= vram_gb
+
+
+def _tune_utilization(config: RunConfig, vram_gb: float, reserve_gb: float = 0.0, backend: str = "unsloth") -> RunConfig:
+    """With vLLM: the gpu_memory_utilization (a multiple of 0.05 where one works) that leaves room both
+    for vLLM's KV cache and for training, nearest the middle of that range; `config` if none does."""
+    if not config.model.fast_inference or _fits(config, vram_gb, reserve_gb, backend):
+        return config
+    probe = _estimate(with_settings(config, {"memory.gpu_memory_utilization": 0.5}), vram_gb, backend)
+    weights = probe.terms["weights"].bytes
+    outside = sum(t.bytes for k, t in probe.terms.items() if k not in ("weights", "vllm"))
+    card = vram_gb * GIB
+    low = max((weights + VLLM_RUNTIME_BYTES + probe.kv_needed_bytes) / card, 0.05)
+    high = min(1 - (outside + reserve_gb * GIB) / card, 0.95)
+    if low > high:
+        return config
+    grid = [k / 20 for k in range(1, 20) if low <= k / 20 <= high]
+    middle = (low + high) / 2
+    value = min(grid, key=lambda u: abs(u - middle)) if grid else math.ceil(low * 100) / 100
+    return with_settings(config, {"memory.gpu_memory_utilization": value})
+
+
+def _num_generations(config: RunConfig, n: int) -> dict[str, Any]:
+    """num_generations=n, with per_device_train_batch_size following it where it was set."""
+    settings: dict[str, Any] = {"train.num_generations": n}
+    if config.train.per_device_train_batch_size is not None:
+        settings["train.per_device_train_batch_size"] = n
+    return settings
+
+
+# Knobs in the order they are turned: free ones first, then those that cost quality or speed. Each
+# gives the values to try, from the least change to the most.
+def _knobs(config: RunConfig) -> list[tuple[str, list]]:
+    t = config.train
+    return [
+        ("memory.gradient_checkpointing", ["unsloth"]),
+        ("train.optim", ["paged_adamw_8bit"]),
+        ("memory.load_in_4bit", [True]),
+        ("train.num_generations", [n for n in (8, 6, 4) if n < t.num_generations]),
+        ("train.max_completion_length", [c for c in (1024, 768, 512, 384, 256) if c < t.max_completion_length]),
+        ("lora.r", [r for r in (32, 16, 8) if r < config.lora.r]),
+        ("model.fast_inference", [False]),
+        ("train.num_generations", [n for n in (3, 2) if n < min(t.num_generations, 4)]),
+        ("train.max_completion_length", [c for c in (192, 128) if c < min(t.max_completion_length, 256)]),
+    ]
+
+
+def fit_settings(config: RunConfig, vram_gb: float, reserve_gb: float = 0.0,
+                 backend: str = "unsloth") -> tuple[Optional[RunConfig], Any]:
+    """Settings of `config` that fit a card of `vram_gb` GiB, leaving `reserve_gb` unplanned:
+    (fitted config, [Suggestion]) or, when none do, (None, why). Turns the knobs in order until the
+    plan fits, then gives back the cuts that turned out not to be needed."""
+    def fits(c):
+        return _fits(c, vram_gb, reserve_gb, backend)
+
+    def set_to(c, key, value):
+        settings = _num_generations(c, value) if key == "train.num_generations" else {key: value}
+        return _tune_utilization(with_settings(c, settings), vram_gb, reserve_gb, backend)
+
+    current = _tune_utilization(config, vram_gb, reserve_gb, backend)
+    turned: list[tuple[str, list]] = []
+    for key, values in _knobs(config):
+        values = [v for v in values if v != _get(current, key)]
+        if fits(current) or not values:
+            continue
+        for value in values:  # the least change that fits, else the most this knob gives
+            tried = set_to(current, key, value)
+            if fits(tried):
+                break
+        current = tried
+        turned.append((key, values))
+    if not fits(current):
+        need = _estimate(current, vram_gb, backend).min_vram_gb + reserve_gb
+        return None, f"even with {', '.join(s.as_override() for s in _diff(config, current))} it needs {need:.1f} GiB"
+    for key, values in reversed(turned):  # give back: largest value (original first) that still fits
+        for value in [_get(config, key)] + values:
+            if value == _get(current, key):
+                break
+            candidate = set_to(current, key, value)
+            if fits(candidate):
+                current = candidate
+                break
+    return current, _diff(config, current)
+
+
+_SUGGESTED_KEYS = ["memory.gradient_checkpointing", "train.optim", "memory.load_in_4bit", "model.fast_inference",
+                   "memory.gpu_memory_utilization", "train.num_generations", "train.per_device_train_batch_size",
+                   "train.max_completion_length", "lora.r"]
+
+
+def _diff(original: RunConfig, changed: RunConfig) -> list[Suggestion]:
+    return [Suggestion(k, _get(changed, k), _get(original, k)) for k in _SUGGESTED_KEYS
+            if _get(changed, k) != _get(original, k)]
+
+
+def apply_suggestions(config: RunConfig, suggestions: list[Suggestion]) -> RunConfig:
+    """`config` with the plan's suggested settings (what --auto-fit runs)."""
+    return with_settings(config, {s.key: s.value for s in suggestions})
+
+
+def presets_that_fit(vram_gb: float) -> list[tuple[str, float]]:
+    """(preset, planned GiB) of the presets whose own settings fit a card of `vram_gb` GiB, GPU presets first."""
+    from .config import list_presets, load_config
+
+    found = []
+    for name in list_presets():
+        try:
+            config = load_config(name)
+            p = plan(dataclasses.replace(config, memory=dataclasses.replace(config.memory, vram_gb=None)), vram_gb)
+        except ConfigError:
+            continue
+        if p.fits and config.requires_cuda:
+            found.append((name, p.total_gb))
+    return found
+
+
+# --------------------------------------------------------------------------- reporting
+
+def format_plan(p: MemoryPlan, title: str = "") -> str:
+    """The plan as a table, then whether it fits and what to change."""
+    rows = [(t.label, f"{t.gib:6.2f}", t.settings or "-") for t in p.terms.values()]
+    rows.append(("total", f"{p.total_gb:6.2f}", ""))
+    width = max(len(r[0]) for r in rows)
+    head = title or f"memory plan: {p.model} ({p.shape.params / 1e9:.2f}B params)"
+    lines = [head, f"  {'component':<{width}}  {'GiB':>6}  lower it with", f"  {'-' * width}  ------  -------------"]
+    lines += [f"  {label:<{width}}  {gib}  {settings}" for label, gib, settings in rows]
+    lines.append(_verdict(p))
+    return "\n".join(lines)
+
+
+def _verdict(p: MemoryPlan) -> str:
+    if p.fits is None:
+        return (f"needs a card of at least {p.min_vram_gb:.1f} GiB (estimate); "
+                "plan for a given card with --vram GB")
+    if p.fits:
+        return f"fits a {p.vram_gb:g} GiB card: {p.total_gb:.1f} GiB planned, {p.vram_gb - p.total_gb:.1f} GiB to spare"
+    why = f"does NOT fit a {p.vram_gb:g} GiB card: {p.total_gb:.1f} GiB planned"
+    if p.kv_cache_bytes is not None and p.kv_cache_bytes < p.kv_needed_bytes:
+        why += (f" and vLLM's KV cache at gpu_memory_utilization={p.config.memory.gpu_memory_utilization:g} "
+                f"({max(p.kv_cache_bytes, 0) / GIB:.2f} GiB) is below the {p.kv_needed_bytes / GIB:.2f} GiB one generation batch needs")
+    if p.suggestions:
+        sets = " ".join(f"--set {s.as_override()}" for s in p.suggestions)
+        return (f"{why}\nto fit, change: {', '.join(map(str, p.suggestions))} -> {p.suggested_total_gb:.1f} GiB planned\n"
+                f"  (run with --auto-fit, or add: {sets})")
+    others = presets_that_fit(p.vram_gb)
+    alternative = (f"use a smaller model: {', '.join(f'--preset {n} ({gb:.1f} GiB)' for n, gb in others)}"
+                   if others else "no preset fits this card")
+    return f"{why}\nno settings of this preset fit: {p.no_fit_reason}; {alternative}"
+
+
+def oom_message(p: Optional[MemoryPlan], checkpoint: Optional[Path] = None) -> str:
+    """One line for a CUDA out-of-memory during training: the plan's largest terms, the settings to lower
+    and to what (those the plan proposes for a card 20% smaller than it planned), and the checkpoint kept."""
+    kept = f"; the adapter of the last checkpoint is kept in {checkpoint}" if checkpoint else "; no checkpoint was written yet"
+    if p is None:
+        return ("CUDA out of memory during training (no memory plan for this model); lower train.num_generations "
+                f"or train.max_completion_length: the logits term grows with both{kept}")
+    largest = ", ".join(f"{t.key} {t.gib:.1f} GiB ({t.settings or 'fixed'})" for t in p.largest(3))
+    card = p.vram_gb or p.min_vram_gb
+    growing = sum(p.terms[k].bytes for k in ("lora", "optimizer", "activations", "logits")) / GIB
+    # The real peak passed the card, so the plan fell short by at least its spare: plan that much lower,
+    # and a margin more on the terms that grow during training.
+    reserve = max(card - p.total_gb, 0) + OOM_UNDERESTIMATE * growing
+    fitted, changes = fit_settings(p.config, card, reserve, p.backend)
+    if fitted is None:
+        advice = f"no settings of this preset plan under {card - reserve:.1f} GiB: use a smaller model"
+    elif not changes:
+        advice = "lower train.num_generations or train.max_completion_length (the logits term grows with both)"
+    else:
+        advice = f"set {', '.join(map(str, changes))} (plans {_estimate(fitted, card, p.backend).total_gb:.1f} instead of {p.total_gb:.1f} GiB)"
+    return f"CUDA out of memory during training; largest planned terms: {largest}; {advice}{kept}"
+
+
+def latest_checkpoint(run_dir: Path) -> Optional[Path]:
+    """The newest checkpoint-N folder of a run, or None."""
+    found = [(int(m.group(1)), d) for d in Path(run_dir).glob("checkpoint-*")
+             if d.is_dir() and (m := re.fullmatch(r"checkpoint-(\d+)", d.name))]
+    return max(found)[1] if found else None
+
+
+@contextlib.contextmanager
+def out_of_memory_reported(p: Optional[MemoryPlan], run_dir: Path):
+    """Turns a CUDA out-of-memory inside the block into `OutOfMemory` with `oom_message`'s one line.
+    Nothing is deleted: the checkpoints written so far stay in `run_dir`."""
+    import torch
+
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError:
+        raise OutOfMemory(oom_message(p, latest_checkpoint(run_dir))) from None

@@ -1,0 +1,342 @@
+"""The memory plan (lowvram_grpo.memory): its arithmetic, the published figures it is checked against,
+its suggestions, the CLI's --dry-run / --vram / --auto-fit / --export, the OOM report, and the CUDA
+path's wiring at its boundary (the arguments built for GPU libraries; nothing here ran on a GPU)."""
+import ast
+import dataclasses
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, run_cli
+from lowvram_grpo.config import list_presets, load_config
+from lowvram_grpo.memory import (GIB, OutOfMemory, PlanError, apply_suggestions, format_plan, logits_bytes_held_whole,
+                                 model_shape, oom_message, out_of_memory_reported, plan, shape_from_config_json)
+
+GPU_PRESETS = ["llama8b_4bit", "qwen3b_4bit", "qwen1_5b_4bit"]
+
+
+# --------------------------------------------------------------------------- shapes
+
+@pytest.mark.parametrize("name, billions", [
+    ("meta-llama/meta-Llama-3.1-8B-Instruct", 8.03), ("unsloth/Llama-3.2-3B-Instruct", 3.21),
+    ("Qwen/Qwen2.5-3B-Instruct", 3.09), ("Qwen/Qwen2.5-1.5B-Instruct", 1.54), ("Qwen/Qwen2.5-0.5B-Instruct", 0.49),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", 0.135), ("unsloth/meta-Llama-3.1-8B-Instruct-bnb-4bit", 8.03),
+])
+def test_known_shapes_give_the_published_parameter_counts(name, billions):
+    assert model_shape(name).params / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def test_the_tiny_shape_is_the_built_model_and_counts_its_parameters(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    shape = shape_from_config_json(tiny_model_dir / "config.json")
+    assert dataclasses.replace(shape, name="builtin:tiny") == model_shape("builtin:tiny")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert model_shape("builtin:tiny").params == sum(p.numel() for p in model.parameters())
+
+
+def test_a_local_checkpoint_is_planned_from_its_config_json(tiny_model_dir):
+    local = plan(load_config("tiny", [f"model.name={tiny_model_dir}"]))
+    builtin = plan(load_config("tiny"))
+    assert {k: t.bytes for k, t in local.terms.items()} == {k: t.bytes for k, t in builtin.terms.items()}
+
+
+def test_an_unknown_model_says_how_to_give_its_shape():
+    with pytest.raises(PlanError, match="config.json"):
+        plan(load_config("llama8b_4bit", ["model.name=someone/Mystery-7B"]))
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+def _total(preset, *overrides, card=None):
+    return plan(load_config(preset, list(overrides)), card).total_bytes
+
+
+@pytest.mark.parametrize("setting, values", [
+    ("train.num_generations", [2, 4, 6, 8]),
+    ("train.max_completion_length", [128, 256, 512, 768]),
+    ("lora.r", [8, 16, 32, 64]),
+    ("train.max_prompt_length", [64, 128, 256]),
+])
+@pytest.mark.parametrize("preset", ["llama8b_4bit", "qwen1_5b_4bit"])
+def test_the_plan_grows_with_each_size(preset, setting, values):
+    def overrides(v):
+        extra = [f"train.per_device_train_batch_size={v}"] if setting == "train.num_generations" else []
+        return [f"{setting}={v}", "model.max_seq_length=2048", *extra]
+
+    # on a fixed card, so that vLLM's share stays put and only the training terms move
+    totals = [_total(preset, *overrides(v), card=80) for v in values]
+    assert totals == sorted(totals) and len(set(totals)) == len(totals), totals
+
+
+def test_the_plan_grows_with_model_size():
+    names = ["Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-3B-Instruct",
+             "meta-llama/meta-Llama-3.1-8B-Instruct"]
+    for key in ("weights", "lora", "activations"):
+        sizes = [plan(load_config("qwen3b_4bit", [f"model.name={n}"])).terms[key].bytes for n in names]
+        assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes), (key, sizes)
+    minimum = [plan(load_config("qwen3b_4bit", [f"model.name={n}"])).min_vram_gb for n in names]
+    assert minimum == sorted(minimum)
+
+
+def test_memory_settings_shrink_their_terms():
+    base = plan(load_config("llama8b_4bit"), 24)
+    sixteen_bit = plan(load_config("llama8b_4bit", ["memory.load_in_4bit=false"]), 24)
+    assert sixteen_bit.terms["weights"].bytes == pytest.approx(8.03e9 * 2, rel=0.01)
+    assert base.terms["weights"].gib == pytest.approx(5.3, abs=0.2)  # NF4 linear layers + 16-bit embeddings
+    fp32_adam = plan(load_config("llama8b_4bit", ["train.optim=adamw_torch"]), 24)
+    assert fp32_adam.terms["optimizer"].bytes == 4 * base.terms["optimizer"].bytes  # 8 vs 2 bytes/param
+    no_ckpt = plan(load_config("llama8b_4bit", ['memory.gradient_checkpointing="false"']), 24)
+    ckpt = plan(load_config("llama8b_4bit", ['memory.gradient_checkpointing="true"']), 24)
+    assert no_ckpt.terms["activations"].bytes > 10 * ckpt.terms["activations"].bytes > 10 * base.terms["activations"].bytes
+    # 'unsloth' offloads only on the unsloth backend; on hf it is plain checkpointing
+    assert plan(load_config("llama8b_4bit"), 24, backend="hf").terms["activations"].bytes == ckpt.terms["activations"].bytes
+
+
+def test_vllm_takes_its_share_of_the_card_and_training_gets_the_rest():
+    config = load_config("llama8b_4bit")
+    p = plan(config, 16)
+    assert p.terms["vllm"].bytes + p.terms["weights"].bytes == pytest.approx(0.6 * 16 * GIB, abs=1)
+    assert plan(load_config("llama8b_4bit", ["memory.gpu_memory_utilization=0.8"]), 16).total_bytes > p.total_bytes
+    without = plan(load_config("llama8b_4bit", ["model.fast_inference=false"]), 16)
+    assert "vllm" not in without.terms and without.total_bytes < p.total_bytes
+    # too small a share: the KV cache cannot hold one generation batch, so it does not fit
+    starved = plan(load_config("llama8b_4bit", ["memory.gpu_memory_utilization=0.25"]), 24)
+    assert starved.total_gb < 24 and starved.fits is False
+
+
+def test_logits_are_counted_as_trl_computes_them():
+    """TRL 1.15 scores the logits in [4096 x 32768] fp32 tiles; held whole (older TRL) they are the
+    figure Unsloth published for 'TRL + FA2': 78.3 GB for Llama-3.1-8B, 8 generations x 20K tokens."""
+    shape = model_shape("meta-llama/meta-Llama-3.1-8B-Instruct")
+    assert logits_bytes_held_whole(shape, 8, 20_000) / 1e9 == pytest.approx(78.3, rel=0.06)
+    tiles = plan(load_config("llama8b_4bit")).terms["logits"]
+    assert tiles.bytes == 2 * 4096 * 32768 * 4 and "2.20 GiB" in tiles.detail
+
+
+def test_the_notebook_settings_fit_the_card_unsloth_names():
+    """Unsloth: Llama-3.1-8B GRPO fits in 15 GB (the notebook runs on a 16 GB T4); Qwen2.5-1.5B in 5 GB."""
+    llama = plan(load_config("llama8b_4bit"))
+    assert 10 <= llama.min_vram_gb <= 15.5
+    assert plan(load_config("llama8b_4bit"), 15).fits
+    assert 3.5 <= plan(load_config("qwen1_5b_4bit")).min_vram_gb <= 6.5
+
+
+# --------------------------------------------------------------------------- suggestions
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+@pytest.mark.parametrize("card", [4, 6, 8, 10, 12])
+def test_suggestions_fit_when_replanned(preset, card):
+    config = load_config(preset)
+    p = plan(config, card)
+    if p.fits:
+        assert not p.suggestions
+        return
+    if not p.suggestions:
+        assert p.no_fit_reason.startswith("even with")
+        return
+    fitted = apply_suggestions(config, p.suggestions)
+    replanned = plan(fitted, card)
+    assert replanned.fits and replanned.total_gb == pytest.approx(p.suggested_total_gb)
+    assert all(s.as_override().startswith(s.key + "=") for s in p.suggestions)
+
+
+def test_suggestions_change_as_little_as_needed():
+    p = plan(load_config("llama8b_4bit"), 10)
+    assert not p.fits
+    changed = {s.key: s.value for s in p.suggestions}
+    assert "lora.r" not in changed and "model.fast_inference" not in changed  # not needed at 10 GiB
+    assert changed.get("train.per_device_train_batch_size") == changed.get("train.num_generations")
+
+
+def test_a_card_too_small_for_any_setting_names_the_presets_that_fit():
+    p = plan(load_config("llama8b_4bit"), 6)
+    assert not p.fits and not p.suggestions
+    text = format_plan(p)
+    assert "no settings of this preset fit" in text and "--preset qwen1_5b_4bit" in text
+
+
+def test_the_table_names_the_stack_and_the_total():
+    text = format_plan(plan(load_config("llama8b_4bit"), 16))
+    for word in ("4-bit", "vLLM", "paged_adamw_8bit", "total", "fits a 16 GiB card"):
+        assert word in text
+
+
+# --------------------------------------------------------------------------- presets
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+def test_gpu_presets_state_the_vram_their_plan_needs(preset):
+    config = load_config(preset)
+    assert config.requires_cuda and config.memory.load_in_4bit and config.model.fast_inference
+    stated = float(re.search(r"plan: ([\d.]+) GiB min", config.description).group(1))
+    assert stated == pytest.approx(plan(config).min_vram_gb, abs=0.05)
+    text = (REPO / "presets" / f"{preset}.yaml").read_text()
+    assert f"at least {stated} GiB" in text  # the header says it too
+    for key in ("r", "optim", "num_generations", "max_completion_length", "load_in_4bit",
+                "gpu_memory_utilization", "gradient_checkpointing", "fast_inference"):
+        line = next(l for l in text.splitlines() if l.strip().startswith(f"{key}:"))
+        assert "#" in line, f"{preset}: {key} has no comment saying what it does to memory"
+
+
+def test_every_preset_can_be_planned():
+    for name in list_presets():
+        assert plan(load_config(name)).total_gb > 0
+
+
+# --------------------------------------------------------------------------- out of memory
+
+def test_an_out_of_memory_report_is_one_line_with_what_to_lower(tmp_path):
+    p = plan(load_config("llama8b_4bit"), 16)
+    message = oom_message(p, tmp_path / "checkpoint-50")
+    assert "\n" not in message
+    assert "largest planned terms: weights 5.3 GiB" in message
+    assert re.search(r"set [a-z_]+\.[a-z_]+=[\w.]+ \(was ", message)
+    assert str(tmp_path / "checkpoint-50") in message
+    assert "no checkpoint was written yet" in oom_message(None)
+
+
+def test_cuda_oom_inside_training_becomes_that_line_and_keeps_the_checkpoints(tmp_path):
+    import torch
+
+    for step in (2, 10, 9):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    p = plan(load_config("qwen1_5b_4bit"), 8)
+    with pytest.raises(OutOfMemory) as caught:
+        with out_of_memory_reported(p, tmp_path):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert str(caught.value) == oom_message(p, tmp_path / "checkpoint-10")
+    assert sorted(d.name for d in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-2", "checkpoint-9"]
+
+
+# --------------------------------------------------------------------------- CLI
+
+def test_dry_run_prints_the_plan_with_a_total():
+    proc = run_cli("--preset", "llama8b_4bit", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "preset: llama8b_4bit" in proc.stdout  # the resolved config
+    for word in ("4-bit", "vLLM", "paged_adamw_8bit", "total", "needs a card of at least"):
+        assert word in proc.stdout
+
+
+def test_vram_6_says_it_does_not_fit_and_what_to_change():
+    proc = run_cli("--preset", "llama8b_4bit", "--dry-run", "--vram", "6")
+    assert proc.returncode == 0, proc.stderr
+    assert "does NOT fit a 6 GiB card" in proc.stdout and "--preset qwen1_5b_4bit" in proc.stdout
+
+
+def test_vram_10_proposes_settings_and_auto_fit_applies_them():
+    proc = run_cli("--preset", "llama8b_4bit", "--dry-run", "--vram", "10")
+    assert "to fit, change:" in proc.stdout and "--set train.num_generations=4" in proc.stdout
+    fitted = run_cli("--preset", "llama8b_4bit", "--dry-run", "--vram", "10", "--auto-fit")
+    assert fitted.returncode == 0, fitted.stderr
+    assert "auto-fit for a 10 GiB card: set " in fitted.stdout and "fits a 10 GiB card" in fitted.stdout
+    resolved = yaml.safe_load(fitted.stdout[fitted.stdout.index("preset:"):fitted.stdout.index("GPU memory plan")])
+    assert resolved["train"]["num_generations"] == 4 and resolved["memory"]["vram_gb"] == 10
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--auto-fit"], "--auto-fit needs a card size"),
+    (["--auto-fit", "--vram", "6"], "no settings of preset llama8b_4bit fit a 6 GiB card"),
+    (["--vram", "zero"], "--vram"),
+])
+def test_auto_fit_that_cannot_work_is_one_error_line(args, fragment, tmp_path):
+    proc = run_cli("--preset", "llama8b_4bit", "--dry-run", *args)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and fragment in proc.stderr
+
+
+def test_unknown_model_dry_run_says_the_plan_cannot_be_made():
+    proc = run_cli("--preset", "llama8b_4bit", "--set", "model.name=someone/Mystery-7B", "--dry-run")
+    assert proc.returncode == 0
+    assert "GPU memory plan: no memory plan for model 'someone/Mystery-7B'" in proc.stdout
+
+
+def test_gpu_preset_without_cuda_stops_before_the_heavy_imports(tmp_path):
+    code = ("import sys; from lowvram_grpo.run import main; "
+            f"rc = main(['--preset', 'llama8b_4bit', '--max-steps', '1', '--output-dir', {str(tmp_path / 'out')!r}]); "
+            "heavy = [m for m in ('transformers', 'trl', 'peft', 'unsloth', 'vllm') if m in sys.modules]; "
+            "print('RC', rc, 'HEAVY', heavy)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "RC 2 HEAVY []" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "needs an NVIDIA GPU" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_gguf_export_on_the_hf_backend_is_refused_before_anything_is_written(tmp_path):
+    proc = run_cli("--preset", "tiny", "--backend", "hf", "--export", "gguf", "--output-dir", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "--export gguf needs the unsloth backend" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- export (hf backend, for real)
+
+def test_merged16_export_on_the_hf_backend_equals_the_adapted_model(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lowvram_grpo.backends import export_model, load_model
+
+    handle = load_model(load_config("tiny"), "hf")
+    torch.manual_seed(0)
+    for name, weight in handle.model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero: give the adapter something to merge
+            weight.data.normal_(0, 0.5)
+    adapter = handle.save_lora(tmp_path / "adapter")
+    out = export_model(handle, adapter, tmp_path / "export-merged16", "merged16")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    assert merged.dtype == torch.bfloat16 and not hasattr(merged, "peft_config")
+    ids = torch.tensor([[1, 5, 9, 20, 33, 40]])
+    with torch.no_grad():
+        adapted = handle.model(ids).logits
+        with handle.model.disable_adapter():
+            base = handle.model(ids).logits
+        exported = merged(ids).logits.float()
+    assert (exported - adapted).abs().max() < 0.05 < (adapted - base).abs().max()
+
+
+# --------------------------------------------------------------------------- the CUDA path at its boundary
+
+def test_grpo_config_for_the_gpu_preset_uses_vllm_and_paged_8bit_adamw(tmp_path):
+    """What the CUDA branch hands TRL, built here without a GPU (not a claim that it ran on one)."""
+    from lowvram_grpo.training import grpo_args
+
+    args = grpo_args(load_config("llama8b_4bit"), tmp_path, cuda=True)
+    assert args.use_vllm and args.vllm_mode == "colocate" and args.vllm_gpu_memory_utilization == 0.6
+    assert args.optim == "paged_adamw_8bit" and args.gradient_checkpointing and not args.use_cpu
+    assert args.bf16 or args.fp16
+    assert (args.num_generations, args.per_device_train_batch_size, args.max_completion_length) == (6, 6, 768)
+
+
+def test_unsloth_load_arguments_for_the_gpu_preset():
+    from lowvram_grpo.backends.unsloth_backend import from_pretrained_kwargs, get_peft_model_kwargs
+
+    config = load_config("llama8b_4bit")
+    load = from_pretrained_kwargs(config, config.model.name)
+    assert load == dict(model_name="meta-llama/meta-Llama-3.1-8B-Instruct", max_seq_length=1024, dtype=None,
+                        load_in_4bit=True, fast_inference=True, max_lora_rank=32, gpu_memory_utilization=0.6,
+                        use_gradient_checkpointing="unsloth")
+    peft = get_peft_model_kwargs(config)
+    assert (peft["r"], peft["lora_alpha"], peft["use_gradient_checkpointing"]) == (32, 32, "unsloth")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
+def test_the_exports_call_unsloths_gpu_savers_as_they_are_defined():
+    """unsloth's CUDA savers cannot be imported without a GPU (Triton), so their source is read:
+    the methods it binds, and that our keyword arguments are among their parameters."""
+    from lowvram_grpo.backends.unsloth_backend import EXPORTS
+
+    source = (Path(importlib.util.find_spec("unsloth").origin).parent / "save.py").read_text()
+    functions = {f.name: f for f in ast.walk(ast.parse(source)) if isinstance(f, ast.FunctionDef)}
+    implementations = {"save_pretrained_merged": "unsloth_generic_save_pretrained_merged",
+                       "save_pretrained_gguf": "unsloth_save_pretrained_gguf"}
+    for kind, (method, kwargs) in EXPORTS.items():
+        assert f"model.{method} = _bind_saving_method(" in source
+        params = [a.arg for a in functions[implementations[method]].args.args]
+        assert params[1:3] == ["save_directory", "tokenizer"] and set(kwargs) <= set(params), (kind, params)
+    assert '"q4_k_m"' in ast.get_docstring(functions["unsloth_save_pretrained_gguf"]) or "q4_k_m" in source
