@@ -31,6 +31,9 @@ NOTEBOOK_SYSTEM_PROMPT = """Respond in the following format:
 </answer>"""
 
 
+BUILTIN_MODELS = ("builtin:tiny", "builtin:smollm2")  # made locally by builtin_models.py
+
+
 class ConfigError(ValueError):
     """A bad preset, override or option. The message says how to fix it."""
 
@@ -65,6 +68,11 @@ class ModelConfig:
 
     def __post_init__(self):
         _check(bool(self.name), "model.name is empty: give a hub id, a local path, or builtin:tiny")
+        _check(not self.name.startswith("builtin:") or self.name in BUILTIN_MODELS,
+               f"unknown built-in model {self.name!r} in model.name: use {' or '.join(BUILTIN_MODELS)}")
+        looks_local = self.name.startswith(("/", "./", "../", "~"))
+        _check(not looks_local or Path(self.name).expanduser().exists(),
+               f"model.name {self.name} does not exist: give an existing model folder, a hub id (org/name) or builtin:tiny")
         _check(self.max_seq_length >= 16, f"model.max_seq_length must be >= 16; got {self.max_seq_length}")
         _one_of("model", "dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
 

@@ -14,6 +14,7 @@ line with its exit code. This module imports transformers: only training.py impo
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import sys
 import threading
@@ -30,6 +31,7 @@ class NonFiniteGuard(TrainerCallback):
     def __init__(self, max_in_a_row: int, learning_rate: float):
         self.max_in_a_row, self.learning_rate = max_in_a_row, learning_rate
         self.skipped, self.in_a_row, self.stopped_at = 0, 0, None
+        self._norm_finite = True
 
     def state(self) -> dict:
         return {"skipped_nonfinite": self.skipped, "nonfinite_in_a_row": self.in_a_row}
@@ -38,11 +40,17 @@ class NonFiniteGuard(TrainerCallback):
         self.skipped = int(state.get("skipped_nonfinite", 0))
         self.in_a_row = int(state.get("nonfinite_in_a_row", 0))
 
+    def note_grad_norm(self, norm) -> None:
+        """The step's gradient norm before clipping (the trainer calls this). An inf norm matters even
+        though clipping then scales every gradient to 0: Adam's momentum would still move the weights."""
+        self._norm_finite = norm is None or bool(math.isfinite(float(norm)))
+
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         import torch
 
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not params or torch.isfinite(torch.nn.utils.get_total_norm([p.grad for p in params])):
+        norm_finite, self._norm_finite = self._norm_finite, True
+        if norm_finite and (not params or torch.isfinite(torch.nn.utils.get_total_norm([p.grad for p in params]))):
             self.in_a_row = 0
             return
         for p in params:
@@ -57,14 +65,24 @@ class NonFiniteGuard(TrainerCallback):
         if logs is not None and "reward" in logs:  # a training step's row (metrics.jsonl)
             logs["skipped_nonfinite"] = self.skipped
 
-    def raise_if_stopped(self, run_dir: Path, checkpoint) -> None:
+    def raise_if_stopped(self, state, checkpoint) -> None:
         if self.stopped_at is None:
             return
-        where = f"the last checkpoint before it is {checkpoint}" if checkpoint else "no checkpoint was written"
+        kept = f"; the newest checkpoint is {checkpoint} (skipped steps leave the weights unchanged)" if checkpoint else ""
         raise TrainingStopped(
-            f"stopped at step {self.stopped_at}: {self.in_a_row} steps in a row had a NaN/inf loss or gradient "
-            f"(each skipped; train.max_nonfinite_steps={self.max_in_a_row}). Lower train.learning_rate "
-            f"(now {self.learning_rate:g}) or check that the rewards stay small and finite; {where}"
+            f"stopped at step {self.stopped_at} of {state.max_steps}: {self.in_a_row} steps in a row had a NaN/inf "
+            f"loss or gradient (each skipped; train.max_nonfinite_steps={self.max_in_a_row}). Lower "
+            f"train.learning_rate (now {self.learning_rate:g}) or check that the rewards stay small{kept}"
+        )
+
+    def explain(self, exc: BaseException, state):
+        """A TrainingStopped for sampling that failed on NaN/inf probabilities (the weights blew up in one
+        step, before any gradient was non-finite), else None."""
+        if "probability tensor contains" not in str(exc):
+            return None
+        return TrainingStopped(
+            f"sampling failed at step {state.global_step + 1} of {state.max_steps}: the model's outputs are NaN/inf, "
+            f"so the last update blew the weights up. Lower train.learning_rate (now {self.learning_rate:g})"
         )
 
 

@@ -163,11 +163,15 @@ def adapter_version(path: Path) -> int:
     return weights.stat().st_mtime_ns if weights.exists() else 0
 
 
-def load_adapter_into(peft_model, path: Path, adapter_name: str) -> None:
+def load_adapter_into(peft_model, path: Path, adapter_name: str, base_model: str = "") -> None:
     """Load the adapter at `path` into `peft_model` under `adapter_name` (inactive until selected)."""
-    check_adapter_dir(path)
+    restore_interrupted_replace(Path(path))
+    config = check_adapter_dir(path)
     try:
         peft_model.load_adapter(str(path), adapter_name=adapter_name, is_trainable=False)
     except (RuntimeError, ValueError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0][:300]
-        raise AdapterError(f"adapter at {path} does not fit this base model: {first}") from None
+        lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
+        detail = next((line for line in lines if "size mismatch" in line), lines[0])[:300]
+        made_for = config.get("base_model_name_or_path") or "an unnamed base"
+        this = f"; this is {base_model}" if base_model else ""
+        raise AdapterError(f"adapter at {path} does not fit this base model (it was made for {made_for}{this}): {detail}") from None

@@ -18,6 +18,7 @@ Bad input is rejected before anything is written (`ConfigError`, `DataError`, `B
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,24 @@ def show_memory_plan(config: RunConfig, backend: str, log):
     return memory_plan
 
 
+def check_output_dir(path: Path) -> Path:
+    """Refuse an output dir that cannot be created, writing nothing (it is made just before the first write)."""
+    path = Path(path)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    problem = None
+    if existing == path and not path.is_dir():
+        problem = "it is a file"
+    elif existing != path and not existing.is_dir():
+        problem = f"{existing} is a file"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{existing} is not writable"
+    if problem:
+        raise ConfigError(f"cannot create output dir {path}: {problem}; pass a writable --output-dir")
+    return path
+
+
 def prepare_output_dir(path: Path) -> Path:
     path = Path(path)
     try:
@@ -102,7 +121,7 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, h
 
     # Data: questions in, held-out split aside. Fails before anything is written.
     train_questions, eval_questions = load_questions(config.data)
-    output_dir = prepare_output_dir(output_dir)
+    output_dir = check_output_dir(output_dir)  # created below, once model and data have been accepted
 
     memory_plan = show_memory_plan(config, backend, log)  # before every GPU run, before the model takes memory
 
@@ -130,6 +149,7 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, h
     from .evaluation import evaluate, format_table
     from .training import build_trainer
 
+    output_dir = prepare_output_dir(output_dir)  # the first write: bad input was refused before this
     trainer = build_trainer(handle, config, train_rows, output_dir, cuda)
     if resume_from is None:
         atomic_write_text(output_dir / "config.yaml", config.to_yaml())
@@ -167,8 +187,13 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, h
             trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     except RewardError as exc:
         raise checkpoints.TrainingStopped(f"{exc}; {_resume_hint(output_dir)}") from None
+    except RuntimeError as exc:  # NaN/inf weights make sampling fail: say so instead of torch's message
+        stopped = trainer.nonfinite_guard.explain(exc, trainer.state)
+        if stopped is None:
+            raise
+        raise stopped from None
     train_seconds = time.time() - train_started
-    trainer.nonfinite_guard.raise_if_stopped(output_dir, checkpoints.latest_checkpoint(output_dir))
+    trainer.nonfinite_guard.raise_if_stopped(trainer.state, checkpoints.latest_checkpoint(output_dir))
 
     adapter_dir = handle.save_lora(output_dir / "adapter")
     trainer.stop_signals.raise_if_stopped(trainer.state, output_dir, adapter_dir)

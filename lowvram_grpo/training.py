@@ -183,6 +183,19 @@ class CheckpointingGRPOTrainer(GRPOTrainer):
             **self.nonfinite_guard.state(),
         }
 
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:  # also when training raises: the error line must not land on the bar's line
+            for callback in self.callback_handler.callbacks:
+                if isinstance(callback, ProgressBar) and callback.bar is not None:
+                    callback.bar.close()
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        grad_norm = super()._get_grad_norm(model, grad_norm)  # the norm before clipping
+        self.nonfinite_guard.note_grad_norm(grad_norm)
+        return grad_norm
+
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         checkpoints.restore_trained_adapter(model if model is not None else self.model, Path(resume_from_checkpoint))

@@ -169,7 +169,7 @@ class ModelHandle:
         if key in self._loaded:
             return self._loaded[key]
         request = LoraRequest(name=f"loaded_{len(self._loaded) + 1}", id=len(self._loaded) + 1, path=str(path))
-        lora_io.load_adapter_into(self.model, path, request.name)
+        lora_io.load_adapter_into(self.model, path, request.name, base_model=self.base_model)
         self._loaded[key] = request
         return request
 

@@ -1,0 +1,296 @@
+"""The bad-input sweep: every CLI option and every config key with a wrong value ends in one
+`error: ...` line on stderr, exit code 2, no traceback, and nothing written.
+
+The cases are the lists below; `test_every_cli_option_has_a_case` and `test_every_config_key_has_a_case`
+fail when an option or key is added without one. They run in-process through `lowvram_grpo.run.main`
+(they fail before any model loads, so the sweep takes seconds); `test_in_a_fresh_process` reruns a
+sample as real `python -m lowvram_grpo.run` processes. In the argument lists `{tmp}` is a folder of
+prepared bad files (see `bad_files`) and `{run}` an existing run directory."""
+import dataclasses
+import json
+
+import pytest
+
+from conftest import run_cli
+from lowvram_grpo.config import SECTIONS, _TOP_LEVEL_SCALARS
+
+# ---------------------------------------------------------------- CLI options: (id, argv, fragment of the error line)
+CLI_CASES = [
+    ("preset-unknown", ["--preset", "nope"], "unknown preset 'nope'"),
+    ("preset-invalid-yaml", ["--preset", "{tmp}/broken.yaml"], "is not valid YAML"),
+    ("preset-not-a-mapping", ["--preset", "{tmp}/list.yaml"], "must be a YAML mapping"),
+    ("preset-unknown-section", ["--preset", "{tmp}/section.yaml"], "unknown section 'trainer'"),
+    ("preset-unknown-key", ["--preset", "{tmp}/key.yaml"], "unknown key 'train.lr'"),
+    ("list-presets-with-value", ["--list-presets=yes"], "ignored explicit argument"),
+    ("set-without-equals", ["--preset", "tiny", "--set", "train.max_steps"], "--set expects section.key=value"),
+    ("set-three-parts", ["--preset", "tiny", "--set", "train.a.b=1"], "--set key must be section.key"),
+    ("set-unknown-section", ["--preset", "tiny", "--set", "trainer.max_steps=1"], "unknown section 'trainer'"),
+    ("set-unknown-key", ["--preset", "tiny", "--set", "train.bogus=1"], "unknown key 'train.bogus'"),
+    ("set-missing-value", ["--preset", "tiny", "--set"], "expected one argument"),
+    ("max-steps-zero", ["--preset", "tiny", "--max-steps", "0"], "--max-steps: must be >= 1"),
+    ("max-steps-word", ["--preset", "tiny", "--max-steps", "many"], "--max-steps: expected a whole number"),
+    ("dataset-missing", ["--preset", "tiny", "--dataset", "{tmp}/missing.jsonl"], "does not exist"),
+    ("dataset-empty", ["--preset", "tiny", "--dataset", "{tmp}/empty.jsonl"], "is empty"),
+    ("dataset-no-columns", ["--preset", "tiny", "--dataset", "{tmp}/cols.jsonl"], "lacks the field(s)"),
+    ("dataset-bad-json", ["--preset", "tiny", "--dataset", "{tmp}/badjson.jsonl"], "is not valid JSON"),
+    ("dataset-unknown-extension", ["--preset", "tiny", "--dataset", "{tmp}/data.csv"], "unknown extension"),
+    ("output-dir-under-a-file", ["--preset", "tiny", "--output-dir", "{tmp}/a_file/sub"], "cannot create output dir"),
+    ("output-dir-is-a-file", ["--preset", "tiny", "--output-dir", "{tmp}/a_file"], "cannot create output dir"),
+    ("backend-unknown", ["--preset", "tiny", "--backend", "vllm"], "--backend: invalid choice"),
+    ("resume-no-dir", ["--resume", "{tmp}/no-run"], "no such directory"),
+    ("resume-not-a-run", ["--resume", "{tmp}"], "no config.yaml there"),
+    ("resume-complete-run", ["--resume", "{run}"], "that run is complete"),
+    ("resume-with-preset", ["--resume", "{run}", "--preset", "tiny"], "drop --preset"),
+    ("resume-with-set", ["--resume", "{run}", "--set", "train.max_steps=9"], "drop --set"),
+    ("resume-with-output-dir", ["--resume", "{run}", "--output-dir", "{tmp}/elsewhere"], "drop --output-dir"),
+    ("resume-missing-value", ["--resume"], "expected one argument"),
+    ("dry-run-with-value", ["--preset", "tiny", "--dry-run=yes"], "ignored explicit argument"),
+    ("vram-zero", ["--preset", "tiny", "--vram", "0"], "--vram: must be > 0"),
+    ("vram-word", ["--preset", "tiny", "--vram", "big"], "--vram: expected a number of GiB"),
+    ("auto-fit-without-a-card", ["--preset", "tiny", "--auto-fit"], "--auto-fit needs a card size"),
+    ("export-unknown", ["--preset", "tiny", "--export", "zip"], "--export: invalid choice"),
+    ("export-gguf-on-hf", ["--preset", "tiny", "--backend", "hf", "--export", "gguf"], "needs the unsloth backend"),
+    ("debug-with-value", ["--preset", "tiny", "--debug=yes"], "ignored explicit argument"),
+    ("gpu-preset-without-gpu", ["--preset", "llama8b_4bit"], "needs an NVIDIA GPU"),
+    ("unknown-option", ["--preset", "tiny", "--lr", "1"], "unrecognized arguments: --lr"),
+]
+
+# ---------------------------------------------------------------- config keys: (key, value, fragment), via --set
+CONFIG_CASES = [
+    ("model.name", "builtin:nope", "unknown built-in model 'builtin:nope'"),
+    ("model.name", "./no/such/model", "model.name ./no/such/model does not exist"),
+    ("model.name", "''", "model.name is empty"),
+    ("model.max_seq_length", "8", "model.max_seq_length must be >= 16"),
+    ("model.dtype", "fp8", "model.dtype must be one of"),
+    ("model.fast_inference", "maybe", "model.fast_inference must be bool"),
+    ("model.fast_inference", "true", "needs an NVIDIA GPU"),
+    ("lora.r", "0", "lora.r must be > 0"),
+    ("lora.alpha", "-1", "lora.alpha must be > 0"),
+    ("lora.dropout", "1.5", "lora.dropout must be in [0, 1)"),
+    ("lora.target_modules", "[]", "lora.target_modules is empty"),
+    ("lora.target_modules", "q_proj", "lora.target_modules must be a list of str"),
+    ("lora.random_state", "abc", "lora.random_state must be int"),
+    ("train.learning_rate", "0", "train.learning_rate must be > 0"),
+    ("train.adam_beta1", "1.5", "train.adam_beta1 must be in [0, 1)"),
+    ("train.adam_beta2", "-0.1", "train.adam_beta2 must be in [0, 1)"),
+    ("train.weight_decay", "-1", "train.weight_decay must be >= 0"),
+    ("train.warmup_ratio", "1", "train.warmup_ratio must be in [0, 1)"),
+    ("train.lr_scheduler_type", "exponential", "train.lr_scheduler_type must be one of"),
+    ("train.optim", "sgd", "train.optim must be one of"),
+    ("train.per_device_train_batch_size", "3", "must be divisible by train.num_generations"),
+    ("train.per_device_train_batch_size", "0", "train.per_device_train_batch_size must be > 0 or null"),
+    ("train.gradient_accumulation_steps", "0", "train.gradient_accumulation_steps must be >= 1"),
+    ("train.num_generations", "1", "train.num_generations must be >= 2"),
+    ("train.max_prompt_length", "0", "train.max_prompt_length must be >= 1"),
+    ("train.max_completion_length", "0", "train.max_completion_length must be >= 1"),
+    ("train.temperature", "0", "train.temperature must be > 0"),
+    ("train.top_p", "0", "train.top_p must be in (0, 1]"),
+    ("train.beta", "-0.1", "train.beta must be >= 0"),
+    ("train.epsilon", "0", "train.epsilon must be > 0"),
+    ("train.loss_type", "ppo", "train.loss_type must be one of"),
+    ("train.max_grad_norm", "0", "train.max_grad_norm must be > 0"),
+    ("train.max_steps", "0", "train.max_steps must be >= 1"),
+    ("train.save_steps", "0", "train.save_steps must be >= 1"),
+    ("train.keep_checkpoints", "0", "train.keep_checkpoints must be >= 1"),
+    ("train.max_nonfinite_steps", "0", "train.max_nonfinite_steps must be >= 1"),
+    ("train.logging_steps", "0", "train.logging_steps must be >= 1"),
+    ("train.seed", "abc", "train.seed must be int"),
+    ("data.dataset", "{tmp}/missing.jsonl", "does not exist"),
+    ("data.system_prompt", "[a, b]", "data.system_prompt must be str"),
+    ("data.num_train", "0", "data.num_train must be >= 1 or null"),
+    ("data.eval_size", "0", "data.eval_size must be >= 1"),
+    ("data.max_operand", "1", "data.max_operand must be >= 2"),
+    ("data.seed", "1.5", "data.seed must be int"),
+    ("rewards.names", "[]", "rewards.names is empty"),
+    ("rewards.names", "[nope]", "unknown reward 'nope' in rewards.names"),
+    ("rewards.names", "[int, int]", "rewards.names lists a reward twice"),
+    ("rewards.weights", "[1, 2]", "rewards.weights has 2 values for 6 names"),
+    ("rewards.weights", "[a, b, c, d, e, f]", "rewards.weights[0] must be float"),
+    ("rewards.module", "{tmp}/missing.py", "rewards.module {tmp}/missing.py does not exist"),
+    ("rewards.module", "{tmp}/rewards.txt", "rewards.module must be a .py file"),
+    ("rewards.module", "{tmp}/syntax.py", "failed to import: SyntaxError"),
+    ("rewards.module", "{tmp}/importerr.py", "failed to import: ModuleNotFoundError"),
+    ("rewards.on_error", "ignore", "rewards.on_error must be one of stop, zero"),
+    ("prime.steps", "-1", "prime.steps must be >= 0"),
+    ("prime.learning_rate", "0", "prime.learning_rate must be > 0"),
+    ("prime.batch_size", "0", "prime.batch_size must be >= 1"),
+    ("eval.temperature", "-1", "eval.temperature must be >= 0"),
+    ("eval.top_p", "2", "eval.top_p must be in (0, 1]"),
+    ("eval.seed", "x", "eval.seed must be int"),
+    ("eval.batch_size", "0", "eval.batch_size must be >= 1"),
+    ("eval.enabled", "maybe", "eval.enabled must be bool"),
+    ("memory.load_in_4bit", "maybe", "memory.load_in_4bit must be bool"),
+    ("memory.gpu_memory_utilization", "0.99", "memory.gpu_memory_utilization must be in [0.05, 0.95]"),
+    ("memory.gradient_checkpointing", "sometimes", "memory.gradient_checkpointing must be one of"),
+    ("memory.vram_gb", "0", "memory.vram_gb must be > 0 or null"),
+]
+
+# ---------------------------------------------------------------- a user's reward file: (id, extra --set values, fragment)
+REWARD_FILE_CASES = [
+    ("name-not-in-file", ["rewards.module={tmp}/good.py", "rewards.names=[says_four, nope]"],
+     "unknown reward 'nope' in rewards.names: choose from"),
+    ("not-callable", ["rewards.module={tmp}/notcallable.py", "rewards.names=[score]"], "'score' in rewards.module"),
+    ("probe-wrong-length", ["rewards.module={tmp}/wronglen.py", "rewards.names=[wrong_len]"],
+     "reward 'wrong_len' returned 2 scores for 1 completions"),
+    ("probe-raises", ["rewards.module={tmp}/raises.py", "rewards.names=[raises]"], "reward 'raises' raised ValueError: boom"),
+    ("probe-nan", ["rewards.module={tmp}/nan.py", "rewards.names=[nan_score]"], "reward 'nan_score' returned nan as score 0"),
+    ("probe-not-numbers", ["rewards.module={tmp}/text.py", "rewards.names=[text_score]"], "returned 'good' (str) as score 0"),
+    ("shadows-a-built-in", ["rewards.module={tmp}/shadow.py", "rewards.names=[correctness]"],
+     "defines 'correctness', the name of a built-in reward"),
+]
+
+# ---------------------------------------------------------------- top-level preset keys, via a preset file: (id, YAML, fragment)
+TOP_LEVEL_CASES = [
+    ("preset", "preset: [a]\nmodel: {name: builtin:tiny}\n", "preset must be str"),
+    ("description", "description: {a: 1}\nmodel: {name: builtin:tiny}\n", "description must be str"),
+    ("requires_cuda", "requires_cuda: maybe\nmodel: {name: builtin:tiny}\n", "requires_cuda must be bool"),
+    ("requires_cuda-without-gpu", "requires_cuda: true\nmodel: {name: builtin:tiny}\n", "needs an NVIDIA GPU"),
+    ("section-not-a-mapping", "train: 5\n", "section 'train' must be a mapping"),
+]
+
+FILES = {
+    "broken.yaml": "model: [unclosed\n",
+    "list.yaml": "- a\n- b\n",
+    "section.yaml": "trainer: {max_steps: 1}\n",
+    "key.yaml": "train: {lr: 1}\n",
+    "empty.jsonl": "",
+    "cols.jsonl": '{"q": "a", "a": "b"}\n' * 40,
+    "badjson.jsonl": '{"question": "1 + 1?", "answer": "#### 2"}\n{oops\n',
+    "data.csv": "question,answer\n",
+    "a_file": "x",
+    "rewards.txt": "not python",
+    "syntax.py": "def broken(:\n",
+    "importerr.py": "import not_a_module_anywhere_xyz\n",
+    "good.py": "def says_four(prompts, completions, **kwargs):\n    return [1.0 for _ in completions]\n",
+    "notcallable.py": "score = 3\n",
+    "wronglen.py": "def wrong_len(prompts, completions, **kwargs):\n    return [1.0] * (len(completions) + 1)\n",
+    "raises.py": "def raises(prompts, completions, **kwargs):\n    raise ValueError('boom')\n",
+    "nan.py": "def nan_score(prompts, completions, **kwargs):\n    return [float('nan')] * len(completions)\n",
+    "text.py": "def text_score(prompts, completions, **kwargs):\n    return ['good'] * len(completions)\n",
+    "shadow.py": "def correctness(prompts, completions, **kwargs):\n    return [0.0] * len(completions)\n",
+}
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad")
+    for name, text in FILES.items():
+        (tmp / name).write_text(text)
+    for case_id, text, _ in TOP_LEVEL_CASES:
+        (tmp / f"top-{case_id}.yaml").write_text(text)
+    run = tmp / "complete-run"  # what a finished run leaves (for --resume)
+    run.mkdir()
+    (run / "config.yaml").write_text("preset: tiny\nmodel: {name: builtin:tiny}\n")
+    (run / "summary.json").write_text(json.dumps({"status": "complete", "steps": 3}))
+    return tmp
+
+
+def _fill(args, tmp):
+    return [a.replace("{tmp}", str(tmp)).replace("{run}", str(tmp / "complete-run")) for a in args]
+
+
+def _snapshot(folder):
+    return sorted((str(p.relative_to(folder)), p.stat().st_mtime_ns) for p in folder.rglob("*"))
+
+
+def _main(argv, capsys):
+    from lowvram_grpo.run import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.err
+
+
+def _assert_refused(code, stderr, fragment):
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert code == 2, stderr
+    assert "Traceback" not in stderr
+    assert len(errors) == 1 and lines[-1] == errors[0], stderr
+    assert fragment in errors[0], errors[0]
+
+
+def _check_case(argv, fragment, tmp, capsys):
+    argv = _fill(argv, tmp)
+    out = tmp / "out-never"
+    if "--output-dir" not in argv and "--resume" not in argv:
+        argv += ["--output-dir", str(out)]
+    before = _snapshot(tmp)
+    code, stderr = _main(argv, capsys)
+    _assert_refused(code, stderr, _fill([fragment], tmp)[0])
+    assert not out.exists() and _snapshot(tmp) == before, "a refused run must write nothing"
+
+
+@pytest.mark.parametrize("argv, fragment", [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
+def test_bad_cli_option(argv, fragment, bad_files, capsys):
+    _check_case(argv, fragment, bad_files, capsys)
+
+
+@pytest.mark.parametrize("key, value, fragment", CONFIG_CASES, ids=[f"{k}={v}" for k, v, _ in CONFIG_CASES])
+def test_bad_config_value(key, value, fragment, bad_files, capsys):
+    _check_case(["--preset", "tiny", "--set", f"{key}={value}"], fragment, bad_files, capsys)
+
+
+@pytest.mark.parametrize("sets, fragment", [c[1:] for c in REWARD_FILE_CASES], ids=[c[0] for c in REWARD_FILE_CASES])
+def test_bad_reward_file(sets, fragment, bad_files, capsys):
+    argv = ["--preset", "tiny"] + [part for s in sets for part in ("--set", s)]
+    _check_case(argv, fragment, bad_files, capsys)
+
+
+@pytest.mark.parametrize("case_id, fragment", [(c[0], c[2]) for c in TOP_LEVEL_CASES], ids=[c[0] for c in TOP_LEVEL_CASES])
+def test_bad_top_level_preset_value(case_id, fragment, bad_files, capsys):
+    _check_case(["--preset", f"{{tmp}}/top-{case_id}.yaml"], fragment, bad_files, capsys)
+
+
+def test_every_cli_option_has_a_case():
+    from lowvram_grpo.run import build_parser
+
+    options = {s for action in build_parser()._actions for s in action.option_strings} - {"-h", "--help"}
+    covered = {arg.split("=")[0] for _, argv, _ in CLI_CASES for arg in argv if arg.startswith("--")}
+    assert options - covered == set(), "add a bad-value case to CLI_CASES"
+
+
+def test_every_config_key_has_a_case():
+    keys = {f"{section}.{f.name}" for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    assert keys - {key for key, _, _ in CONFIG_CASES} == set(), "add a bad-value case to CONFIG_CASES"
+    assert set(_TOP_LEVEL_SCALARS) - {c[0] for c in TOP_LEVEL_CASES} == set(), "add a case to TOP_LEVEL_CASES"
+
+
+IN_A_FRESH_PROCESS = ["max-steps-word", "set-unknown-key", "resume-complete-run", "gpu-preset-without-gpu"]
+
+
+@pytest.mark.parametrize("case_id", IN_A_FRESH_PROCESS)
+def test_in_a_fresh_process(case_id, bad_files):
+    _, argv, fragment = next(c for c in CLI_CASES if c[0] == case_id)
+    argv = _fill(argv, bad_files)
+    out = bad_files / "out-never"
+    proc = run_cli(*argv, *([] if "--resume" in argv else ["--output-dir", str(out)]), timeout=120)
+    _assert_refused(proc.returncode, proc.stderr, fragment)
+    assert not out.exists()
+
+
+def test_a_mismatched_or_corrupt_adapter_is_refused_by_load_lora(tmp_path, tiny_model_dir):
+    """An adapter trained on a base with another hidden size, or a damaged one, is an AdapterError
+    that says so (test_training covers the incomplete and missing ones on a trained handle)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lowvram_grpo.backends import load_model
+    from lowvram_grpo.config import load_config
+    from lowvram_grpo.lora_io import AdapterError
+
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    get_peft_model(other, LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")).save_pretrained(
+        tmp_path / "other")
+    handle = load_model(load_config("tiny"), "hf")
+    with pytest.raises(AdapterError, match=r"does not fit this base model \(it was made for .*\): .*size mismatch"):
+        handle.load_lora(tmp_path / "other")
+    handle.save_lora(tmp_path / "mine")
+    weights = tmp_path / "mine" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # cut short, as a full disk would leave it
+    with pytest.raises(AdapterError, match="corrupt adapter_model.safetensors"):
+        handle.load_lora(tmp_path / "mine")
