@@ -77,7 +77,7 @@ def test_notebook_runs_top_to_bottom_on_cpu(executed):
     assert not [o for o in outputs(notebook) if o.output_type == "error"]
     text = text_of(notebook)
     assert "preset tiny on CPU" in text and "2 priming steps, 3 GRPO steps" in text
-    assert "memory plan: builtin:tiny" in text or "memory plan (lowvram_grpo.memory.plan) is not part" in text
+    assert "memory plan: builtin:tiny" in text and "needs a card of at least" in text  # no card here: the smallest
     assert "nothing to install" in text  # the install cell is a no-op where the packages are present
     assert "export skipped" in text  # the export cell says why it does nothing on CPU
     assert (out / "grpo_saved_lora" / "adapter_model.safetensors").is_file()
