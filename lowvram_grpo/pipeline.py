@@ -160,7 +160,6 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, h
 
     before, before_texts = (None, [])
     if config.eval.enabled and resume_from is None:
-
         log(f"measuring the base model on {len(eval_rows)} held-out questions ...")
         before, before_texts = evaluate(handle, eval_rows, config, lora_request=None)
 
@@ -176,7 +175,7 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, h
             primed, _ = evaluate(handle, eval_rows, config, lora_request=handle.load_lora(primed_dir))
 
     if resume_from is None:  # kept for a resumed run, which does not measure or prime again
-        write_start_summary(output_dir, before, before_texts, primed, priming)
+        write_start_summary(output_dir, backend, before, before_texts, primed, priming)
     else:
         before, before_texts, primed, priming = read_start_summary(output_dir)
         log(f"resuming from {resume_from}")
@@ -238,9 +237,10 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, h
     return RunResult(output_dir=output_dir, adapter_dir=adapter_dir, summary=summary, handle=handle)
 
 
-def write_start_summary(output_dir: Path, before, before_texts, primed, priming) -> None:
+def write_start_summary(output_dir: Path, backend: str, before, before_texts, primed, priming) -> None:
     """summary.json while training runs: the numbers measured before GRPO, which a resumed run reuses."""
-    start = {"status": "training", "before": before, "before_texts": before_texts, "primed": primed, "priming": priming}
+    start = {"status": "training", "backend": backend, "before": before, "before_texts": before_texts,
+             "primed": primed, "priming": priming}
     atomic_write_text(output_dir / "summary.json", json.dumps(start, indent=2) + "\n")
 
 
@@ -250,6 +250,13 @@ def read_start_summary(output_dir: Path) -> tuple:
     except (OSError, json.JSONDecodeError):
         start = {}
     return start.get("before"), start.get("before_texts", []), start.get("primed"), start.get("priming")
+
+
+def _started_backend(run_dir: Path) -> str:
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("backend") or "auto"
+    except (OSError, json.JSONDecodeError):
+        return "auto"
 
 
 def _resume_hint(run_dir: Path) -> str:
@@ -262,6 +269,12 @@ def resume(run_dir: Path, backend: str = "auto", log=print) -> RunResult:
     """Continue the run in `run_dir` (`--resume`) from its newest complete checkpoint to its configured end."""
     run_dir = Path(run_dir)
     config = checkpoints.resumable_config(run_dir)
+    started = _started_backend(run_dir)  # backends differ in their optimizers' saved states
+    if backend == "auto":
+        backend = started
+    elif started != "auto" and backend != started:
+        raise ConfigError(f"--resume {run_dir}: the run started on the {started} backend; "
+                          f"resume it with --backend {started} (or leave --backend out)")
     checkpoints.remove_leftovers(run_dir)
     checkpoint = checkpoints.latest_checkpoint(run_dir)
     if checkpoint is None:

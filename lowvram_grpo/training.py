@@ -3,7 +3,9 @@
 This module maps our config onto `GRPOConfig`, hands TRL the PEFT model, the reward functions (with
 their weights) and the prompt rows, and adds three callbacks: a progress bar (step, reward, loss, time
 left), a `metrics.jsonl` writer (one JSON object per logged step) and the training-signal warnings
-(signals.py: truncated completions, groups with all-equal rewards, a flat reward).
+(signals.py: truncated completions, groups with all-equal rewards, a flat reward), plus the guards
+(guards.py: NaN/inf steps skipped, Ctrl-C / SIGTERM at a step boundary). Checkpoints are written
+atomically with our run state, and resuming restores the trained adapter (CheckpointingGRPOTrainer).
 
 Choices, as in the Unsloth notebook: one prompt's group of `num_generations` completions per
 micro-step (per_device_train_batch_size defaults to num_generations), advantages normalised within

@@ -44,6 +44,7 @@ CLI_CASES = [
     ("resume-with-set", ["--resume", "{run}", "--set", "train.max_steps=9"], "drop --set"),
     ("resume-with-output-dir", ["--resume", "{run}", "--output-dir", "{tmp}/elsewhere"], "drop --output-dir"),
     ("resume-missing-value", ["--resume"], "expected one argument"),
+    ("resume-on-another-backend", ["--resume", "{tmp}/started-run", "--backend", "hf"], "started on the unsloth backend"),
     ("dry-run-with-value", ["--preset", "tiny", "--dry-run=yes"], "ignored explicit argument"),
     ("vram-zero", ["--preset", "tiny", "--vram", "0"], "--vram: must be > 0"),
     ("vram-word", ["--preset", "tiny", "--vram", "big"], "--vram: expected a number of GiB"),
@@ -182,6 +183,10 @@ def bad_files(tmp_path_factory):
     run.mkdir()
     (run / "config.yaml").write_text("preset: tiny\nmodel: {name: builtin:tiny}\n")
     (run / "summary.json").write_text(json.dumps({"status": "complete", "steps": 3}))
+    started = tmp / "started-run"  # a run killed while training on the unsloth backend
+    started.mkdir()
+    (started / "config.yaml").write_text("preset: tiny\nmodel: {name: builtin:tiny}\n")
+    (started / "summary.json").write_text(json.dumps({"status": "training", "backend": "unsloth"}))
     return tmp
 
 
