@@ -224,7 +224,8 @@ def header(run_dir: Path, summary: Optional[dict], config: dict, rows: list[dict
                      f"{summary.get('steps')} GRPO steps in {summary.get('train_seconds')} s "
                      f"({summary.get('total_seconds')} s for the whole run).")
     else:
-        lines.append("No summary.json: the run did not finish; the plots show the steps it logged.")
+        lines.append("The run did not finish (no summary.json, or one that says it is still training): "
+                     "the plots show the steps it logged; `python -m lowvram_grpo.run --resume RUN_DIR` continues it.")
     lines += ["", f"{len(rows)} logged steps in `metrics.jsonl`. Rebuild this report with "
               f"`python -m lowvram_grpo.report {run_dir}`."]
     return "\n".join(lines)
@@ -234,10 +235,10 @@ def render(run_dir: Path, rows: list[dict], summary: Optional[dict], config: dic
            signals: list[Signal], plots: dict[str, Optional[str]]) -> str:
     sections = [
         header(run_dir, summary, config, rows),
-        "## Before / after on the held-out questions\n\n" + (comparison_table(summary) if summary else "Not available: no summary.json."),
+        "## Before / after on the held-out questions\n\n" + (comparison_table(summary) if summary else "Not available: the run did not finish."),
         "## Training-signal warnings\n\n" + warnings_section(signals),
         "## Plots\n\n" + plots_section(plots, config),
-        "## Sample answers\n\n" + (samples_section(summary) if summary else "Not available: no summary.json."),
+        "## Sample answers\n\n" + (samples_section(summary) if summary else "Not available: the run did not finish."),
     ]
     return "\n\n".join(sections) + "\n"
 
@@ -250,6 +251,8 @@ def write_report(run_dir) -> Path:
         raise ReportError(f"run dir {run_dir} does not exist: pass the --output-dir of a lowvram_grpo run")
     rows = read_metrics(run_dir)  # everything is read and checked before anything is written
     summary = _read_json(run_dir / "summary.json")
+    if summary is not None and summary.get("status", "complete") != "complete":
+        summary = None  # written at the start of training; the before/after numbers come at the end
     config = read_config(run_dir)
     max_len = (config.get("train") or {}).get("max_completion_length")
     signals = scan(rows, max_len)

@@ -74,7 +74,11 @@ def test_report_of_an_unfinished_run_without_kl(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "config.yaml").write_text("preset: x\ntrain:\n  beta: 0.0\n  max_completion_length: 64\n")
     text = write_report(tmp_path).read_text()
-    assert "the run did not finish" in text
+    assert "The run did not finish" in text
+    # the summary.json written while training (before numbers only) is not taken for a finished run
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "training", "before": {"reward_mean": 0.1}}))
+    text = write_report(tmp_path).read_text()
+    assert "The run did not finish" in text and "evaluation was off" not in text
     assert "Not logged: train.beta = 0" in text
     assert not (tmp_path / "kl.png").exists()
     for kind in ("truncated", "no_signal", "flat_reward"):
