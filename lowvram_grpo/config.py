@@ -359,6 +359,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return value
     if tp is str and isinstance(value, str):
         return value
+    if tp is str and isinstance(value, bool):  # YAML reads true/false unquoted: gradient_checkpointing: false
+        return "true" if value else "false"
     if tp is str and isinstance(value, (int, float, bool)) and not isinstance(value, bool):
         return str(value)
     raise ConfigError(f"{where} must be {_type_name(tp)}; got {value!r} ({type(value).__name__})")

@@ -118,3 +118,44 @@ def test_save_lora_is_atomic_and_leaves_no_staging_dirs(trained, tmp_path):
     handle.save_lora(target)  # replacing an existing adapter
     assert (target / "adapter_model.safetensors").read_bytes() == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
+
+
+def test_sampling_inside_the_trainer_keeps_the_kv_cache_under_gradient_checkpointing(tmp_path, tiny_model_dir):
+    """transformers drops every layer's KV cache in train mode under gradient checkpointing, so TRL's
+    generate (which runs in train mode) would decode each token without its context. Ours samples in
+    eval mode: every decoding step after the prefill must see a cache, and training mode comes back."""
+    from datasets import Dataset  # noqa: F401  (imported by build_trainer; keeps import order obvious)
+
+    from lowvram_grpo.backends import load_model
+    from lowvram_grpo.data import load_questions, to_prompt_rows
+    from lowvram_grpo.training import build_trainer
+
+    config = load_config("tiny", ["train.max_steps=1", "eval.enabled=false", "memory.gradient_checkpointing=true"])
+    handle = load_model(config, "hf")
+    train_q, _ = load_questions(config.data)
+    trainer = build_trainer(handle, config, to_prompt_rows(train_q, config.data.system_prompt), tmp_path, cuda=False)
+    assert trainer.args.gradient_checkpointing
+
+    seen = []  # (in generation?, layer training flag, cache given?) per call of the first decoder layer
+    in_generation = [False]
+    layer = handle.model.get_base_model().model.layers[0]
+    layer.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append((in_generation[0], mod.training, kwargs.get("past_key_values") is not None)),
+        with_kwargs=True,
+    )
+    original = trainer._generate_single_turn
+
+    def flagged(*a, **kw):
+        in_generation[0] = True
+        try:
+            return original(*a, **kw)
+        finally:
+            in_generation[0] = False
+
+    trainer._generate_single_turn = flagged
+    trainer.train()
+    decoding = [s for s in seen if s[0]]
+    assert len(decoding) > 2
+    assert all(not training for _, training, _ in decoding), "generation must run in eval mode"
+    assert all(cache for _, _, cache in decoding[1:]), "decoding steps after the prefill must read the KV cache"
+    assert any(training for gen, training, _ in seen if not gen), "the training pass runs in train mode"
