@@ -78,26 +78,6 @@ def grpo_args(config, output_dir: Path, cuda: bool) -> GRPOConfig:
     )
 
 
-class LowVramGRPOTrainer(GRPOTrainer):
-    """TRL's GRPOTrainer, with generation in eval mode.
-
-    Why: TRL samples inside `training_step`, i.e. in train mode. Under gradient checkpointing,
-    transformers (5.17) then drops every layer's KV cache ("Caching is incompatible with gradient
-    checkpointing") while `generate` still feeds only the newest token, so each token is decoded
-    without its context: SmolLM2 answers "What is 12 + 7?" with "1-----------------------" instead
-    of "12 + 7 = ...". In eval mode the cache works: checkpointing's memory saving stays for the
-    training pass and sampling is correct and cached. (vLLM generation never takes this path.)
-    """
-
-    def _generate_single_turn(self, *args, **kwargs):
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            return super()._generate_single_turn(*args, **kwargs)
-        finally:
-            self.model.train(was_training)
-
-
 class MetricsWriter(TrainerCallback):
     """Appends each logged step to metrics.jsonl: `step`, `reward`, `loss` and every other TRL metric."""
 
@@ -167,7 +147,7 @@ class ProgressBar(TrainerCallback):
             self.bar.close()
 
 
-class CheckpointingGRPOTrainer(LowVramGRPOTrainer):
+class CheckpointingGRPOTrainer(GRPOTrainer):
     """TRL's GRPOTrainer whose checkpoints are written atomically with our run state (checkpoints.py),
     and whose resume restores the trained adapter. build_trainer sets the attributes below."""
 

@@ -121,9 +121,10 @@ def test_save_lora_is_atomic_and_leaves_no_staging_dirs(trained, tmp_path):
 
 
 def test_sampling_inside_the_trainer_keeps_the_kv_cache_under_gradient_checkpointing(tmp_path, tiny_model_dir):
-    """transformers drops every layer's KV cache in train mode under gradient checkpointing, so TRL's
-    generate (which runs in train mode) would decode each token without its context. Ours samples in
-    eval mode: every decoding step after the prefill must see a cache, and training mode comes back."""
+    """In train mode with gradient checkpointing on, transformers (5.17) drops every layer's KV cache
+    while generate still feeds only the newest token: SmolLM2 then answers "1------". TRL samples in
+    train mode but turns checkpointing off around generate; this guards that (a TRL/transformers
+    upgrade that loses it would train on garbage samples): every decoding step reads the cache."""
     from datasets import Dataset  # noqa: F401  (imported by build_trainer; keeps import order obvious)
 
     from lowvram_grpo.backends import load_model
@@ -156,6 +157,5 @@ def test_sampling_inside_the_trainer_keeps_the_kv_cache_under_gradient_checkpoin
     trainer.train()
     decoding = [s for s in seen if s[0]]
     assert len(decoding) > 2
-    assert all(not training for _, training, _ in decoding), "generation must run in eval mode"
     assert all(cache for _, _, cache in decoding[1:]), "decoding steps after the prefill must read the KV cache"
     assert any(training for gen, training, _ in seen if not gen), "the training pass runs in train mode"
