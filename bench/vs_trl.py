@@ -1,0 +1,308 @@
+"""Benchmark: lowvram_grpo's GRPO step against plain TRL, on the real SmolLM2-135M-Instruct, on CPU.
+
+    python bench/vs_trl.py                      # all variants, writes bench/results/vs_trl.json
+    python bench/vs_trl.py --steps 4 --variants ours,trl
+
+Each variant runs in its own fresh Python process (so peak RSS is that variant's alone), on the same
+model, prompts, seed and GRPO settings (G completions x L tokens, LoRA r=16 on all seven projections):
+
+- `ours`:    lowvram_grpo's path (`backends.load_model` + `training.build_trainer`, hf backend) with the
+             `smollm2_cpu` preset's memory settings.
+- `trl`:     plain TRL `GRPOTrainer` + PEFT LoRA, fp32, `adamw_torch`, TRL's defaults otherwise
+             (gradient checkpointing on). The one addition: TRL 1.15's log-prob kernel is Triton-only,
+             so it cannot run on a CPU at all without our PyTorch twin (`logprobs_fallback.install`).
+- `trl_nogc`: the same plain TRL with gradient checkpointing off (see the README: with it on, TRL's
+             train-mode sampling on a CPU decodes without the KV cache's context).
+- `unsloth`: lowvram_grpo's path on the unsloth backend (unsloth's CPU backend here).
+
+Per step it records wall seconds and where they go: generation, reward scoring, log-prob forwards
+without grad (old/reference policy), the training forward, and backward. Reports the median over
+steps after the first (warm-up) and the process's peak RSS (`ru_maxrss`), and the ratios ours/TRL.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+PARTS = ("generate", "rewards", "logps_nograd", "forward", "backward")
+
+
+def bench_overrides(args) -> list[str]:
+    """The run both sides share: base model (no priming), G completions x L tokens, fixed seed."""
+    return [
+        f"train.num_generations={args.generations}",
+        f"train.max_completion_length={args.tokens}",
+        f"train.max_steps={args.steps}",
+        "train.logging_steps=1",
+        "train.save_steps=100000",
+        "prime.steps=0",
+        "eval.enabled=false",
+    ] + list(args.set or [])
+
+
+# --------------------------------------------------------------------------- timing instrumentation
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class StepClock:
+    """Wall time per optimizer step, and per part (wrapped trainer methods) within each step."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+        self._current: dict | None = None
+        self._started = 0.0
+        self.peak_growth_mb = {part: 0.0 for part in PARTS}  # how much each part raised the peak RSS
+
+    def begin(self):
+        self._current = {part: 0.0 for part in PARTS}
+        self._started = time.perf_counter()
+
+    def end(self):
+        if self._current is not None:
+            self._current["step"] = time.perf_counter() - self._started
+            self.steps.append(self._current)
+            self._current = None
+
+    def wrap(self, obj, name: str, part_for_call):
+        original = getattr(obj, name)
+
+        def timed(*a, **kw):
+            t0, peak0 = time.perf_counter(), peak_rss_mb()
+            part = part_for_call()
+            try:
+                return original(*a, **kw)
+            finally:
+                self.peak_growth_mb[part] += peak_rss_mb() - peak0
+                if self._current is not None:
+                    self._current[part] += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
+
+def instrument(trainer) -> StepClock:
+    import torch
+    from transformers import TrainerCallback
+
+    clock = StepClock()
+
+    class Hook(TrainerCallback):
+        def on_step_begin(self, *a, **kw):
+            clock.begin()
+
+        def on_step_end(self, *a, **kw):
+            clock.end()
+
+    trainer.add_callback(Hook())
+    clock.wrap(trainer, "_generate_single_turn", lambda: "generate")
+    clock.wrap(trainer, "_calculate_rewards", lambda: "rewards")
+    clock.wrap(trainer, "_get_per_token_logps_and_entropies",
+               lambda: "forward" if torch.is_grad_enabled() else "logps_nograd")
+    clock.wrap(trainer.accelerator, "backward", lambda: "backward")
+    return clock
+
+
+def keep_first_completion(trainer) -> list[str]:
+    """Record the decoded first completion of every generation call (to check the samples make sense)."""
+    samples: list[str] = []
+    original = trainer._generate_single_turn
+
+    def recorded(*a, **kw):
+        result = original(*a, **kw)
+        samples.append(trainer.processing_class.decode(result[0][0], skip_special_tokens=True)[:200])
+        return result
+
+    trainer._generate_single_turn = recorded
+    return samples
+
+
+# --------------------------------------------------------------------------- the variants (child side)
+
+
+def prompt_rows(config):
+    from lowvram_grpo.data import load_questions, to_prompt_rows
+
+    train_questions, _ = load_questions(config.data)
+    return to_prompt_rows(train_questions, config.data.system_prompt)
+
+
+def build_ours(config, backend: str):
+    from lowvram_grpo.backends import load_model, prepare_backend
+
+    prepare_backend(backend)  # unsloth first, before trl/transformers
+    from lowvram_grpo.training import build_trainer
+
+    handle = load_model(config, backend)
+    out = Path(tempfile.mkdtemp(prefix=f"bench-{backend}-"))
+    return build_trainer(handle, config, prompt_rows(config), out, cuda=False)
+
+
+def build_plain_trl(config, gradient_checkpointing: bool = True):
+    """What a user writes from TRL's docs: GRPOTrainer + a PEFT LoRA config, fp32, AdamW.
+
+    TRL's GRPOConfig turns gradient checkpointing on by default; `trl_nogc` turns it off."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lowvram_grpo import logprobs_fallback
+    from lowvram_grpo.builtin_models import resolve_model_path
+    from lowvram_grpo.rewards import REWARDS
+
+    logprobs_fallback.install()  # without it TRL 1.15 has no CPU log-prob path at all
+    path = resolve_model_path(config.model.name)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    t = config.train
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="bench-trl-"),
+        learning_rate=t.learning_rate,
+        optim="adamw_torch",
+        per_device_train_batch_size=t.num_generations,
+        num_generations=t.num_generations,
+        max_completion_length=t.max_completion_length,
+        temperature=t.temperature,
+        beta=t.beta,
+        max_steps=t.max_steps,
+        logging_steps=1,
+        save_strategy="no",
+        seed=t.seed,
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
+        gradient_checkpointing=gradient_checkpointing,
+    )
+    lora = LoraConfig(r=config.lora.r, lora_alpha=config.lora.alpha, target_modules=list(config.lora.target_modules),
+                      task_type="CAUSAL_LM")
+    torch.manual_seed(config.lora.random_state)
+    return GRPOTrainer(
+        model=model,
+        processing_class=tokenizer,
+        reward_funcs=[REWARDS[name] for name in config.rewards.names],
+        args=args,
+        train_dataset=Dataset.from_list(prompt_rows(config)),
+        peft_config=lora,
+    )
+
+
+def child(variant: str, args) -> dict:
+    from lowvram_grpo.config import load_config
+
+    config = load_config(args.preset, bench_overrides(args))
+    rss_start = peak_rss_mb()
+    if variant.startswith("trl"):
+        trainer = build_plain_trl(config, gradient_checkpointing=variant != "trl_nogc")
+    else:
+        trainer = build_ours(config, "unsloth" if variant == "unsloth" else "hf")
+    rss_loaded = peak_rss_mb()
+    clock = instrument(trainer)
+    samples = keep_first_completion(trainer)
+    trainer.train()
+    steps = clock.steps[1:] or clock.steps  # the first step warms up allocators and caches
+    median = {key: round(statistics.median(s[key] for s in steps), 3) for key in ("step",) + PARTS}
+    lengths = [row.get("completions/mean_length") for row in trainer.state.log_history if "completions/mean_length" in row]
+    return {
+        "step_s": median["step"],
+        "parts_s": {part: median[part] for part in PARTS},
+        "all_steps_s": [round(s["step"], 3) for s in clock.steps],
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "peak_growth_by_part_mb": {part: round(v, 1) for part, v in clock.peak_growth_mb.items()},
+        "rss_after_load_mb": round(rss_loaded, 1),
+        "rss_at_start_mb": round(rss_start, 1),
+        "mean_completion_tokens": round(statistics.mean(lengths), 1) if lengths else None,
+        "sample_completions": samples,  # the first completion of each step: is the sampling sane?
+        "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
+        "optim": str(trainer.args.optim),
+    }
+
+
+# --------------------------------------------------------------------------- the parent side
+
+
+def run_child(variant: str, args) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
+        result_path = fh.name
+    cmd = [sys.executable, __file__, "--child", variant, "--result", result_path, "--preset", args.preset,
+           "--steps", str(args.steps), "--generations", str(args.generations), "--tokens", str(args.tokens)]
+    for assignment in args.set or []:
+        cmd += ["--set", assignment]
+    print(f"[bench] {variant}: {args.steps} steps ...", file=sys.stderr, flush=True)
+    started = time.time()
+    subprocess.run(cmd, cwd=REPO, check=True)
+    result = json.loads(Path(result_path).read_text())
+    os.unlink(result_path)
+    result["wall_s"] = round(time.time() - started, 1)
+    print(f"[bench] {variant}: {result['step_s']} s/step, peak RSS {result['peak_rss_mb']} MB", file=sys.stderr)
+    return result
+
+
+def table(results: dict) -> str:
+    trl = results.get("trl")
+    lines = ["| variant | s/step (median) | generate | rewards | log-probs (no grad) | train forward | backward "
+             "| peak RSS MB | time vs TRL | memory vs TRL |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        p = r["parts_s"]
+        time_ratio = f"{r['step_s'] / trl['step_s']:.2f}x" if trl else "-"
+        mem_ratio = f"{r['peak_rss_mb'] / trl['peak_rss_mb']:.2f}x" if trl else "-"
+        lines.append(f"| {name} | {r['step_s']:.2f} | {p['generate']:.2f} | {p['rewards']:.3f} | {p['logps_nograd']:.2f} "
+                     f"| {p['forward']:.2f} | {p['backward']:.2f} | {r['peak_rss_mb']:.0f} | {time_ratio} | {mem_ratio} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variants", default="ours,trl,trl_nogc,unsloth", help="comma-separated: ours, trl, trl_nogc, unsloth")
+    p.add_argument("--preset", default="smollm2_cpu")
+    p.add_argument("--steps", type=int, default=4, help="GRPO steps per variant; the first is not counted")
+    p.add_argument("--generations", type=int, default=4, help="completions per prompt (G)")
+    p.add_argument("--tokens", type=int, default=64, help="max completion tokens (L)")
+    p.add_argument("--set", action="append", help="extra config override for every variant")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "vs_trl.json")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args()
+
+    if args.child:
+        Path(args.result).write_text(json.dumps(child(args.child, args)))
+        return 0
+
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    results = {variant: run_child(variant, args) for variant in variants}
+    report = {
+        "command": "python bench/vs_trl.py " + " ".join(sys.argv[1:]),
+        "settings": {"preset": args.preset, "model": "SmolLM2-135M-Instruct", "generations": args.generations,
+                     "max_completion_tokens": args.tokens, "steps": args.steps, "counted_steps": max(1, args.steps - 1),
+                     "threads": os.cpu_count(), "extra": args.set or []},
+        **results,
+    }
+    if "trl" in results:
+        report["ratios_vs_trl"] = {
+            name: {"step_s": round(r["step_s"] / results["trl"]["step_s"], 3),
+                   "peak_rss_mb": round(r["peak_rss_mb"] / results["trl"]["peak_rss_mb"], 3)}
+            for name, r in results.items() if name != "trl"
+        }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(table(results))
+    print(f"\nwritten: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
