@@ -19,6 +19,11 @@ def test_conversion_gives_a_plain_checkpoint_with_chat_template(converted):
     assert (converted / "model.safetensors").is_file()
     config = json.loads((converted / "config.json").read_text())
     assert config["model_type"] == "llama" and config["num_hidden_layers"] == 30
+    from safetensors import safe_open
+
+    with safe_open(str(converted / "model.safetensors"), "pt") as weights:
+        dtypes = {str(weights.get_slice(name).get_dtype()) for name in weights.keys()}
+    assert dtypes == {"BF16"}, dtypes  # half the file and the mapped pages of fp32
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(converted)

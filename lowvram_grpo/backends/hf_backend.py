@@ -22,6 +22,17 @@ def resolve_dtype(name: str, cuda: bool):
     return getattr(torch, name)
 
 
+def warn_if_slow_bf16(dtype, cuda: bool) -> None:
+    """bf16 on a CPU without native bf16 (AVX512-BF16/AMX) is emulated and several times slower."""
+    import sys
+
+    import torch
+
+    if not cuda and dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        print("warning: this CPU has no native bf16; training will be slow. "
+              "Add --set model.dtype=float32 (about 2x the memory for the weights).", file=sys.stderr)
+
+
 def load_model(config) -> ModelHandle:
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -31,6 +42,7 @@ def load_model(config) -> ModelHandle:
     path = resolve_model_path(config.model.name)
     dtype = resolve_dtype(config.model.dtype, cuda)
     checkpointing = config.memory.gradient_checkpointing != "false"
+    warn_if_slow_bf16(dtype, cuda)
 
     quantization = None
     if config.memory.load_in_4bit:
