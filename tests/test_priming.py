@@ -3,7 +3,7 @@ from lowvram_grpo.backends import load_model
 from lowvram_grpo.config import load_config
 from lowvram_grpo.data import load_questions
 from lowvram_grpo.evaluation import format_table
-from lowvram_grpo.priming import _batch, prime
+from lowvram_grpo.priming import _batch, completion_loss, prime
 
 
 def test_priming_lowers_the_completion_loss(tiny_model_dir):
@@ -31,3 +31,24 @@ def test_table_shows_grpo_gain_separately():
     row = {"reward_mean": 0.0, "accuracy": 0.0, "format_rate": 0.0, "mean_completion_tokens": 10.0}
     table = format_table(row, {**row, "reward_mean": 1.0}, {**row, "reward_mean": 0.6})
     assert "primed" in table and "primed -> after: +0.400" in table
+
+
+def test_completion_loss_equals_the_models_own_labels_loss(tiny_model_dir):
+    """The chunked loss (no full logits) is the model's cross-entropy, value and gradients."""
+    import torch
+
+    config = load_config("tiny", ["memory.gradient_checkpointing=true"])
+    handle = load_model(config, "hf")
+    model = handle.model
+    model.train()
+    ids, attention, labels = _batch(handle.tokenizer, ["Ava has 3 apples.", "Q"], ["<answer>\n7\n</answer>", "ok"], 512)
+    lora = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():  # non-zero B so the LoRA path carries gradient to A too
+        for p in lora:
+            p.add_(0.01 * torch.randn_like(p))
+    expected = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+    expected_grads = torch.autograd.grad(expected, lora)
+    got = completion_loss(model, ids, attention, labels)
+    got_grads = torch.autograd.grad(got, lora)
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert all(torch.allclose(g, e, atol=1e-6, rtol=1e-4) for g, e in zip(got_grads, expected_grads))
