@@ -34,3 +34,13 @@ def gsm8k_path() -> Path:
     if not SHARED_GSM8K.is_file():
         pytest.skip(f"{SHARED_GSM8K} is absent (the shared GSM8K data is not beside this checkout)")
     return SHARED_GSM8K
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """One real `--preset tiny --max-steps 3` CLI run, shared by the tests that read its outputs
+    (they only read, except the report rebuild, which rewrites the same files)."""
+    out = tmp_path_factory.mktemp("tiny-cli") / "run"
+    proc = run_cli("--preset", "tiny", "--max-steps", "3", "--output-dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc

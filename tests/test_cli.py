@@ -9,14 +9,6 @@ from safetensors.torch import load_file
 from conftest import run_cli
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cli") / "run"
-    proc = run_cli("--preset", "tiny", "--max-steps", "3", "--output-dir", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, proc
-
-
 def test_tiny_run_writes_the_four_outputs(tiny_run):
     out, _ = tiny_run
     assert (out / "config.yaml").is_file()

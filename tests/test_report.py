@@ -87,14 +87,6 @@ def test_report_of_an_unfinished_run_without_kl(tmp_path):
 
 
 # ----------------------------------------------------------------------------- real tiny runs
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("report") / "run"
-    proc = run_cli("--preset", "tiny", "--max-steps", "3", "--output-dir", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, proc
-
-
 def test_a_tiny_run_writes_report_and_plots(tiny_run):
     out, proc = tiny_run
     text = (out / REPORT_FILE).read_text()
