@@ -154,29 +154,11 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, h
     if resume_from is None:
         atomic_write_text(output_dir / "config.yaml", config.to_yaml())
         (output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a rerun into the same dir starts its log afresh
-    else:  # the log and the guard's counters as they were at the checkpoint
+        before, before_texts, primed, priming = measure_and_prime(handle, config, train_questions, eval_rows, output_dir, log)
+        write_start_summary(output_dir, backend, before, before_texts, primed, priming)
+    else:  # the log, the guard's counters and the start numbers as they were: no measuring or priming again
         checkpoints.restore_metrics(resume_from, output_dir / "metrics.jsonl")
         trainer.nonfinite_guard.load(checkpoints.read_run_state(resume_from))
-
-    before, before_texts = (None, [])
-    if config.eval.enabled and resume_from is None:
-        log(f"measuring the base model on {len(eval_rows)} held-out questions ...")
-        before, before_texts = evaluate(handle, eval_rows, config, lora_request=None)
-
-    # Optional supervised priming, so GRPO's groups have rewards that differ (priming.py says why).
-    priming, primed = None, None
-    if config.prime.steps > 0 and resume_from is None:  # a resumed run's checkpoint holds the primed + trained adapter
-        from .priming import prime
-
-        priming = prime(handle, train_questions, config, log)
-        primed_dir = handle.save_lora(output_dir / "primed_adapter")
-        if config.eval.enabled:
-            log("measuring the primed adapter ...")
-            primed, _ = evaluate(handle, eval_rows, config, lora_request=handle.load_lora(primed_dir))
-
-    if resume_from is None:  # kept for a resumed run, which does not measure or prime again
-        write_start_summary(output_dir, backend, before, before_texts, primed, priming)
-    else:
         before, before_texts, primed, priming = read_start_summary(output_dir)
         log(f"resuming from {resume_from}")
 
@@ -235,6 +217,28 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, h
     report = write_report(output_dir)  # report.md + plots from metrics.jsonl and summary.json
     log(f"\nadapter: {adapter_dir}\nsummary: {output_dir / 'summary.json'}\nreport:  {report}")
     return RunResult(output_dir=output_dir, adapter_dir=adapter_dir, summary=summary, handle=handle)
+
+
+def measure_and_prime(handle, config: RunConfig, train_questions, eval_rows, output_dir: Path, log) -> tuple:
+    """The base model's held-out numbers, then the optional supervised priming (priming.py says why: so
+    GRPO's groups have rewards that differ) and the primed adapter's numbers."""
+    from .evaluation import evaluate
+
+    before, before_texts = (None, [])
+    if config.eval.enabled:
+        log(f"measuring the base model on {len(eval_rows)} held-out questions ...")
+        before, before_texts = evaluate(handle, eval_rows, config, lora_request=None)
+
+    priming, primed = None, None
+    if config.prime.steps > 0:
+        from .priming import prime
+
+        priming = prime(handle, train_questions, config, log)
+        primed_dir = handle.save_lora(output_dir / "primed_adapter")
+        if config.eval.enabled:
+            log("measuring the primed adapter ...")
+            primed, _ = evaluate(handle, eval_rows, config, lora_request=handle.load_lora(primed_dir))
+    return before, before_texts, primed, priming
 
 
 def write_start_summary(output_dir: Path, backend: str, before, before_texts, primed, priming) -> None:
