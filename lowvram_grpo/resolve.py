@@ -1,0 +1,198 @@
+"""Where settings are decided: `resolve(config, hardware)` -> `Resolved`, once per run.
+
+The config says what the user asked for (`model.dtype: auto`, `backend: auto`, `fast_inference: true`,
+...); the hardware (hardware.py: the card present, or a named profile) says what the machine can do.
+Every device-dependent decision is made here, in one pure function (no torch import), and everything
+after it receives concrete values: GRPOConfig (training.grpo_args), the backends' `from_pretrained`
+arguments, the memory plan (memory.plan) and `--dry-run` all read the same `Resolved`.
+
+Decisions, and why:
+- backend: `auto` is unsloth where CUDA and unsloth are both present, else hf (transformers + peft).
+- dtype: `auto` is bf16 only where the hardware computes it natively (compute capability >= 8.0), fp16
+  on older cards (T4, V100), fp32 on a CPU. torch's `is_bf16_supported()` counts emulation and says yes
+  on a T4, where unsloth loads fp16: a GRPOConfig with bf16=True then dies in unsloth's trainer
+  ("Model is in float16 precision but you want to use bfloat16"). bf16 asked for on such a card is refused.
+- mixed precision: GRPOConfig's bf16/fp16 follow the compute dtype (CPU: neither). On the unsloth
+  backend `follow_loaded_dtype` re-decides them from the dtype unsloth actually loaded.
+- gradient checkpointing: 'unsloth' (offload to CPU RAM) exists only on the unsloth backend; on hf it
+  is plain checkpointing ('true').
+- generation: unsloth's `fast_inference` (vLLM sharing the 4-bit weights) only on the unsloth backend
+  on CUDA with vLLM installed and compute capability >= 7.0 (what unsloth needs; it silently turns vLLM
+  off otherwise). TRL's `use_vllm` is on exactly then: TRL never starts an engine of its own, which
+  would load a second copy of the weights with the model's full context length beside the trained
+  model. Otherwise generation runs through transformers; the hf backend says so when fast_inference
+  was asked for.
+- vLLM's max model length: model.max_seq_length (prompt + completion), never the model's own 128K.
+- batch sizes: per_device_train_batch_size defaults to num_generations (one prompt's group per
+  micro-step); the generation batch is per_device x gradient_accumulation x processes.
+
+Decisions that differ from what was asked come with a one-line note (printed by --dry-run and at the
+start of a run). A config this hardware cannot run raises `ResolveError` (exit 2) saying what would.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .config import ConfigError, RunConfig
+from .hardware import Hardware
+
+BACKENDS = ("auto", "unsloth", "hf")
+VLLM_MIN_COMPUTE_CAPABILITY = (7, 0)  # unsloth turns fast_inference off below this (and vLLM needs it)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class ResolveError(ConfigError):
+    """The config asks for something this hardware cannot do; the message says what can."""
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Every device-dependent setting of a run, decided once. Read it; never re-decide."""
+
+    config: RunConfig = field(repr=False)
+    hardware: Hardware
+    requested_backend: str
+    backend: str                      # 'unsloth' | 'hf'
+    device: str                       # 'cuda' | 'cpu'
+    dtype: str                        # compute dtype of the unquantized parts: float32 | bfloat16 | float16
+    bf16: bool                        # GRPOConfig(bf16=...)
+    fp16: bool                        # GRPOConfig(fp16=...)
+    load_in_4bit: bool
+    gradient_checkpointing: str       # 'unsloth' (offload, unsloth only) | 'true' | 'false'
+    fast_inference: bool              # unsloth loads vLLM sharing the weights
+    generation: str                   # 'unsloth_vllm' | 'transformers'
+    use_vllm: bool                    # GRPOConfig(use_vllm=...): only the shared unsloth engine
+    vllm_max_model_len: Optional[int]
+    gpu_memory_utilization: Optional[float]
+    vram_gib: Optional[float]         # the card planned for: memory.vram_gb, else the hardware's; None on CPU
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    num_processes: int
+    generation_batch_size: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def compute_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def with_config(self, config: RunConfig) -> "Resolved":
+        """The same hardware and backend request, re-decided for another config (the memory plan's search)."""
+        return resolve(config, self.hardware, self.requested_backend, num_processes=self.num_processes)
+
+    def summary(self) -> dict:
+        """The decided values, for --dry-run, the run log and summary.json."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("config", "hardware", "notes")}
+        out["hardware"] = self.hardware.describe()
+        out["notes"] = list(self.notes)
+        return out
+
+    def describe(self) -> str:
+        """A few lines: what will run, and the notes."""
+        lines = [f"resolved for {self.hardware.describe()}",
+                 f"  backend {self.backend} on {self.device}; compute dtype {self.dtype} (bf16={self.bf16}, fp16={self.fp16}); "
+                 f"4-bit base: {self.load_in_4bit}; gradient checkpointing: {self.gradient_checkpointing}",
+                 f"  generation: {self.generation}" + (f" (vLLM max_model_len {self.vllm_max_model_len}, "
+                                                       f"gpu_memory_utilization {self.gpu_memory_utilization:g})"
+                                                       if self.fast_inference else "")
+                 + f"; batch {self.per_device_train_batch_size} completions/micro-step x {self.gradient_accumulation_steps} "
+                   f"accumulation x {self.num_processes} process(es) = {self.generation_batch_size} per generation"]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def choose_backend(requested: str, hardware: Hardware) -> str:
+    if requested not in BACKENDS:
+        raise ResolveError(f"unknown backend {requested!r}: choose one of {', '.join(BACKENDS)}")
+    if requested == "auto":
+        return "unsloth" if (hardware.cuda and hardware.unsloth_installed) else "hf"
+    if requested == "unsloth" and not hardware.unsloth_installed:
+        raise ResolveError("backend 'unsloth' is not installed: pip install -r requirements-cpu.txt (CPU) or "
+                           "requirements.txt (GPU), or use --backend hf")
+    return requested
+
+
+def _dtype(config: RunConfig, hardware: Hardware) -> str:
+    asked = config.model.dtype
+    if not hardware.cuda:
+        return "float32" if asked == "auto" else asked
+    if asked == "auto":
+        return "bfloat16" if hardware.bf16_native else "float16"
+    if asked == "bfloat16" and not hardware.bf16_native:
+        raise ResolveError(f"model.dtype=bfloat16 needs a GPU with native bf16 (compute capability >= 8.0); "
+                           f"{hardware.gpu_name or hardware.name} is {hardware.sm}: set model.dtype=float16 or auto")
+    return asked
+
+
+def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_processes: int = 1) -> Resolved:
+    """Every device-dependent setting of `config` on `hardware` with the `backend` asked for (auto|unsloth|hf)."""
+    notes: list[str] = []
+    if config.requires_cuda and not hardware.cuda:
+        raise ResolveError(f"preset '{config.preset}' needs an NVIDIA GPU (CUDA) and none is visible: on this "
+                           f"machine run --preset smollm2_cpu (or tiny); to see its plan for a card, add --dry-run --gpu t4")
+    chosen = choose_backend(backend, hardware)
+    dtype = _dtype(config, hardware)
+    if not hardware.cuda and dtype == "bfloat16" and not hardware.cpu_bf16:
+        notes.append("this CPU has no native bf16 (AVX512-BF16/AMX): training will be slow; "
+                     "--set model.dtype=float32 is faster here (about 2x the weight memory)")
+    if hardware.cuda and config.model.dtype == "auto":
+        why = "native bf16" if dtype == "bfloat16" else f"{hardware.sm} has no native bf16"
+        notes.append(f"model.dtype auto -> {dtype} ({why})")
+    bf16 = hardware.cuda and dtype == "bfloat16"
+    fp16 = hardware.cuda and dtype == "float16"
+
+    checkpointing = config.memory.gradient_checkpointing
+    if checkpointing == "unsloth" and chosen != "unsloth":
+        checkpointing = "true"
+        notes.append("memory.gradient_checkpointing unsloth -> true: offloading to CPU RAM is unsloth's; "
+                     "the hf backend keeps the layer inputs in GPU memory")
+
+    fast = False
+    if config.model.fast_inference:
+        if not hardware.cuda:
+            raise ResolveError("model.fast_inference uses vLLM, which needs an NVIDIA GPU: add --set model.fast_inference=false")
+        if chosen != "unsloth":
+            notes.append("model.fast_inference is unsloth's vLLM sharing the weights; on the hf backend generation runs "
+                         "through transformers (TRL's own vLLM would load a second copy of the weights): use --backend "
+                         "unsloth for vLLM")
+        elif not hardware.vllm_installed:
+            notes.append("model.fast_inference: vLLM is not installed, generating with transformers "
+                         "(pip install -r requirements.txt installs it)")
+        elif hardware.compute_capability < VLLM_MIN_COMPUTE_CAPABILITY:
+            notes.append(f"model.fast_inference: vLLM needs compute capability >= 7.0 and {hardware.gpu_name} is "
+                         f"{hardware.sm}: generating with transformers")
+        else:
+            fast = True
+
+    per_device = config.train.per_device_train_batch_size or config.train.num_generations
+    accumulation = config.train.gradient_accumulation_steps
+    vram = config.memory.vram_gb if config.memory.vram_gb is not None else hardware.total_gib
+    return Resolved(
+        config=config, hardware=hardware, requested_backend=backend, backend=chosen, device=hardware.device,
+        dtype=dtype, bf16=bf16, fp16=fp16, load_in_4bit=config.memory.load_in_4bit,
+        gradient_checkpointing=checkpointing, fast_inference=fast,
+        generation="unsloth_vllm" if fast else "transformers", use_vllm=fast,
+        vllm_max_model_len=config.model.max_seq_length if fast else None,
+        gpu_memory_utilization=config.memory.gpu_memory_utilization if fast else None,
+        vram_gib=vram if hardware.cuda else None,
+        per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
+        num_processes=num_processes, generation_batch_size=per_device * accumulation * num_processes,
+        notes=tuple(notes),
+    )
+
+
+def follow_loaded_dtype(resolved: Resolved, loaded: str) -> Resolved:
+    """The unsloth backend decides the dtype it loads in (from the dtype passed, the card and the model
+    family); GRPOConfig's bf16/fp16 must then match it, or unsloth's trainer refuses to start. `loaded`
+    is the model's dtype name after loading ('float16', 'bfloat16', 'float32')."""
+    if loaded == resolved.dtype or loaded not in DTYPE_BYTES:
+        return resolved
+    note = f"unsloth loaded the model in {loaded} (asked {resolved.dtype}): mixed precision follows it"
+    cuda = resolved.cuda
+    return dataclasses.replace(resolved, dtype=loaded, bf16=cuda and loaded == "bfloat16",
+                               fp16=cuda and loaded == "float16", notes=resolved.notes + (note,))
