@@ -137,6 +137,8 @@ def measure(case: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from lowvram_grpo.backends import load_model
+    from lowvram_grpo.hardware import detect
+    from lowvram_grpo.resolve import resolve
     from lowvram_grpo.config import load_config
     from lowvram_grpo.data import drop_long_prompts, load_questions, to_prompt_rows
     from lowvram_grpo.memory import activation_bytes_per_token_layer, plan
@@ -147,7 +149,7 @@ def measure(case: str) -> dict:
     work = Path(tempfile.mkdtemp(prefix=f"memcheck-{case}-"))
     model = build_wide_model(work / "model") if spec["model"] == "wide" else spec["model"]
     config = load_config("tiny", [f"model.name={model}", *spec["overrides"]])
-    handle = load_model(config, "hf")
+    handle = load_model(resolve(config, detect(), "hf"))
     shape = plan(config, backend="hf").shape
     train_questions, _ = load_questions(config.data)
     rows, _ = drop_long_prompts(to_prompt_rows(train_questions, config.data.system_prompt), handle.tokenizer,
@@ -157,7 +159,7 @@ def measure(case: str) -> dict:
     batch, seq = config.train.batch_size, longest_prompt + config.train.max_completion_length
     saved = saved_activation_bytes(handle.model, batch, seq, min(shape.vocab, len(handle.tokenizer)))
 
-    trainer = build_trainer(handle, config, rows, work / "run", cuda=False)
+    trainer = build_trainer(handle, rows, work / "run")
     annotate_phases(trainer)
     gc.collect()
     before = _rss("VmRSS")

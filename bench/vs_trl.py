@@ -141,13 +141,15 @@ def prompt_rows(config):
 
 def build_ours(config, backend: str):
     from lowvram_grpo.backends import load_model, prepare_backend
+    from lowvram_grpo.hardware import detect
+    from lowvram_grpo.resolve import resolve
 
     prepare_backend(backend)  # unsloth first, before trl/transformers
     from lowvram_grpo.training import build_trainer
 
-    handle = load_model(config, backend)
+    handle = load_model(resolve(config, detect(), backend))
     out = Path(tempfile.mkdtemp(prefix=f"bench-{backend}-"))
-    return build_trainer(handle, config, prompt_rows(config), out, cuda=False)
+    return build_trainer(handle, prompt_rows(config), out)
 
 
 def build_plain_trl(config, gradient_checkpointing: bool = True):

@@ -1,12 +1,16 @@
 """The memory plan: an estimate, by component, of a run's peak GPU memory, and settings that make it fit.
 
-    p = plan(config, vram_gb=16)      # a MemoryPlan: named terms in bytes, total, fits, suggestions
-    print(format_plan(p))             # the table `--dry-run` and every GPU run print
+    p = plan(resolve(config, profile("t4")))   # a MemoryPlan: named terms in bytes, total, fits, suggestions
+    print(format_plan(p))                      # the table `--dry-run` and every GPU run print
     config = apply_suggestions(config, p.suggestions)   # what `--auto-fit` does
+
+Everything device-dependent (backend, compute dtype, checkpointing mode, vLLM on or off, batch sizes,
+the card's size) comes from the `Resolved` settings (resolve.py), the same object the run uses.
 
 The terms (GiB = 2**30 bytes; a "16 GB" card has about 15-16 GiB):
 - base weights: linear layers in 4-bit NF4 (bitsandbytes, double quantization: ~0.516 bytes/param)
-  or 16-bit; embeddings, lm_head and norms stay 16-bit.
+  or 16-bit; embeddings, lm_head and norms stay 16-bit on the unsloth backend, and are fp32 on the hf
+  backend (PEFT's `prepare_model_for_kbit_training` upcasts every non-quantized parameter).
 - LoRA params + grads: fp32 (trainable weights are upcast for mixed precision), 8 bytes/param.
 - optimizer state: paged_adamw_8bit / adamw_8bit 2 bytes/param; 32-bit AdamW 8 bytes/param.
 - activations of one training micro-batch (per_device_train_batch_size sequences of prompt +
@@ -23,7 +27,7 @@ The terms (GiB = 2**30 bytes; a "16 GB" card has about 15-16 GiB):
 
 Generation without vLLM (transformers' KV cache) happens before the backward pass, never with it,
 and is smaller than the training activations, so it does not add to the peak. 'unsloth' gradient
-checkpointing offloads only on the unsloth backend; `plan(..., backend="hf")` plans it as 'true'.
+checkpointing offloads only on the unsloth backend (resolve.py makes it 'true' on hf).
 
 Model shapes come from a small table of known architectures (no hub access at plan time) or from
 the config.json of a local checkpoint dir. Pure Python: no torch, no transformers.
@@ -31,14 +35,13 @@ the config.json of a local checkpoint dir. Pure Python: no torch, no transformer
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from .checkpoints import latest_checkpoint
 from .config import ConfigError, RunConfig, config_from_dict
 
 GIB = 2 ** 30
@@ -59,15 +62,6 @@ class PlanError(ConfigError):
 
 class OutOfMemory(RuntimeError):
     """CUDA ran out of memory during training; the message is `oom_message`'s one line."""
-
-
-def present_vram_gb() -> Optional[float]:
-    """Total memory of the GPU present, in GiB; None without CUDA."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(0).total_memory / GIB
 
 
 # --------------------------------------------------------------------------- model shapes
@@ -221,7 +215,7 @@ def _yaml_value(value: Any) -> str:
 class MemoryPlan:
     """Planned peak GPU memory of a run, by component."""
 
-    config: RunConfig = field(repr=False)
+    resolved: Any = field(repr=False)   # resolve.Resolved: the settings planned for
     shape: ModelShape
     terms: dict[str, Term]
     vram_gb: Optional[float]          # the card planned for (GiB); None = not given
@@ -231,7 +225,14 @@ class MemoryPlan:
     suggestions: list[Suggestion] = field(default_factory=list)
     suggested_total_gb: Optional[float] = None  # the plan's total once the suggestions are applied
     no_fit_reason: str = ""           # set when no settings of this preset fit the card
-    backend: str = "unsloth"          # the backend planned for ('unsloth' checkpointing offloads only there)
+
+    @property
+    def config(self) -> RunConfig:
+        return self.resolved.config
+
+    @property
+    def backend(self) -> str:
+        return self.resolved.backend
 
     @property
     def model(self) -> str:
@@ -268,12 +269,12 @@ class _Sizes:
     compute_bytes: int    # 2 for 16-bit compute on a GPU, 4 for fp32
 
 
-def _sizes(config: RunConfig) -> _Sizes:
-    t = config.train
+def _sizes(resolved) -> _Sizes:
+    t, config = resolved.config.train, resolved.config
     seq_len = min(t.max_prompt_length + t.max_completion_length, config.model.max_seq_length)
-    return _Sizes(batch=t.batch_size, generation_batch=t.generation_batch_size, seq_len=seq_len,
-                  completion=min(t.max_completion_length, seq_len),
-                  compute_bytes=4 if config.model.dtype == "float32" else 2)
+    return _Sizes(batch=resolved.per_device_train_batch_size,
+                  generation_batch=resolved.generation_batch_size // resolved.num_processes, seq_len=seq_len,
+                  completion=min(t.max_completion_length, seq_len), compute_bytes=resolved.compute_bytes)
 
 
 def lora_param_count(shape: ModelShape, config: RunConfig) -> int:
@@ -289,28 +290,29 @@ def activation_bytes_per_token_layer(shape: ModelShape, compute_bytes: int) -> i
     return (8 * shape.hidden + 2 * shape.kv_dim + 4 * shape.intermediate) * compute_bytes
 
 
-def _weights_term(shape: ModelShape, config: RunConfig, s: _Sizes) -> Term:
-    if config.memory.load_in_4bit:
-        size = int(shape.linear_params * NF4_BYTES_PER_PARAM + shape.other_params * s.compute_bytes)
+def _weights_term(shape: ModelShape, resolved, s: _Sizes) -> Term:
+    if resolved.load_in_4bit:
+        # hf: prepare_model_for_kbit_training casts embeddings, lm_head and norms to fp32
+        other_bytes = 4 if resolved.backend == "hf" else s.compute_bytes
+        size = int(shape.linear_params * NF4_BYTES_PER_PARAM + shape.other_params * other_bytes)
         label = "base weights, 4-bit NF4"
         detail = (f"{shape.linear_params / 1e9:.2f}B linear params x {NF4_BYTES_PER_PARAM:.3f} B + "
-                  f"{shape.other_params / 1e9:.2f}B embedding/norm params x {s.compute_bytes} B")
+                  f"{shape.other_params / 1e9:.2f}B embedding/norm params x {other_bytes} B"
+                  + (" (fp32: PEFT's prepare_model_for_kbit_training)" if resolved.backend == "hf" else ""))
     else:
         size = shape.params * s.compute_bytes
         label = f"base weights, {8 * s.compute_bytes}-bit"
         detail = f"{shape.params / 1e9:.2f}B params x {s.compute_bytes} B"
-    if config.model.fast_inference:
+    if resolved.fast_inference:
         label += " (shared with vLLM)"
     return Term("weights", label, size, detail, "model.name, memory.load_in_4bit")
 
 
-def _activation_term(shape: ModelShape, config: RunConfig, s: _Sizes, backend: str) -> Term:
+def _activation_term(shape: ModelShape, resolved, s: _Sizes) -> Term:
     tokens = s.batch * s.seq_len
     layer = tokens * activation_bytes_per_token_layer(shape, s.compute_bytes)
     checkpoint = tokens * shape.hidden * s.compute_bytes  # one layer input
-    mode = config.memory.gradient_checkpointing
-    if mode == "unsloth" and backend == "hf":  # only unsloth offloads; hf checkpoints in GPU memory
-        mode = "true"
+    mode = resolved.gradient_checkpointing  # 'unsloth' (offload) exists only on the unsloth backend
     if mode == "false":
         size, how = shape.layers * layer, f"all {shape.layers} layers kept"
     elif mode == "true":
@@ -342,40 +344,38 @@ def _logits_term(shape: ModelShape, s: _Sizes) -> Term:
                 "train.num_generations, train.max_completion_length")
 
 
-def _training_terms(shape: ModelShape, config: RunConfig, backend: str) -> dict[str, Term]:
-    s = _sizes(config)
+def _training_terms(shape: ModelShape, resolved) -> dict[str, Term]:
+    config = resolved.config
+    s = _sizes(resolved)
     lora = lora_param_count(shape, config)
     optim_bytes = OPTIMIZER_BYTES_PER_PARAM[config.train.optim]
     return {
-        "weights": _weights_term(shape, config, s),
+        "weights": _weights_term(shape, resolved, s),
         "lora": Term("lora", f"LoRA params + grads, r={config.lora.r}", lora * LORA_BYTES_PER_PARAM,
                      f"{lora / 1e6:.1f}M params x {LORA_BYTES_PER_PARAM} B (fp32 weight + grad)",
                      "lora.r, lora.target_modules"),
         "optimizer": Term("optimizer", f"optimizer state, {config.train.optim}", lora * optim_bytes,
                           f"{lora / 1e6:.1f}M params x {optim_bytes} B", "train.optim"),
-        "activations": _activation_term(shape, config, s, backend),
+        "activations": _activation_term(shape, resolved, s),
         "logits": _logits_term(shape, s),
     }
 
 
-def _resolve_vram(config: RunConfig, vram_gb: Optional[float]) -> Optional[float]:
-    return vram_gb if vram_gb is not None else config.memory.vram_gb
-
-
-def _estimate(config: RunConfig, vram_gb: Optional[float], backend: str = "unsloth") -> MemoryPlan:
-    """The plan's terms for `config` on a card of `vram_gb` GiB (None: the smallest card that fits)."""
+def _estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
+    """The plan's terms for the resolved settings on a card of `vram_gb` GiB (None: the smallest card that fits)."""
+    config = resolved.config
     shape = model_shape(config.model.name)
-    terms = _training_terms(shape, config, backend)
+    terms = _training_terms(shape, resolved)
     cuda = Term("cuda", "CUDA context + allocator", CUDA_OVERHEAD_BYTES,
                 "CUDA context, cuBLAS workspace, fragmentation (a constant)", "")
     outside_vllm = sum(t.bytes for k, t in terms.items() if k != "weights") + cuda.bytes
     weights = terms["weights"].bytes
-    if not config.model.fast_inference:
+    if not resolved.fast_inference:
         terms["cuda"] = cuda
-        return MemoryPlan(config, shape, terms, vram_gb, (outside_vllm + weights) / GIB, backend=backend)
+        return MemoryPlan(resolved, shape, terms, vram_gb, (outside_vllm + weights) / GIB)
 
-    s = _sizes(config)
-    util = config.memory.gpu_memory_utilization
+    s = _sizes(resolved)
+    util = resolved.gpu_memory_utilization
     kv_per_token = 2 * shape.layers * shape.kv_dim * KV_BYTES
     kv_needed = s.generation_batch * s.seq_len * kv_per_token
     # vLLM takes util x card for the (shared) weights, its runtime and the KV cache; training gets the rest.
@@ -389,23 +389,22 @@ def _estimate(config: RunConfig, vram_gb: Optional[float], backend: str = "unslo
         f"{kv_needed / GIB:.2f} GiB holds {s.generation_batch} sequences x {s.seq_len} tokens",
         "memory.gpu_memory_utilization")
     terms["cuda"] = cuda
-    return MemoryPlan(config, shape, terms, vram_gb, min_vram, kv_cache_bytes=kv_cache,
-                      kv_needed_bytes=kv_needed, backend=backend)
+    return MemoryPlan(resolved, shape, terms, vram_gb, min_vram, kv_cache_bytes=kv_cache, kv_needed_bytes=kv_needed)
 
 
-def plan(config: RunConfig, vram_gb: Optional[float] = None, backend: str = "unsloth") -> MemoryPlan:
-    """Peak GPU memory of `config` on a card of `vram_gb` GiB (default: memory.vram_gb; None = no card:
-    the plan then gives the smallest card that fits), on `backend` ('unsloth', what auto picks on a
-    GPU, or 'hf'). A plan that does not fit carries suggestions."""
-    vram_gb = _resolve_vram(config, vram_gb)
-    result = _estimate(config, vram_gb, backend)
+def plan(resolved) -> MemoryPlan:
+    """Peak GPU memory of a run with the resolved settings (resolve.py) on the card they were resolved
+    for (`resolved.vram_gib`: memory.vram_gb, else the card's; None = no card: the plan then gives the
+    smallest card that fits). A plan that does not fit carries suggestions."""
+    vram_gb = resolved.vram_gib
+    result = _estimate(resolved, vram_gb)
     if result.fits is False:
-        fitted, changes = fit_settings(config, vram_gb, SUGGESTION_SPARE * vram_gb, backend)
+        fitted, changes = fit_settings(resolved, vram_gb, SUGGESTION_SPARE * vram_gb)
         if fitted is None:
             result.no_fit_reason = changes
         else:
             result.suggestions = changes
-            result.suggested_total_gb = _estimate(fitted, vram_gb, backend).total_gb
+            result.suggested_total_gb = _estimate(fitted, vram_gb).total_gb
     return result
 
 
@@ -425,29 +424,29 @@ def _get(config: RunConfig, dotted: str) -> Any:
     return getattr(getattr(config, section), key)
 
 
-def _fits(config: RunConfig, vram_gb: float, reserve_gb: float = 0.0, backend: str = "unsloth") -> bool:
-    """Does `config` fit a card of `vram_gb` GiB with `reserve_gb` of it left unplanned?"""
-    p = _estimate(config, vram_gb, backend)
+def _fits(resolved, vram_gb: float, reserve_gb: float = 0.0) -> bool:
+    """Do these settings fit a card of `vram_gb` GiB with `reserve_gb` of it left unplanned?"""
+    p = _estimate(resolved, vram_gb)
     return bool(p.fits) and p.total_gb + reserve_gb <= vram_gb
 
 
-def _tune_utilization(config: RunConfig, vram_gb: float, reserve_gb: float = 0.0, backend: str = "unsloth") -> RunConfig:
+def _tune_utilization(resolved, vram_gb: float, reserve_gb: float = 0.0):
     """With vLLM: the gpu_memory_utilization (a multiple of 0.05 where one works) that leaves room both
-    for vLLM's KV cache and for training, nearest the middle of that range; `config` if none does."""
-    if not config.model.fast_inference or _fits(config, vram_gb, reserve_gb, backend):
-        return config
-    probe = _estimate(with_settings(config, {"memory.gpu_memory_utilization": 0.5}), vram_gb, backend)
+    for vLLM's KV cache and for training, nearest the middle of that range; `resolved` if none does."""
+    if not resolved.fast_inference or _fits(resolved, vram_gb, reserve_gb):
+        return resolved
+    probe = _estimate(resolved.with_config(with_settings(resolved.config, {"memory.gpu_memory_utilization": 0.5})), vram_gb)
     weights = probe.terms["weights"].bytes
     outside = sum(t.bytes for k, t in probe.terms.items() if k not in ("weights", "vllm"))
     card = vram_gb * GIB
     low = max((weights + VLLM_RUNTIME_BYTES + probe.kv_needed_bytes) / card, 0.05)
     high = min(1 - (outside + reserve_gb * GIB) / card, 0.95)
     if low > high:
-        return config
+        return resolved
     grid = [k / 20 for k in range(1, 20) if low <= k / 20 <= high]
     middle = (low + high) / 2
     value = min(grid, key=lambda u: abs(u - middle)) if grid else math.ceil(low * 100) / 100
-    return with_settings(config, {"memory.gpu_memory_utilization": value})
+    return resolved.with_config(with_settings(resolved.config, {"memory.gpu_memory_utilization": value}))
 
 
 def _num_generations(config: RunConfig, n: int) -> dict[str, Any]:
@@ -475,22 +474,23 @@ def _knobs(config: RunConfig) -> list[tuple[str, list]]:
     ]
 
 
-def fit_settings(config: RunConfig, vram_gb: float, reserve_gb: float = 0.0,
-                 backend: str = "unsloth") -> tuple[Optional[RunConfig], Any]:
-    """Settings of `config` that fit a card of `vram_gb` GiB, leaving `reserve_gb` unplanned:
-    (fitted config, [Suggestion]) or, when none do, (None, why). Turns the knobs in order until the
-    plan fits, then gives back the cuts that turned out not to be needed."""
-    def fits(c):
-        return _fits(c, vram_gb, reserve_gb, backend)
+def fit_settings(resolved, vram_gb: float, reserve_gb: float = 0.0) -> tuple[Optional[Any], Any]:
+    """Settings that fit a card of `vram_gb` GiB, leaving `reserve_gb` unplanned: (fitted Resolved,
+    [Suggestion]) or, when none do, (None, why). Turns the knobs in order until the plan fits, then
+    gives back the cuts that turned out not to be needed. Each try is re-resolved for the same hardware."""
+    config = resolved.config
 
-    def set_to(c, key, value):
-        settings = _num_generations(c, value) if key == "train.num_generations" else {key: value}
-        return _tune_utilization(with_settings(c, settings), vram_gb, reserve_gb, backend)
+    def fits(r):
+        return _fits(r, vram_gb, reserve_gb)
 
-    current = _tune_utilization(config, vram_gb, reserve_gb, backend)
+    def set_to(r, key, value):
+        settings = _num_generations(r.config, value) if key == "train.num_generations" else {key: value}
+        return _tune_utilization(r.with_config(with_settings(r.config, settings)), vram_gb, reserve_gb)
+
+    current = _tune_utilization(resolved, vram_gb, reserve_gb)
     turned: list[tuple[str, list]] = []
     for key, values in _knobs(config):
-        values = [v for v in values if v != _get(current, key)]
+        values = [v for v in values if v != _get(current.config, key)]
         if fits(current) or not values:
             continue
         for value in values:  # the least change that fits, else the most this knob gives
@@ -500,17 +500,17 @@ def fit_settings(config: RunConfig, vram_gb: float, reserve_gb: float = 0.0,
         current = tried
         turned.append((key, values))
     if not fits(current):
-        need = _estimate(current, vram_gb, backend).min_vram_gb + reserve_gb
-        return None, f"even with {', '.join(s.as_override() for s in _diff(config, current))} it needs {need:.1f} GiB"
+        need = _estimate(current, vram_gb).min_vram_gb + reserve_gb
+        return None, f"even with {', '.join(s.as_override() for s in _diff(config, current.config))} it needs {need:.1f} GiB"
     for key, values in reversed(turned):  # give back: largest value (original first) that still fits
         for value in [_get(config, key)] + values:
-            if value == _get(current, key):
+            if value == _get(current.config, key):
                 break
             candidate = set_to(current, key, value)
             if fits(candidate):
                 current = candidate
                 break
-    return current, _diff(config, current)
+    return current, _diff(config, current.config)
 
 
 _SUGGESTED_KEYS = ["memory.gradient_checkpointing", "train.optim", "memory.load_in_4bit", "model.fast_inference",
@@ -528,18 +528,21 @@ def apply_suggestions(config: RunConfig, suggestions: list[Suggestion]) -> RunCo
     return with_settings(config, {s.key: s.value for s in suggestions})
 
 
-def presets_that_fit(vram_gb: float) -> list[tuple[str, float]]:
-    """(preset, planned GiB) of the presets whose own settings fit a card of `vram_gb` GiB, GPU presets first."""
+def presets_that_fit(hardware, vram_gb: float) -> list[tuple[str, float]]:
+    """(preset, planned GiB) of the GPU presets whose own settings fit a card of `vram_gb` GiB on `hardware`."""
     from .config import list_presets, load_config
+    from .resolve import resolve
 
     found = []
     for name in list_presets():
         try:
             config = load_config(name)
-            p = plan(dataclasses.replace(config, memory=dataclasses.replace(config.memory, vram_gb=None)), vram_gb)
+            if not config.requires_cuda:
+                continue
+            p = _estimate(resolve(config, hardware), vram_gb)
         except ConfigError:
             continue
-        if p.fits and config.requires_cuda:
+        if p.fits:
             found.append((name, p.total_gb))
     return found
 
@@ -572,7 +575,7 @@ def _verdict(p: MemoryPlan) -> str:
         sets = " ".join(f"--set {s.as_override()}" for s in p.suggestions)
         return (f"{why}\nto fit, change: {', '.join(map(str, p.suggestions))} -> {p.suggested_total_gb:.1f} GiB planned\n"
                 f"  (run with --auto-fit, or add: {sets})")
-    others = presets_that_fit(p.vram_gb)
+    others = presets_that_fit(p.resolved.hardware, p.vram_gb)
     alternative = (f"use a smaller model: {', '.join(f'--preset {n} ({gb:.1f} GiB)' for n, gb in others)}"
                    if others else "no preset fits this card")
     return f"{why}\nno settings of this preset fit: {p.no_fit_reason}; {alternative}"
@@ -591,21 +594,14 @@ def oom_message(p: Optional[MemoryPlan], checkpoint: Optional[Path] = None) -> s
     # The real peak passed the card, so the plan fell short by at least its spare: plan that much lower,
     # and a margin more on the terms that grow during training.
     reserve = max(card - p.total_gb, 0) + OOM_UNDERESTIMATE * growing
-    fitted, changes = fit_settings(p.config, card, reserve, p.backend)
+    fitted, changes = fit_settings(p.resolved, card, reserve)
     if fitted is None:
         advice = f"no settings of this preset plan under {card - reserve:.1f} GiB: use a smaller model"
     elif not changes:
         advice = "lower train.num_generations or train.max_completion_length (the logits term grows with both)"
     else:
-        advice = f"set {', '.join(map(str, changes))} (plans {_estimate(fitted, card, p.backend).total_gb:.1f} instead of {p.total_gb:.1f} GiB)"
+        advice = f"set {', '.join(map(str, changes))} (plans {_estimate(fitted, card).total_gb:.1f} instead of {p.total_gb:.1f} GiB)"
     return f"CUDA out of memory during training; largest planned terms: {largest}; {advice}{kept}"
-
-
-def latest_checkpoint(run_dir: Path) -> Optional[Path]:
-    """The newest checkpoint-N folder of a run, or None."""
-    found = [(int(m.group(1)), d) for d in Path(run_dir).glob("checkpoint-*")
-             if d.is_dir() and (m := re.fullmatch(r"checkpoint-(\d+)", d.name))]
-    return max(found)[1] if found else None
 
 
 @contextlib.contextmanager

@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .backends import BackendError, choose_backend, cuda_available, export_model, load_model, prepare_backend
+from .backends import check_export, export_model, load_model, prepare_backend
 from .config import ConfigError, RunConfig
+from .hardware import detect
+from .resolve import resolve as resolve_settings
 from .data import DataError, drop_long_prompts, load_questions, to_prompt_rows
 from . import checkpoints
 from .lora_io import atomic_write_text
@@ -41,34 +43,14 @@ class RunResult:
     handle: object = field(repr=False, default=None)
 
 
-def check_runs_here(config: RunConfig) -> None:
-    """Refuse early a config that needs hardware this machine lacks."""
-    if config.requires_cuda and not cuda_available():
-        raise BackendError(
-            f"preset '{config.preset}' needs an NVIDIA GPU (CUDA) and none is visible: "
-            f"on this machine run --preset smollm2_cpu (or tiny)"
-        )
-    if config.model.fast_inference and not cuda_available():
-        raise BackendError("model.fast_inference uses vLLM, which needs an NVIDIA GPU: add --set model.fast_inference=false")
-
-
-def check_export(export: Optional[str], backend: str) -> None:
-    """Refuse, before anything is written, an export the chosen backend cannot do."""
-    if export not in (None, "merged16", "gguf"):
-        raise ConfigError(f"unknown export {export!r}: choose merged16 or gguf")
-    if export == "gguf" and backend != "unsloth":
-        raise BackendError("--export gguf needs the unsloth backend (its llama.cpp converter): "
-                           "add --backend unsloth, or use --export merged16 and convert with llama.cpp")
-
-
-def show_memory_plan(config: RunConfig, backend: str, log):
+def show_memory_plan(resolved, log):
     """On CUDA: log the memory plan for the card present (or memory.vram_gb) and return it; None on CPU."""
-    if not cuda_available():
+    if not resolved.cuda:
         return None
-    from .memory import PlanError, format_plan, plan, present_vram_gb
+    from .memory import PlanError, format_plan, plan
 
     try:
-        memory_plan = plan(config, config.memory.vram_gb or present_vram_gb(), backend)
+        memory_plan = plan(resolved)
     except PlanError as exc:
         log(f"memory plan: {exc}")
         return None
@@ -115,26 +97,27 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, h
     checkpoint in `output_dir` to continue this run from (see `resume`). `export`: merged16 or gguf,
     the model with the adapter merged in, written to `output_dir/export-KIND` after training."""
     started = time.time()
-    check_runs_here(config)
-    backend = choose_backend(backend) if handle is None else handle.backend
+    resolved = handle.resolved if handle is not None else resolve_settings(config, detect(), backend)
+    backend = resolved.backend
     check_export(export, backend)
 
     # Data: questions in, held-out split aside. Fails before anything is written.
     train_questions, eval_questions = load_questions(config.data)
     output_dir = check_output_dir(output_dir)  # created below, once model and data have been accepted
 
-    memory_plan = show_memory_plan(config, backend, log)  # before every GPU run, before the model takes memory
+    memory_plan = show_memory_plan(resolved, log)  # before every GPU run, before the model takes memory
 
     # Model: unsloth must be imported before trl/transformers, so the backend goes first.
     prepare_backend(backend)
     if handle is None:
-        handle = load_model(config, backend)
+        handle = load_model(resolved, log)
+    resolved = handle.resolved  # unsloth may load another dtype than asked: mixed precision follows it
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    cuda = cuda_available()
-    log(f"backend {backend} on {'CUDA' if cuda else 'CPU'}: {config.model.name} "
-        f"(4-bit: {config.memory.load_in_4bit}), {handle.trainable_parameters():,} trainable LoRA parameters")
+    cuda = resolved.cuda
+    log(resolved.describe())
+    log(f"{config.model.name} (4-bit: {resolved.load_in_4bit}): {handle.trainable_parameters():,} trainable LoRA parameters")
 
     train_rows, dropped = drop_long_prompts(
         to_prompt_rows(train_questions, config.data.system_prompt), handle.tokenizer, config.train.max_prompt_length
@@ -150,7 +133,7 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, h
     from .training import build_trainer
 
     output_dir = prepare_output_dir(output_dir)  # the first write: bad input was refused before this
-    trainer = build_trainer(handle, config, train_rows, output_dir, cuda)
+    trainer = build_trainer(handle, train_rows, output_dir)
     if resume_from is None:
         atomic_write_text(output_dir / "config.yaml", config.to_yaml())
         (output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a rerun into the same dir starts its log afresh

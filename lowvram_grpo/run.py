@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue an interrupted run from its newest checkpoint to its configured end "
                         "(its config.yaml; no --preset/--set/--max-steps/--dataset/--output-dir)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and the memory plan, and exit without training")
+    p.add_argument("--gpu", metavar="PROFILE", help="with --dry-run: resolve the settings and plan memory for a named "
+                   "card instead of the one present (t4, v100-16gb, rtx3060-12gb, rtx4060-8gb, rtx3090, rtx4090, l4, "
+                   "a10g, a100-40gb, h100-80gb, cpu)")
     p.add_argument("--vram", type=_positive_float, metavar="GB", help="plan GPU memory for a card of this many GiB "
                    "(memory.vram_gb) instead of the one present")
     p.add_argument("--auto-fit", action="store_true", help="when the memory plan does not fit the card, apply the "
@@ -63,9 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_preset() -> str:
-    from .backends import cuda_available
+    from .hardware import detect
 
-    if cuda_available():
+    if detect().cuda:
         print("note: CUDA is present, but the GPU presets' automatic choice is not built yet; "
               "running the CPU default. Pick one with --preset llama8b_4bit.", file=sys.stderr)
     return "smollm2_cpu"
@@ -102,49 +105,51 @@ def resume_run(args, resumable_config) -> int:
     return 0
 
 
-def _planned_backend(requested: str) -> str:
-    """The backend a GPU run would use: 'auto' is unsloth on CUDA (where the plan matters)."""
-    return "hf" if requested == "hf" else "unsloth"
+def planning_hardware(config, gpu: "str | None"):
+    """The machine --dry-run and --auto-fit decide for: --gpu PROFILE, else the one present; on a machine
+    without a GPU, a GPU preset (or --vram) is planned for a generic card with native bf16."""
+    from .hardware import ANY_GPU, detect, profile
+
+    if gpu is not None:
+        return profile(gpu)
+    present = detect()
+    if not present.cuda and (config.requires_cuda or config.model.fast_inference or config.memory.vram_gb is not None):
+        return ANY_GPU
+    return present
 
 
-def _card_gb(config) -> "float | None":
-    """The card to plan for: --vram (memory.vram_gb), else the GPU present, else None."""
-    if config.memory.vram_gb is not None:
-        return config.memory.vram_gb
-    from .memory import present_vram_gb
-
-    return present_vram_gb()
-
-
-def memory_plan_text(config, backend: str) -> str:
+def memory_plan_text(resolved) -> str:
     """The memory plan as `--dry-run` prints it (or why there is none)."""
     from .memory import PlanError, format_plan, plan
 
-    title = f"GPU memory plan for {config.preset}: {config.model.name}, {backend} backend"
+    if not resolved.cuda:
+        return ("GPU memory plan: none, this run is on the CPU; plan it for a card with --gpu PROFILE (e.g. t4) "
+                "or --vram GB")
+    title = f"GPU memory plan for {resolved.config.preset}: {resolved.config.model.name}, {resolved.backend} backend"
     try:
-        return format_plan(plan(config, _card_gb(config), backend), title=title)
+        return format_plan(plan(resolved), title=title)
     except PlanError as exc:
         return f"GPU memory plan: {exc}"
 
 
-def auto_fit(config, backend: str):
-    """--auto-fit: the config with the memory plan's suggested settings applied, saying which."""
+def auto_fit(resolved):
+    """--auto-fit: the settings re-resolved with the memory plan's suggestions applied, saying which."""
     from .config import ConfigError
     from .memory import apply_suggestions, plan
 
-    card = _card_gb(config)
+    config, card = resolved.config, resolved.vram_gib
     if card is None:
-        raise ConfigError("--auto-fit needs a card size and no GPU is visible: add --vram GB")
-    p = plan(config, card, backend)
+        raise ConfigError("--auto-fit needs a card size and no GPU is visible: add --vram GB or --gpu PROFILE")
+    p = plan(resolved)
     if p.fits:
         print(f"auto-fit: {config.preset} already fits a {card:g} GiB card ({p.total_gb:.1f} GiB planned); nothing changed")
-        return config
+        return resolved
     if not p.suggestions:
         raise ConfigError(f"--auto-fit: no settings of preset {config.preset} fit a {card:g} GiB card ({p.no_fit_reason}); "
                           "pick a smaller model, e.g. --preset qwen1_5b_4bit")
     print(f"auto-fit for a {card:g} GiB card: set {', '.join(map(str, p.suggestions))} "
           f"({p.total_gb:.1f} -> {p.suggested_total_gb:.1f} GiB planned)")
-    return apply_suggestions(config, p.suggestions)
+    return resolved.with_config(apply_suggestions(config, p.suggestions))
 
 
 def main(argv=None) -> int:
@@ -153,7 +158,9 @@ def main(argv=None) -> int:
     from .checkpoints import TrainingStopped, resumable_config
     from .config import ConfigError, load_config
     from .data import DataError
+    from .hardware import UnknownProfile
     from .lora_io import AdapterError
+    from .resolve import resolve
     from .memory import OutOfMemory
     from .smollm2 import ModelUnavailable
 
@@ -171,17 +178,23 @@ def main(argv=None) -> int:
         if args.vram is not None:
             overrides.append(f"memory.vram_gb={args.vram}")
         config = load_config(args.preset or default_preset(), overrides)
-        if args.auto_fit:
-            config = auto_fit(config, _planned_backend(args.backend))
-        if args.dry_run:
-            print(config.to_yaml(), end="")
-            print(memory_plan_text(config, _planned_backend(args.backend)))
-            return 0
+        if args.gpu is not None and not args.dry_run:
+            raise ConfigError(f"--gpu {args.gpu} plans for a card you name: add --dry-run (training uses the card present)")
+        if args.dry_run or args.auto_fit:
+            resolved = resolve(config, planning_hardware(config, args.gpu), args.backend)
+            if args.auto_fit:
+                resolved = auto_fit(resolved)
+                config = resolved.config
+            if args.dry_run:
+                print(config.to_yaml(), end="")
+                print("\n".join(f"# {line}" for line in resolved.describe().splitlines()))  # YAML comments
+                print(memory_plan_text(resolved))
+                return 0
         from .pipeline import default_output_dir, run
 
         run(config, args.output_dir or default_output_dir(config.preset), backend=args.backend, export=args.export)
         return 0
-    except (ConfigError, DataError, BackendError, ModelUnavailable) as exc:
+    except (ConfigError, DataError, BackendError, ModelUnavailable, UnknownProfile) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except (AdapterError, OutOfMemory) as exc:

@@ -31,13 +31,10 @@ from .lora_io import atomic_replace_dir
 from .rewards import reward_functions
 
 
-def grpo_args(config, output_dir: Path, cuda: bool) -> GRPOConfig:
-    t, mem = config.train, config.memory
-    import torch
-
-    bf16 = cuda and config.model.dtype in ("auto", "bfloat16") and torch.cuda.is_bf16_supported()
-    fp16 = cuda and not bf16 and config.model.dtype != "float32"
-    return GRPOConfig(
+def grpo_config_kwargs(resolved, output_dir: Path) -> dict:
+    """`GRPOConfig`'s arguments: the config's GRPO settings and the resolved device settings (resolve.py)."""
+    t = resolved.config.train
+    return dict(
         output_dir=str(output_dir),
         learning_rate=t.learning_rate,
         adam_beta1=t.adam_beta1,
@@ -46,8 +43,8 @@ def grpo_args(config, output_dir: Path, cuda: bool) -> GRPOConfig:
         warmup_steps=t.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of max_steps
         lr_scheduler_type=t.lr_scheduler_type,
         optim=t.optim,
-        per_device_train_batch_size=t.batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        per_device_train_batch_size=resolved.per_device_train_batch_size,
+        gradient_accumulation_steps=resolved.gradient_accumulation_steps,
         num_generations=t.num_generations,
         max_completion_length=t.max_completion_length,
         temperature=t.temperature,
@@ -62,20 +59,25 @@ def grpo_args(config, output_dir: Path, cuda: bool) -> GRPOConfig:
         logging_steps=t.logging_steps,
         seed=t.seed,
         data_seed=t.seed,
-        reward_weights=config.rewards.weight_list,
-        use_vllm=config.model.fast_inference,
+        reward_weights=resolved.config.rewards.weight_list,
+        use_vllm=resolved.use_vllm,  # only unsloth's engine, which shares the weights; never a second TRL engine
         vllm_mode="colocate",
-        vllm_gpu_memory_utilization=mem.gpu_memory_utilization,
-        gradient_checkpointing=mem.gradient_checkpointing != "false",
+        vllm_gpu_memory_utilization=resolved.config.memory.gpu_memory_utilization,
+        vllm_max_model_length=resolved.vllm_max_model_len,
+        gradient_checkpointing=resolved.gradient_checkpointing != "false",
         gradient_checkpointing_kwargs={"use_reentrant": False},
-        bf16=bf16,
-        fp16=fp16,
-        use_cpu=not cuda,
+        bf16=resolved.bf16,
+        fp16=resolved.fp16,
+        use_cpu=not resolved.cuda,
         report_to="none",
         disable_tqdm=True,  # our ProgressBar replaces HF's bar and its printed log dicts
         remove_unused_columns=False,
         dataloader_num_workers=0,
     )
+
+
+def grpo_args(resolved, output_dir: Path) -> GRPOConfig:
+    return GRPOConfig(**grpo_config_kwargs(resolved, output_dir))
 
 
 class MetricsWriter(TrainerCallback):
@@ -203,19 +205,20 @@ class CheckpointingGRPOTrainer(GRPOTrainer):
         checkpoints.restore_trained_adapter(model if model is not None else self.model, Path(resume_from_checkpoint))
 
 
-def build_trainer(handle, config, train_rows: list[dict], output_dir: Path, cuda: bool) -> "CheckpointingGRPOTrainer":
+def build_trainer(handle, train_rows: list[dict], output_dir: Path) -> "CheckpointingGRPOTrainer":
     """TRL's GRPOTrainer for the handle's PEFT model, with our checkpoints, guards (guards.py),
     progress bar and metrics file."""
     from datasets import Dataset
 
     from . import logprobs_fallback
 
+    config = handle.config
     logprobs_fallback.install()  # TRL's log-prob kernel is Triton (GPU only): route CPU tensors to PyTorch
     trainer = CheckpointingGRPOTrainer(
         model=handle.model,
         processing_class=handle.tokenizer,
         reward_funcs=reward_functions(config.rewards),  # each checked: one finite number per completion
-        args=grpo_args(config, output_dir, cuda),
+        args=grpo_args(handle.resolved, output_dir),
         train_dataset=Dataset.from_list(train_rows),
     )
     for callback in (PrinterCallback, ProgressCallback):

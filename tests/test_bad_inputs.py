@@ -46,6 +46,10 @@ CLI_CASES = [
     ("resume-missing-value", ["--resume"], "expected one argument"),
     ("resume-on-another-backend", ["--resume", "{tmp}/started-run", "--backend", "hf"], "started on the unsloth backend"),
     ("dry-run-with-value", ["--preset", "tiny", "--dry-run=yes"], "ignored explicit argument"),
+    ("gpu-unknown-profile", ["--preset", "llama8b_4bit", "--dry-run", "--gpu", "gtx1080"], "unknown GPU profile 'gtx1080': choose one of t4"),
+    ("gpu-without-dry-run", ["--preset", "tiny", "--gpu", "t4"], "--gpu t4 plans for a card you name: add --dry-run"),
+    ("gpu-bf16-on-a-t4", ["--preset", "llama8b_4bit", "--dry-run", "--gpu", "t4", "--set", "model.dtype=bfloat16"],
+     "model.dtype=bfloat16 needs a GPU with native bf16"),
     ("vram-zero", ["--preset", "tiny", "--vram", "0"], "--vram: must be > 0"),
     ("vram-word", ["--preset", "tiny", "--vram", "big"], "--vram: expected a number of GiB"),
     ("auto-fit-without-a-card", ["--preset", "tiny", "--auto-fit"], "--auto-fit needs a card size"),
@@ -284,6 +288,8 @@ def test_a_mismatched_or_corrupt_adapter_is_refused_by_load_lora(tmp_path, tiny_
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lowvram_grpo.backends import load_model
+    from lowvram_grpo.hardware import detect
+    from lowvram_grpo.resolve import resolve
     from lowvram_grpo.config import load_config
     from lowvram_grpo.lora_io import AdapterError
 
@@ -291,7 +297,7 @@ def test_a_mismatched_or_corrupt_adapter_is_refused_by_load_lora(tmp_path, tiny_
                                          num_attention_heads=4, num_key_value_heads=2))
     get_peft_model(other, LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")).save_pretrained(
         tmp_path / "other")
-    handle = load_model(load_config("tiny"), "hf")
+    handle = load_model(resolve(load_config("tiny"), detect(), "hf"))
     with pytest.raises(AdapterError, match=r"does not fit this base model \(it was made for .*\): .*size mismatch"):
         handle.load_lora(tmp_path / "other")
     handle.save_lora(tmp_path / "mine")

@@ -122,8 +122,10 @@ def _blown_up_lora_a(config):
     """A model whose LoRA A matrices are ~1e29: the forward stays finite (B is 0), but the gradient of B
     overflows float32, as an fp16 overflow or a diverging run would."""
     from lowvram_grpo.backends import load_model
+    from lowvram_grpo.hardware import detect
+    from lowvram_grpo.resolve import resolve
 
-    handle = load_model(config, "hf")
+    handle = load_model(resolve(config, detect(), "hf"))
     with torch.no_grad():
         for name, p in handle.model.named_parameters():
             if "lora_A" in name:

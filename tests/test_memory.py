@@ -14,10 +14,17 @@ import yaml
 
 from conftest import REPO, run_cli
 from lowvram_grpo.config import list_presets, load_config
+from lowvram_grpo.hardware import ANY_GPU, profile
 from lowvram_grpo.memory import (GIB, OutOfMemory, PlanError, apply_suggestions, format_plan, logits_bytes_held_whole,
                                  model_shape, oom_message, out_of_memory_reported, plan, shape_from_config_json)
+from lowvram_grpo.resolve import resolve
 
 GPU_PRESETS = ["llama8b_4bit", "qwen3b_4bit", "qwen1_5b_4bit"]
+
+
+def planned(config, card=None, backend="auto"):
+    """The plan of `config` on a bf16 card of `card` GiB (None: the smallest that fits), as a run resolves it."""
+    return plan(resolve(config, dataclasses.replace(ANY_GPU, total_gib=card), backend))
 
 
 # --------------------------------------------------------------------------- shapes
@@ -41,20 +48,20 @@ def test_the_tiny_shape_is_the_built_model_and_counts_its_parameters(tiny_model_
 
 
 def test_a_local_checkpoint_is_planned_from_its_config_json(tiny_model_dir):
-    local = plan(load_config("tiny", [f"model.name={tiny_model_dir}"]))
-    builtin = plan(load_config("tiny"))
+    local = planned(load_config("tiny", [f"model.name={tiny_model_dir}"]))
+    builtin = planned(load_config("tiny"))
     assert {k: t.bytes for k, t in local.terms.items()} == {k: t.bytes for k, t in builtin.terms.items()}
 
 
 def test_an_unknown_model_says_how_to_give_its_shape():
     with pytest.raises(PlanError, match="config.json"):
-        plan(load_config("llama8b_4bit", ["model.name=someone/Mystery-7B"]))
+        planned(load_config("llama8b_4bit", ["model.name=someone/Mystery-7B"]))
 
 
 # --------------------------------------------------------------------------- arithmetic
 
 def _total(preset, *overrides, card=None):
-    return plan(load_config(preset, list(overrides)), card).total_bytes
+    return planned(load_config(preset, list(overrides)), card).total_bytes
 
 
 @pytest.mark.parametrize("setting, values", [
@@ -78,35 +85,35 @@ def test_the_plan_grows_with_model_size():
     names = ["Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-3B-Instruct",
              "meta-llama/meta-Llama-3.1-8B-Instruct"]
     for key in ("weights", "lora", "activations"):
-        sizes = [plan(load_config("qwen3b_4bit", [f"model.name={n}"])).terms[key].bytes for n in names]
+        sizes = [planned(load_config("qwen3b_4bit", [f"model.name={n}"])).terms[key].bytes for n in names]
         assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes), (key, sizes)
-    minimum = [plan(load_config("qwen3b_4bit", [f"model.name={n}"])).min_vram_gb for n in names]
+    minimum = [planned(load_config("qwen3b_4bit", [f"model.name={n}"])).min_vram_gb for n in names]
     assert minimum == sorted(minimum)
 
 
 def test_memory_settings_shrink_their_terms():
-    base = plan(load_config("llama8b_4bit"), 24)
-    sixteen_bit = plan(load_config("llama8b_4bit", ["memory.load_in_4bit=false"]), 24)
+    base = planned(load_config("llama8b_4bit"), 24)
+    sixteen_bit = planned(load_config("llama8b_4bit", ["memory.load_in_4bit=false"]), 24)
     assert sixteen_bit.terms["weights"].bytes == pytest.approx(8.03e9 * 2, rel=0.01)
     assert base.terms["weights"].gib == pytest.approx(5.3, abs=0.2)  # NF4 linear layers + 16-bit embeddings
-    fp32_adam = plan(load_config("llama8b_4bit", ["train.optim=adamw_torch"]), 24)
+    fp32_adam = planned(load_config("llama8b_4bit", ["train.optim=adamw_torch"]), 24)
     assert fp32_adam.terms["optimizer"].bytes == 4 * base.terms["optimizer"].bytes  # 8 vs 2 bytes/param
-    no_ckpt = plan(load_config("llama8b_4bit", ['memory.gradient_checkpointing="false"']), 24)
-    ckpt = plan(load_config("llama8b_4bit", ['memory.gradient_checkpointing="true"']), 24)
+    no_ckpt = planned(load_config("llama8b_4bit", ['memory.gradient_checkpointing="false"']), 24)
+    ckpt = planned(load_config("llama8b_4bit", ['memory.gradient_checkpointing="true"']), 24)
     assert no_ckpt.terms["activations"].bytes > 10 * ckpt.terms["activations"].bytes > 10 * base.terms["activations"].bytes
     # 'unsloth' offloads only on the unsloth backend; on hf it is plain checkpointing
-    assert plan(load_config("llama8b_4bit"), 24, backend="hf").terms["activations"].bytes == ckpt.terms["activations"].bytes
+    assert planned(load_config("llama8b_4bit"), 24, backend="hf").terms["activations"].bytes == ckpt.terms["activations"].bytes
 
 
 def test_vllm_takes_its_share_of_the_card_and_training_gets_the_rest():
     config = load_config("llama8b_4bit")
-    p = plan(config, 16)
+    p = planned(config, 16)
     assert p.terms["vllm"].bytes + p.terms["weights"].bytes == pytest.approx(0.6 * 16 * GIB, abs=1)
-    assert plan(load_config("llama8b_4bit", ["memory.gpu_memory_utilization=0.8"]), 16).total_bytes > p.total_bytes
-    without = plan(load_config("llama8b_4bit", ["model.fast_inference=false"]), 16)
+    assert planned(load_config("llama8b_4bit", ["memory.gpu_memory_utilization=0.8"]), 16).total_bytes > p.total_bytes
+    without = planned(load_config("llama8b_4bit", ["model.fast_inference=false"]), 16)
     assert "vllm" not in without.terms and without.total_bytes < p.total_bytes
     # too small a share: the KV cache cannot hold one generation batch, so it does not fit
-    starved = plan(load_config("llama8b_4bit", ["memory.gpu_memory_utilization=0.25"]), 24)
+    starved = planned(load_config("llama8b_4bit", ["memory.gpu_memory_utilization=0.25"]), 24)
     assert starved.total_gb < 24 and starved.fits is False
 
 
@@ -115,16 +122,16 @@ def test_logits_are_counted_as_trl_computes_them():
     figure Unsloth published for 'TRL + FA2': 78.3 GB for Llama-3.1-8B, 8 generations x 20K tokens."""
     shape = model_shape("meta-llama/meta-Llama-3.1-8B-Instruct")
     assert logits_bytes_held_whole(shape, 8, 20_000) / 1e9 == pytest.approx(78.3, rel=0.06)
-    tiles = plan(load_config("llama8b_4bit")).terms["logits"]
+    tiles = planned(load_config("llama8b_4bit")).terms["logits"]
     assert tiles.bytes == 2 * 4096 * 32768 * 4 and "2.20 GiB" in tiles.detail
 
 
 def test_the_notebook_settings_fit_the_card_unsloth_names():
     """Unsloth: Llama-3.1-8B GRPO fits in 15 GB (the notebook runs on a 16 GB T4); Qwen2.5-1.5B in 5 GB."""
-    llama = plan(load_config("llama8b_4bit"))
+    llama = planned(load_config("llama8b_4bit"))
     assert 10 <= llama.min_vram_gb <= 15.5
-    assert plan(load_config("llama8b_4bit"), 15).fits
-    assert 3.5 <= plan(load_config("qwen1_5b_4bit")).min_vram_gb <= 6.5
+    assert planned(load_config("llama8b_4bit"), 15).fits
+    assert 3.5 <= planned(load_config("qwen1_5b_4bit")).min_vram_gb <= 6.5
 
 
 # --------------------------------------------------------------------------- suggestions
@@ -133,7 +140,7 @@ def test_the_notebook_settings_fit_the_card_unsloth_names():
 @pytest.mark.parametrize("card", [4, 6, 8, 10, 12])
 def test_suggestions_fit_when_replanned(preset, card):
     config = load_config(preset)
-    p = plan(config, card)
+    p = planned(config, card)
     if p.fits:
         assert not p.suggestions
         return
@@ -141,13 +148,13 @@ def test_suggestions_fit_when_replanned(preset, card):
         assert p.no_fit_reason.startswith("even with")
         return
     fitted = apply_suggestions(config, p.suggestions)
-    replanned = plan(fitted, card)
+    replanned = planned(fitted, card)
     assert replanned.fits and replanned.total_gb == pytest.approx(p.suggested_total_gb)
     assert all(s.as_override().startswith(s.key + "=") for s in p.suggestions)
 
 
 def test_suggestions_change_as_little_as_needed():
-    p = plan(load_config("llama8b_4bit"), 10)
+    p = planned(load_config("llama8b_4bit"), 10)
     assert not p.fits
     changed = {s.key: s.value for s in p.suggestions}
     assert "lora.r" not in changed and "model.fast_inference" not in changed  # not needed at 10 GiB
@@ -155,14 +162,14 @@ def test_suggestions_change_as_little_as_needed():
 
 
 def test_a_card_too_small_for_any_setting_names_the_presets_that_fit():
-    p = plan(load_config("llama8b_4bit"), 6)
+    p = planned(load_config("llama8b_4bit"), 6)
     assert not p.fits and not p.suggestions
     text = format_plan(p)
     assert "no settings of this preset fit" in text and "--preset qwen1_5b_4bit" in text
 
 
 def test_the_table_names_the_stack_and_the_total():
-    text = format_plan(plan(load_config("llama8b_4bit"), 16))
+    text = format_plan(planned(load_config("llama8b_4bit"), 16))
     for word in ("4-bit", "vLLM", "paged_adamw_8bit", "total", "fits a 16 GiB card"):
         assert word in text
 
@@ -174,7 +181,7 @@ def test_gpu_presets_state_the_vram_their_plan_needs(preset):
     config = load_config(preset)
     assert config.requires_cuda and config.memory.load_in_4bit and config.model.fast_inference
     stated = float(re.search(r"plan: ([\d.]+) GiB min", config.description).group(1))
-    assert stated == pytest.approx(plan(config).min_vram_gb, abs=0.05)
+    assert stated == pytest.approx(planned(config).min_vram_gb, abs=0.05)
     text = (REPO / "presets" / f"{preset}.yaml").read_text()
     assert f"at least {stated} GiB" in text  # the header says it too
     for key in ("r", "optim", "num_generations", "max_completion_length", "load_in_4bit",
@@ -185,13 +192,13 @@ def test_gpu_presets_state_the_vram_their_plan_needs(preset):
 
 def test_every_preset_can_be_planned():
     for name in list_presets():
-        assert plan(load_config(name)).total_gb > 0
+        assert planned(load_config(name)).total_gb > 0
 
 
 # --------------------------------------------------------------------------- out of memory
 
 def test_an_out_of_memory_report_is_one_line_with_what_to_lower(tmp_path):
-    p = plan(load_config("llama8b_4bit"), 16)
+    p = planned(load_config("llama8b_4bit"), 16)
     message = oom_message(p, tmp_path / "checkpoint-50")
     assert "\n" not in message
     assert "largest planned terms: weights 5.3 GiB" in message
@@ -203,13 +210,24 @@ def test_an_out_of_memory_report_is_one_line_with_what_to_lower(tmp_path):
 def test_cuda_oom_inside_training_becomes_that_line_and_keeps_the_checkpoints(tmp_path):
     import torch
 
-    for step in (2, 10, 9):
-        (tmp_path / f"checkpoint-{step}").mkdir()
-    p = plan(load_config("qwen1_5b_4bit"), 8)
+    from safetensors.torch import save_file
+
+    from lowvram_grpo.checkpoints import REQUIRED_FILES
+
+    for step in (2, 9, 10):  # 10 was being written when memory ran out: incomplete, not named
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        if step == 10:
+            continue
+        for name in REQUIRED_FILES:
+            (folder / name).write_text("{}")
+        (folder / "adapter_config.json").write_text("{}")
+        save_file({"lora_A": torch.zeros(1)}, str(folder / "adapter_model.safetensors"))
+    p = planned(load_config("qwen1_5b_4bit"), 8)
     with pytest.raises(OutOfMemory) as caught:
         with out_of_memory_reported(p, tmp_path):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    assert str(caught.value) == oom_message(p, tmp_path / "checkpoint-10")
+    assert str(caught.value) == oom_message(p, tmp_path / "checkpoint-9")
     assert sorted(d.name for d in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-2", "checkpoint-9"]
 
 
@@ -235,7 +253,7 @@ def test_vram_10_proposes_settings_and_auto_fit_applies_them():
     fitted = run_cli("--preset", "llama8b_4bit", "--dry-run", "--vram", "10", "--auto-fit")
     assert fitted.returncode == 0, fitted.stderr
     assert "auto-fit for a 10 GiB card: set " in fitted.stdout and "fits a 10 GiB card" in fitted.stdout
-    resolved = yaml.safe_load(fitted.stdout[fitted.stdout.index("preset:"):fitted.stdout.index("GPU memory plan")])
+    resolved = yaml.safe_load(fitted.stdout[fitted.stdout.index("preset:"):fitted.stdout.index("# resolved for")])
     assert resolved["train"]["num_generations"] == 4 and resolved["memory"]["vram_gb"] == 10
 
 
@@ -280,8 +298,9 @@ def test_merged16_export_on_the_hf_backend_equals_the_adapted_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from lowvram_grpo.backends import export_model, load_model
+    from lowvram_grpo.hardware import detect
 
-    handle = load_model(load_config("tiny"), "hf")
+    handle = load_model(resolve(load_config("tiny"), detect(), "hf"))
     torch.manual_seed(0)
     for name, weight in handle.model.named_parameters():
         if "lora_B" in name:  # peft starts B at zero: give the adapter something to merge
@@ -304,24 +323,33 @@ def test_merged16_export_on_the_hf_backend_equals_the_adapted_model(tmp_path):
 
 def test_grpo_config_for_the_gpu_preset_uses_vllm_and_paged_8bit_adamw(tmp_path):
     """What the CUDA branch hands TRL, built here without a GPU (not a claim that it ran on one)."""
-    from lowvram_grpo.training import grpo_args
+    from lowvram_grpo.training import grpo_args, grpo_config_kwargs
 
-    args = grpo_args(load_config("llama8b_4bit"), tmp_path, cuda=True)
+    args = grpo_args(resolve(load_config("llama8b_4bit"), profile("t4")), tmp_path)  # fp16: constructible on a CPU
     assert args.use_vllm and args.vllm_mode == "colocate" and args.vllm_gpu_memory_utilization == 0.6
+    assert args.vllm_max_model_length == 1024  # never the model's own 128K context
     assert args.optim == "paged_adamw_8bit" and args.gradient_checkpointing and not args.use_cpu
-    assert args.bf16 or args.fp16
+    assert (args.bf16, args.fp16) == (False, True)
     assert (args.num_generations, args.per_device_train_batch_size, args.max_completion_length) == (6, 6, 768)
+    # transformers refuses bf16=True without a GPU, so on an Ampere card only the arguments are checked
+    kwargs = grpo_config_kwargs(resolve(load_config("llama8b_4bit"), profile("rtx4090")), tmp_path)
+    assert (kwargs["bf16"], kwargs["fp16"]) == (True, False)
 
 
-def test_unsloth_load_arguments_for_the_gpu_preset():
+@pytest.mark.parametrize("hw, dtype", [("t4", "float16"), ("v100-16gb", "float16"), ("rtx3060-12gb", "bfloat16"),
+                                       ("a100-40gb", "bfloat16")])
+def test_unsloth_load_arguments_for_the_gpu_preset(hw, dtype):
+    """The dtype is passed to unsloth explicitly: on a T4 it loads fp16 and GRPOConfig says fp16 too."""
+    import torch
+
     from lowvram_grpo.backends.unsloth_backend import from_pretrained_kwargs, get_peft_model_kwargs
 
-    config = load_config("llama8b_4bit")
-    load = from_pretrained_kwargs(config, config.model.name)
-    assert load == dict(model_name="meta-llama/meta-Llama-3.1-8B-Instruct", max_seq_length=1024, dtype=None,
+    resolved = resolve(load_config("llama8b_4bit"), profile(hw))
+    load = from_pretrained_kwargs(resolved, resolved.config.model.name)
+    assert load == dict(model_name=resolved.config.model.name, max_seq_length=1024, dtype=getattr(torch, dtype),
                         load_in_4bit=True, fast_inference=True, max_lora_rank=32, gpu_memory_utilization=0.6,
                         use_gradient_checkpointing="unsloth")
-    peft = get_peft_model_kwargs(config)
+    peft = get_peft_model_kwargs(resolved)
     assert (peft["r"], peft["lora_alpha"], peft["use_gradient_checkpointing"]) == (32, 32, "unsloth")
 
 

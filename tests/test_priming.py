@@ -1,5 +1,7 @@
 """Supervised priming on the tiny model: the completion loss falls and the run reports the primed column."""
 from lowvram_grpo.backends import load_model
+from lowvram_grpo.hardware import detect
+from lowvram_grpo.resolve import resolve
 from lowvram_grpo.config import load_config
 from lowvram_grpo.data import load_questions
 from lowvram_grpo.evaluation import format_table
@@ -8,7 +10,7 @@ from lowvram_grpo.priming import _batch, completion_loss, prime
 
 def test_priming_lowers_the_completion_loss(tiny_model_dir):
     config = load_config("tiny", ["prime.steps=30", "prime.learning_rate=5e-3", "prime.batch_size=4"])
-    handle = load_model(config, "hf")
+    handle = load_model(resolve(config, detect(), "hf"))
     train, _ = load_questions(config.data)
     result = prime(handle, train, config, log=lambda *_: None)
     assert result["steps"] == 30
@@ -38,7 +40,7 @@ def test_completion_loss_equals_the_models_own_labels_loss(tiny_model_dir):
     import torch
 
     config = load_config("tiny", ["memory.gradient_checkpointing=true"])
-    handle = load_model(config, "hf")
+    handle = load_model(resolve(config, detect(), "hf"))
     model = handle.model
     model.train()
     ids, attention, labels = _batch(handle.tokenizer, ["Ava has 3 apples.", "Q"], ["<answer>\n7\n</answer>", "ok"], 512)

@@ -121,9 +121,11 @@ import os, signal, sys
 from pathlib import Path
 import peft.peft_model, torch
 from lowvram_grpo.backends import load_model
+from lowvram_grpo.hardware import detect
+from lowvram_grpo.resolve import resolve
 from lowvram_grpo.config import load_config
 target, first, point = Path(sys.argv[1]), sys.argv[2] == "yes", sys.argv[3]
-handle = load_model(load_config("tiny"), "hf")
+handle = load_model(resolve(load_config("tiny"), detect(), "hf"))
 if first:
     handle.save_lora(target)
 with torch.no_grad():
@@ -170,6 +172,8 @@ def test_a_kill_during_an_adapter_save_leaves_the_old_adapter_or_none(tmp_path, 
 
 def test_leftover_staging_of_a_dead_process_is_removed_by_the_next_save(tmp_path, tiny_model_dir):
     from lowvram_grpo.backends import load_model
+    from lowvram_grpo.hardware import detect
+    from lowvram_grpo.resolve import resolve
     from lowvram_grpo.config import load_config
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -177,7 +181,7 @@ def test_leftover_staging_of_a_dead_process_is_removed_by_the_next_save(tmp_path
     leftover.mkdir()
     mine = tmp_path / f".adapter.tmp-{os.getpid()}-live"  # a live process's staging is left alone
     mine.mkdir()
-    handle = load_model(load_config("tiny"), "hf")
+    handle = load_model(resolve(load_config("tiny"), detect(), "hf"))
     handle.save_lora(tmp_path / "adapter")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["adapter", mine.name])
 

@@ -47,9 +47,11 @@ def test_converted_model_answers_sensibly(converted):
 
 def test_smollm2_preset_loads_through_the_hf_backend(converted):
     from lowvram_grpo.backends import load_model
+    from lowvram_grpo.hardware import detect
+    from lowvram_grpo.resolve import resolve
     from lowvram_grpo.config import load_config
 
-    handle = load_model(load_config("smollm2_cpu"), "hf")
+    handle = load_model(resolve(load_config("smollm2_cpu"), detect(), "hf"))
     assert handle.trainable_parameters() > 0
     assert handle.tokenizer.eos_token == "<|im_end|>"
 

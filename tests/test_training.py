@@ -128,13 +128,15 @@ def test_sampling_inside_the_trainer_keeps_the_kv_cache_under_gradient_checkpoin
     from datasets import Dataset  # noqa: F401  (imported by build_trainer; keeps import order obvious)
 
     from lowvram_grpo.backends import load_model
+    from lowvram_grpo.hardware import detect
+    from lowvram_grpo.resolve import resolve
     from lowvram_grpo.data import load_questions, to_prompt_rows
     from lowvram_grpo.training import build_trainer
 
     config = load_config("tiny", ["train.max_steps=1", "eval.enabled=false", "memory.gradient_checkpointing=true"])
-    handle = load_model(config, "hf")
+    handle = load_model(resolve(config, detect(), "hf"))
     train_q, _ = load_questions(config.data)
-    trainer = build_trainer(handle, config, to_prompt_rows(train_q, config.data.system_prompt), tmp_path, cuda=False)
+    trainer = build_trainer(handle, to_prompt_rows(train_q, config.data.system_prompt), tmp_path)
     assert trainer.args.gradient_checkpointing
 
     seen = []  # (in generation?, layer training flag, cache given?) per call of the first decoder layer

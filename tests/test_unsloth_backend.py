@@ -61,7 +61,7 @@ def test_choosing_a_backend_imports_neither_trl_nor_transformers():
     import sys
 
     code = ("import sys; import lowvram_grpo.pipeline, lowvram_grpo.run, lowvram_grpo.config as c; "
-            "from lowvram_grpo.backends import choose_backend; c.load_config('llama8b_4bit'); choose_backend('auto'); "
+            "from lowvram_grpo.resolve import resolve; from lowvram_grpo.hardware import detect; resolve(c.load_config('tiny'), detect()); "
             "bad = [m for m in ('trl', 'transformers', 'peft', 'unsloth') if m in sys.modules]; "
             "assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

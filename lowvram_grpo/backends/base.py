@@ -9,12 +9,16 @@
 
 Generation runs through a small engine interface (`GenerationEngine`): `TransformersEngine` here
 (transformers' `generate` with the KV cache), or vLLM's `fast_generate` on a GPU with unsloth's
-`fast_inference` (see `unsloth_backend.VLLMEngine`).
+`fast_inference` (see `unsloth_backend.VLLMEngine`). The engine also owns `load_lora`: the transformers
+engine loads a saved adapter into the PEFT model beside the trained one; a vLLM engine hands vLLM the
+adapter's path and never adds adapters to the trained model (unsloth's weight sync would gather them).
+Either way a request is keyed by the adapter's version, so an adapter re-saved to the same path is
+served afresh, never from the old weights.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Protocol, Sequence, Union
 
@@ -33,11 +37,15 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class LoraRequest:
-    """A saved adapter made ready for generation (what vLLM's LoRARequest carries)."""
+    """A saved adapter made ready for generation (what vLLM's LoRARequest carries). `version` changes
+    whenever the adapter's weights file is rewritten (lora_io.adapter_version); `engine_request` is the
+    engine's own request object (vLLM's LoRARequest), None for the transformers engine."""
 
     name: str
     id: int
     path: str
+    version: int = 0
+    engine_request: object = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -55,12 +63,39 @@ class GenerationEngine(Protocol):
     def generate(self, texts: list[str], params: SamplingParams, lora_request: Optional[LoraRequest]) -> list[Completion]:
         ...
 
+    def load_lora(self, path: Path) -> LoraRequest:
+        ...
+
+
+class AdapterVersions:
+    """Requests by (path, version): a re-saved adapter gets a new request with a new integer id."""
+
+    def __init__(self):
+        self._requests: dict[tuple[str, int], LoraRequest] = {}
+
+    def get(self, path: Path, make) -> LoraRequest:
+        """The request for the adapter at `path` as it is now; `make(name, id, path, version)` builds a new one."""
+        key = (str(path), lora_io.adapter_version(path))
+        if key not in self._requests:
+            new_id = len(self._requests) + 1
+            self._requests[key] = make(f"loaded_{new_id}", new_id, str(path), key[1])
+        return self._requests[key]
+
 
 class TransformersEngine:
     """Batched sampling with transformers' generate on the PEFT model (CPU, or GPU without vLLM)."""
 
     def __init__(self, handle: "ModelHandle"):
         self.handle = handle
+        self.versions = AdapterVersions()
+
+    def load_lora(self, path: Path) -> LoraRequest:
+        """Load the saved adapter into the PEFT model beside the trained one (inactive until generation selects it)."""
+        def make(name, new_id, path_text, version):
+            lora_io.load_adapter_into(self.handle.model, Path(path_text), name, base_model=self.handle.base_model)
+            return LoraRequest(name=name, id=new_id, path=path_text, version=version)
+
+        return self.versions.get(path, make)
 
     def _adapter_context(self, lora_request: Optional[LoraRequest]):
         model = self.handle.model
@@ -130,13 +165,20 @@ def _active_adapter(model, name: str):
 class ModelHandle:
     """A PEFT model with its tokenizer and the notebook's LoRA calls. Built by a backend's `load_model`."""
 
-    def __init__(self, model, tokenizer, backend: str, base_model: str, engine: Optional[GenerationEngine] = None):
+    def __init__(self, model, tokenizer, resolved, base_model: str, engine: Optional[GenerationEngine] = None):
         self.model = model
         self.tokenizer = tokenizer
-        self.backend = backend
+        self.resolved = resolved      # the settings the model was built with (resolve.py)
         self.base_model = base_model  # the path or id the base weights came from
         self.engine = engine or TransformersEngine(self)
-        self._loaded: dict[str, LoraRequest] = {}
+
+    @property
+    def backend(self) -> str:
+        return self.resolved.backend
+
+    @property
+    def config(self):
+        return self.resolved.config
 
     # -------------------------------------------------------------- generation
     def apply_chat_template(self, prompt: Prompt) -> str:
@@ -163,15 +205,12 @@ class ModelHandle:
         return lora_io.save_adapter(self.model, self.tokenizer, Path(path))
 
     def load_lora(self, path: Union[str, Path]) -> LoraRequest:
-        """Check the adapter at `path` fits this base model, load it beside the trained one, return its handle."""
+        """Check the adapter at `path` and make it ready for generation; pass the result as `lora_request`.
+        A re-saved adapter (same path, new weights) gets a new request."""
         path = Path(path).resolve()
-        key = f"{path}@{lora_io.adapter_version(path)}"  # a re-saved adapter is loaded afresh
-        if key in self._loaded:
-            return self._loaded[key]
-        request = LoraRequest(name=f"loaded_{len(self._loaded) + 1}", id=len(self._loaded) + 1, path=str(path))
-        lora_io.load_adapter_into(self.model, path, request.name, base_model=self.base_model)
-        self._loaded[key] = request
-        return request
+        lora_io.restore_interrupted_replace(path)
+        lora_io.check_adapter_dir(path)
+        return self.engine.load_lora(path)
 
     # -------------------------------------------------------------- helpers
     def trainable_parameters(self) -> int:

@@ -12,50 +12,28 @@ from ..builtin_models import resolve_model_path
 from .base import ModelHandle
 
 
-def resolve_dtype(name: str, cuda: bool):
-    import torch
-
-    if name == "auto":
-        if not cuda:
-            return torch.float32  # CPU: fp32 is the fast, safe default for small models
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return getattr(torch, name)
-
-
-def warn_if_slow_bf16(dtype, cuda: bool) -> None:
-    """bf16 on a CPU without native bf16 (AVX512-BF16/AMX) is emulated and several times slower."""
-    import sys
-
-    import torch
-
-    if not cuda and dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        print("warning: this CPU has no native bf16; training will be slow. "
-              "Add --set model.dtype=float32 (about 2x the memory for the weights).", file=sys.stderr)
-
-
-def load_model(config) -> ModelHandle:
+def load_model(resolved) -> ModelHandle:
+    """The PEFT model for `resolved` (resolve.py decided dtype, device and checkpointing)."""
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-    cuda = torch.cuda.is_available()
+    config = resolved.config
     path = resolve_model_path(config.model.name)
-    dtype = resolve_dtype(config.model.dtype, cuda)
-    checkpointing = config.memory.gradient_checkpointing != "false"
-    warn_if_slow_bf16(dtype, cuda)
+    dtype = getattr(torch, resolved.dtype)
+    checkpointing = resolved.gradient_checkpointing != "false"
 
     quantization = None
-    if config.memory.load_in_4bit:
+    if resolved.load_in_4bit:
         quantization = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
         )
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, quantization_config=quantization, device_map="cuda" if cuda else "cpu"
-    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=quantization,
+                                                 device_map=resolved.device)
     tokenizer = AutoTokenizer.from_pretrained(path, model_max_length=config.model.max_seq_length)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if quantization is not None:
+    if quantization is not None:  # casts embeddings, lm_head and norms to fp32 (the memory plan counts it)
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
     elif checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -71,7 +49,7 @@ def load_model(config) -> ModelHandle:
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora)
-    return ModelHandle(model, tokenizer, backend="hf", base_model=path)
+    return ModelHandle(model, tokenizer, resolved, base_model=path)
 
 
 def export_merged16(base_model: str, adapter_dir: Path, directory: Path) -> Path:

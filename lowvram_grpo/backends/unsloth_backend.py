@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..builtin_models import resolve_model_path
-from .base import Completion, LoraRequest, ModelHandle, SamplingParams
+from .base import AdapterVersions, Completion, LoraRequest, ModelHandle, SamplingParams
 
 
 def prepare() -> None:
@@ -25,60 +25,78 @@ def prepare() -> None:
         patch("GRPO", unsloth.FastLanguageModel)
 
 
-def _dtype(name: str):
+def _checkpointing(resolved):
+    return {"unsloth": "unsloth", "true": True, "false": False}[resolved.gradient_checkpointing]
+
+
+def from_pretrained_kwargs(resolved, path: str) -> dict:
+    """`FastLanguageModel.from_pretrained`'s arguments (the notebook's call) for the resolved settings.
+    The dtype is passed explicitly (resolve.py: bf16 only where native), never left to unsloth's guess."""
     import torch
 
-    return None if name == "auto" else getattr(torch, name)  # None: unsloth picks per device
-
-
-def _checkpointing(config):
-    return {"unsloth": "unsloth", "true": True, "false": False}[config.memory.gradient_checkpointing]
-
-
-def from_pretrained_kwargs(config, path: str) -> dict:
-    """`FastLanguageModel.from_pretrained`'s arguments for `config` (the notebook's call)."""
+    config = resolved.config
     return dict(
         model_name=path,
         max_seq_length=config.model.max_seq_length,
-        dtype=_dtype(config.model.dtype),
-        load_in_4bit=config.memory.load_in_4bit,
-        fast_inference=config.model.fast_inference,
+        dtype=getattr(torch, resolved.dtype),
+        load_in_4bit=resolved.load_in_4bit,
+        fast_inference=resolved.fast_inference,
         max_lora_rank=config.lora.r,
         gpu_memory_utilization=config.memory.gpu_memory_utilization,
-        use_gradient_checkpointing=_checkpointing(config),
+        use_gradient_checkpointing=_checkpointing(resolved),
     )
 
 
-def get_peft_model_kwargs(config) -> dict:
-    """`FastLanguageModel.get_peft_model`'s arguments (after the model) for `config`."""
+def get_peft_model_kwargs(resolved) -> dict:
+    """`FastLanguageModel.get_peft_model`'s arguments (after the model)."""
+    config = resolved.config
     return dict(
         r=config.lora.r,
         target_modules=list(config.lora.target_modules),
         lora_alpha=config.lora.alpha,
         lora_dropout=config.lora.dropout,
-        use_gradient_checkpointing=_checkpointing(config),
+        use_gradient_checkpointing=_checkpointing(resolved),
         random_state=config.lora.random_state,
     )
 
 
-def load_model(config) -> ModelHandle:
-    import torch
+def loaded_dtype(model) -> str:
+    """The dtype unsloth loaded the unquantized parts in (what its GRPO trainer checks bf16/fp16 against)."""
+    dtype = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
+    if dtype is None or isinstance(dtype, str):
+        dtype = model.get_input_embeddings().weight.dtype
+    return str(dtype).replace("torch.", "")
+
+
+def load_model(resolved, log=print) -> ModelHandle:
     from unsloth import FastLanguageModel
 
-    from . import BackendError
+    from ..resolve import follow_loaded_dtype
 
-    cuda = torch.cuda.is_available()
-    if config.model.fast_inference and not cuda:
-        raise BackendError("model.fast_inference (vLLM) needs an NVIDIA GPU: set model.fast_inference=false on this machine")
-    path = resolve_model_path(config.model.name)
-    model, tokenizer = FastLanguageModel.from_pretrained(**from_pretrained_kwargs(config, path))
-    model = FastLanguageModel.get_peft_model(model, **get_peft_model_kwargs(config))
+    path = resolve_model_path(resolved.config.model.name)
+    model, tokenizer = FastLanguageModel.from_pretrained(**from_pretrained_kwargs(resolved, path))
+    model = FastLanguageModel.get_peft_model(model, **get_peft_model_kwargs(resolved))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    handle = ModelHandle(model, tokenizer, backend="unsloth", base_model=path)
-    if config.model.fast_inference:
-        handle.engine = VLLMEngine(model)
+    resolved = follow_loaded_dtype(resolved, loaded_dtype(model))
+    handle = ModelHandle(model, tokenizer, resolved, base_model=path)
+    engine, problem = vllm_engine_for(model, resolved, tokenizer)
+    if problem:
+        log(f"warning: {problem}")
+    if engine is not None:
+        handle.engine = engine
     return handle
+
+
+def vllm_engine_for(model, resolved, tokenizer=None):
+    """(VLLMEngine, None) when unsloth really started vLLM for this model; (None, why) when fast_inference
+    was asked for and unsloth turned it off (vLLM missing, an unsupported card); (None, None) otherwise."""
+    if not resolved.fast_inference:
+        return None, None
+    if getattr(model, "vllm_engine", None) is None or not hasattr(model, "fast_generate"):
+        return None, ("model.fast_inference is on but unsloth loaded the model without vLLM (no vllm_engine: "
+                      "vLLM missing or unsupported here); generating with transformers, slower")
+    return VLLMEngine(model, resolved, tokenizer), None
 
 
 # unsloth's savers, as the notebook calls them: (method name, keyword arguments).
@@ -103,26 +121,55 @@ def export(model, tokenizer, directory: Path, kind: str) -> Path:
     return directory
 
 
+def vllm_sampling_kwargs(params: SamplingParams) -> dict:
+    """vLLM `SamplingParams` arguments for our sampling settings."""
+    return dict(temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, seed=params.seed)
+
+
+def vllm_generate_kwargs(sampling, lora_request) -> dict:
+    """`LLM.generate` keyword arguments (unsloth's `model.fast_generate` is `model.vllm_engine.generate`)."""
+    return dict(sampling_params=sampling, lora_request=lora_request, use_tqdm=False)
+
+
+def load_lora_kwargs(path) -> dict:
+    """unsloth_zoo's `load_lora(model, save_directory, load_tensors=False)` (attached as `model.load_lora`):
+    vLLM reads the adapter from disk; the trained model's PEFT adapters are not touched."""
+    return dict(save_directory=str(path), load_tensors=False)
+
+
+def token_prompts(tokenizer, texts: list[str]) -> list[dict]:
+    """vLLM prompts as token ids (`TokensPrompt`): the chat template already wrote the special tokens,
+    and vLLM's own tokenization would add `<|begin_of_text|>` a second time."""
+    return [{"prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]} for text in texts]
+
+
 class VLLMEngine:
     """Generation through unsloth's vLLM (`model.fast_generate`), sharing the 4-bit weights. CUDA only;
-    not run on the CPU machines this project is tested on."""
+    not run on the CPU machines this project is tested on (tests/test_gpu_contracts.py checks every call
+    against the pinned unsloth/vLLM source).
 
-    def __init__(self, model):
+    `load_lora` never PEFT-loads the adapter into the trained model: unsloth's rollout weight sync gathers
+    every `lora_A/lora_B` tensor of the model, and vLLM rejects an extra adapter's keys
+    (`...lora_A.loaded_1.weight`). vLLM gets the adapter's path instead, one request per adapter version
+    (unsloth's `load_lora` numbers its requests itself)."""
+
+    def __init__(self, model, resolved, tokenizer=None):
         self.model = model
-        self._vllm_requests: dict[str, object] = {}
+        self.resolved = resolved
+        self.tokenizer = tokenizer
+        self.versions = AdapterVersions()
 
-    def _vllm_lora(self, lora_request: Optional[LoraRequest]):
-        if lora_request is None:
-            return None
-        if lora_request.path not in self._vllm_requests:
-            self._vllm_requests[lora_request.path] = self.model.load_lora(lora_request.path)
-        return self._vllm_requests[lora_request.path]
+    def load_lora(self, path: Path) -> LoraRequest:
+        def make(name, new_id, path_text, version):
+            request = self.model.load_lora(**load_lora_kwargs(path_text))
+            return LoraRequest(name=name, id=new_id, path=path_text, version=version, engine_request=request)
+
+        return self.versions.get(path, make)
 
     def generate(self, texts: list[str], params: SamplingParams, lora_request: Optional[LoraRequest]) -> list[Completion]:
         from vllm import SamplingParams as VLLMSamplingParams
 
-        sampling = VLLMSamplingParams(
-            temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, seed=params.seed
-        )
-        outputs = self.model.fast_generate(texts, sampling_params=sampling, lora_request=self._vllm_lora(lora_request))
+        sampling = VLLMSamplingParams(**vllm_sampling_kwargs(params))
+        lora = lora_request.engine_request if lora_request is not None else None
+        outputs = self.model.fast_generate(token_prompts(self.tokenizer, texts), **vllm_generate_kwargs(sampling, lora))
         return [Completion(o.outputs[0].text, len(o.outputs[0].token_ids)) for o in outputs]
