@@ -22,7 +22,6 @@ the module skips; a pin the registry does not have fails.
 from __future__ import annotations
 
 import ast
-import dataclasses
 import json
 import re
 import subprocess
