@@ -134,6 +134,9 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, h
 
     output_dir = prepare_output_dir(output_dir)  # the first write: bad input was refused before this
     trainer = build_trainer(handle, train_rows, output_dir)
+    from .training import describe_effective
+
+    log(describe_effective(trainer.effective_settings))
     if resume_from is None:
         atomic_write_text(output_dir / "config.yaml", config.to_yaml())
         (output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a rerun into the same dir starts its log afresh
@@ -182,6 +185,8 @@ def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, h
         "primed": primed,
         "after": after,
         "priming": priming,
+        "resolved": resolved.summary(),
+        "grpo_settings": trainer.effective_settings,
         "skipped_nonfinite": trainer.nonfinite_guard.skipped,
         "reward_failures": {f.__name__: f.failures for f in trainer.reward_funcs if getattr(f, "failures", 0)},
         "samples": [

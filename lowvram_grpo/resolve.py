@@ -17,11 +17,13 @@ Decisions, and why:
 - gradient checkpointing: 'unsloth' (offload to CPU RAM) exists only on the unsloth backend; on hf it
   is plain checkpointing ('true').
 - generation: unsloth's `fast_inference` (vLLM sharing the 4-bit weights) only on the unsloth backend
-  on CUDA with vLLM installed and compute capability >= 7.0 (what unsloth needs; it silently turns vLLM
-  off otherwise). TRL's `use_vllm` is on exactly then: TRL never starts an engine of its own, which
-  would load a second copy of the weights with the model's full context length beside the trained
-  model. Otherwise generation runs through transformers; the hf backend says so when fast_inference
-  was asked for.
+  on CUDA with vLLM installed (unsloth's from_pretrained raises ImportError without it) and compute
+  capability >= 7.0 (below, unsloth silently turns vLLM off). TRL's `use_vllm` is on exactly then: TRL
+  never starts an engine of its own, which would load a second copy of the weights with the model's full
+  context length beside the trained model. After loading, `without_vllm` turns it off again if the model
+  came back without a `vllm_engine` (unsloth's other silent cases), since unsloth's trainer would then
+  fall back to TRL's own engine. Otherwise generation runs through transformers; the hf backend says so
+  when fast_inference was asked for.
 - vLLM's max model length: model.max_seq_length (prompt + completion), never the model's own 128K.
 - batch sizes: per_device_train_batch_size defaults to num_generations (one prompt's group per
   micro-step); the generation batch is per_device x gradient_accumulation x processes.
@@ -196,3 +198,10 @@ def follow_loaded_dtype(resolved: Resolved, loaded: str) -> Resolved:
     cuda = resolved.cuda
     return dataclasses.replace(resolved, dtype=loaded, bf16=cuda and loaded == "bfloat16",
                                fp16=cuda and loaded == "float16", notes=resolved.notes + (note,))
+
+
+def without_vllm(resolved: Resolved, why: str) -> Resolved:
+    """The settings with vLLM off: unsloth loaded the model without a `vllm_engine`, so GRPOConfig must
+    not say use_vllm (unsloth's trainer would start TRL's own engine, a second copy of the weights)."""
+    return dataclasses.replace(resolved, fast_inference=False, use_vllm=False, generation="transformers",
+                               vllm_max_model_len=None, gpu_memory_utilization=None, notes=resolved.notes + (why,))

@@ -80,6 +80,55 @@ def grpo_args(resolved, output_dir: Path) -> GRPOConfig:
     return GRPOConfig(**grpo_config_kwargs(resolved, output_dir))
 
 
+# The GRPO settings a trainer actually uses, read back from the built trainer: unsloth's patched
+# GRPOTrainer/GRPOConfig changes several of TRL's defaults (loss type, beta, importance-sampling
+# correction, vLLM mode, batch rounding, mixed precision), and TRL derives others (generation batch,
+# steps per generation). See docs/unsloth_grpo_changes.md.
+EFFECTIVE_KEYS = (
+    "loss_type", "beta", "epsilon", "epsilon_high", "scale_rewards", "importance_sampling_level", "num_iterations",
+    "mask_truncated_completions", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
+    "generation_batch_size", "steps_per_generation", "max_completion_length", "temperature", "top_p", "top_k",
+    "use_vllm", "vllm_mode", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+    "vllm_gpu_memory_utilization", "vllm_max_model_length", "bf16", "fp16", "optim", "learning_rate",
+    "lr_scheduler_type", "max_grad_norm", "gradient_checkpointing", "gradient_checkpointing_kwargs",
+    "vllm_enable_sleep_mode", "torch_empty_cache_steps", "reward_weights",
+)
+
+
+def _plain(value):
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if hasattr(value, "tolist"):  # a tensor (reward_weights)
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return str(getattr(value, "value", value))  # enums (optim, scheduler) by their value
+
+
+def describe_effective(effective: dict) -> str:
+    """One line for the run log: the GRPO settings that shape the loss, and what the trainer changed."""
+    s = effective["settings"]
+    line = (f"GRPO as the trainer runs it: loss_type={s['loss_type']} beta={s['beta']} epsilon={s['epsilon']} "
+            f"scale_rewards={s['scale_rewards']} num_generations={s['num_generations']} "
+            f"generation_batch_size={s['generation_batch_size']} use_vllm={s['use_vllm']} bf16={s['bf16']} fp16={s['fp16']}")
+    if effective["changed"]:
+        line += "; changed from the config by the trainer: " + ", ".join(
+            f"{k} {a!r} -> {u!r}" for k, (a, u) in effective["changed"].items())
+    return line
+
+
+def effective_grpo_settings(trainer, asked: dict) -> dict:
+    """{'settings': what the built trainer will use, 'changed': {key: [asked, used]}} for EFFECTIVE_KEYS.
+    Read from `trainer.args` (and the trainer's own attribute of the same name where it has one, as TRL
+    and unsloth keep the live value there)."""
+    used = {key: _plain(getattr(trainer, key, getattr(trainer.args, key, None))) for key in EFFECTIVE_KEYS}
+    changed = {key: [_plain(asked[key]), used[key]] for key in EFFECTIVE_KEYS
+               if key in asked and _plain(asked[key]) != used[key]}
+    return {"settings": used, "changed": changed}
+
+
 class MetricsWriter(TrainerCallback):
     """Appends each logged step to metrics.jsonl: `step`, `reward`, `loss` and every other TRL metric."""
 
@@ -234,4 +283,5 @@ def build_trainer(handle, train_rows: list[dict], output_dir: Path) -> "Checkpoi
     trainer.add_callback(ProgressBar(config.train.max_steps))
     trainer.add_callback(MetricsWriter(Path(output_dir) / "metrics.jsonl"))
     trainer.add_callback(SignalWarnings(config.train.max_completion_length))
+    trainer.effective_settings = effective_grpo_settings(trainer, grpo_config_kwargs(handle.resolved, output_dir))
     return trainer

@@ -412,3 +412,22 @@ def test_unsloths_patches_of_trls_vllm_generation_match_trl(wheels):
         source = wheels.find("trl", "trl/generation/vllm_generation.py", f"VLLMGeneration.{method}").source()
         assert re.compile(patterns[pattern], re.MULTILINE).search(source), \
             f"unsloth's {pattern} regex does not match TRL {wheels['trl'].version}'s VLLMGeneration.{method}"
+
+
+def test_gpu_presets_name_ids_unsloth_maps_to_pre_quantized_4bit(wheels):
+    """Defect 9: the presets use Unsloth's ungated 16-bit ids; with load_in_4bit, unsloth's mapper
+    (unsloth/models/mapper.py, FLOAT_TO_INT_MAPPER built from INT_TO_FLOAT_MAPPER) points each at a
+    pre-quantized bnb-4bit repo, which is what the preset comments say it downloads."""
+    tree = wheels["unsloth"].tree("unsloth/models/mapper.py")
+    mapper = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                  and any(getattr(t, "id", None) == "__INT_TO_FLOAT_MAPPER" for t in node.targets))
+    table = ast.literal_eval(mapper)
+    for preset in GPU_PRESETS:
+        config = load_config(preset)
+        name = config.model.name
+        keys = [key for key, values in table.items() for group in (values.values() if isinstance(values, dict) else [values])
+                if name in group]
+        assert keys, f"{preset}: unsloth {wheels['unsloth'].version}'s mapper has no pre-quantized repo for {name}"
+        assert all(key.endswith("bnb-4bit") for key in keys), keys
+        comment = (REPO / "presets" / f"{preset}.yaml").read_text()
+        assert any(key in comment for key in keys), f"{preset}: the comment should name {keys}"

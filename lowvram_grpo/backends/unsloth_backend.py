@@ -71,7 +71,7 @@ def loaded_dtype(model) -> str:
 def load_model(resolved, log=print) -> ModelHandle:
     from unsloth import FastLanguageModel
 
-    from ..resolve import follow_loaded_dtype
+    from ..resolve import follow_loaded_dtype, without_vllm
 
     path = resolve_model_path(resolved.config.model.name)
     model, tokenizer = FastLanguageModel.from_pretrained(**from_pretrained_kwargs(resolved, path))
@@ -83,6 +83,7 @@ def load_model(resolved, log=print) -> ModelHandle:
     engine, problem = vllm_engine_for(model, resolved, tokenizer)
     if problem:
         log(f"warning: {problem}")
+        handle.resolved = without_vllm(resolved, problem)  # GRPOConfig: use_vllm off, or TRL starts its own engine
     if engine is not None:
         handle.engine = engine
     return handle
