@@ -1,7 +1,7 @@
 """Check the memory plan's non-vLLM terms against the memory real GRPO steps take on the CPU.
 
-    python bench/memory_plan_check.py            # both cases, writes bench/results/memory_plan_check.json
-    python bench/memory_plan_check.py --cases wide
+    python -m bench.memory_plan_check            # both cases, writes bench/results/memory_plan_check.json
+    python -m bench.memory_plan_check --cases wide
 
 Each case runs in a fresh process: the hf backend builds the model and TRL's GRPOTrainer exactly as
 `pipeline.run` does, and `trainer.train()` runs 2 GRPO steps under the PyTorch profiler with
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     results = []
     for case in args.cases.split(","):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        proc = subprocess.run([sys.executable, __file__, "--one", case], capture_output=True, text=True, env=env, cwd=REPO)
+        proc = subprocess.run([sys.executable, "-m", "bench.memory_plan_check", "--one", case], capture_output=True, text=True, env=env, cwd=REPO)
         line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
         if proc.returncode != 0 or line is None:
             print(proc.stderr[-3000:], file=sys.stderr)

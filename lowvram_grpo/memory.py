@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from .checkpoints import latest_checkpoint
-from .config import ConfigError, RunConfig, config_from_dict
+from .config import RunConfig, config_from_dict
+from .errors import ConfigError, OutOfMemory, PlanError
 
 GIB = 2 ** 30
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes + 8-bit absmax per 64 + fp32 per 256 blocks
@@ -54,14 +54,6 @@ CUDA_OVERHEAD_BYTES = int(0.6 * GIB)   # CUDA context + cuBLAS workspace + alloc
 VLLM_RUNTIME_BYTES = int(0.5 * GIB)    # inside vLLM's share: CUDA graphs, sampler, profiling activations
 SUGGESTION_SPARE = 0.05           # suggested settings leave this share of the card unplanned
 OOM_UNDERESTIMATE = 0.3           # after an OOM, assume the training-side terms were this much larger
-
-
-class PlanError(ConfigError):
-    """The plan cannot be made (unknown model shape); the message says how to give the shape."""
-
-
-class OutOfMemory(RuntimeError):
-    """CUDA ran out of memory during training; the message is `oom_message`'s one line."""
 
 
 # --------------------------------------------------------------------------- model shapes
@@ -348,13 +340,13 @@ def _training_terms(shape: ModelShape, resolved) -> dict[str, Term]:
     config = resolved.config
     s = _sizes(resolved)
     lora = lora_param_count(shape, config)
-    optim_bytes = OPTIMIZER_BYTES_PER_PARAM[config.train.optim]
+    optim_bytes = OPTIMIZER_BYTES_PER_PARAM[resolved.optim]
     return {
         "weights": _weights_term(shape, resolved, s),
         "lora": Term("lora", f"LoRA params + grads, r={config.lora.r}", lora * LORA_BYTES_PER_PARAM,
                      f"{lora / 1e6:.1f}M params x {LORA_BYTES_PER_PARAM} B (fp32 weight + grad)",
                      "lora.r, lora.target_modules"),
-        "optimizer": Term("optimizer", f"optimizer state, {config.train.optim}", lora * optim_bytes,
+        "optimizer": Term("optimizer", f"optimizer state, {resolved.optim}", lora * optim_bytes,
                           f"{lora / 1e6:.1f}M params x {optim_bytes} B", "train.optim"),
         "activations": _activation_term(shape, resolved, s),
         "logits": _logits_term(shape, s),
@@ -610,7 +602,9 @@ def out_of_memory_reported(p: Optional[MemoryPlan], run_dir: Path):
     Nothing is deleted: the checkpoints written so far stay in `run_dir`."""
     import torch
 
+    from .run_dir import RunDir
+
     try:
         yield
     except torch.cuda.OutOfMemoryError:
-        raise OutOfMemory(oom_message(p, latest_checkpoint(run_dir))) from None
+        raise OutOfMemory(oom_message(p, RunDir(run_dir).latest_checkpoint())) from None

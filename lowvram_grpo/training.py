@@ -5,7 +5,9 @@ their weights) and the prompt rows, and adds three callbacks: a progress bar (st
 left), a `metrics.jsonl` writer (one JSON object per logged step) and the training-signal warnings
 (signals.py: truncated completions, groups with all-equal rewards, a flat reward), plus the guards
 (guards.py: NaN/inf steps skipped, Ctrl-C / SIGTERM at a step boundary). Checkpoints are written
-atomically with our run state, and resuming restores the trained adapter (CheckpointingGRPOTrainer).
+atomically with our run state through RunDir, and resuming restores the trained adapter; the private
+Trainer hooks this needs live in trl_compat.py. Under `accelerate launch` (several processes, hf
+backend) TRL runs data-parallel GRPO; only the main process writes files.
 
 Choices, as in the Unsloth notebook: one prompt's group of `num_generations` completions per
 micro-step (per_device_train_batch_size defaults to num_generations), advantages normalised within
@@ -14,21 +16,17 @@ memory: PEFT disables the adapters for the reference pass), paged 8-bit AdamW.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
-import tempfile
 import sys
 from pathlib import Path
 
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig
 
-from . import checkpoints
 from .guards import NonFiniteGuard, StopOnSignal
-from .lora_io import atomic_replace_dir
 from .rewards import reward_functions
+from .run_dir import RunDir
+from .trl_compat import HookedGRPOTrainer, install_logprob_fallback
 
 
 def grpo_config_kwargs(resolved, output_dir: Path) -> dict:
@@ -42,7 +40,7 @@ def grpo_config_kwargs(resolved, output_dir: Path) -> dict:
         weight_decay=t.weight_decay,
         warmup_steps=t.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of max_steps
         lr_scheduler_type=t.lr_scheduler_type,
-        optim=t.optim,
+        optim=resolved.optim,
         per_device_train_batch_size=resolved.per_device_train_batch_size,
         gradient_accumulation_steps=resolved.gradient_accumulation_steps,
         num_generations=t.num_generations,
@@ -69,10 +67,12 @@ def grpo_config_kwargs(resolved, output_dir: Path) -> dict:
         bf16=resolved.bf16,
         fp16=resolved.fp16,
         use_cpu=not resolved.cuda,
-        report_to="none",
+        report_to=t.trackers,  # TRL's integrations; metrics.jsonl is written either way
         disable_tqdm=True,  # our ProgressBar replaces HF's bar and its printed log dicts
         remove_unused_columns=False,
         dataloader_num_workers=0,
+        # several processes (accelerate): every LoRA weight takes part in each forward, so DDP need not search
+        ddp_find_unused_parameters=False if resolved.num_processes > 1 else None,
     )
 
 
@@ -130,18 +130,15 @@ def effective_grpo_settings(trainer, asked: dict) -> dict:
 
 
 class MetricsWriter(TrainerCallback):
-    """Appends each logged step to metrics.jsonl: `step`, `reward`, `loss` and every other TRL metric."""
+    """Appends each logged step to metrics.jsonl (through RunDir): `step`, `reward`, `loss` and every other TRL metric."""
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, run_dir: RunDir):
+        self.run_dir = run_dir
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         row = metric_row(state.global_step, logs)
-        if row is None:
-            return
-        with self.path.open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps(row) + "\n")
+        if row is not None and state.is_world_process_zero:
+            self.run_dir.append_metrics(row)
 
 
 def metric_row(step: int, logs) -> dict | None:
@@ -198,34 +195,18 @@ class ProgressBar(TrainerCallback):
             self.bar.close()
 
 
-class CheckpointingGRPOTrainer(GRPOTrainer):
-    """TRL's GRPOTrainer whose checkpoints are written atomically with our run state (checkpoints.py),
-    and whose resume restores the trained adapter. build_trainer sets the attributes below."""
+class GRPORunTrainer(HookedGRPOTrainer):
+    """TRL's GRPOTrainer with our checkpoints (run_dir.RunDir.save_checkpoint: atomic, with our run state),
+    the NaN guard's view of the gradient norm, and the trained adapter restored on resume (trl_compat's
+    hooks). build_trainer sets the attributes below."""
 
     nonfinite_guard: NonFiniteGuard
+    stop_signals: StopOnSignal
+    run_dir: RunDir
     keep_checkpoints: int = 2
-    metrics_path: Path
     data_per_step: dict
-    _staging_root = None
 
-    def _get_output_dir(self, trial) -> str:
-        # transformers writes checkpoint-N under this dir: during a save, the hidden staging dir
-        return str(self._staging_root) if self._staging_root is not None else super()._get_output_dir(trial)
-
-    def _save_checkpoint(self, model, trial) -> None:
-        run_dir = Path(self.args.output_dir)
-        name = f"checkpoint-{self.state.global_step}"
-        self._staging_root = Path(tempfile.mkdtemp(prefix=f"{checkpoints.STAGING_PREFIX}{os.getpid()}-", dir=run_dir))
-        try:
-            super()._save_checkpoint(model, trial)
-            checkpoints.write_run_state(self._staging_root / name, self._run_state(), self.metrics_path)
-            atomic_replace_dir(self._staging_root / name, run_dir / name)
-        finally:
-            shutil.rmtree(self._staging_root, ignore_errors=True)
-            self._staging_root = None
-        checkpoints.prune_checkpoints(run_dir, self.keep_checkpoints)
-
-    def _run_state(self) -> dict:
+    def run_state(self) -> dict:
         step = self.state.global_step
         return {
             "global_step": step,
@@ -236,6 +217,11 @@ class CheckpointingGRPOTrainer(GRPOTrainer):
             **self.nonfinite_guard.state(),
         }
 
+    def save_checkpoint_with(self, step: int, write_trainer_files) -> Path:
+        several = self.accelerator.num_processes > 1
+        return self.run_dir.save_checkpoint(step, write_trainer_files, self.run_state(), self.keep_checkpoints,
+                                            shared_staging=several, barrier=self.accelerator.wait_for_everyone)
+
     def train(self, *args, **kwargs):
         try:
             return super().train(*args, **kwargs)
@@ -244,44 +230,39 @@ class CheckpointingGRPOTrainer(GRPOTrainer):
                 if isinstance(callback, ProgressBar) and callback.bar is not None:
                     callback.bar.close()
 
-    def _get_grad_norm(self, model, grad_norm=None):
-        grad_norm = super()._get_grad_norm(model, grad_norm)  # the norm before clipping
-        self.nonfinite_guard.note_grad_norm(grad_norm)
-        return grad_norm
 
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
-        checkpoints.restore_trained_adapter(model if model is not None else self.model, Path(resume_from_checkpoint))
-
-
-def build_trainer(handle, train_rows: list[dict], output_dir: Path) -> "CheckpointingGRPOTrainer":
+def build_trainer(handle, train_rows: list[dict], run_dir) -> GRPORunTrainer:
     """TRL's GRPOTrainer for the handle's PEFT model, with our checkpoints, guards (guards.py),
-    progress bar and metrics file."""
+    progress bar, metrics file and training-signal warnings. `run_dir`: a RunDir or its path."""
     from datasets import Dataset
 
-    from . import logprobs_fallback
+    run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
 
     config = handle.config
-    logprobs_fallback.install()  # TRL's log-prob kernel is Triton (GPU only): route CPU tensors to PyTorch
-    trainer = CheckpointingGRPOTrainer(
+    install_logprob_fallback()  # TRL's log-prob kernel is Triton (GPU only): route CPU tensors to PyTorch
+    asked = grpo_config_kwargs(handle.resolved, run_dir.path)
+    trainer = GRPORunTrainer(
         model=handle.model,
         processing_class=handle.tokenizer,
         reward_funcs=reward_functions(config.rewards),  # each checked: one finite number per completion
-        args=grpo_args(handle.resolved, output_dir),
+        args=GRPOConfig(**asked),
         train_dataset=Dataset.from_list(train_rows),
     )
     for callback in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(callback)
+    trainer.run_dir = run_dir
     trainer.nonfinite_guard = NonFiniteGuard(config.train.max_nonfinite_steps, config.train.learning_rate)
     trainer.stop_signals = StopOnSignal()
     trainer.keep_checkpoints = config.train.keep_checkpoints
-    trainer.metrics_path = Path(output_dir) / "metrics.jsonl"
-    trainer.data_per_step = {"prompts": config.train.generation_batch_size // config.train.num_generations,
-                             "completions": config.train.generation_batch_size}
+    generation_batch = handle.resolved.generation_batch_size
+    trainer.data_per_step = {"prompts": generation_batch // config.train.num_generations, "completions": generation_batch}
+    trainer.checkpoint_saver = trainer.save_checkpoint_with
+    trainer.grad_norm_observer = trainer.nonfinite_guard.note_grad_norm
     trainer.add_callback(trainer.nonfinite_guard)  # before MetricsWriter: it adds skipped_nonfinite to the logs
     trainer.add_callback(trainer.stop_signals)
-    trainer.add_callback(ProgressBar(config.train.max_steps))
-    trainer.add_callback(MetricsWriter(Path(output_dir) / "metrics.jsonl"))
-    trainer.add_callback(SignalWarnings(config.train.max_completion_length))
-    trainer.effective_settings = effective_grpo_settings(trainer, grpo_config_kwargs(handle.resolved, output_dir))
+    if trainer.is_world_process_zero():
+        trainer.add_callback(ProgressBar(config.train.max_steps))
+        trainer.add_callback(SignalWarnings(config.train.max_completion_length))
+    trainer.add_callback(MetricsWriter(run_dir))
+    trainer.effective_settings = effective_grpo_settings(trainer, asked)
     return trainer

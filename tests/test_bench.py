@@ -10,7 +10,7 @@ from conftest import REPO
 def test_vs_trl_writes_step_times_memory_and_ratios(tmp_path, tiny_model_dir):
     out = tmp_path / "vs_trl.json"
     proc = subprocess.run(
-        [sys.executable, "bench/vs_trl.py", "--preset", "tiny", "--steps", "2", "--generations", "2",
+        [sys.executable, "-m", "bench.vs_trl", "--preset", "tiny", "--steps", "2", "--generations", "2",
          "--tokens", "8", "--variants", "ours,trl", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )

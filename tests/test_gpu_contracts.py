@@ -429,5 +429,5 @@ def test_gpu_presets_name_ids_unsloth_maps_to_pre_quantized_4bit(wheels):
                 if name in group]
         assert keys, f"{preset}: unsloth {wheels['unsloth'].version}'s mapper has no pre-quantized repo for {name}"
         assert all(key.endswith("bnb-4bit") for key in keys), keys
-        comment = (REPO / "presets" / f"{preset}.yaml").read_text()
+        comment = (REPO / "lowvram_grpo" / "presets" / f"{preset}.yaml").read_text()
         assert any(key in comment for key in keys), f"{preset}: the comment should name {keys}"

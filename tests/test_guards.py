@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from lowvram_grpo.checkpoints import TrainingStopped
+from lowvram_grpo.errors import TrainingStopped
 from lowvram_grpo.config import load_config
 from lowvram_grpo.rewards import RewardError, guarded
 

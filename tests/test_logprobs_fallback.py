@@ -34,22 +34,26 @@ def test_matches_full_logits_values_and_gradients(monkeypatch, softcap, scale, u
 
 
 def test_path_choice_by_device_and_forced(monkeypatch):
-    monkeypatch.delenv(lf.ENV, raising=False)
-    assert lf.use_torch_path("cpu", kernel_available=True)
-    assert not lf.use_torch_path("cuda", kernel_available=True)
-    assert lf.use_torch_path("cuda", kernel_available=False)
-    monkeypatch.setenv(lf.ENV, "torch")
-    assert lf.use_torch_path("cuda", kernel_available=True)
-    monkeypatch.setenv(lf.ENV, "triton")
-    assert not lf.use_torch_path("cpu", kernel_available=True)
+    from lowvram_grpo import trl_compat as tc
+
+    monkeypatch.delenv(tc.ENV, raising=False)
+    assert tc.use_torch_logprobs("cpu", kernel_available=True)
+    assert not tc.use_torch_logprobs("cuda", kernel_available=True)
+    assert tc.use_torch_logprobs("cuda", kernel_available=False)
+    monkeypatch.setenv(tc.ENV, "torch")
+    assert tc.use_torch_logprobs("cuda", kernel_available=True)
+    monkeypatch.setenv(tc.ENV, "triton")
+    assert not tc.use_torch_logprobs("cpu", kernel_available=True)
 
 
 def test_install_routes_trl_and_is_idempotent():
     from trl.trainer import utils as trl_utils
 
-    lf.install()
+    from lowvram_grpo.trl_compat import install_logprob_fallback
+
+    install_logprob_fallback()
     first = trl_utils._ChunkedLogProbFunction
-    lf.install()
+    install_logprob_fallback()
     assert trl_utils._ChunkedLogProbFunction is first and first._lowvram_dispatch
     hidden = torch.randn(4, 8)
     weight = torch.randn(20, 8)

@@ -182,7 +182,7 @@ def test_gpu_presets_state_the_vram_their_plan_needs(preset):
     assert config.requires_cuda and config.memory.load_in_4bit and config.model.fast_inference
     stated = float(re.search(r"plan: ([\d.]+) GiB min", config.description).group(1))
     assert stated == pytest.approx(planned(config).min_vram_gb, abs=0.05)
-    text = (REPO / "presets" / f"{preset}.yaml").read_text()
+    text = (REPO / "lowvram_grpo" / "presets" / f"{preset}.yaml").read_text()
     assert f"at least {stated} GiB" in text  # the header says it too
     for key in ("r", "optim", "num_generations", "max_completion_length", "load_in_4bit",
                 "gpu_memory_utilization", "gradient_checkpointing", "fast_inference"):
@@ -212,14 +212,14 @@ def test_cuda_oom_inside_training_becomes_that_line_and_keeps_the_checkpoints(tm
 
     from safetensors.torch import save_file
 
-    from lowvram_grpo.checkpoints import REQUIRED_FILES
+    from lowvram_grpo.run_dir import REQUIRED_FILES
 
     for step in (2, 9, 10):  # 10 was being written when memory ran out: incomplete, not named
         folder = tmp_path / f"checkpoint-{step}"
         folder.mkdir()
         if step == 10:
             continue
-        for name in REQUIRED_FILES:
+        for name in REQUIRED_FILES + ("rng_state.pth",):
             (folder / name).write_text("{}")
         (folder / "adapter_config.json").write_text("{}")
         save_file({"lora_A": torch.zeros(1)}, str(folder / "adapter_model.safetensors"))

@@ -13,7 +13,8 @@ from matplotlib.image import imread
 
 from conftest import REPO, run_cli
 from lowvram_grpo import signals
-from lowvram_grpo.report import PLOT_FILES, REPORT_FILE, main as report_main, write_report
+from lowvram_grpo.report import PLOT_FILES, main as report_main, write_report
+from lowvram_grpo.run_dir import REPORT as REPORT_FILE
 
 
 def rows_with(key, values, **extra):

@@ -139,3 +139,16 @@ def test_resolve_imports_no_torch():
             "from lowvram_grpo.config import load_config; resolve(load_config('llama8b_4bit'), profile('t4')); "
             "assert 'torch' not in sys.modules")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("hw, preset", [("cpu", "smollm2_cpu"), ("t4", "llama8b_4bit"), ("rtx4090", "llama8b_4bit"),
+                                        ("rtx3060-12gb", "llama8b_4bit"), ("rtx4060-8gb", "qwen3b_4bit")])
+def test_without_a_preset_the_largest_that_fits_the_card_runs(hw, preset):
+    from lowvram_grpo.run import default_preset
+
+    assert default_preset(profile(hw)) == preset
+
+
+def test_paged_optimizer_is_plain_8bit_on_a_cpu():
+    assert resolve(load_config("smollm2_cpu"), profile("cpu")).optim == "adamw_8bit"
+    assert resolve(load_config("llama8b_4bit"), profile("t4")).optim == "paged_adamw_8bit"

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, run_cli
-from lowvram_grpo import checkpoints
+from lowvram_grpo.run_dir import STAGING_PREFIX, RunDir
 from lowvram_grpo.lora_io import atomic_replace_dir, check_adapter_dir
 
 RUN_ARGS = ["--preset", "tiny", "--max-steps", "8", "--set", "train.save_steps=2"]
@@ -78,9 +78,9 @@ def test_kill_9_after_the_step_4_checkpoint_then_resume_equals_the_uninterrupted
     assert proc.returncode == -signal.SIGKILL
 
     # what the kill left: checkpoints 2 and 4 complete, 6 only as a hidden half-written staging dir
-    assert [step for step, _ in checkpoints.checkpoint_dirs(out)] == [2, 4]
-    assert checkpoints.latest_checkpoint(out) == out / "checkpoint-4"
-    assert list(out.glob(f"{checkpoints.STAGING_PREFIX}*/checkpoint-6/adapter_model.safetensors"))
+    assert [step for step, _ in RunDir(out).checkpoint_dirs()] == [2, 4]
+    assert RunDir(out).latest_checkpoint() == out / "checkpoint-4"
+    assert list(out.glob(f"{STAGING_PREFIX}*/checkpoint-6/adapter_model.safetensors"))
     assert not (out / "adapter").exists()
     assert json.loads((out / "summary.json").read_text())["status"] == "training"
 
@@ -104,9 +104,9 @@ def test_kill_9_after_the_step_4_checkpoint_then_resume_equals_the_uninterrupted
     assert summary["before"] == ref_summary["before"] and summary["after"] == ref_summary["after"]
 
     # keep_checkpoints (2) newest are kept; the killed save's staging dir is gone
-    assert [step for step, _ in checkpoints.checkpoint_dirs(out)] == [6, 8]
+    assert [step for step, _ in RunDir(out).checkpoint_dirs()] == [6, 8]
     assert not list(out.glob(".checkpoint-staging-*"))
-    state = checkpoints.read_run_state(out / "checkpoint-8")
+    state = RunDir.read_run_state(out / "checkpoint-8")
     assert state["data_position"] == {"prompts_seen": 8, "completions_seen": 32}
     assert (out / "checkpoint-8" / "metrics.jsonl").read_text().count("\n") == 8
 
@@ -238,7 +238,7 @@ def test_a_signal_stops_at_the_step_end_with_checkpoint_adapter_and_resume_line(
     assert len(errors) == 1 and f"--resume {out}" in errors[0] and "Traceback" not in stderr
     step = int(errors[0].split("after step ")[1].split()[0])
     assert 2 <= step < 6
-    assert checkpoints.latest_checkpoint(out) == out / f"checkpoint-{step}"
+    assert RunDir(out).latest_checkpoint() == out / f"checkpoint-{step}"
     check_adapter_dir(out / "adapter")
     weights, saved = _adapter_tensors(out / "adapter"), _adapter_tensors(out / f"checkpoint-{step}")
     assert all(torch.equal(weights[k], saved[k]) for k in weights)

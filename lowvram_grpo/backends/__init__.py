@@ -14,11 +14,8 @@ Both return a `ModelHandle` and train through TRL's `GRPOTrainer`. Usage:
 """
 from __future__ import annotations
 
+from ..errors import BackendError
 from .base import LoraRequest, ModelHandle, SamplingParams
-
-
-class BackendError(RuntimeError):
-    """A backend that cannot do what was asked; the message says which one can."""
 
 
 def prepare_backend(name: str) -> None:

@@ -1,0 +1,1 @@
+"""Benchmarks and checks; run each as `python -m bench.NAME` from the checkout."""
