@@ -94,10 +94,16 @@ def _generates_with(adapter: Path) -> None:
 def test_pip_install_gives_a_console_script_that_runs_from_any_folder(tmp_path):
     """In a fresh venv: the README's CPU torch, then `pip install -c requirements-cpu.txt .` (the pinned versions
     of what pyproject.toml declares), then `lowvram-grpo` from another folder. Presets come from the package."""
+    import shutil
+
+    source = tmp_path / "source"  # what a clone holds for building (pip builds in the tree it is given)
+    shutil.copytree(REPO / "lowvram_grpo", source / "lowvram_grpo", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    for args in (["torch==2.13.0"], ["-c", str(REPO / "requirements-cpu.txt"), str(REPO)]):
+    for args in (["torch==2.13.0"], ["-c", str(REPO / "requirements-cpu.txt"), str(source)]):
         done = subprocess.run(pip + args, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
     elsewhere = tmp_path / "somewhere"
