@@ -11,6 +11,7 @@ one `error: ...` line and exits 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -363,6 +364,13 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp).replace("typing.", ""))
 
 
+def _finite(value: float, where: str) -> float:
+    """No setting takes an infinite or NaN value: refuse one however it was written (.inf, nan, 1e999)."""
+    if not math.isfinite(value):
+        raise ConfigError(f"{where} must be a finite number; got {value}")
+    return value
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against annotation `tp`; allow int where float is wanted. Raise ConfigError."""
     origin = typing.get_origin(tp)
@@ -378,12 +386,14 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where} must be a list of {_type_name(item_tp)}, e.g. [a, b]; got {value!r}")
         return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
+        return _finite(float(value), where)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
             pass
+        else:
+            return _finite(number, where)
     if tp is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if tp is bool and isinstance(value, bool):

@@ -22,11 +22,13 @@ GRPO step data-parallel); only the main process writes files.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from . import checks
 from .backends import check_export, export_model, load_model, prepare_backend
 from .config import RunConfig, check_trackers_installed
 from .data import drop_long_prompts, load_questions, to_prompt_rows
@@ -61,11 +63,15 @@ class GRPORun:
                  export: Optional[str] = None):
         self.started = time.time()
         self.log = log if _is_main_process() else (lambda *args, **kwargs: None)  # one process speaks
+        self.warn = (lambda line: print(line, file=sys.stderr)) if _is_main_process() else self.log
         check_trackers_installed(config.train)
+        checks.before_load(config)  # settings that cannot work together (lengths, LoRA vs the model's shape)
         self.resolved = resolve_settings(config, hardware or detect(), backend, num_processes=_num_processes())
         check_export(export, self.resolved.backend)
         self.export_kind = export
         self.train_questions, self.eval_questions = load_questions(config.data)  # data in; fails before any write
+        for warning in checks.surprises(config, len(self.train_questions)):
+            self.warn(warning)
         self.run_dir = RunDir(output_dir, writer=_is_main_process())
         self.run_dir.check_creatable()  # created in start(), once the model and the data have been accepted
         self.handle = None

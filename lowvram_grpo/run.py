@@ -215,6 +215,9 @@ def _main(args) -> int:
     if args.gpu is not None and not args.dry_run:
         raise ConfigError(f"--gpu {args.gpu} plans for a card you name: add --dry-run (training uses the card present)")
     if args.dry_run or args.auto_fit:
+        from .checks import before_load
+
+        before_load(config)
         resolved = resolve(config, planning_hardware(config, args.gpu), args.backend)
         if args.auto_fit:
             resolved = auto_fit(resolved)

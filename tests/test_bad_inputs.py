@@ -176,7 +176,27 @@ FILES = {
     "nan.py": "def nan_score(prompts, completions, **kwargs):\n    return [float('nan')] * len(completions)\n",
     "text.py": "def text_score(prompts, completions, **kwargs):\n    return ['good'] * len(completions)\n",
     "shadow.py": "def correctness(prompts, completions, **kwargs):\n    return [0.0] * len(completions)\n",
+    "small.jsonl": '{"question": "1 + 1?", "answer": "#### 2"}\n' * 10,
 }
+
+# ---------------------------------------------------------------- settings that cannot work together (checks.py):
+# (class, extra argv after --preset tiny, fragment). Each is refused before training with exit 2, nothing written;
+# the '-after-load' ones need the loaded model (a tiny GPT-2, whose layers are not Llama's) and are refused
+# right after it loads.
+CROSS_CASES = [
+    ("lengths", ["--set", "train.max_completion_length=400"], "= 656 tokens do not fit model.max_seq_length (512): set model.max_seq_length=656"),
+    ("context", ["--set", "model.max_seq_length=4096"], "longer than builtin:tiny's context of 2048 tokens"),
+    ("lora-target", ["--set", "lora.target_modules=[q_proj, qkv_proj]"], "has no 'qkv_proj'; its linear layers are down_proj"),
+    ("lora-rank", ["--set", "lora.r=64"], "lora.r=64 exceeds the smaller side of k_proj (64 x 32)"),
+    ("held-out", ["--dataset", "{tmp}/small.jsonl", "--set", "data.eval_size=50"], "too few to hold out data.eval_size=50"),
+    ("lora-target-after-load", ["--set", "model.name={tmp}/gpt2-tiny"], "has no 'q_proj', 'k_proj'"),
+    ("lora-rank-after-load", ["--set", "model.name={tmp}/gpt2-tiny", "--set", "lora.target_modules=[c_attn, c_fc]",
+                              "--set", "lora.r=64"], "lora.r=64 exceeds the smaller side of c_attn (32 x 96)"),
+    ("context-after-load", ["--set", "model.name={tmp}/gpt2-tiny", "--set", "lora.target_modules=[c_attn]",
+                            "--set", "model.max_seq_length=1024"],
+     "model.max_seq_length=1024 is longer than {tmp}/gpt2-tiny's context of 512 tokens"),
+]
+CHECK_CLASSES = {"lengths", "context", "lora-target", "lora-rank", "held-out"}
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +206,7 @@ def bad_files(tmp_path_factory):
         (tmp / name).write_text(text)
     for case_id, text, _ in TOP_LEVEL_CASES:
         (tmp / f"top-{case_id}.yaml").write_text(text)
+    _tiny_gpt2(tmp / "gpt2-tiny")
     run = tmp / "complete-run"  # what a finished run leaves (for --resume)
     run.mkdir()
     (run / "config.yaml").write_text("preset: tiny\nmodel: {name: builtin:tiny}\n")
@@ -195,6 +216,19 @@ def bad_files(tmp_path_factory):
     (started / "config.yaml").write_text("preset: tiny\nmodel: {name: builtin:tiny}\n")
     (started / "summary.json").write_text(json.dumps({"status": "training", "backend": "unsloth"}))
     return tmp
+
+
+def _tiny_gpt2(folder):
+    """A 2-layer GPT-2 (Conv1D c_attn/c_fc layers, no q_proj) with the tiny model's tokenizer: its layer
+    names are only known once it is loaded. Context 512 tokens (its config.json calls it n_positions)."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from lowvram_grpo.builtin_models import ensure_tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=512, n_embd=32, n_layer=2, n_head=2))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def _fill(args, tmp):
@@ -255,6 +289,49 @@ def test_bad_reward_file(sets, fragment, bad_files, capsys):
 @pytest.mark.parametrize("case_id, fragment", [(c[0], c[2]) for c in TOP_LEVEL_CASES], ids=[c[0] for c in TOP_LEVEL_CASES])
 def test_bad_top_level_preset_value(case_id, fragment, bad_files, capsys):
     _check_case(["--preset", f"{{tmp}}/top-{case_id}.yaml"], fragment, bad_files, capsys)
+
+
+@pytest.mark.parametrize("extra, fragment", [c[1:] for c in CROSS_CASES], ids=[c[0] for c in CROSS_CASES])
+def test_settings_that_cannot_work_together(extra, fragment, bad_files, capsys):
+    _check_case(["--preset", "tiny", *extra], fragment, bad_files, capsys)
+
+
+def _float_keys():
+    """Every config key that holds floats (float, Optional[float], list[float]), from the dataclasses."""
+    import typing
+
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            hint = typing.get_type_hints(cls)[f.name]
+            if float in (hint, *typing.get_args(hint)) or hint == list[float] or list[float] in typing.get_args(hint):
+                yield f"{section}.{f.name}", hint
+
+
+@pytest.mark.parametrize("written", [".inf", "-.inf", ".nan", "nan", "1e999"])
+@pytest.mark.parametrize("key", [k for k, _ in _float_keys()])
+def test_no_float_setting_takes_a_non_finite_value(key, written, bad_files, capsys):
+    listy = key == "rewards.weights"
+    value = f"[1, 1, 1, 1, 1, {written}]" if listy else written
+    where = "rewards.weights[5]" if listy else key
+    _check_case(["--preset", "tiny", "--set", f"{key}={value}"], f"{where} must be a finite number", bad_files, capsys)
+
+
+def test_every_check_class_has_a_case():
+    assert CHECK_CLASSES <= {c[0].removesuffix("-after-load") for c in CROSS_CASES}
+    assert len(list(_float_keys())) >= 15  # the non-finite sweep covers every float key it finds
+
+
+def test_legal_but_surprising_settings_warn_once():
+    from lowvram_grpo.checks import surprises
+    from lowvram_grpo.config import load_config
+
+    quiet = load_config("smollm2_cpu")
+    assert surprises(quiet, 2000) == []
+    long_eval = load_config("tiny", ["data.eval_size=200", "train.max_steps=1", "prime.steps=2"])
+    (line,) = surprises(long_eval, 200)
+    assert line.startswith("warning: evaluation samples 600 completions") and "lower data.eval_size" in line
+    (line,) = surprises(load_config("tiny", ["data.num_train=5000"]), 3000)
+    assert "data.num_train=5000 but the data has 3000 training rows" in line
 
 
 def test_every_cli_option_has_a_case():

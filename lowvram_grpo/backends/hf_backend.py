@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .. import checks
 from ..builtin_models import resolve_model_path
 from .base import ModelHandle
 
@@ -30,6 +31,7 @@ def load_model(resolved) -> ModelHandle:
         )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=quantization,
                                                  device_map=resolved.device)
+    checks.after_load(config, model)  # lengths and LoRA layers against the loaded model, before anything is written
     tokenizer = AutoTokenizer.from_pretrained(path, model_max_length=config.model.max_seq_length)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

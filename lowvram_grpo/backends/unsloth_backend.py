@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from .. import checks
 from ..builtin_models import resolve_model_path
 from .base import AdapterVersions, Completion, LoraRequest, ModelHandle, SamplingParams
 
@@ -75,6 +76,7 @@ def load_model(resolved, log=print) -> ModelHandle:
 
     path = resolve_model_path(resolved.config.model.name)
     model, tokenizer = FastLanguageModel.from_pretrained(**from_pretrained_kwargs(resolved, path))
+    checks.after_load(resolved.config, model)  # lengths and LoRA layers against the loaded model
     model = FastLanguageModel.get_peft_model(model, **get_peft_model_kwargs(resolved))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -1,0 +1,136 @@
+"""Settings that pass each section's own checks but cannot work together, refused before anything heavy.
+
+config.py checks each value alone (a learning rate > 0, a finite number, ...). Here the settings are
+checked against each other and against the model's shape, so a run that would fail an hour in, or run
+in a way nobody meant, ends at the start with one `error:` line (ConfigError, exit 2) naming the setting
+and a value that works:
+
+- lengths: prompt + completion must fit `model.max_seq_length`, and that must fit the model's context;
+- LoRA: every `lora.target_modules` name must be a linear layer the model has, and `lora.r` must not
+  exceed the smaller side of any layer it adapts (a rank above that adds parameters, never capacity);
+- data: `data.num_train` larger than the data can supply (after the held-out split) is a warning.
+
+`before_load(config)` uses what is known without loading: the shape table or a local checkpoint's
+config.json (memory.model_shape) and the module names of the Llama/Qwen/Mistral family. `after_load`
+checks the loaded model itself (any architecture), before get_peft_model and before anything is written.
+`surprises(config, n_train)` returns the warnings for legal settings a user probably did not mean.
+Pure Python; imports nothing heavy.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from .errors import ConfigError
+
+# The decoder-layer linear modules of Llama-style architectures (Llama, Qwen2, Mistral, SmolLM2) by name.
+LLAMA_STYLE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+EVAL_TO_TRAIN_WARNING = 5  # warn when evaluation generates this many times the completions training does
+
+
+def _context_length(name: str) -> Optional[int]:
+    """The model's own context (max_position_embeddings) where it is known without loading."""
+    from .builtin_models import is_builtin
+
+    if is_builtin(name):
+        return {"builtin:tiny": 2048, "builtin:smollm2": 8192}.get(name)
+    config_json = Path(name).expanduser() / "config.json"
+    if config_json.is_file():
+        try:
+            raw = json.loads(config_json.read_text())
+        except (OSError, ValueError):
+            return None
+        return (raw.get("text_config") or raw).get("max_position_embeddings")
+    return None
+
+
+def _architecture(name: str) -> Optional[str]:
+    """'llama' when the model is known to have Llama-style module names without loading it, else None."""
+    from .memory import KNOWN_SHAPES
+
+    config_json = Path(name).expanduser() / "config.json"
+    if config_json.is_file():
+        try:
+            archs = json.loads(config_json.read_text()).get("architectures") or []
+        except (OSError, ValueError):
+            return None
+        return "llama" if any(a in LLAMA_STYLE for a in archs) else None
+    key = name.lower() if name.startswith("builtin:") else name.lower().rsplit("/", 1)[-1].replace("meta-", "")
+    return "llama" if any(key == k or key.startswith(k + "-") or key.startswith(k + "_") for k in KNOWN_SHAPES) else None
+
+
+def check_lengths(config, context: Optional[int]) -> None:
+    t, m = config.train, config.model
+    need = t.max_prompt_length + t.max_completion_length
+    if need > m.max_seq_length:
+        raise ConfigError(
+            f"train.max_prompt_length ({t.max_prompt_length}) + train.max_completion_length ({t.max_completion_length}) "
+            f"= {need} tokens do not fit model.max_seq_length ({m.max_seq_length}): set model.max_seq_length={need} "
+            f"or lower train.max_completion_length to {max(m.max_seq_length - t.max_prompt_length, 1)}")
+    if context is not None and m.max_seq_length > context:
+        raise ConfigError(f"model.max_seq_length={m.max_seq_length} is longer than {m.name}'s context of {context} tokens: "
+                          f"set model.max_seq_length to at most {context}")
+
+
+def check_lora(config, layers: dict[str, tuple[int, int]]) -> None:
+    """`layers`: linear layer name -> (in, out) features, one decoder layer's (names as PEFT matches them)."""
+    lora = config.lora
+    missing = [m for m in lora.target_modules if m not in layers and m != "lm_head"]
+    if missing:
+        raise ConfigError(f"lora.target_modules: {config.model.name} has no {', '.join(repr(m) for m in missing)}; "
+                          f"its linear layers are {', '.join(sorted(layers))}")
+    targeted = {m: layers[m] for m in lora.target_modules if m in layers}
+    smallest_name, (a, b) = min(targeted.items(), key=lambda kv: min(kv[1]))
+    if lora.r > min(a, b):
+        raise ConfigError(f"lora.r={lora.r} exceeds the smaller side of {smallest_name} ({a} x {b}), the narrowest layer "
+                          f"it adapts: a rank above {min(a, b)} adds parameters but no capacity; set lora.r={min(a, b)} "
+                          f"or lower")
+
+
+def before_load(config) -> None:
+    """What can be refused before the model loads (ConfigError)."""
+    check_lengths(config, _context_length(config.model.name))
+    if _architecture(config.model.name) == "llama":
+        from .memory import model_shape
+
+        check_lora(config, model_shape(config.model.name).linear_dims())
+
+
+def linear_layers(model) -> dict[str, tuple[int, int]]:
+    """(in, out) features of the model's linear layers by their last name (what PEFT's target_modules match);
+    bitsandbytes' Linear4bit is an nn.Linear; GPT-2 style Conv1D keeps its weight as [in, out]."""
+    import torch
+
+    layers: dict[str, tuple[int, int]] = {}
+    for name, module in model.named_modules():
+        short = name.rsplit(".", 1)[-1]
+        if isinstance(module, torch.nn.Linear):
+            layers.setdefault(short, (module.in_features, module.out_features))
+        elif type(module).__name__ == "Conv1D":
+            layers.setdefault(short, tuple(module.weight.shape))
+    return layers
+
+
+def after_load(config, model) -> None:
+    """What needs the loaded model (any architecture): its context length and its layers."""
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    check_lengths(config, context)
+    check_lora(config, linear_layers(model))
+
+
+def surprises(config, n_train_available: Optional[int] = None) -> list[str]:
+    """Legal settings that are probably not what was meant, one warning line each."""
+    out = []
+    evals = 0
+    if config.eval.enabled:
+        evals = config.data.eval_size * (3 if config.prime.steps > 0 else 2)
+    trained = config.train.max_steps * (config.train.per_device_train_batch_size or config.train.num_generations) \
+        * config.train.gradient_accumulation_steps
+    if evals > EVAL_TO_TRAIN_WARNING * trained:
+        out.append(f"warning: evaluation samples {evals} completions (data.eval_size={config.data.eval_size} per measurement), "
+                   f"{evals / trained:.0f}x the {trained} that training samples: lower data.eval_size or train longer")
+    if n_train_available is not None and config.data.num_train and config.data.num_train > n_train_available:
+        out.append(f"warning: data.num_train={config.data.num_train} but the data has {n_train_available} training rows "
+                   f"after the held-out split: training on {n_train_available}")
+    return out
