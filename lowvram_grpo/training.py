@@ -16,6 +16,7 @@ memory: PEFT disables the adapters for the reference pass), paged 8-bit AdamW.
 """
 from __future__ import annotations
 
+import enum
 import math
 import sys
 from pathlib import Path
@@ -96,6 +97,8 @@ EFFECTIVE_KEYS = (
 
 
 def _plain(value):
+    if isinstance(value, enum.Enum):  # optim, lr_scheduler_type (str enums)
+        return _plain(value.value)
     if isinstance(value, (bool, int, float, str)) or value is None:
         return value
     if hasattr(value, "tolist"):  # a tensor (reward_weights)
@@ -104,7 +107,7 @@ def _plain(value):
         return [_plain(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
-    return str(getattr(value, "value", value))  # enums (optim, scheduler) by their value
+    return str(value)
 
 
 def describe_effective(effective: dict) -> str:

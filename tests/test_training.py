@@ -161,3 +161,25 @@ def test_sampling_inside_the_trainer_keeps_the_kv_cache_under_gradient_checkpoin
     assert len(decoding) > 2
     assert all(cache for _, _, cache in decoding[1:]), "decoding steps after the prefill must read the KV cache"
     assert any(training for gen, training, _ in seen if not gen), "the training pass runs in train mode"
+
+
+def test_effective_settings_are_read_back_from_the_trainer_as_plain_values(tmp_path, tiny_model_dir):
+    """What the built trainer uses, JSON-ready, and what it changed from the config (here: nothing on hf)."""
+    import json as _json
+
+    from lowvram_grpo.backends import load_model
+    from lowvram_grpo.data import load_questions, to_prompt_rows
+    from lowvram_grpo.hardware import detect
+    from lowvram_grpo.resolve import resolve
+    from lowvram_grpo.training import build_trainer, describe_effective
+
+    config = load_config("tiny", ["train.loss_type=dr_grpo"])
+    handle = load_model(resolve(config, detect(), "hf"))
+    train_q, _ = load_questions(config.data)
+    trainer = build_trainer(handle, to_prompt_rows(train_q[:8], config.data.system_prompt), tmp_path)
+    effective = trainer.effective_settings
+    assert _json.loads(_json.dumps(effective)) == effective
+    used = effective["settings"]
+    assert used["loss_type"] == "dr_grpo" and used["optim"] == "adamw_8bit" and used["lr_scheduler_type"] == "constant"
+    assert used["reward_weights"] == [1.0] * 6 and effective["changed"] == {}
+    assert "loss_type=dr_grpo" in describe_effective(effective)
