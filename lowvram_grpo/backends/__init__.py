@@ -28,13 +28,18 @@ def prepare_backend(name: str) -> None:
 
 def load_model(resolved, log=print) -> ModelHandle:
     """Build the PEFT model for the resolved settings (after `prepare_backend(resolved.backend)`)."""
+    from ..host_memory import contiguous_head_input
+
     if resolved.backend == "unsloth":
         from . import unsloth_backend
 
-        return unsloth_backend.load_model(resolved, log)
-    from . import hf_backend
+        handle = unsloth_backend.load_model(resolved, log)
+    else:
+        from . import hf_backend
 
-    return hf_backend.load_model(resolved)
+        handle = hf_backend.load_model(resolved)
+    contiguous_head_input(handle.model)  # no [batch, hidden, vocab] copy in each generation prefill (host_memory.py)
+    return handle
 
 
 def check_export(kind, backend: str) -> None:
