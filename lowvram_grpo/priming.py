@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from . import host_memory
 from .data import Question, chat_messages
 from .rewards import xml_formatted
 
@@ -84,6 +85,7 @@ def prime(handle, questions: list[Question], config, log=print) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        host_memory.release()  # freed activations back to the OS: RSS stays flat (host_memory.py)
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     bar.close()
     return {"steps": settings.steps, "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
