@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from . import host_memory
 from .backends.base import Completion, LoraRequest, ModelHandle, SamplingParams
 from .rewards import REWARDS, completion_text, format_ok
 
@@ -26,6 +27,7 @@ def generate_answers(handle: ModelHandle, rows: list[dict], config, lora_request
             seed=ev.seed + start,  # per batch, identical for before and after
         )
         texts += handle.generate([r["prompt"] for r in batch], params, lora_request=lora_request)
+        host_memory.release()  # the batch's KV cache and logits back to the OS (host_memory.py)
     return texts
 
 
