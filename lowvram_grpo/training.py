@@ -25,6 +25,7 @@ from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 from trl import GRPOConfig
 
 from .guards import NonFiniteGuard, StopOnSignal
+from .host_memory import ReleaseHostMemory
 from .rewards import reward_functions
 from .run_dir import RunDir
 from .trl_compat import HookedGRPOTrainer, install_logprob_fallback
@@ -267,5 +268,6 @@ def build_trainer(handle, train_rows: list[dict], run_dir) -> GRPORunTrainer:
         trainer.add_callback(ProgressBar(config.train.max_steps))
         trainer.add_callback(SignalWarnings(config.train.max_completion_length))
     trainer.add_callback(MetricsWriter(run_dir))
+    trainer.add_callback(ReleaseHostMemory())  # freed step memory back to the OS: RSS stays flat (host_memory.py)
     trainer.effective_settings = effective_grpo_settings(trainer, asked)
     return trainer
