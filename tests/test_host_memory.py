@@ -1,0 +1,81 @@
+"""host_memory.py: the LM head gets a contiguous input (same samples), malloc_trim hands freed heap pages
+back to the OS, the trainer releases after each step, and LOWVRAM_GRPO_HOST_MEMORY=off turns both off.
+Speed and the whole job's RSS are measured in bench/host_memory.py, not asserted here."""
+import ctypes
+import ctypes.util
+import os
+import sys
+
+import pytest
+
+from lowvram_grpo import host_memory
+from lowvram_grpo.backends import SamplingParams, load_model
+from lowvram_grpo.config import load_config
+
+PROMPTS = [[{"role": "user", "content": "What is 7 * 8?"}], [{"role": "user", "content": "A farmer has 3 cows and buys 12 more. How many cows?"}]]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_lm_head_gets_a_contiguous_input_and_sampling_is_unchanged(monkeypatch, tiny_model_dir):
+    config = load_config("tiny", [])
+    monkeypatch.setenv("LOWVRAM_GRPO_HOST_MEMORY", "off")
+    plain = load_model(config, "hf")
+    monkeypatch.delenv("LOWVRAM_GRPO_HOST_MEMORY")
+    hooked = load_model(config, "hf")
+
+    contiguous = []
+    for handle in (plain, hooked):
+        head = handle.model.get_base_model().get_output_embeddings()
+        head.register_forward_pre_hook(lambda mod, args, h=handle: contiguous.append((h is hooked, args[0].is_contiguous())))
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=12, seed=3)
+    assert plain.fast_generate(PROMPTS, params) == hooked.fast_generate(PROMPTS, params)
+    assert any(not ok for is_hooked, ok in contiguous if not is_hooked), "the prefill passes a strided view unhooked"
+    assert all(ok for is_hooked, ok in contiguous if is_hooked)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not ctypes.util.find_library("c"), reason="glibc only")
+def test_release_returns_freed_heap_pages_to_the_os(monkeypatch):
+    monkeypatch.delenv("LOWVRAM_GRPO_HOST_MEMORY", raising=False)
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    block, count = 64 * 1024, 4096  # 256 MB of heap blocks (below glibc's mmap threshold)
+    blocks = [libc.malloc(block) for _ in range(count)]
+    for address in blocks:
+        ctypes.memset(address, 1, block)  # resident
+    kept = blocks[15::16]  # every 16th stays alive: the freed runs between them are holes, not the heap's top
+    for i, address in enumerate(blocks):
+        if i % 16 != 15:
+            libc.free(address)
+    try:
+        before = _rss_mb()
+        assert host_memory.release() is True
+        after = _rss_mb()
+        assert before - after > 150, f"RSS {before:.0f} -> {after:.0f} MB: the ~240 MB of freed holes stayed resident"
+    finally:
+        for address in kept:
+            libc.free(address)
+
+
+def test_off_turns_both_off(monkeypatch, tiny_model_dir):
+    monkeypatch.setenv("LOWVRAM_GRPO_HOST_MEMORY", "off")
+    assert host_memory.release() is False
+    assert not host_memory.enabled("head") and not host_memory.enabled("trim")
+    monkeypatch.setenv("LOWVRAM_GRPO_HOST_MEMORY", "trim")
+    assert host_memory.enabled("trim") and not host_memory.enabled("head")
+
+
+def test_the_trainer_releases_after_each_step(tmp_path, tiny_model_dir):
+    from lowvram_grpo.data import load_questions, to_prompt_rows
+    from lowvram_grpo.training import build_trainer
+
+    config = load_config("tiny", ["train.max_steps=1", "eval.enabled=false"])
+    handle = load_model(config, "hf")
+    train_q, _ = load_questions(config.data)
+    trainer = build_trainer(handle, config, to_prompt_rows(train_q, config.data.system_prompt), tmp_path, cuda=False)
+    assert any(isinstance(c, host_memory.ReleaseHostMemory) for c in trainer.callback_handler.callbacks)
