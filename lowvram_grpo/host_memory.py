@@ -6,21 +6,23 @@ Two measured causes of the default CPU job's 3-4 GB peak RSS (SmolLM2-135M, `ben
    as a strided view, `hidden[:, -1:, :]` ([batch, 1, hidden], not contiguous). On CPU, `F.linear` on a
    non-contiguous 3-D bf16 input cannot fold the batch into one matrix product: it goes through
    `matmul`/`bmm` with the weight expanded to [batch, hidden, vocab] and made contiguous — 8 x 576 x
-   49152 bf16 = 432 MB allocated, and ~0.55 s of copying on 2 cores, once per `generate` call (each
-   GRPO step, each held-out batch). `contiguous_head_input` registers a forward pre-hook on the output
-   embeddings that makes that [batch, 1, hidden] input contiguous (a 9 KB copy): the same logits bit for
-   bit (tested), no 432 MB transient, no 0.55 s.
+   49152 bf16 = 432 MB allocated and copied once per `generate` call (each GRPO step, each held-out
+   batch; seen in torch.profiler as one `aten::contiguous` on [8, 576, 49152]). `contiguous_head_input`
+   registers a forward pre-hook on the output embeddings that makes that [batch, 1, hidden] input
+   contiguous (a 9 KB copy): the same samples (tested), no 432 MB transient, no large copy.
 
 2. **glibc heap fragmentation.** Freed tensors stay in glibc's heap: the KV cache grows by `torch.cat`
-   every decoded token (each new block slightly larger than the freed one), training shapes change
-   every step, and glibc's mmap threshold rises to 32 MB once a large block is freed, so most tensors
-   live in the heap. Measured with `mallinfo2`: ~300-450 MB in use, 1.1-1.5 GB free inside the heap,
-   and the heap grows by ~30 MB per GRPO step. `release()` calls glibc's `malloc_trim(0)`, which hands
+   every decoded token (each new block slightly larger than the freed one; 1.25 GB of `aten::cat`
+   allocations in one 8 x 64-token generate), training shapes change every step, and glibc's dynamic
+   mmap threshold rises (up to 32 MB) to the size of each large block freed, so most tensors live in
+   the heap. Measured with `mallinfo2` on a shortened default job: ~300-450 MB in use, 1.1-1.5 GB free
+   inside the heap, and the heap grows by ~25-40 MB per GRPO step. `release()` calls glibc's `malloc_trim(0)`, which hands
    every free page in every arena back to the kernel (`madvise(MADV_DONTNEED)`), at the boundaries
    where almost nothing is alive: each priming step, each GRPO step (`ReleaseHostMemory` callback) and
    each held-out batch. The RSS between steps then stays ~1 GB instead of climbing.
-   Cost: the call itself (~75 ms on this 2-core VM) and the page faults when the step touches those
-   pages again; measured in bench/host_memory.py, and compensated by fix 1.
+   Cost: the call itself and the page faults when the next step touches those pages again (the step
+   time is measured per variant in bench/host_memory.py). It flattens the RSS *between* steps; within
+   a step the heap still spreads (see docs/results.md).
 
 No-ops where they do not apply: `release()` without glibc (macOS, musl) returns False; the hook only
 acts on non-contiguous 3-D CPU inputs. `LOWVRAM_GRPO_HOST_MEMORY` turns them off for comparison: a
