@@ -4,16 +4,19 @@
     flock /tmp/lowvram-cpu.lock python -m bench.host_memory --prime-steps 10 --steps 20 --eval-size 16 \\
         --variants off,head,trim,head+trim --out bench/results/host_memory_quick.json    # quick breakdown
 
-Each variant is one fresh `python -m lowvram_grpo.run` process (default preset, `--seed` fixed), one at
-a time, differing only in `LOWVRAM_GRPO_HOST_MEMORY` (lowvram_grpo/host_memory.py):
+Each variant is one fresh `python -m lowvram_grpo.run` process (the default preset and its seed), one at
+a time, differing only in their environment (`LOWVRAM_GRPO_HOST_MEMORY`, lowvram_grpo/host_memory.py):
 
 - `off`:       today's behaviour (neither fix)
 - `head`:      the LM head's input made contiguous (no 432 MB copy per generation prefill)
 - `trim`:      glibc malloc_trim(0) after each priming step, GRPO step and held-out batch
 - `head+trim`: both (the package's default)
+- `head+mmap1m`, `head+mimalloc`: alternatives to trimming (glibc `MALLOC_MMAP_THRESHOLD_=1048576`;
+               mimalloc by LD_PRELOAD, `--mimalloc PATH`, e.g. the cmeel-mimalloc wheel's libmimalloc.so)
 
 Measured inside the run's process (this module wraps `host_memory.release`, which every variant calls at
-the same boundaries; with trim off it returns without trimming): RSS every 0.1 s (/proc/self/statm),
+the same boundaries; with trim off it returns without trimming): RSS every 0.1 s (/proc/self/statm)
+with glibc's mallinfo2 beside it (heap in use, free inside the heap, mmapped; reported at the peak),
 RSS at each boundary (after the release), each step's wall and CPU seconds, and how busy the machine
 was with other processes during the step (/proc/stat minus this process), so a step slowed by a
 neighbour shows. Per variant: peak RSS (`ru_maxrss`, the whole process), RSS slope per GRPO step over
@@ -24,6 +27,8 @@ and the held-out results (the fixes must not change them: same seed, same sample
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import os
 import resource
@@ -36,7 +41,15 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-VARIANTS = {"off": "off", "head": "head", "trim": "trim", "head+trim": "head,trim"}
+VARIANTS = {  # name -> environment of the run
+    "off": {"LOWVRAM_GRPO_HOST_MEMORY": "off"},
+    "head": {"LOWVRAM_GRPO_HOST_MEMORY": "head"},
+    "trim": {"LOWVRAM_GRPO_HOST_MEMORY": "trim"},
+    "head+trim": {"LOWVRAM_GRPO_HOST_MEMORY": "head,trim"},
+    # tried as alternatives to malloc_trim (both with the head fix):
+    "head+mmap1m": {"LOWVRAM_GRPO_HOST_MEMORY": "head", "MALLOC_MMAP_THRESHOLD_": "1048576"},
+    "head+mimalloc": {"LOWVRAM_GRPO_HOST_MEMORY": "head"},  # + LD_PRELOAD=--mimalloc PATH
+}
 CLEAN = 0.10  # a step counts as clean when other processes used less than this share of the CPUs
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -73,13 +86,34 @@ def slope(values: list[float]) -> float:
 # --------------------------------------------------------------------------- child: one run, instrumented
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+
+def heap_mb():
+    """glibc's view (mallinfo2, all arenas): (in use, free inside the heap, mmapped blocks) in MB; None elsewhere."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return None
+
+    def read():
+        info = libc.mallinfo2()
+        return info.uordblks / 2**20, info.fordblks / 2**20, info.hblkhd / 2**20
+
+    return read
+
+
 def child(result_path: Path, run_args: list[str]) -> int:
     started = time.time()
-    samples: list[tuple[float, float]] = []
+    samples: list[tuple] = []  # (t, rss, heap in use, heap free, mmapped) in MB
+    heap = None if os.environ.get("LD_PRELOAD") else heap_mb()  # glibc's numbers mean nothing under another allocator
 
     def sample():
         while True:
-            samples.append((time.time() - started, rss_mb()))
+            samples.append((time.time() - started, rss_mb(), *(heap() if heap else ())))
             time.sleep(0.1)
 
     threading.Thread(target=sample, daemon=True).start()
@@ -141,11 +175,15 @@ def summarize(raw: dict, window: int) -> dict:
 
     peaks = {}
     for prev, cur in zip([{"t": 0.0, "phase": "load"}] + marks, marks + [{"t": 1e18, "phase": "end"}]):
-        inside = [r for t, r in raw["samples"] if prev["t"] <= t < cur["t"]]
+        inside = [x[1] for x in raw["samples"] if prev["t"] <= x[0] < cur["t"]]
         if inside:
             peaks[cur["phase"]] = max(peaks.get(cur["phase"], 0.0), max(inside))
+    at_peak = max(raw["samples"], key=lambda x: x[1]) if raw["samples"] else ()
+    heap_at_peak = ({"heap_in_use_mb": round(at_peak[2]), "heap_free_mb": round(at_peak[3]), "mmapped_mb": round(at_peak[4])}
+                    if len(at_peak) == 5 else None)
     return {
         "peak_rss_mb": round(raw["ru_maxrss_mb"]),
+        "glibc_heap_at_sampled_peak": heap_at_peak,
         "peak_rss_sampled_mb_by_phase": {k: round(v) for k, v in peaks.items()},
         "rss_slope_mb_per_grpo_step_last": {"steps": len(last), "mb_per_step": round(slope(last), 2)},
         "rss_slope_mb_per_grpo_step_all": round(slope(grpo_rss), 2),
@@ -170,7 +208,11 @@ def run_variant(name: str, args, out_dir: Path) -> dict:
     run_dir = out_dir / f"run-{name.replace('+', '_')}"
     run_args = ["--output-dir", str(run_dir), "--set", f"prime.steps={args.prime_steps}",
                 "--max-steps", str(args.steps), "--set", f"data.eval_size={args.eval_size}"] + args.run_args
-    env = dict(os.environ, LOWVRAM_GRPO_HOST_MEMORY=VARIANTS[name])
+    env = dict(os.environ, **VARIANTS[name])
+    if name.endswith("mimalloc"):
+        if not args.mimalloc:
+            raise SystemExit("variant head+mimalloc needs --mimalloc PATH/libmimalloc.so (e.g. from the cmeel-mimalloc wheel)")
+        env["LD_PRELOAD"] = str(args.mimalloc)
     cmd = [sys.executable, "-m", "bench.host_memory", "--child", str(result), "--", *run_args]
     print(f"[{name}] {' '.join(cmd)}", flush=True)
     with open(out_dir / f"{name.replace('+', '_')}.log", "w") as log:
@@ -201,6 +243,7 @@ def main(argv=None) -> int:
     p.add_argument("--eval-size", type=int, default=64, help="held-out questions (the default job: 64)")
     p.add_argument("--window", type=int, default=40, help="the RSS slope is taken over the last N GRPO steps")
     p.add_argument("--out", type=Path, default=RESULTS / "host_memory.json")
+    p.add_argument("--mimalloc", type=Path, help="libmimalloc.so for the head+mimalloc variant (LD_PRELOAD)")
     p.add_argument("run_args", nargs="*", help="after --: more arguments for lowvram_grpo.run")
     args = p.parse_args(argv)
     if args.child is not None:
