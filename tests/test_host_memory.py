@@ -11,6 +11,8 @@ import pytest
 from lowvram_grpo import host_memory
 from lowvram_grpo.backends import SamplingParams, load_model
 from lowvram_grpo.config import load_config
+from lowvram_grpo.hardware import detect
+from lowvram_grpo.resolve import resolve
 
 PROMPTS = [[{"role": "user", "content": "What is 7 * 8?"}], [{"role": "user", "content": "A farmer has 3 cows and buys 12 more. How many cows?"}]]
 
@@ -23,9 +25,9 @@ def _rss_mb() -> float:
 def test_lm_head_gets_a_contiguous_input_and_sampling_is_unchanged(monkeypatch, tiny_model_dir):
     config = load_config("tiny", [])
     monkeypatch.setenv("LOWVRAM_GRPO_HOST_MEMORY", "off")
-    plain = load_model(config, "hf")
+    plain = load_model(resolve(config, detect(), "hf"))
     monkeypatch.delenv("LOWVRAM_GRPO_HOST_MEMORY")
-    hooked = load_model(config, "hf")
+    hooked = load_model(resolve(config, detect(), "hf"))
 
     contiguous = []
     for handle in (plain, hooked):
@@ -75,7 +77,7 @@ def test_the_trainer_releases_after_each_step(tmp_path, tiny_model_dir):
     from lowvram_grpo.training import build_trainer
 
     config = load_config("tiny", ["train.max_steps=1", "eval.enabled=false"])
-    handle = load_model(config, "hf")
+    handle = load_model(resolve(config, detect(), "hf"))
     train_q, _ = load_questions(config.data)
-    trainer = build_trainer(handle, config, to_prompt_rows(train_q, config.data.system_prompt), tmp_path, cuda=False)
+    trainer = build_trainer(handle, to_prompt_rows(train_q, config.data.system_prompt), tmp_path)
     assert any(isinstance(c, host_memory.ReleaseHostMemory) for c in trainer.callback_handler.callbacks)
