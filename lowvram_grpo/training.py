@@ -235,9 +235,11 @@ class GRPORunTrainer(HookedGRPOTrainer):
                     callback.bar.close()
 
 
-def build_trainer(handle, train_rows: list[dict], run_dir) -> GRPORunTrainer:
+def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None) -> GRPORunTrainer:
     """TRL's GRPOTrainer for the handle's PEFT model, with our checkpoints, guards (guards.py),
-    progress bar, metrics file and training-signal warnings. `run_dir`: a RunDir or its path."""
+    progress bar, metrics file and training-signal warnings. `run_dir`: a RunDir or its path.
+    `rollouts`: a backends.vllm_engine.TRLRollouts when generation is 'vllm' (rollouts from our vLLM
+    engine through TRL's rollout_func, the adapter synced to it)."""
     from datasets import Dataset
 
     run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
@@ -251,6 +253,7 @@ def build_trainer(handle, train_rows: list[dict], run_dir) -> GRPORunTrainer:
         reward_funcs=reward_functions(config.rewards),  # each checked: one finite number per completion
         args=GRPOConfig(**asked),
         train_dataset=Dataset.from_list(train_rows),
+        **({"rollout_func": rollouts.rollout_func} if rollouts is not None else {}),
     )
     for callback in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(callback)
@@ -269,5 +272,7 @@ def build_trainer(handle, train_rows: list[dict], run_dir) -> GRPORunTrainer:
         trainer.add_callback(SignalWarnings(config.train.max_completion_length))
     trainer.add_callback(MetricsWriter(run_dir))
     trainer.add_callback(ReleaseHostMemory())  # freed step memory back to the OS: RSS stays flat (host_memory.py)
+    if rollouts is not None:
+        rollouts.attach(trainer)  # importance-sampling correction + vllm/adapter_version in metrics.jsonl
     trainer.effective_settings = effective_grpo_settings(trainer, asked)
     return trainer

@@ -15,6 +15,12 @@ one warning line. The reaches, and why each is needed:
   * `_load_from_checkpoint(resume_from_checkpoint, model)`: after transformers' own loading,
     `restore_trained_adapter` puts the checkpoint's trained adapter back (transformers 5.17, given a
     checkpoint with adapter sub-folders such as TRL's frozen 'ref' copy, loads only those).
+- `sample_with(trainer, sampler)`: TRL 1.15 applies its importance-sampling correction (the sampler's
+  log-probs vs the trainer's, for a sampler that is not exactly the policy) only when `use_vllm` is on,
+  and `use_vllm=True` in GRPOConfig would start TRL's own vLLM engine. For rollouts from our own engine
+  (TRL's public `rollout_func`), the built trainer's `use_vllm` attribute is switched on afterwards and
+  `vllm_generation` is our sampler, whose `sync_weights()` TRL calls before a rollout when the step moved
+  (adapter-only sync: backends/vllm_engine.py).
 - `install_logprob_fallback()`: TRL 1.15 computes completion log-probs through a Triton-only fused LM
   head (`trl.trainer.utils._ChunkedLogProbFunction`); on a CPU it has no kernel. A dispatcher takes its
   place: the Triton kernel for CUDA/XPU tensors, logprobs_fallback.torch_chunked_logprobs (the same
@@ -124,6 +130,21 @@ def restore_trained_adapter(model, checkpoint: Path) -> None:
     if getattr(result, "unexpected_keys", None):
         raise AdapterError(f"checkpoint {checkpoint} does not fit this model: unexpected weights "
                            f"{', '.join(result.unexpected_keys[:3])}")
+
+
+SAMPLER_ATTRIBUTES = ("use_vllm", "vllm_importance_sampling_correction", "_generate", "rollout_func")
+
+
+def sample_with(trainer, sampler) -> None:
+    """Make TRL's GRPOTrainer treat `sampler` (an object with `sync_weights()`) as its vLLM generation, so its
+    importance-sampling correction runs on the sampling log-probs the rollout_func returns; no engine of TRL's."""
+    missing = [name for name in SAMPLER_ATTRIBUTES if not hasattr(trainer, name)]
+    if missing:
+        raise BackendError(f"this TRL's GRPOTrainer has no {', '.join(missing)}: the importance-sampling hook was "
+                           f"written for trl {WRITTEN_FOR['trl']}; install it or set model.generation=transformers")
+    trainer.use_vllm = True             # read after __init__ only by the generation and IS-correction code
+    trainer.vllm_generation = sampler   # TRL calls .sync_weights() before a rollout when the step moved
+    trainer._last_loaded_step = -1
 
 
 def use_torch_logprobs(device_type: str, kernel_available: bool) -> bool:

@@ -69,6 +69,8 @@ CONFIG_CASES = [
     ("model.dtype", "fp8", "model.dtype must be one of"),
     ("model.fast_inference", "maybe", "model.fast_inference must be bool"),
     ("model.fast_inference", "true", "needs an NVIDIA GPU"),
+    ("model.generation", "fast", "model.generation must be one of"),
+    ("model.vllm_sync_steps", "0", "model.vllm_sync_steps must be >= 1"),
     ("lora.r", "0", "lora.r must be > 0"),
     ("lora.alpha", "-1", "lora.alpha must be > 0"),
     ("lora.dropout", "1.5", "lora.dropout must be in [0, 1)"),
@@ -131,6 +133,8 @@ CONFIG_CASES = [
     ("memory.gpu_memory_utilization", "0.99", "memory.gpu_memory_utilization must be in [0.05, 0.95]"),
     ("memory.gradient_checkpointing", "sometimes", "memory.gradient_checkpointing must be one of"),
     ("memory.vram_gb", "0", "memory.vram_gb must be > 0 or null"),
+    ("memory.vllm_kv_cache_gb", "0", "memory.vllm_kv_cache_gb must be > 0 or null"),
+    ("memory.vllm_cpu_threads", "0", "memory.vllm_cpu_threads must be >= 1 or null"),
 ]
 
 # ---------------------------------------------------------------- a user's reward file: (id, extra --set values, fragment)

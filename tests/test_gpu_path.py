@@ -75,7 +75,8 @@ def test_hf_backend_with_a_fast_inference_preset_hands_trl_no_vllm(preset, tmp_p
     resolved = resolve(load_config(preset), profile("rtx3090"), backend="hf")
     args = grpo_config_kwargs(resolved, tmp_path)
     assert args["use_vllm"] is False and args["vllm_max_model_length"] is None
-    assert any("generation runs through transformers" in note for note in resolved.notes)
+    assert resolved.generation == "transformers"
+    assert any("does not apply on the hf backend" in note for note in resolved.notes)
 
 
 def test_unsloth_backend_hands_trl_the_shared_engine_with_a_bounded_context(tmp_path):

