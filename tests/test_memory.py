@@ -368,3 +368,18 @@ def test_the_exports_call_unsloths_gpu_savers_as_they_are_defined():
         params = [a.arg for a in functions[implementations[method]].args.args]
         assert params[1:3] == ["save_directory", "tokenizer"] and set(kwargs) <= set(params), (kind, params)
     assert '"q4_k_m"' in ast.get_docstring(functions["unsloth_save_pretrained_gguf"]) or "q4_k_m" in source
+
+
+def test_the_hf_backends_own_vllm_engine_is_planned_with_its_own_weights():
+    """model.generation=vllm on a GPU: a second engine with its own copy of the weights, its KV cache, a LoRA
+    slot and its own CUDA context beside the whole trainer (nothing shared, unlike unsloth's engine)."""
+    config = load_config("qwen1_5b_4bit", ["model.generation=vllm", "model.fast_inference=false"])
+    with_vllm = planned(config, 22, backend="hf")
+    without = planned(load_config("qwen1_5b_4bit", ["model.fast_inference=false"]), 22, backend="hf")
+    assert "vllm" not in without.terms
+    term = with_vllm.terms["vllm"]
+    assert term.bytes == pytest.approx(0.5 * 22 * GIB + 0.6 * GIB, rel=1e-6) and "its own weights" in term.label
+    assert with_vllm.min_vram_gb > without.min_vram_gb
+    assert with_vllm.vllm_min_share_bytes > with_vllm.terms["weights"].bytes  # its NF4 copy + KV + runtime
+    small = planned(config, 6, backend="hf")
+    assert not small.fits and any(s.key in ("memory.gpu_memory_utilization", "model.generation") for s in small.suggestions)
