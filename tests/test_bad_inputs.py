@@ -89,6 +89,8 @@ CONFIG_CASES = [
     ("train.beta", "-0.1", "train.beta must be >= 0"),
     ("train.epsilon", "0", "train.epsilon must be > 0"),
     ("train.loss_type", "ppo", "train.loss_type must be one of"),
+    ("train.scale_rewards", "std", "train.scale_rewards must be one of group, batch, none"),
+    ("train.mask_truncated_completions", "maybe", "train.mask_truncated_completions must be bool"),
     ("train.max_grad_norm", "0", "train.max_grad_norm must be > 0"),
     ("train.max_steps", "0", "train.max_steps must be >= 1"),
     ("train.save_steps", "0", "train.save_steps must be >= 1"),

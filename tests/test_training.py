@@ -159,3 +159,15 @@ def test_sampling_inside_the_trainer_keeps_the_kv_cache_under_gradient_checkpoin
     assert len(decoding) > 2
     assert all(cache for _, _, cache in decoding[1:]), "decoding steps after the prefill must read the KV cache"
     assert any(training for gen, training, _ in seen if not gen), "the training pass runs in train mode"
+
+
+def test_loss_variants_reach_trls_config(tmp_path):
+    """train.loss_type / scale_rewards / mask_truncated_completions are handed to GRPOConfig as set."""
+    from lowvram_grpo.config import load_config
+    from lowvram_grpo.training import grpo_args
+
+    config = load_config("tiny", ["train.loss_type=dr_grpo", "train.scale_rewards=none", "train.mask_truncated_completions=true"])
+    args = grpo_args(config, tmp_path, cuda=False)
+    assert (args.loss_type, args.scale_rewards, args.mask_truncated_completions) == ("dr_grpo", "none", True)
+    default = grpo_args(load_config("tiny"), tmp_path, cuda=False)
+    assert (default.scale_rewards, default.mask_truncated_completions) == ("group", False)
