@@ -191,6 +191,10 @@ class DataConfig:
     system_prompt: str = _help("System message of every prompt: tells the model the answer format.", NOTEBOOK_SYSTEM_PROMPT)
     num_train: Optional[int] = _help("Training questions to use (built-in: to generate). null = all of the file / 2000 built-in.", None)
     eval_size: int = _help("Questions held out for the before/after comparison.", 32)
+    eval_dataset: Optional[str] = _help(
+        "Where the held-out questions come from: null = held out of `dataset` (never trained on); or a separate "
+        "file / hub id, e.g. openai/gsm8k:test (eval_size of its questions, shuffled by seed; training then uses "
+        "all of `dataset`).", None)
     max_operand: int = _help("Built-in problems: largest number in a question.", 50)
     seed: int = _help("Seed of the built-in generator and of the train/eval split.", 0)
 

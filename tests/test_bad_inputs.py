@@ -102,6 +102,7 @@ CONFIG_CASES = [
     ("data.system_prompt", "[a, b]", "data.system_prompt must be str"),
     ("data.num_train", "0", "data.num_train must be >= 1 or null"),
     ("data.eval_size", "0", "data.eval_size must be >= 1"),
+    ("data.eval_dataset", "{tmp}/missing.jsonl", "does not exist"),
     ("data.max_operand", "1", "data.max_operand must be >= 2"),
     ("data.seed", "1.5", "data.seed must be int"),
     ("rewards.names", "[]", "rewards.names is empty"),
