@@ -50,6 +50,29 @@ def intervals_overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
     return a[0] <= b[1] and b[0] <= a[1]
 
 
+def mcnemar_p(gained: int, lost: int) -> float:
+    """Two-sided exact McNemar test: the chance of a split of the discordant questions at least this
+    uneven if the two columns were equally accurate (binomial, p = 1/2)."""
+    n = gained + lost
+    if n == 0:
+        return 1.0
+    k = min(gained, lost)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def paired_change(start: dict, end: dict, key: str) -> Optional[tuple[int, int, float]]:
+    """(questions newly right, newly wrong, McNemar p) between two columns on the same questions, from
+    their per-question verdicts; None when a column lacks them."""
+    verdicts = {"accuracy_strict": "strict_correct", "accuracy_lenient": "lenient_correct"}[key]
+    a, b = start.get(verdicts), end.get(verdicts)
+    if not a or not b or len(a) != len(b):
+        return None
+    gained = sum(1 for x, y in zip(a, b) if not x and y)
+    lost = sum(1 for x, y in zip(a, b) if x and not y)
+    return gained, lost, mcnemar_p(gained, lost)
+
+
 def generate_answers(handle: ModelHandle, rows: list[dict], config, lora_request: Optional[LoraRequest]) -> list[Completion]:
     ev = config.eval
     texts: list[Completion] = []
@@ -137,6 +160,11 @@ def interval_notes(before: dict, after: dict, primed: Optional[dict] = None) -> 
                 verdict = "the 95% intervals overlap: not a clear difference at this n"
             else:
                 verdict = "the 95% intervals do not overlap"
+            paired = paired_change(start, after, key)
+            if paired is not None:
+                p = paired[2]
+                verdict += (f"; paired over the same {len(after['strict_correct'])} questions: {paired[0]} newly right, "
+                            f"{paired[1]} newly wrong (McNemar p {'< 0.001' if p < 0.001 else f'= {p:.3f}'})")
             notes.append(f"{key} {name} -> {label}: {change:+.3f}; {verdict}")
     return notes
 

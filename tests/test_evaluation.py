@@ -90,3 +90,24 @@ def test_the_readme_reward_file_example_trains_and_evaluates(tmp_path):
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(row["rewards/my_reward/mean"] == pytest.approx(0.25) for row in metrics)
     assert "accuracy_strict" in proc.stdout and "held-out metric" in proc.stdout
+
+
+def test_paired_change_counts_questions_that_flipped_and_its_mcnemar_p():
+    from lowvram_grpo.evaluation import mcnemar_p, paired_change
+
+    start = {"strict_correct": [1, 0, 0, 0, 1, 0], "lenient_correct": [1, 1, 0, 0, 1, 0]}
+    end = {"strict_correct": [1, 1, 1, 0, 0, 1], "lenient_correct": [1, 1, 0, 0, 1, 0]}
+    assert paired_change(start, end, "accuracy_strict") == (3, 1, pytest.approx(0.625))  # 2 * P(X <= 1), X ~ Bin(4, 1/2)
+    assert paired_change(start, end, "accuracy_lenient") == (0, 0, 1.0)
+    assert paired_change({}, end, "accuracy_strict") is None
+    assert mcnemar_p(10, 0) == pytest.approx(2 / 1024) and mcnemar_p(5, 5) == 1.0
+
+
+def test_the_table_reports_the_paired_change_when_verdicts_are_there():
+    def row(verdicts):
+        n, k = len(verdicts), sum(verdicts)
+        return {"reward_mean": 0.0, "accuracy_strict": k / n, "accuracy_strict_ci": list(wilson_interval(k, n)),
+                "accuracy_lenient": k / n, "accuracy_lenient_ci": list(wilson_interval(k, n)), "format_rate": 1.0,
+                "mean_completion_tokens": 1.0, "n": n, "strict_correct": verdicts, "lenient_correct": verdicts}
+    table = format_table(row([0] * 20), row([1] * 12 + [0] * 8), row([0] * 20))
+    assert "paired over the same 20 questions: 12 newly right, 0 newly wrong (McNemar p < 0.001)" in table
