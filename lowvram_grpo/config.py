@@ -156,6 +156,11 @@ class TrainConfig:
     beta: float = _help("KL penalty against the base model. 0 = no reference forward pass (less time).", 0.04)
     epsilon: float = _help("PPO-style clipping range of the policy ratio.", 0.2)
     loss_type: str = _help("GRPO loss normalisation: grpo, bnpo, dr_grpo or dapo (see TRL).", "grpo")
+    scale_rewards: str = _help(
+        "Advantage scaling (TRL): group = divide by the group's reward std (GRPO), batch = by the whole batch's std, "
+        "none = no scaling (Dr. GRPO: no question-difficulty bias).", "group")
+    mask_truncated_completions: bool = _help(
+        "Leave completions cut at max_completion_length out of the loss (DAPO), so an unfinished answer is not pushed down.", False)
     max_grad_norm: float = _help("Gradient clipping norm (the notebook uses 0.1).", 0.1)
     max_steps: int = _help("Optimizer steps to train.", 250)
     save_steps: int = _help("Save a checkpoint (adapter, optimizer, RNG, data position, metrics) every this many steps; --resume continues from the newest.", 250)
@@ -194,6 +199,7 @@ class TrainConfig:
         _check(self.beta >= 0, f"train.beta must be >= 0; got {self.beta}")
         _check(self.epsilon > 0, f"train.epsilon must be > 0 (e.g. 0.2); got {self.epsilon}")
         _one_of("train", "loss_type", self.loss_type, ("grpo", "bnpo", "dr_grpo", "dapo"))
+        _one_of("train", "scale_rewards", self.scale_rewards, ("group", "batch", "none"))
         _one_of("train", "lr_scheduler_type", self.lr_scheduler_type, ("cosine", "linear", "constant", "constant_with_warmup"))
         _one_of("train", "optim", self.optim, ("paged_adamw_8bit", "adamw_8bit", "adamw_torch", "paged_adamw_32bit"))
         _check(0 <= self.warmup_ratio < 1, f"train.warmup_ratio must be in [0, 1); got {self.warmup_ratio}")
@@ -228,6 +234,10 @@ class DataConfig:
     system_prompt: str = _help("System message of every prompt: tells the model the answer format.", NOTEBOOK_SYSTEM_PROMPT)
     num_train: Optional[int] = _help("Training questions to use (built-in: to generate). null = all of the file / 2000 built-in.", None)
     eval_size: int = _help("Questions held out for the before/after comparison.", 32)
+    eval_dataset: Optional[str] = _help(
+        "Where the held-out questions come from: null = held out of `dataset` (never trained on); or a separate "
+        "file / hub id, e.g. openai/gsm8k:test (eval_size of its questions, shuffled by seed; training then uses "
+        "all of `dataset`).", None)
     max_operand: int = _help("Built-in problems: largest number in a question.", 50)
     seed: int = _help("Seed of the built-in generator and of the train/eval split.", 0)
 

@@ -168,13 +168,20 @@ def _from_spec(spec: str) -> list[Question]:
 
 
 def load_questions(data_config) -> tuple[list[Question], list[Question]]:
-    """(train, eval) questions for a `DataConfig`; the eval split is held out by seed."""
+    """(train, eval) questions for a `DataConfig`; the eval split is held out by seed (or, with
+    `eval_dataset`, drawn from that separate dataset, e.g. GSM8K's test split)."""
     eval_size = data_config.eval_size
+    separate = getattr(data_config, "eval_dataset", None)
     if data_config.dataset in (None, "", "builtin", "builtin:arithmetic"):
         n_train = data_config.num_train or BUILTIN_TRAIN_SIZE
+        if separate:
+            return arithmetic_problems(n_train, data_config.seed, data_config.max_operand), _held_out(separate, data_config)
         problems = arithmetic_problems(n_train + eval_size, data_config.seed, data_config.max_operand)
         return problems[eval_size:], problems[:eval_size]
     questions = _from_spec(data_config.dataset)
+    if separate:
+        train = questions[: data_config.num_train] if data_config.num_train else questions
+        return train, _held_out(separate, data_config)
     if len(questions) < eval_size + 1:
         raise DataError(
             f"dataset {data_config.dataset} has {len(questions)} rows, too few to hold out data.eval_size={eval_size}: "
@@ -187,6 +194,17 @@ def load_questions(data_config) -> tuple[list[Question], list[Question]]:
     if data_config.num_train:
         train = train[: data_config.num_train]
     return train, eval_set
+
+
+def _held_out(spec: str, data_config) -> list[Question]:
+    """`eval_size` questions of the separate eval dataset `spec`, shuffled by the data seed."""
+    questions = _from_spec(spec)
+    if len(questions) < data_config.eval_size:
+        raise DataError(f"data.eval_dataset {spec} has {len(questions)} rows, fewer than data.eval_size="
+                        f"{data_config.eval_size}: lower data.eval_size")
+    order = list(range(len(questions)))
+    random.Random(data_config.seed).shuffle(order)
+    return [questions[i] for i in order[: data_config.eval_size]]
 
 
 # --------------------------------------------------------------------------- prompts

@@ -13,6 +13,7 @@ same LoRA parameters GRPO then trains, with a plain AdamW of its own.
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 from . import host_memory
 from .data import Question, chat_messages
@@ -56,8 +57,10 @@ def completion_loss(model, input_ids, attention_mask, labels):
     return -log_probs.float().mean()
 
 
-def prime(handle, questions: list[Question], config, log=print) -> dict:
-    """Run `config.prime.steps` supervised steps on `questions` that have worked solutions."""
+def prime(handle, questions: list[Question], config, log=print, max_seconds: Optional[float] = None) -> dict:
+    """Run `config.prime.steps` supervised steps on `questions` that have worked solutions (cycling through
+    them); with `max_seconds`, no step starts once that much wall time has passed (the prime-only
+    baseline's equal-time budget, baseline.py)."""
     import torch
 
     settings = config.prime
@@ -74,6 +77,8 @@ def prime(handle, questions: list[Question], config, log=print) -> dict:
 
     bar = tqdm(range(settings.steps), desc="priming", unit="step", dynamic_ncols=True)
     for step in bar:
+        if max_seconds is not None and time.time() - started >= max_seconds:
+            break
         chunk = [examples[(step * settings.batch_size + i) % len(examples)] for i in range(settings.batch_size)]
         prompts = [handle.apply_chat_template(chat_messages(q.question, config.data.system_prompt)) for q in chunk]
         targets = [xml_formatted(q.solution, q.answer) for q in chunk]
@@ -88,5 +93,5 @@ def prime(handle, questions: list[Question], config, log=print) -> dict:
         host_memory.release()  # freed activations back to the OS: RSS stays flat (host_memory.py)
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     bar.close()
-    return {"steps": settings.steps, "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
+    return {"steps": len(losses), "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
             "seconds": round(time.time() - started, 1)}

@@ -21,7 +21,7 @@ from typing import Optional
 
 
 from .errors import RunDirError
-from .evaluation import METRICS
+from .evaluation import METRICS, cell, interval_notes
 from .run_dir import RunDir
 from .signals import CLIPPED_KEY, THRESHOLD, ZERO_STD_KEY, Signal, scan
 
@@ -116,20 +116,23 @@ def _fenced(text: str) -> str:
 
 
 def comparison_table(summary: dict) -> str:
-    """The held-out before/(primed/)after table in markdown."""
+    """The held-out before/(primed/)after table in markdown, accuracies with their 95% Wilson intervals."""
     before, primed, after = summary.get("before"), summary.get("primed"), summary.get("after")
     if not (before and after):
         return "No before/after numbers: evaluation was off for this run (`eval.enabled`)."
     columns = ["before (base)"] + (["primed"] if primed else []) + ["after (GRPO)", "change"]
     lines = ["| held-out metric | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for key in METRICS:
-        cells = [before[key]] + ([primed[key]] if primed else []) + [after[key], after[key] - before[key]]
-        text = [f"{v:.3f}" for v in cells[:-1]] + [f"{cells[-1]:+.3f}"]
-        lines.append(f"| {key} | " + " | ".join(text) + " |")
-    note = f"\n\n{after.get('n', '?')} held-out questions; same prompts, sampling and seed for every column."
+        cells = [cell(row, key) for row in [before] + ([primed] if primed else []) + [after]]
+        cells.append(f"{after[key] - before[key]:+.3f}" if key in after and key in before else "-")
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    note = (f"\n\n{after.get('n', '?')} held-out questions; same prompts, sampling and seed for every column; "
+            "[95% Wilson interval]. Strict: the answer inside `<answer>...</answer>` is right; lenient: the answer "
+            "the text states, in any format, is right.")
     if primed:
         note += f" GRPO's own change in reward_mean (primed -> after): {after['reward_mean'] - primed['reward_mean']:+.3f}."
-    return "\n".join(lines) + note
+    notes = interval_notes(before, after, primed)
+    return "\n".join(lines) + note + ("\n\n" + "\n".join(f"- {n}" for n in notes) if notes else "")
 
 
 def samples_section(summary: dict) -> str:

@@ -8,8 +8,8 @@ dataset column of that name.
 The five are the Unsloth Llama-3.1-8B GRPO notebook's, with two deliberate fixes:
 - the format regexes match across lines (`re.DOTALL`): the notebook's `.*?` without it never matches a
   reasoning of more than one line, so its strict/soft rewards miss most well-formed answers;
-- `correctness` compares numbers, not strings: "1,000", "$1000.00" and "1000" all equal a gold "1,000",
-  as a careful human grader would score them.
+- `correctness` compares answers, not strings (answers.py): "1,000", "$1000.00" and "1000" all equal a
+  gold "1,000", and "3/4", "\\frac{3}{4}" and "75%" a gold "0.75", as a careful human grader would score them.
 
 `REWARD_MAX` gives each function's best score, used by tests and the report.
 
@@ -27,11 +27,12 @@ import numbers
 import re
 import sys
 import types
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from pathlib import Path
 from typing import Callable, Optional
 
 from .errors import RewardError
+from . import answers
 
 RewardFn = Callable[..., list]
 REWARDS: dict[str, RewardFn] = {}
@@ -78,32 +79,19 @@ def extract_hash_answer(text: str) -> Optional[str]:
     return text.split("####")[-1].strip()
 
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _PLAIN_INTEGER = re.compile(r"-?\d{1,3}(?:,\d{3})+|-?\d+")
-# What may surround a number in a final answer and still be "just the number": currency, units, period.
-_DECORATION = re.compile(r"^[\s$€£]*|[\s%.]*$")
 
 
 def parse_number(text: str) -> Optional[Decimal]:
     """A number written any usual way ('1,000', '$18.00', '-3', '.5') -> Decimal; None if there is none."""
-    match = _NUMBER.fullmatch(text.strip())
-    if match is None:
-        return None
-    try:
-        return Decimal(match.group(0).replace(",", ""))
-    except InvalidOperation:
-        return None
+    return answers.plain_number(text)
 
 
 def answer_number(answer_text: str) -> Optional[Decimal]:
-    """The number a final answer states: the whole answer if it is one number (with $, %, a trailing
-    period or units around it), else the last number in it ('The total is 72 clips.' -> 72)."""
-    stripped = _DECORATION.sub("", answer_text)
-    value = parse_number(stripped)
-    if value is not None:
-        return value
-    numbers = _NUMBER.findall(answer_text)
-    return parse_number(numbers[-1]) if numbers else None
+    """The plain number a final answer states ('The total is 72 clips.' -> 72); None when it states none
+    or a fraction/LaTeX answer (those are compared by `answers.is_correct`)."""
+    stated = answers.final_answer(answer_text)
+    return answers.plain_number(stated) if stated is not None else None
 
 
 def _gold_list(answer, n: int) -> list:
@@ -118,20 +106,21 @@ def _gold_list(answer, n: int) -> list:
 
 @register("correctness", 2.0)
 def correctness_reward(prompts, completions, answer=None, **kwargs) -> list[float]:
-    """2.0 when the stated answer equals the gold answer as a number; 0.0 otherwise.
+    """2.0 when the stated answer equals the gold answer (answers.is_correct: exact for plain numbers,
+    math-verify for fractions, LaTeX, percentages); 0.0 otherwise.
 
     With <answer> tags the stated answer is the tagged text (its last number if it has words around
-    it); without tags the whole completion must be just the number, as in the notebook."""
+    it; a block cut off before </answer> counts); without tags the whole completion must be just the
+    answer, as in the notebook."""
     golds = _gold_list(answer, len(completions))
     scores = []
     for completion, gold in zip(completions, golds):
         text = completion_text(completion)
-        gold_value = parse_number(gold) if parse_number(gold) is not None else answer_number(gold)
         if "<answer>" in text:
-            stated = answer_number(extract_xml_answer(text))
+            stated = answers.lenient_answer(text)
         else:
-            stated = parse_number(_DECORATION.sub("", text))
-        scores.append(2.0 if stated is not None and gold_value is not None and stated == gold_value else 0.0)
+            stated = answers.whole_answer(text)
+        scores.append(2.0 if answers.is_correct(stated, gold) else 0.0)
     return scores
 
 

@@ -52,6 +52,8 @@ def grpo_config_kwargs(resolved, output_dir: Path) -> dict:
         beta=t.beta,
         epsilon=t.epsilon,
         loss_type=t.loss_type,
+        scale_rewards=t.scale_rewards,
+        mask_truncated_completions=t.mask_truncated_completions,
         max_grad_norm=t.max_grad_norm,
         max_steps=t.max_steps,
         save_strategy="steps",

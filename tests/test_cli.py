@@ -2,7 +2,6 @@
 every bad input ending in one `error:` line, exit 2, no traceback, nothing written."""
 import json
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -21,7 +20,7 @@ def test_tiny_run_writes_the_four_outputs(tiny_run):
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     summary = json.loads((out / "summary.json").read_text())
     for side in ("before", "after"):
-        assert {"reward_mean", "accuracy", "format_rate"} <= summary[side].keys()
+        assert {"reward_mean", "accuracy_strict", "accuracy_lenient", "format_rate"} <= summary[side].keys()
     assert summary["steps"] == 3
 
 

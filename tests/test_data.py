@@ -65,6 +65,21 @@ def test_real_gsm8k_file(gsm8k_path):
     assert all(q.answer and q.solution for q in train)
 
 
+def test_a_separate_eval_dataset_is_the_held_out_set_and_training_keeps_all_rows(tmp_path):
+    train_file, test_file = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    _write_jsonl(train_file, GSM_ROWS)
+    _write_jsonl(test_file, [{"question": f"What is {i} * 3?", "answer": f"#### {3 * i}"} for i in range(30)])
+    train, held_out = load_questions(DataConfig(dataset=str(train_file), eval_dataset=str(test_file), eval_size=8))
+    assert len(train) == 20 and len(held_out) == 8
+    assert all("* 3" in q.question for q in held_out) and not any("* 3" in q.question for q in train)
+    again = load_questions(DataConfig(dataset=str(train_file), eval_dataset=str(test_file), eval_size=8))[1]
+    assert again == held_out  # the same questions every run (shuffled by data.seed)
+    builtin_train, builtin_eval = load_questions(DataConfig(num_train=50, eval_dataset=str(test_file), eval_size=30))
+    assert len(builtin_train) == 50 and len(builtin_eval) == 30
+    with pytest.raises(DataError, match="fewer than data.eval_size=31"):
+        load_questions(DataConfig(dataset=str(train_file), eval_dataset=str(test_file), eval_size=31))
+
+
 @pytest.mark.parametrize("make,fragment", [
     (lambda p: p / "missing.jsonl", "does not exist"),
     (lambda p: (p / "empty.jsonl").write_text("") and p / "empty.jsonl" or p / "empty.jsonl", "is empty"),

@@ -88,7 +88,7 @@ def test_notebook_shows_the_before_after_table(executed):
     tables = [o.data["text/markdown"] for o in outputs(notebook)
               if o.output_type == "display_data" and "text/markdown" in o.data and "| held-out metric |" in o.data["text/markdown"]]
     assert tables and "| before (base) | primed | after (GRPO) | change |" in tables[0]
-    for metric in ("reward_mean", "accuracy", "format_rate", "mean_completion_tokens"):
+    for metric in ("reward_mean", "accuracy_strict", "accuracy_lenient", "format_rate", "mean_completion_tokens"):
         assert f"| {metric} |" in tables[0]
 
 

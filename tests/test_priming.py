@@ -30,7 +30,8 @@ def test_prompt_tokens_are_masked(tiny_model_dir):
 
 
 def test_table_shows_grpo_gain_separately():
-    row = {"reward_mean": 0.0, "accuracy": 0.0, "format_rate": 0.0, "mean_completion_tokens": 10.0}
+    row = {"reward_mean": 0.0, "accuracy_strict": 0.0, "accuracy_lenient": 0.0, "format_rate": 0.0,
+           "mean_completion_tokens": 10.0}
     table = format_table(row, {**row, "reward_mean": 1.0}, {**row, "reward_mean": 0.6})
     assert "primed" in table and "primed -> after: +0.400" in table
 

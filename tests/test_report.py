@@ -87,12 +87,38 @@ def test_report_of_an_unfinished_run_without_kl(tmp_path):
     assert (tmp_path / "reward.png").is_file() and "![Reward per step](reward.png)" in text
 
 
+# ----------------------------------------------------------------------------- the before/after table
+def _measured(strict, lenient, n=200):
+    from lowvram_grpo.evaluation import wilson_interval
+
+    return {"reward_mean": 1.0, "accuracy_strict": strict / n, "accuracy_strict_ci": list(wilson_interval(strict, n)),
+            "accuracy_lenient": lenient / n, "accuracy_lenient_ci": list(wilson_interval(lenient, n)),
+            "format_rate": 1.0, "mean_completion_tokens": 30.0, "n": n}
+
+
+def test_the_table_shows_both_accuracies_with_intervals_and_whether_they_overlap():
+    from lowvram_grpo.report import comparison_table
+
+    markdown = comparison_table({"before": _measured(0, 40), "primed": _measured(40, 60), "after": _measured(90, 70)})
+    assert "| accuracy_strict | 0.000 [0.00, 0.02] | 0.200 [0.15, 0.26] | 0.450 [0.38, 0.52] | +0.450 |" in markdown
+    assert "| accuracy_lenient | 0.200 [0.15, 0.26] | 0.300 [0.24, 0.37] | 0.350 [0.29, 0.42] | +0.150 |" in markdown
+    assert "- accuracy_strict primed -> after (GRPO's own change): +0.250; the 95% intervals do not overlap" in markdown
+    assert "- accuracy_lenient primed -> after (GRPO's own change): +0.050; the 95% intervals overlap" in markdown
+
+
+def test_an_old_summary_without_the_new_fields_still_renders():
+    from lowvram_grpo.report import comparison_table
+
+    old = {"reward_mean": 1.0, "accuracy": 0.5, "format_rate": 1.0, "mean_completion_tokens": 3.0, "n": 4}
+    assert "| accuracy_strict | - | - | - |" in comparison_table({"before": old, "after": old})
+
+
 # ----------------------------------------------------------------------------- real tiny runs
 def test_a_tiny_run_writes_report_and_plots(tiny_run):
     out, proc = tiny_run
     text = (out / REPORT_FILE).read_text()
     assert "| held-out metric | before (base) | after (GRPO) | change |" in text
-    assert "| reward_mean |" in text and "## Sample answers" in text and "## Training-signal warnings" in text
+    assert "| reward_mean |" in text and "| accuracy_lenient |" in text and "## Sample answers" in text and "## Training-signal warnings" in text
     for name in PLOT_FILES:  # tiny has beta > 0, so KL is logged too
         image = imread(out / name)
         assert image.shape[0] > 300 and image.shape[1] > 600, name

@@ -2,7 +2,8 @@
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = ("transformers", "trl", "peft", "bitsandbytes", "datasets", "accelerate", "torch", "gguf")
+SHARED = ("transformers", "trl", "peft", "bitsandbytes", "datasets", "accelerate", "torch", "gguf",
+          "math-verify", "latex2sympy2-extended", "antlr4-python3-runtime")
 
 
 def _pins(name):

@@ -1,7 +1,6 @@
 """A real tiny GRPO run in this process (hf backend): base weights stay frozen, the saved adapter
 reloads with plain PEFT to the same logits, and load_lora refuses adapters that do not fit."""
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -183,3 +182,17 @@ def test_effective_settings_are_read_back_from_the_trainer_as_plain_values(tmp_p
     assert used["loss_type"] == "dr_grpo" and used["optim"] == "adamw_8bit" and used["lr_scheduler_type"] == "constant"
     assert used["reward_weights"] == [1.0] * 6 and effective["changed"] == {}
     assert "loss_type=dr_grpo" in describe_effective(effective)
+
+
+def test_loss_variants_reach_trls_config(tmp_path):
+    """train.loss_type / scale_rewards / mask_truncated_completions are handed to GRPOConfig as set."""
+    from lowvram_grpo.config import load_config
+    from lowvram_grpo.hardware import profile
+    from lowvram_grpo.resolve import resolve
+    from lowvram_grpo.training import grpo_args
+
+    config = load_config("tiny", ["train.loss_type=dr_grpo", "train.scale_rewards=none", "train.mask_truncated_completions=true"])
+    args = grpo_args(resolve(config, profile("cpu")), tmp_path)
+    assert (args.loss_type, args.scale_rewards, args.mask_truncated_completions) == ("dr_grpo", "none", True)
+    default = grpo_args(resolve(load_config("tiny"), profile("cpu")), tmp_path)
+    assert (default.scale_rewards, default.mask_truncated_completions) == ("group", False)
