@@ -1,6 +1,6 @@
 """Benchmark: host memory (RSS) of the default CPU job, today's behaviour against the host_memory fixes.
 
-    flock /tmp/lowvram-cpu.lock python -m bench.host_memory                     # the whole default job, ~25 min
+    flock /tmp/lowvram-cpu.lock python -m bench.host_memory --keep runs/host-memory   # the whole default job per variant
     flock /tmp/lowvram-cpu.lock python -m bench.host_memory --prime-steps 10 --steps 20 --eval-size 16 \\
         --variants off,head,trim,head+trim --out bench/results/host_memory_quick.json    # quick breakdown
 
@@ -206,8 +206,14 @@ def summarize(raw: dict, window: int) -> dict:
 def run_variant(name: str, args, out_dir: Path) -> dict:
     result = out_dir / f"{name.replace('+', '_')}.json"
     run_dir = out_dir / f"run-{name.replace('+', '_')}"
-    run_args = ["--output-dir", str(run_dir), "--set", f"prime.steps={args.prime_steps}",
-                "--max-steps", str(args.steps), "--set", f"data.eval_size={args.eval_size}"] + args.run_args
+    run_args = ["--output-dir", str(run_dir)]
+    if args.prime_steps is not None:
+        run_args += ["--set", f"prime.steps={args.prime_steps}"]
+    if args.steps is not None:
+        run_args += ["--max-steps", str(args.steps)]
+    if args.eval_size is not None:
+        run_args += ["--set", f"data.eval_size={args.eval_size}"]
+    run_args += args.run_args
     env = dict(os.environ, **VARIANTS[name])
     if name.endswith("mimalloc"):
         if not args.mimalloc:
@@ -238,9 +244,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--variants", default="off,head+trim", help="comma list of: " + ", ".join(VARIANTS))
-    p.add_argument("--prime-steps", type=int, default=10, help="priming steps (the default job: 10)")
-    p.add_argument("--steps", type=int, default=60, help="GRPO steps (the default job: 60)")
-    p.add_argument("--eval-size", type=int, default=64, help="held-out questions (the default job: 64)")
+    p.add_argument("--prime-steps", type=int, help="priming steps (default: the preset's)")
+    p.add_argument("--steps", type=int, help="GRPO steps (default: the preset's)")
+    p.add_argument("--eval-size", type=int, help="held-out questions (default: the preset's)")
+    p.add_argument("--keep", type=Path, help="keep each variant's run folder here (run-<variant>) instead of a temporary one")
     p.add_argument("--window", type=int, default=40, help="the RSS slope is taken over the last N GRPO steps")
     p.add_argument("--out", type=Path, default=RESULTS / "host_memory.json")
     p.add_argument("--mimalloc", type=Path, help="libmimalloc.so for the head+mimalloc variant (LD_PRELOAD)")
@@ -254,20 +261,26 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown variants {unknown}: choose from {list(VARIANTS)}")
     results = {}
-    with tempfile.TemporaryDirectory(prefix="host-memory-") as tmp:
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
         for name in names:
-            results[name] = run_variant(name, args, Path(tmp))
-    reference = results[names[0]]
+            results[name] = run_variant(name, args, args.keep)
+    else:
+        with tempfile.TemporaryDirectory(prefix="host-memory-") as tmp:
+            for name in names:
+                results[name] = run_variant(name, args, Path(tmp))
+    ref = "off" if "off" in names else names[0]  # ratios against today's behaviour when it ran
+    reference = results[ref]
     for name in names:
         r = results[name]
-        r["grpo_step_time_vs_" + names[0]] = _ratio(r["grpo_step_s_median"], reference["grpo_step_s_median"])
-        r["grpo_step_time_clean_vs_" + names[0]] = _ratio(r["grpo_step_s_median_clean"], reference["grpo_step_s_median_clean"])
-        r["prime_step_time_vs_" + names[0]] = _ratio(r["prime_step_s_median"], reference["prime_step_s_median"])
-        r["peak_rss_vs_" + names[0]] = _ratio(r["peak_rss_mb"], reference["peak_rss_mb"])
+        r["grpo_step_time_vs_" + ref] = _ratio(r["grpo_step_s_median"], reference["grpo_step_s_median"])
+        r["grpo_step_time_clean_vs_" + ref] = _ratio(r["grpo_step_s_median_clean"], reference["grpo_step_s_median_clean"])
+        r["prime_step_time_vs_" + ref] = _ratio(r["prime_step_s_median"], reference["prime_step_s_median"])
+        r["peak_rss_vs_" + ref] = _ratio(r["peak_rss_mb"], reference["peak_rss_mb"])
     out = {
         "command": "python -m bench.host_memory " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "job": {"preset": "smollm2_cpu (default)", "prime_steps": args.prime_steps, "grpo_steps": args.steps,
-                "eval_size": args.eval_size, "extra_args": args.run_args},
+        "job": {"preset": "smollm2_cpu (default)", "prime_steps": args.prime_steps or "preset's", "grpo_steps": args.steps or "preset's",
+                "eval_size": args.eval_size or "preset's", "extra_args": args.run_args},
         "machine": {"cpus": NCPU, "python": sys.version.split()[0]},
         "clean_step_threshold_other_cpu_share": CLEAN,
         "variants": results,
