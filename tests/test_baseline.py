@@ -49,3 +49,25 @@ def test_a_dir_that_is_not_a_finished_run_is_one_error_line(tmp_path):
     proc = _baseline(tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and "Traceback" not in proc.stderr
     assert "no config.yaml and summary.json" in proc.stderr
+
+
+def test_the_docs_table_reads_the_run_and_its_baseline(primed_run, tmp_path):
+    """bench/seeds_table.py, which writes docs/results.md's default-job table, reads the run and its
+    prime-only column through RunDir and prints the paired change GRPO made."""
+    assert _baseline(primed_run, "--steps", 1).returncode == 0
+    out = tmp_path / "seeds.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.seeds_table", str(primed_run), "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads((primed_run / "summary.json").read_text())
+    [row] = json.loads(out.read_text())["runs"]
+    assert row["after"]["accuracy_strict"] == run["after"]["accuracy_strict"] and row["prime_only"]["steps"] == 1
+    gained, lost, _ = row["paired_accuracy_strict"]
+    assert gained - lost == round((run["after"]["accuracy_strict"] - run["primed"]["accuracy_strict"]) * run["after"]["n"])
+    assert "| strict |" in proc.stdout and "(1 steps)" in proc.stdout
+
+
+def test_the_docs_table_refuses_a_folder_without_a_finished_run(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bench.seeds_table", str(tmp_path), "--out", str(tmp_path / "s.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "has no finished run" in proc.stderr and "Traceback" not in proc.stderr
