@@ -44,6 +44,7 @@ PARTS = ("generate", "sync", "rewards", "logps_nograd", "forward", "backward")
 def overrides(args) -> list[str]:
     return [
         f"train.num_generations={args.generations}",
+        "train.per_device_train_batch_size=null",  # one prompt x G completions per step (the compared shape)
         f"train.max_completion_length={args.tokens}",
         f"train.max_steps={args.steps}",
         "train.logging_steps=1",

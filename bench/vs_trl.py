@@ -41,6 +41,7 @@ def bench_overrides(args) -> list[str]:
     """The run both sides share: base model (no priming), G completions x L tokens, fixed seed."""
     return [
         f"train.num_generations={args.generations}",
+        "train.per_device_train_batch_size=null",  # one prompt x G completions per step (the compared shape)
         f"train.max_completion_length={args.tokens}",
         f"train.max_steps={args.steps}",
         "train.logging_steps=1",

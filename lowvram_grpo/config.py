@@ -538,9 +538,22 @@ def apply_override(raw: dict, assignment: str) -> None:
 def load_config(preset: str, overrides: list[str] = ()) -> RunConfig:
     """Preset + `--set` overrides -> a validated RunConfig (raises ConfigError)."""
     raw = read_preset(preset)
+    preset_rewards = dict(raw.get("rewards") or {})
     for assignment in overrides:
         apply_override(raw, assignment)
+    _carry_reward_weights(preset_rewards, raw.get("rewards") or {})
     return config_from_dict(raw)
+
+
+def _carry_reward_weights(preset: dict, now: dict) -> None:
+    """`--set rewards.names=[...]` without `rewards.weights`: the preset's weights follow their names
+    (a name new to the preset weighs 1.0), so changing the list never pairs a weight with the wrong reward."""
+    names, weights = preset.get("names"), preset.get("weights")
+    if (not isinstance(names, list) or not isinstance(weights, list) or len(names) != len(weights)
+            or now.get("weights") is not weights or now.get("names") is names or not isinstance(now.get("names"), list)):
+        return
+    by_name = dict(zip(names, weights))
+    now["weights"] = [by_name.get(name, 1.0) if isinstance(name, str) else 1.0 for name in now["names"]]
 
 
 def field_help(section: str, key: str) -> str:

@@ -86,3 +86,17 @@ def test_generation_batch_divisible_by_group_size():
 def test_unknown_preset_names_the_choices():
     with pytest.raises(ConfigError, match="unknown preset 'nope'.*tiny"):
         load_config("nope")
+
+
+def test_changing_reward_names_carries_the_presets_weights_by_name():
+    """smollm2_cpu weighs its five rewards; `--set rewards.names=[...]` alone (the README's reward-file
+    example) keeps each named reward's weight and gives a new name 1.0, instead of a length error."""
+    preset = load_config("smollm2_cpu").rewards
+    by_name = dict(zip(preset.names, preset.weights))
+    changed = load_config("smollm2_cpu", ["rewards.names=[correctness, brevity, xmlcount]"]).rewards
+    assert changed.weights == [by_name["correctness"], 1.0, by_name["xmlcount"]]
+    for order in (["rewards.names=[correctness, int]", "rewards.weights=[1, 2]"],
+                  ["rewards.weights=[1, 2]", "rewards.names=[correctness, int]"]):
+        assert load_config("smollm2_cpu", order).rewards.weights == [1.0, 2.0]  # weights given: used as given
+    with pytest.raises(ConfigError, match="rewards.weights has 3 values for 2 names"):
+        load_config("smollm2_cpu", ["rewards.weights=[1, 2, 3]", "rewards.names=[correctness, int]"])

@@ -55,7 +55,8 @@ def test_kv_cache_is_sized_from_the_run(tmp_path):
     assert kv_bytes_per_token(str(model), "bfloat16") == 2 * 30 * 3 * 64 * 2 == 23040
     assert kv_cache_bytes(str(model), "bfloat16", 8, 512) == 23040 * 8 * 512  # 90 MiB
     assert kv_cache_bytes(str(model), "bfloat16", 8, 500) == 23040 * 8 * 512  # whole 32-token blocks
-    config = load_config("smollm2_cpu", ["model.generation=vllm", "train.num_generations=4", "eval.batch_size=6"])
+    config = load_config("smollm2_cpu", ["model.generation=vllm", "train.num_generations=4",
+                                         "train.per_device_train_batch_size=4", "eval.batch_size=6"])
     s = settings_for(config, str(model), "bfloat16", "cpu")
     assert (s.max_num_seqs, s.max_lora_rank, s.max_model_len) == (6, 16, 512)  # eval batch 6 > rollout batch 4
     assert s.kv_cache_bytes == 23040 * 6 * 512 and s.gpu_memory_utilization is None and not s.sleep_between_rollouts

@@ -209,7 +209,7 @@ def test_handle_load_lora_on_the_vllm_engine_never_adds_adapters_to_the_trained_
 # --------------------------------------------------------------------------- whole runs, in their own processes
 
 RUN = ["--preset", "smollm2_cpu", "--set", "model.generation=vllm", "--set", "prime.steps=0",
-       "--set", "train.num_generations=4", "--set", "train.max_completion_length=24", "--set", "train.learning_rate=5e-4",
+       "--set", "train.num_generations=4", "--set", "train.per_device_train_batch_size=4", "--set", "train.max_completion_length=24", "--set", "train.learning_rate=5e-4",
        "--set", "train.warmup_ratio=0.0", "--set", "memory.gradient_checkpointing=false", "--set", "lora.r=8",
        "--set", "rewards.names=[brevity, correctness]",  # brevity differs within any group: a gradient from step 1
        "--set", "data.eval_size=2", "--set", "eval.batch_size=2", "--set", "train.save_steps=100"]
