@@ -11,8 +11,10 @@ a time, differing only in their environment (`LOWVRAM_GRPO_HOST_MEMORY`, lowvram
 - `head`:      the LM head's input made contiguous (no 432 MB copy per generation prefill)
 - `trim`:      glibc malloc_trim(0) after each priming step, GRPO step and held-out batch
 - `head+trim`: both (the package's default)
-- `head+mmap1m`, `head+mimalloc`: alternatives to trimming (glibc `MALLOC_MMAP_THRESHOLD_=1048576`;
+- `head+mmap1m`, `head+mmap4m`, `head+mimalloc`: alternatives to trimming (glibc `MALLOC_MMAP_THRESHOLD_`
+               fixed at 1 or 4 MiB: larger blocks are mmapped and unmapped when freed, never spread the heap;
                mimalloc by LD_PRELOAD, `--mimalloc PATH`, e.g. the cmeel-mimalloc wheel's libmimalloc.so)
+- `head+trim+mmap4m`: trimming between steps and the 4 MiB mmap threshold within them
 
 Measured inside the run's process (this module wraps `host_memory.release`, which every variant calls at
 the same boundaries; with trim off it returns without trimming): RSS every 0.1 s (/proc/self/statm)
@@ -48,6 +50,8 @@ VARIANTS = {  # name -> environment of the run
     "head+trim": {"LOWVRAM_GRPO_HOST_MEMORY": "head,trim"},
     # tried as alternatives to malloc_trim (both with the head fix):
     "head+mmap1m": {"LOWVRAM_GRPO_HOST_MEMORY": "head", "MALLOC_MMAP_THRESHOLD_": "1048576"},
+    "head+mmap4m": {"LOWVRAM_GRPO_HOST_MEMORY": "head", "MALLOC_MMAP_THRESHOLD_": "4194304"},
+    "head+trim+mmap4m": {"LOWVRAM_GRPO_HOST_MEMORY": "head,trim", "MALLOC_MMAP_THRESHOLD_": "4194304"},
     "head+mimalloc": {"LOWVRAM_GRPO_HOST_MEMORY": "head"},  # + LD_PRELOAD=--mimalloc PATH
 }
 CLEAN = 0.10  # a step counts as clean when other processes used less than this share of the CPUs

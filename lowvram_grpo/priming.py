@@ -75,8 +75,11 @@ def prime(handle, questions: list[Question], config, log=print, max_seconds: Opt
     started, losses = time.time(), []
     from tqdm.auto import tqdm
 
-    bar = tqdm(range(settings.steps), desc="priming", unit="step", dynamic_ncols=True)
-    for step in bar:
+    if max_seconds is None:
+        bar = tqdm(total=settings.steps, desc="priming", unit="step", dynamic_ncols=True)
+    else:  # a time budget: the bar counts seconds, not the (open-ended) steps
+        bar = tqdm(total=round(max_seconds), desc="priming (time budget)", unit="s", dynamic_ncols=True)
+    for step in range(settings.steps):
         if max_seconds is not None and time.time() - started >= max_seconds:
             break
         chunk = [examples[(step * settings.batch_size + i) % len(examples)] for i in range(settings.batch_size)]
@@ -91,7 +94,8 @@ def prime(handle, questions: list[Question], config, log=print, max_seconds: Opt
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         host_memory.release()  # freed activations back to the OS: RSS stays flat (host_memory.py)
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        bar.update(1 if max_seconds is None else min(round(time.time() - started), bar.total) - bar.n)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", **({} if max_seconds is None else {"steps": len(losses)}))
     bar.close()
     return {"steps": len(losses), "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
             "seconds": round(time.time() - started, 1)}
