@@ -254,7 +254,7 @@ def child(variant: str, args) -> dict:
             adapter = handle.save_lora(Path(tempfile.mkdtemp(prefix="bench-adapter-")) / "adapter")
             t0 = time.perf_counter()
             scores, texts = evaluate(handle, rows, config, lora_request=handle.load_lora(adapter))
-            result["heldout"] = {"seconds": round(time.perf_counter() - t0, 2), **{k: round(v, 3) for k, v in scores.items()},
+            result["heldout"] = {"seconds": round(time.perf_counter() - t0, 2), **{k: round(v, 3) if isinstance(v, float) else v for k, v in scores.items()},
                                  "answers": [{"question": r["prompt"][-1]["content"], "gold": r["answer"], "answer": t[:300]}
                                              for r, t in zip(rows, texts)]}
         if engine is not None:

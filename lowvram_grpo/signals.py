@@ -62,7 +62,7 @@ def truncation(rows: list[dict], max_completion_length: Optional[int] = None) ->
     bigger = f"train.max_completion_length={2 * max_completion_length}" if max_completion_length else "train.max_completion_length=<larger>"
     return (f"{ratio:.0%} of completions were cut off at {limit} (last {min(WINDOW, len(_values(rows, CLIPPED_KEY)))} "
             f"logged steps). A cut-off completion never closes its `<answer>` tag, so format and correctness rewards "
-            f"stay at 0. Raise it (`--set {bigger}`) or prime the format first (`--set prime.steps=40`).")
+            f"stay at 0. Raise it (`--set {bigger}`) or prime the format first (`--set prime.steps=20`).")
 
 
 def no_signal(rows: list[dict]) -> Optional[str]:
@@ -72,7 +72,7 @@ def no_signal(rows: list[dict]) -> Optional[str]:
         return None
     return (f"{fraction:.0%} of groups scored all-equal rewards (TRL's frac_reward_zero_std): their advantages, and "
             f"so their gradients, are 0. Give the groups something to tell apart: prime the format first "
-            f"(`--set prime.steps=40`), raise train.num_generations or train.temperature, or add a partial-credit "
+            f"(`--set prime.steps=20`), raise train.num_generations or train.temperature, or add a partial-credit "
             f"reward such as xmlcount.")
 
 
