@@ -42,18 +42,10 @@ PARTS = ("generate", "sync", "rewards", "logps_nograd", "forward", "backward")
 
 
 def overrides(args) -> list[str]:
-    return [
-        f"train.num_generations={args.generations}",
-        "train.per_device_train_batch_size=null",  # one prompt x G completions per step (the compared shape)
-        f"train.max_completion_length={args.tokens}",
-        f"train.max_steps={args.steps}",
-        "train.logging_steps=1",
-        "train.save_steps=100000",
-        "prime.steps=0",
-        "eval.enabled=false",
-        f"data.eval_size={args.heldout}",
-        f"eval.batch_size={args.heldout}",
-    ] + list(args.set or [])
+    """bench/vs_trl.py's shared run, plus the held-out questions each variant answers after training."""
+    from bench.vs_trl import bench_overrides
+
+    return bench_overrides(args, [f"data.eval_size={args.heldout}", f"eval.batch_size={args.heldout}"])
 
 
 class TreeMemory:

@@ -37,8 +37,9 @@ REPO = Path(__file__).resolve().parent.parent  # run as `python -m bench.vs_trl`
 PARTS = ("generate", "rewards", "logps_nograd", "forward", "backward")
 
 
-def bench_overrides(args) -> list[str]:
-    """The run both sides share: base model (no priming), G completions x L tokens, fixed seed."""
+def bench_overrides(args, extra: list[str] = ()) -> list[str]:
+    """The run both sides share: base model (no priming), G completions x L tokens, fixed seed;
+    `extra` (a bench's own settings) before the user's `--set`s, so those still win."""
     return [
         f"train.num_generations={args.generations}",
         "train.per_device_train_batch_size=null",  # one prompt x G completions per step (the compared shape)
@@ -48,6 +49,7 @@ def bench_overrides(args) -> list[str]:
         "train.save_steps=100000",
         "prime.steps=0",
         "eval.enabled=false",
+        *extra,
     ] + list(args.set or [])
 
 

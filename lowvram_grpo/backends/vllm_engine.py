@@ -211,20 +211,19 @@ def _sigint_blocked():
 @contextlib.contextmanager
 def _environ(changes: dict[str, Optional[str]]):
     """Set (or with None, remove) environment variables for the block; restore them after."""
+    def apply(values: dict[str, Optional[str]]) -> None:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
     old = {k: os.environ.get(k) for k in changes}
     try:
-        for k, v in changes.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        apply(changes)
         yield
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        apply(old)
 
 
 def _child_pids() -> set[int]:
