@@ -35,7 +35,9 @@ def _paired(start: dict, end: dict, key: str) -> str:
 def row_of(run: Path) -> dict:
     summary = RunDir(run, writer=False).complete_summary()
     if summary is None:
-        raise SystemExit(f"error: {run} has no finished run (summary.json with status complete)")
+        print(f"error: {run} has no finished run (summary.json with status complete): give the --output-dir "
+              f"of a finished `python -m lowvram_grpo.run`", file=sys.stderr)
+        raise SystemExit(2)
     config = RunDir(run, writer=False).read_config()
     baseline = RunDir(run / "prime_only", writer=False).read_summary()  # None when the baseline was not run
     return {"run": str(run), "seed": config.train.seed, "summary": summary, "baseline": baseline}

@@ -70,4 +70,4 @@ def test_the_docs_table_reads_the_run_and_its_baseline(primed_run, tmp_path):
 def test_the_docs_table_refuses_a_folder_without_a_finished_run(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.seeds_table", str(tmp_path), "--out", str(tmp_path / "s.json")],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1 and "has no finished run" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith("error:") and "has no finished run" in proc.stderr and "Traceback" not in proc.stderr
