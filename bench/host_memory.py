@@ -11,10 +11,16 @@ a time, differing only in their environment (`LOWVRAM_GRPO_HOST_MEMORY`, lowvram
 - `head`:      the LM head's input made contiguous (no 432 MB copy per generation prefill)
 - `trim`:      glibc malloc_trim(0) after each priming step, GRPO step and held-out batch
 - `head+trim`: both (the package's default)
-- `head+mmap1m`, `head+mmap4m`, `head+mimalloc`: alternatives to trimming (glibc `MALLOC_MMAP_THRESHOLD_`
-               fixed at 1 or 4 MiB: larger blocks are mmapped and unmapped when freed, never spread the heap;
-               mimalloc by LD_PRELOAD, `--mimalloc PATH`, e.g. the cmeel-mimalloc wheel's libmimalloc.so)
+- `head+trim+mimalloc`: both, on mimalloc (`memory.host_allocator`, lowvram_grpo/allocator.py): the
+               package's default on a CPU run; `release()` is then mimalloc's `mi_collect(true)`
+- `head+mimalloc`: the head fix on mimalloc, no collection at the boundaries
+- `head+mmap1m`, `head+mmap4m`: glibc alternatives to trimming (`MALLOC_MMAP_THRESHOLD_` fixed at 1 or 4
+               MiB: larger blocks are mmapped and unmapped when freed, never spread the heap)
 - `head+trim+mmap4m`: trimming between steps and the 4 MiB mmap threshold within them
+
+Every variant sets `memory.host_allocator` (system or mimalloc). The child runs the CLI's `main` in its
+own process, where the CLI would restart itself on mimalloc: the bench preloads the installed
+libmimalloc.so itself (the same `LD_PRELOAD`) for the mimalloc variants.
 
 Measured inside the run's process (this module wraps `host_memory.release`, which every variant calls at
 the same boundaries; with trim off it returns without trimming): RSS every 0.1 s (/proc/self/statm)
@@ -43,16 +49,20 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-VARIANTS = {  # name -> environment of the run
-    "off": {"LOWVRAM_GRPO_HOST_MEMORY": "off"},
-    "head": {"LOWVRAM_GRPO_HOST_MEMORY": "head"},
-    "trim": {"LOWVRAM_GRPO_HOST_MEMORY": "trim"},
-    "head+trim": {"LOWVRAM_GRPO_HOST_MEMORY": "head,trim"},
-    # tried as alternatives to malloc_trim (both with the head fix):
-    "head+mmap1m": {"LOWVRAM_GRPO_HOST_MEMORY": "head", "MALLOC_MMAP_THRESHOLD_": "1048576"},
-    "head+mmap4m": {"LOWVRAM_GRPO_HOST_MEMORY": "head", "MALLOC_MMAP_THRESHOLD_": "4194304"},
-    "head+trim+mmap4m": {"LOWVRAM_GRPO_HOST_MEMORY": "head,trim", "MALLOC_MMAP_THRESHOLD_": "4194304"},
-    "head+mimalloc": {"LOWVRAM_GRPO_HOST_MEMORY": "head"},  # + LD_PRELOAD=--mimalloc PATH
+SYSTEM = {"LOWVRAM_GRPO_ALLOCATOR": "system"}
+MIMALLOC = {"LOWVRAM_GRPO_ALLOCATOR": "mimalloc"}
+VARIANTS = {  # name -> environment of the run (LOWVRAM_GRPO_ALLOCATOR: this bench's, see run_variant)
+    "off": {"LOWVRAM_GRPO_HOST_MEMORY": "off", **SYSTEM},
+    "head": {"LOWVRAM_GRPO_HOST_MEMORY": "head", **SYSTEM},
+    "trim": {"LOWVRAM_GRPO_HOST_MEMORY": "trim", **SYSTEM},
+    "head+trim": {"LOWVRAM_GRPO_HOST_MEMORY": "head,trim", **SYSTEM},
+    # the package's default on a CPU run: both, on mimalloc (allocator.py)
+    "head+trim+mimalloc": {"LOWVRAM_GRPO_HOST_MEMORY": "head,trim", **MIMALLOC},
+    "head+mimalloc": {"LOWVRAM_GRPO_HOST_MEMORY": "head", **MIMALLOC},
+    # tried as alternatives to malloc_trim on glibc (both with the head fix):
+    "head+mmap1m": {"LOWVRAM_GRPO_HOST_MEMORY": "head", "MALLOC_MMAP_THRESHOLD_": "1048576", **SYSTEM},
+    "head+mmap4m": {"LOWVRAM_GRPO_HOST_MEMORY": "head", "MALLOC_MMAP_THRESHOLD_": "4194304", **SYSTEM},
+    "head+trim+mmap4m": {"LOWVRAM_GRPO_HOST_MEMORY": "head,trim", "MALLOC_MMAP_THRESHOLD_": "4194304", **SYSTEM},
 }
 CLEAN = 0.10  # a step counts as clean when other processes used less than this share of the CPUs
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -131,6 +141,7 @@ def child(result_path: Path, run_args: list[str]) -> int:
         caller = sys._getframe(1).f_code.co_name
         trimmed = original()
         marks.append({"phase": phases.get(caller, caller), "t": time.time() - started, "rss_mb": rss_mb(),
+                      "python_blocks": sys.getallocatedblocks(),
                       "cpu_s": own_cpu_s(), "busy_s": machine_busy_s(), "trimmed": trimmed})
         return trimmed
 
@@ -217,12 +228,16 @@ def run_variant(name: str, args, out_dir: Path) -> dict:
         run_args += ["--max-steps", str(args.steps)]
     if args.eval_size is not None:
         run_args += ["--set", f"data.eval_size={args.eval_size}"]
-    run_args += args.run_args
     env = dict(os.environ, **VARIANTS[name])
-    if name.endswith("mimalloc"):
-        if not args.mimalloc:
-            raise SystemExit("variant head+mimalloc needs --mimalloc PATH/libmimalloc.so (e.g. from the cmeel-mimalloc wheel)")
-        env["LD_PRELOAD"] = str(args.mimalloc)
+    allocator = env.pop("LOWVRAM_GRPO_ALLOCATOR")
+    run_args += ["--set", f"memory.host_allocator={allocator}"] + args.run_args
+    if allocator == "mimalloc":  # the child runs the CLI's main in its own process: preload as the CLI's restart does
+        from lowvram_grpo.allocator import mimalloc_library
+
+        library = mimalloc_library()
+        if library is None:
+            raise SystemExit(f"variant {name} needs mimalloc: pip install --no-deps cmeel-mimalloc==3.4.3")
+        env["LD_PRELOAD"] = library
     cmd = [sys.executable, "-m", "bench.host_memory", "--child", str(result), "--", *run_args]
     print(f"[{name}] {' '.join(cmd)}", flush=True)
     with open(out_dir / f"{name.replace('+', '_')}.log", "w") as log:
@@ -232,6 +247,7 @@ def run_variant(name: str, args, out_dir: Path) -> dict:
         raise SystemExit(f"[{name}] the run failed (exit {code}); see {out_dir}")
     summary = summarize(raw, args.window)
     run_summary = json.loads((run_dir / "summary.json").read_text())
+    summary["host_allocator_active"] = run_summary.get("host_allocator_active")
     summary["held_out"] = {k: run_summary.get(k) for k in ("before", "primed", "after")}
     summary["losses_first_last"] = _losses(run_dir / "metrics.jsonl")
     print(f"[{name}] peak {summary['peak_rss_mb']} MB, slope {summary['rss_slope_mb_per_grpo_step_last']} , "
@@ -247,14 +263,13 @@ def _losses(path: Path) -> list:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--variants", default="off,head+trim", help="comma list of: " + ", ".join(VARIANTS))
+    p.add_argument("--variants", default="off,head+trim,head+trim+mimalloc", help="comma list of: " + ", ".join(VARIANTS))
     p.add_argument("--prime-steps", type=int, help="priming steps (default: the preset's)")
     p.add_argument("--steps", type=int, help="GRPO steps (default: the preset's)")
     p.add_argument("--eval-size", type=int, help="held-out questions (default: the preset's)")
     p.add_argument("--keep", type=Path, help="keep each variant's run folder here (run-<variant>) instead of a temporary one")
     p.add_argument("--window", type=int, default=40, help="the RSS slope is taken over the last N GRPO steps")
     p.add_argument("--out", type=Path, default=RESULTS / "host_memory.json")
-    p.add_argument("--mimalloc", type=Path, help="libmimalloc.so for the head+mimalloc variant (LD_PRELOAD)")
     p.add_argument("run_args", nargs="*", help="after --: more arguments for lowvram_grpo.run")
     args = p.parse_args(argv)
     if args.child is not None:

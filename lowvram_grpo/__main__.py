@@ -1,5 +1,5 @@
 import sys
 
-from .run import main
+from .run import cli
 
-sys.exit(main())
+sys.exit(cli())

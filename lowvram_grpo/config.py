@@ -339,11 +339,17 @@ class MemoryConfig:
     vllm_cpu_threads: Optional[int] = _help(
         "model.generation=vllm on CPU: cores vLLM's worker decodes on (VLLM_CPU_OMP_THREADS_BIND). null = all this "
         "process may use (rollouts and training take turns, so they never compete).", None)
+    host_allocator: str = _help(
+        "The run process's CPU-RAM allocator: 'auto' = mimalloc on a CPU run where the cmeel-mimalloc wheel is installed "
+        "(Linux; the CPU set installs it), else the system's; 'mimalloc'; or 'system' (glibc malloc, trimmed between "
+        "steps). The CLI restarts itself with it preloaded before loading anything (allocator.py); measured in "
+        "bench/host_memory.py.", "auto")
 
     def __post_init__(self):
         _check(0.05 <= self.gpu_memory_utilization <= 0.95,
                f"memory.gpu_memory_utilization must be in [0.05, 0.95] (e.g. 0.6); got {self.gpu_memory_utilization}")
         _one_of("memory", "gradient_checkpointing", self.gradient_checkpointing, ("unsloth", "true", "false"))
+        _one_of("memory", "host_allocator", self.host_allocator, ("auto", "mimalloc", "system"))
         _check(self.vram_gb is None or self.vram_gb > 0, f"memory.vram_gb must be > 0 or null; got {self.vram_gb}")
         _check(self.vllm_kv_cache_gb is None or self.vllm_kv_cache_gb > 0,
                f"memory.vllm_kv_cache_gb must be > 0 or null (sized from the run); got {self.vllm_kv_cache_gb}")

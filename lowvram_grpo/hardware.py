@@ -31,6 +31,7 @@ class Hardware:
     cpu_bf16: bool = False                           # the CPU computes bf16 natively (AVX512-BF16 / AMX)
     unsloth_installed: bool = False
     vllm_installed: bool = False
+    mimalloc_library: Optional[str] = None           # libmimalloc.so to preload (allocator.py), when installed
 
     @property
     def cuda(self) -> bool:
@@ -112,15 +113,17 @@ def detect() -> Hardware:
     """The machine this process runs on. Imports torch (fine before unsloth), not transformers or trl."""
     import torch
 
-    unsloth, vllm = _installed("unsloth"), _installed("vllm")
+    from .allocator import mimalloc_library
+
+    unsloth, vllm, mimalloc = _installed("unsloth"), _installed("vllm"), mimalloc_library()
     if not torch.cuda.is_available():
         return Hardware(name="present", device="cpu", cpu_bf16=cpu_has_native_bf16(),
-                        unsloth_installed=unsloth, vllm_installed=vllm)
+                        unsloth_installed=unsloth, vllm_installed=vllm, mimalloc_library=mimalloc)
     props = torch.cuda.get_device_properties(0)
     return Hardware(name="present", device="cuda", gpu_name=props.name,
                     compute_capability=(props.major, props.minor), total_gib=props.total_memory / 2 ** 30,
                     gpu_count=torch.cuda.device_count(), cpu_bf16=False,
-                    unsloth_installed=unsloth, vllm_installed=vllm)
+                    unsloth_installed=unsloth, vllm_installed=vllm, mimalloc_library=mimalloc)
 
 
 def with_memory(hardware: Hardware, total_gib: float) -> Hardware:

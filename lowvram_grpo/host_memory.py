@@ -16,28 +16,27 @@ Two measured causes of the default CPU job's 3-4 GB peak RSS (SmolLM2-135M, `ben
    allocations in one 8 x 64-token generate), training shapes change every step, and glibc's dynamic
    mmap threshold rises (up to 32 MB) to the size of each large block freed, so most tensors live in
    the heap. Measured with `mallinfo2` on a shortened default job: ~300-450 MB in use, 1.1-1.5 GB free
-   inside the heap, and the heap grows by ~25-40 MB per GRPO step. `release()` calls glibc's `malloc_trim(0)`, which hands
-   every free page in every arena back to the kernel (`madvise(MADV_DONTNEED)`), at the boundaries
-   where almost nothing is alive: each priming step, each GRPO step (`ReleaseHostMemory` callback) and
-   each held-out batch. The RSS between steps then stays ~1 GB instead of climbing.
-   Cost: the call itself and the page faults when the next step touches those pages again (the step
-   time is measured per variant in bench/host_memory.py). It flattens the RSS *between* steps; within
-   a step the heap still spreads (see docs/results.md).
+   inside the heap, and the heap grows by ~25-40 MB per GRPO step. `release()` hands the allocator's
+   free pages back to the kernel (glibc: `malloc_trim(0)`, every arena, `madvise(MADV_DONTNEED)`;
+   mimalloc: `mi_collect(true)`; allocator.py) at the boundaries where almost nothing is alive: each
+   priming step, each GRPO step (`ReleaseHostMemory` callback) and each held-out batch. The RSS between
+   steps then stays ~1 GB instead of climbing. Within a step glibc's heap still spreads (3.5-4 GB peaks);
+   the cure for that is the allocator itself: the CPU run starts on mimalloc (allocator.py,
+   `memory.host_allocator`), which does not spread. Both are measured per variant in bench/host_memory.py.
 
-No-ops where they do not apply: `release()` without glibc (macOS, musl) returns False; the hook only
+No-ops where they do not apply: `release()` on another allocator (macOS, musl) returns False; the hook only
 acts on non-contiguous 3-D CPU inputs. `LOWVRAM_GRPO_HOST_MEMORY` turns them off for comparison: a
 comma list of what stays on (`trim`, `head`; default both), `off` or empty for neither.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 
 from transformers import TrainerCallback
 
+from . import allocator
+
 FEATURES = ("trim", "head")
-_libc = None
 
 
 def enabled(feature: str) -> bool:
@@ -48,23 +47,11 @@ def enabled(feature: str) -> bool:
     return feature in {part.strip() for part in value.split(",")}
 
 
-def _malloc_trim():
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _libc.malloc_trim  # glibc only
-        except (OSError, AttributeError):
-            _libc = False
-    return _libc.malloc_trim if _libc else None
-
-
 def release() -> bool:
-    """Return the heap's free pages to the OS (glibc malloc_trim(0)). True when memory was released."""
+    """Return the allocator's free pages to the OS (allocator.release). True when the call was made."""
     if not enabled("trim"):
         return False
-    trim = _malloc_trim()
-    return bool(trim(0)) if trim is not None else False
+    return allocator.release()
 
 
 class ReleaseHostMemory(TrainerCallback):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from . import checks
+from . import allocator, checks
 from .backends import check_export, export_model, load_model, prepare_backend
 from .config import RunConfig, check_trackers_installed
 from .data import drop_long_prompts, load_questions, to_prompt_rows
@@ -106,6 +106,9 @@ class GRPORun:
 
         hf_logging.set_verbosity_error()
         self.log(self.resolved.describe())
+        note = allocator.mismatch_note(self.resolved.host_allocator, self.resolved.hardware.mimalloc_library)
+        if note:
+            self.log(note)
         self.log(f"{self.config.model.name} (4-bit: {self.resolved.load_in_4bit}): "
                  f"{self.handle.trainable_parameters():,} trainable LoRA parameters")
         if self.resolved.generation == "vllm":
@@ -241,6 +244,7 @@ class GRPORun:
             **measured,
             "priming": self.priming,
             "resolved": self.resolved.summary(),
+            "host_allocator_active": allocator.active(),
             "grpo_settings": trainer.effective_settings,
             "skipped_nonfinite": trainer.nonfinite_guard.skipped,
             "reward_failures": {f.__name__: f.failures for f in trainer.reward_funcs if getattr(f, "failures", 0)},

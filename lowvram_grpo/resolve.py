@@ -35,6 +35,10 @@ Decisions, and why:
 - vLLM's max model length: model.max_seq_length (prompt + completion), never the model's own 128K.
 - optimizer: paged_adamw_8bit pages its state to CPU RAM under CUDA memory pressure; on a CPU there is
   nothing to page, so it is plain adamw_8bit there (bitsandbytes would say it falls back anyway).
+- host allocator: `auto` is mimalloc on a CPU run where the cmeel-mimalloc wheel is installed (Linux): on
+  the default CPU job it peaked at 1.7 GB RSS against glibc's 4.0 GB (both trimmed between steps), with
+  GRPO steps 0.90x as long (bench/host_memory.py, docs/results.md). On a GPU run `auto` keeps the system allocator: mimalloc under CUDA, bitsandbytes and
+  vLLM has not run on a GPU here. The CLI starts the process on it (allocator.py).
 - batch sizes: per_device_train_batch_size defaults to num_generations (one prompt's group per
   micro-step); the generation batch is per_device x gradient_accumulation x processes.
 
@@ -81,6 +85,7 @@ class Resolved:
     gradient_accumulation_steps: int
     num_processes: int
     generation_batch_size: int
+    host_allocator: str = "system"    # 'mimalloc' | 'system': the run process's malloc (allocator.py)
     notes: tuple[str, ...] = ()
 
     @property
@@ -112,7 +117,8 @@ class Resolved:
                                                           if self.gpu_memory_utilization is not None else "") + ")"
                                                        if self.vllm_max_model_len is not None else "")
                  + f"; batch {self.per_device_train_batch_size} completions/micro-step x {self.gradient_accumulation_steps} "
-                   f"accumulation x {self.num_processes} process(es) = {self.generation_batch_size} per generation"]
+                   f"accumulation x {self.num_processes} process(es) = {self.generation_batch_size} per generation; "
+                   f"host allocator {self.host_allocator}"]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -146,6 +152,16 @@ def choose_generation(config: RunConfig, hardware: Hardware, backend: str, fast_
                                "being trained; set memory.load_in_4bit=false or model.generation=transformers")
         return "vllm"
     return "unsloth_vllm" if fast_inference else "transformers"
+
+
+def choose_host_allocator(asked: str, hardware: Hardware) -> str:
+    """'mimalloc' or 'system' for memory.host_allocator (auto | mimalloc | system) on `hardware`."""
+    if asked == "mimalloc" and hardware.mimalloc_library is None:
+        raise ResolveError("memory.host_allocator=mimalloc needs the cmeel-mimalloc wheel on Linux: "
+                           "pip install --no-deps cmeel-mimalloc==3.4.3, or set memory.host_allocator=auto")
+    if asked == "auto":
+        return "mimalloc" if hardware.mimalloc_library is not None and not hardware.cuda else "system"
+    return asked
 
 
 def _dtype(config: RunConfig, hardware: Hardware) -> str:
@@ -219,7 +235,7 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         vram_gib=vram if hardware.cuda else None,
         per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
         num_processes=num_processes, generation_batch_size=per_device * accumulation * num_processes,
-        notes=tuple(notes),
+        host_allocator=choose_host_allocator(config.memory.host_allocator, hardware), notes=tuple(notes),
     )
 
 

@@ -102,7 +102,7 @@ _FIXED_BY_RESUME = {"preset": "--preset", "overrides": "--set", "max_steps": "--
                     "dataset": "--dataset", "output_dir": "--output-dir"}
 
 
-def resume_run(args) -> int:
+def resume_run(args, restart: bool = False) -> int:
     """--resume RUN_DIR: the run's own config.yaml, continued in RUN_DIR."""
     from .errors import ConfigError
     from .run_dir import RunDir
@@ -114,6 +114,8 @@ def resume_run(args) -> int:
     if args.dry_run:
         print(config.to_yaml(), end="")
         return 0
+    if restart:
+        start_on_allocator(config, args.backend)
     from .pipeline import resume
 
     resume(args.resume, backend=args.backend)
@@ -167,9 +169,32 @@ def auto_fit(resolved):
     return resolved.with_config(apply_suggestions(config, p.suggestions))
 
 
-def main(argv=None) -> int:
+def main(argv=None, restart: bool = False) -> int:
+    """The CLI's work in this process. `restart`: the process may restart itself on the host allocator the
+    run resolves to (only `cli()`, the console entry, says so: a caller's process is never replaced)."""
     args = build_parser().parse_args(argv)
-    return guarded(lambda: _main(args), debug=args.debug)
+    return guarded(lambda: _main(args, restart), debug=args.debug)
+
+
+def cli() -> int:
+    """`lowvram-grpo` and `python -m lowvram_grpo.run`: `main` in a process of its own, which restarts on
+    mimalloc once the settings are accepted when the run resolves to it (allocator.py)."""
+    from .allocator import forget_preload
+
+    forget_preload()  # the restarted process: its children get the user's LD_PRELOAD
+    return main(restart=True)
+
+
+def start_on_allocator(config, backend: str) -> None:
+    """Restart this process (same command line) with the host allocator `config` resolves to, when it
+    does not run on it yet. Called once the settings are accepted, before anything heavy or written."""
+    from . import allocator
+    from .hardware import detect
+    from .resolve import resolve
+
+    resolved = resolve(config, detect(), backend)
+    if resolved.host_allocator == "mimalloc" and allocator.active() != "mimalloc":
+        allocator.restart_with(resolved.hardware.mimalloc_library, sys.orig_argv)
 
 
 def guarded(body, debug: bool = False) -> int:
@@ -194,7 +219,8 @@ def guarded(body, debug: bool = False) -> int:
         return 1
 
 
-def _main(args) -> int:
+def _main(args, restart: bool = False) -> int:
+    from .checks import before_load
     from .config import load_config
     from .errors import ConfigError
     from .resolve import resolve
@@ -203,7 +229,7 @@ def _main(args) -> int:
         print(describe_presets())
         return 0
     if args.resume is not None:
-        return resume_run(args)
+        return resume_run(args, restart)
     overrides = list(args.overrides)
     if args.max_steps is not None:
         overrides.append(f"train.max_steps={args.max_steps}")
@@ -214,9 +240,10 @@ def _main(args) -> int:
     config = load_config(args.preset or default_preset(), overrides)
     if args.gpu is not None and not args.dry_run:
         raise ConfigError(f"--gpu {args.gpu} plans for a card you name: add --dry-run (training uses the card present)")
+    if restart and not args.dry_run:
+        before_load(config)  # settings that cannot work are refused here, not after a restart
+        start_on_allocator(config, args.backend)
     if args.dry_run or args.auto_fit:
-        from .checks import before_load
-
         before_load(config)
         resolved = resolve(config, planning_hardware(config, args.gpu), args.backend)
         if args.auto_fit:
@@ -234,4 +261,4 @@ def _main(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

