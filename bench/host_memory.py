@@ -47,22 +47,27 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SYSTEM = {"LOWVRAM_GRPO_ALLOCATOR": "system"}
-MIMALLOC = {"LOWVRAM_GRPO_ALLOCATOR": "mimalloc"}
-VARIANTS = {  # name -> environment of the run (LOWVRAM_GRPO_ALLOCATOR: this bench's, see run_variant)
-    "off": {"LOWVRAM_GRPO_HOST_MEMORY": "off", **SYSTEM},
-    "head": {"LOWVRAM_GRPO_HOST_MEMORY": "head", **SYSTEM},
-    "trim": {"LOWVRAM_GRPO_HOST_MEMORY": "trim", **SYSTEM},
-    "head+trim": {"LOWVRAM_GRPO_HOST_MEMORY": "head,trim", **SYSTEM},
+class Variant(NamedTuple):
+    features: str                    # LOWVRAM_GRPO_HOST_MEMORY: what host_memory.py keeps on
+    allocator: str = "system"        # memory.host_allocator of the run
+    env: tuple = ()                  # more (name, value) environment of the run
+
+
+VARIANTS = {
+    "off": Variant("off"),
+    "head": Variant("head"),
+    "trim": Variant("trim"),
+    "head+trim": Variant("head,trim"),
     # the package's default on a CPU run: both, on mimalloc (allocator.py)
-    "head+trim+mimalloc": {"LOWVRAM_GRPO_HOST_MEMORY": "head,trim", **MIMALLOC},
-    "head+mimalloc": {"LOWVRAM_GRPO_HOST_MEMORY": "head", **MIMALLOC},
+    "head+trim+mimalloc": Variant("head,trim", "mimalloc"),
+    "head+mimalloc": Variant("head", "mimalloc"),
     # tried as alternatives to malloc_trim on glibc (both with the head fix):
-    "head+mmap1m": {"LOWVRAM_GRPO_HOST_MEMORY": "head", "MALLOC_MMAP_THRESHOLD_": "1048576", **SYSTEM},
-    "head+mmap4m": {"LOWVRAM_GRPO_HOST_MEMORY": "head", "MALLOC_MMAP_THRESHOLD_": "4194304", **SYSTEM},
-    "head+trim+mmap4m": {"LOWVRAM_GRPO_HOST_MEMORY": "head,trim", "MALLOC_MMAP_THRESHOLD_": "4194304", **SYSTEM},
+    "head+mmap1m": Variant("head", env=(("MALLOC_MMAP_THRESHOLD_", "1048576"),)),
+    "head+mmap4m": Variant("head", env=(("MALLOC_MMAP_THRESHOLD_", "4194304"),)),
+    "head+trim+mmap4m": Variant("head,trim", env=(("MALLOC_MMAP_THRESHOLD_", "4194304"),)),
 }
 CLEAN = 0.10  # a step counts as clean when other processes used less than this share of the CPUs
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -228,10 +233,10 @@ def run_variant(name: str, args, out_dir: Path) -> dict:
         run_args += ["--max-steps", str(args.steps)]
     if args.eval_size is not None:
         run_args += ["--set", f"data.eval_size={args.eval_size}"]
-    env = dict(os.environ, **VARIANTS[name])
-    allocator = env.pop("LOWVRAM_GRPO_ALLOCATOR")
-    run_args += ["--set", f"memory.host_allocator={allocator}"] + args.run_args
-    if allocator == "mimalloc":  # the child runs the CLI's main in its own process: preload as the CLI's restart does
+    variant = VARIANTS[name]
+    env = dict(os.environ, LOWVRAM_GRPO_HOST_MEMORY=variant.features, **dict(variant.env))
+    run_args += ["--set", f"memory.host_allocator={variant.allocator}"] + args.run_args
+    if variant.allocator == "mimalloc":  # the child runs the CLI's main in its own process: preload as the CLI's restart does
         from lowvram_grpo.allocator import mimalloc_library
 
         library = mimalloc_library()
