@@ -15,7 +15,7 @@ settings are checked and decided (nothing heavy loaded, nothing written), restar
 restarted process takes its library back out of `LD_PRELOAD`, so the processes it starts (vLLM's
 engine, accelerate's workers) get the environment the user gave. A process that could not load it
 runs on as before (never a second restart). From Python or a notebook the process already runs on
-its allocator: the run says which one it has, and how to start on mimalloc (`restart_hint`).
+its allocator: the run says which one it has, and how to start on mimalloc (`mismatch_note`).
 
 `release()` hands free memory back to the OS at step boundaries on either allocator: glibc's
 `malloc_trim(0)`, mimalloc's `mi_collect(true)`.
@@ -27,7 +27,6 @@ import os
 import sys
 from typing import Mapping, Optional, Sequence
 
-CHOICES = ("auto", "mimalloc", "system")
 DISTRIBUTION = "cmeel-mimalloc"           # the wheel that ships libmimalloc.so
 LIBRARY = "cmeel.prefix/lib/libmimalloc.so"  # its path inside the wheel's install prefix
 RESTARTED = "LOWVRAM_GRPO_PRELOADED"        # set on the restarted process: the library it was started with
