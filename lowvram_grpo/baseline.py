@@ -103,10 +103,9 @@ def run_baseline(run_dir: Path, steps: Optional[int] = None, backend: str = "aut
 
 
 def main(argv=None) -> int:
-    from .errors import ConfigError
-    from .run import _Parser, guarded
+    from .errors import ArgumentParser, ConfigError, guarded
 
-    parser = _Parser(prog="python -m lowvram_grpo.baseline",
+    parser = ArgumentParser(prog="python -m lowvram_grpo.baseline",
                      description="Priming alone for the same wall time as a finished GRPO run.")
     parser.add_argument("run_dir", type=Path, help="the --output-dir of a finished python -m lowvram_grpo.run")
     parser.add_argument("--steps", type=int, help="prime exactly this many steps instead of for the run's training time")

@@ -13,9 +13,15 @@ are one line and say what to do next.
   OutOfMemory (CUDA ran out during training), RewardError (a reward function failed).
 - 128 + signal: Interrupted (Ctrl-C 130, SIGTERM 143), after writing a checkpoint.
 
+`guarded(body)` is the one place these become exit codes, for every command of the package (run, doctor,
+eval, report, baseline); `ArgumentParser` gives their bad arguments the same one line and exit 2.
 Nothing here imports anything heavy.
 """
 from __future__ import annotations
+
+import argparse
+import os
+import sys
 
 
 class LowvramError(Exception):
@@ -96,3 +102,33 @@ class Interrupted(TrainingStopped):
 
     def __init__(self, message: str, signum: int):
         super().__init__(message, exit_code=128 + signum)  # the shell's convention
+
+
+# --------------------------------------------------------------------------- the one mapping to exit codes
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the package's commands: a bad argument is one `error: ...` line and exit 2, no usage dump."""
+
+    def error(self, message):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def guarded(body, debug: bool = False) -> int:
+    """Run a command's body; the one place errors become exit codes: a LowvramError prints its one line
+    and exits with its code, Ctrl-C exits 130, anything else is one line and exit 1 (the traceback with
+    --debug or LOWVRAM_GRPO_DEBUG=1)."""
+    try:
+        return body()
+    except LowvramError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # an unexpected failure: one line unless --debug
+        if debug or os.environ.get("LOWVRAM_GRPO_DEBUG"):
+            raise
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"error: {type(exc).__name__}: {message[:500]} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 1

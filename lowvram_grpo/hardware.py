@@ -129,3 +129,14 @@ def detect() -> Hardware:
 def with_memory(hardware: Hardware, total_gib: float) -> Hardware:
     """The same machine with a card of `total_gib` (memory.vram_gb / --vram)."""
     return replace(hardware, total_gib=total_gib)
+
+
+def planning_hardware(config, gpu: "str | None"):
+    """The machine --dry-run and --auto-fit decide for: --gpu PROFILE, else the one present; on a machine
+    without a GPU, a GPU preset (or --vram) is planned for a generic card with native bf16."""
+    if gpu is not None:
+        return profile(gpu)
+    present = detect()
+    if not present.cuda and (config.requires_cuda or config.model.fast_inference or config.memory.vram_gb is not None):
+        return ANY_GPU
+    return present

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -565,6 +566,30 @@ def presets_that_fit(hardware, vram_gb: float) -> list[tuple[str, float]]:
     return found
 
 
+# --------------------------------------------------------------------------- the preset a run without --preset gets
+
+# GPU presets from the largest model down: a run without --preset on a GPU takes the first that fits the card.
+GPU_PRESET_ORDER = ("llama8b_4bit", "qwen3b_4bit", "qwen1_5b_4bit")
+
+
+def default_preset(hardware=None) -> str:
+    """smollm2_cpu without CUDA; with a GPU, the largest GPU preset whose memory plan fits the card."""
+    from .hardware import detect
+
+    hardware = hardware or detect()
+    if not hardware.cuda:
+        return "smollm2_cpu"
+    fitting = dict(presets_that_fit(hardware, hardware.total_gib))
+    for name in GPU_PRESET_ORDER:
+        if name in fitting:
+            print(f"note: {hardware.describe()}: running --preset {name} ({fitting[name]:.1f} GiB planned), the "
+                  f"largest that fits; pick another with --preset", file=sys.stderr)
+            return name
+    print(f"note: {hardware.describe()}: no GPU preset fits this card; running the CPU default smollm2_cpu",
+          file=sys.stderr)
+    return "smollm2_cpu"
+
+
 # --------------------------------------------------------------------------- reporting
 
 def format_plan(p: MemoryPlan, title: str = "") -> str:
@@ -577,6 +602,18 @@ def format_plan(p: MemoryPlan, title: str = "") -> str:
     lines += [f"  {label:<{width}}  {gib}  {settings}" for label, gib, settings in rows]
     lines.append(_verdict(p))
     return "\n".join(lines)
+
+
+def plan_text(resolved) -> str:
+    """The memory plan as `--dry-run` prints it (or why there is none)."""
+    if not resolved.cuda:
+        return ("GPU memory plan: none, this run is on the CPU; plan it for a card with --gpu PROFILE (e.g. t4) "
+                "or --vram GB")
+    title = f"GPU memory plan for {resolved.config.preset}: {resolved.config.model.name}, {resolved.backend} backend"
+    try:
+        return format_plan(plan(resolved), title=title)
+    except PlanError as exc:
+        return f"GPU memory plan: {exc}"
 
 
 def _verdict(p: MemoryPlan) -> str:

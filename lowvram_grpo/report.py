@@ -13,12 +13,9 @@ process that calls this (a notebook keeps its inline plots).
 """
 from __future__ import annotations
 
-import argparse
 import re
-import sys
 from pathlib import Path
 from typing import Optional
-
 
 from .errors import RunDirError
 from .evaluation import METRICS, cell, interval_notes
@@ -213,16 +210,10 @@ def write_report(run_dir) -> Path:
     return folder.write_report(render(folder.path, rows, summary, config, signals, plots))
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump (as the run CLI)
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def main(argv=None) -> int:
-    from .run import guarded
+    from .errors import ArgumentParser, guarded
 
-    parser = _Parser(prog="python -m lowvram_grpo.report",
+    parser = ArgumentParser(prog="python -m lowvram_grpo.report",
                      description="Rebuild report.md and the PNG plots of a run from its files.")
     parser.add_argument("run_dir", type=Path, help="a run's --output-dir (holds metrics.jsonl and summary.json)")
     args = parser.parse_args(argv)

@@ -6,15 +6,11 @@ preset without a GPU) end as one `error: ...` line on stderr and exit 2; nothing
 from __future__ import annotations
 
 import argparse
-import os
+import importlib
 import sys
 from pathlib import Path
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
+from .errors import ArgumentParser, guarded
 
 
 def _positive_int(text: str) -> int:
@@ -38,7 +34,7 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m lowvram_grpo.run", description="GRPO + LoRA training on one small GPU, or on a CPU.")
+    p = ArgumentParser(prog="python -m lowvram_grpo.run", description="GRPO + LoRA training on one small GPU, or on a CPU.")
     p.add_argument("--preset", default=None, help="preset name (see --list-presets) or a YAML file; default: smollm2_cpu "
                    "without CUDA, the largest GPU preset that fits the card with one")
     p.add_argument("--list-presets", action="store_true", help="list the presets and exit")
@@ -63,29 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "adapter merged in: merged16 (16-bit safetensors) or gguf (q4_k_m; unsloth backend) into OUTPUT/export-KIND")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     return p
-
-
-# GPU presets from the largest model down: a run without --preset on a GPU takes the first that fits the card.
-GPU_PRESET_ORDER = ("llama8b_4bit", "qwen3b_4bit", "qwen1_5b_4bit")
-
-
-def default_preset(hardware=None) -> str:
-    """smollm2_cpu without CUDA; with a GPU, the largest GPU preset whose memory plan fits the card."""
-    from .hardware import detect
-    from .memory import presets_that_fit
-
-    hardware = hardware or detect()
-    if not hardware.cuda:
-        return "smollm2_cpu"
-    fitting = dict(presets_that_fit(hardware, hardware.total_gib))
-    for name in GPU_PRESET_ORDER:
-        if name in fitting:
-            print(f"note: {hardware.describe()}: running --preset {name} ({fitting[name]:.1f} GiB planned), the "
-                  f"largest that fits; pick another with --preset", file=sys.stderr)
-            return name
-    print(f"note: {hardware.describe()}: no GPU preset fits this card; running the CPU default smollm2_cpu",
-          file=sys.stderr)
-    return "smollm2_cpu"
 
 
 def describe_presets() -> str:
@@ -122,33 +95,6 @@ def resume_run(args, restart: bool = False) -> int:
     return 0
 
 
-def planning_hardware(config, gpu: "str | None"):
-    """The machine --dry-run and --auto-fit decide for: --gpu PROFILE, else the one present; on a machine
-    without a GPU, a GPU preset (or --vram) is planned for a generic card with native bf16."""
-    from .hardware import ANY_GPU, detect, profile
-
-    if gpu is not None:
-        return profile(gpu)
-    present = detect()
-    if not present.cuda and (config.requires_cuda or config.model.fast_inference or config.memory.vram_gb is not None):
-        return ANY_GPU
-    return present
-
-
-def memory_plan_text(resolved) -> str:
-    """The memory plan as `--dry-run` prints it (or why there is none)."""
-    from .memory import PlanError, format_plan, plan
-
-    if not resolved.cuda:
-        return ("GPU memory plan: none, this run is on the CPU; plan it for a card with --gpu PROFILE (e.g. t4) "
-                "or --vram GB")
-    title = f"GPU memory plan for {resolved.config.preset}: {resolved.config.model.name}, {resolved.backend} backend"
-    try:
-        return format_plan(plan(resolved), title=title)
-    except PlanError as exc:
-        return f"GPU memory plan: {exc}"
-
-
 def auto_fit(resolved):
     """--auto-fit: the settings re-resolved with the memory plan's suggestions applied, saying which."""
     from .errors import ConfigError
@@ -169,9 +115,17 @@ def auto_fit(resolved):
     return resolved.with_config(apply_suggestions(config, p.suggestions))
 
 
+# `lowvram-grpo WORD ...`: commands beside training, each a module with its own `main(argv) -> int`.
+SUBCOMMANDS = {"doctor": "lowvram_grpo.doctor", "eval": "lowvram_grpo.evaluate"}
+
+
 def main(argv=None, restart: bool = False) -> int:
     """The CLI's work in this process. `restart`: the process may restart itself on the host allocator the
-    run resolves to (only `cli()`, the console entry, says so: a caller's process is never replaced)."""
+    run resolves to (only `cli()`, the console entry, says so: a caller's process is never replaced).
+    `lowvram-grpo doctor ...` / `lowvram-grpo eval ...` hand the rest of the line to that command."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
     args = build_parser().parse_args(argv)
     return guarded(lambda: _main(args, restart), debug=args.debug)
 
@@ -197,32 +151,12 @@ def start_on_allocator(config, backend: str) -> None:
         allocator.restart_with(resolved.hardware.mimalloc_library, sys.orig_argv)
 
 
-def guarded(body, debug: bool = False) -> int:
-    """Run a command's body; the one place errors become exit codes: a LowvramError prints its one line
-    and exits with its code (errors.py), Ctrl-C exits 130, anything else is one line and exit 1
-    (the traceback with --debug or LOWVRAM_GRPO_DEBUG=1)."""
-    from .errors import LowvramError
-
-    try:
-        return body()
-    except LowvramError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:  # an unexpected failure: one line unless --debug
-        if debug or os.environ.get("LOWVRAM_GRPO_DEBUG"):
-            raise
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        print(f"error: {type(exc).__name__}: {message[:500]} (rerun with --debug for the traceback)", file=sys.stderr)
-        return 1
-
-
 def _main(args, restart: bool = False) -> int:
     from .checks import before_load
     from .config import load_config
     from .errors import ConfigError
+    from .hardware import planning_hardware
+    from .memory import default_preset, plan_text
     from .resolve import resolve
 
     if args.list_presets:
@@ -252,7 +186,7 @@ def _main(args, restart: bool = False) -> int:
         if args.dry_run:
             print(config.to_yaml(), end="")
             print("\n".join(f"# {line}" for line in resolved.describe().splitlines()))  # YAML comments
-            print(memory_plan_text(resolved))
+            print(plan_text(resolved))
             return 0
     from .pipeline import default_output_dir, run
 
