@@ -392,6 +392,12 @@ class RunConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
 
 
+# Settings `--resume RUN --set KEY=VALUE` may change: where memory goes, never what is learned (the
+# optimizer state, the data position and the sampled groups of the checkpoint stay valid). What the
+# out-of-memory line advises when it says to continue with --resume.
+RESUME_SETTABLE = ("memory.gradient_checkpointing", "memory.gpu_memory_utilization", "memory.vllm_kv_cache_gb",
+                   "memory.vllm_cpu_threads", "memory.host_allocator", "eval.batch_size")
+
 _TOP_LEVEL_SCALARS = {"preset": str, "description": str, "requires_cuda": bool}
 
 

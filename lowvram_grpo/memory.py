@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from .config import RunConfig, config_from_dict
+from .config import RESUME_SETTABLE, RunConfig, config_from_dict
 from .errors import ConfigError, OutOfMemory, PlanError
 
 GIB = 2 ** 30
@@ -636,14 +636,43 @@ def _verdict(p: MemoryPlan) -> str:
     return f"{why}\nno settings of this preset fit: {p.no_fit_reason}; {alternative}"
 
 
-def oom_message(p: Optional[MemoryPlan], checkpoint: Optional[Path] = None) -> str:
-    """One line for a CUDA out-of-memory during training: the plan's largest terms, the settings to lower
-    and to what (those the plan proposes for a card 20% smaller than it planned), and the checkpoint kept."""
-    kept = f"; the adapter of the last checkpoint is kept in {checkpoint}" if checkpoint else "; no checkpoint was written yet"
+# Where a CUDA out-of-memory can happen during a run, as the one-line report names it.
+OOM_PHASES = {
+    "training": "in a training step",
+    "rollout": "while generating the GRPO rollouts",
+    "evaluation": "in the held-out evaluation",
+    "priming": "in a priming step",
+}
+# Frames of TRL 1.15's GRPOTrainer (and of our vLLM rollouts) that are the rollout, not the training step.
+_ROLLOUT_FRAMES = {"_generate_and_score_completions", "_generate", "_generate_single_turn", "rollout_func"}
+
+
+def oom_phase(exc: BaseException, default: str) -> str:
+    """'rollout' when the out-of-memory was raised while TRL generated or scored the rollouts (read from
+    the traceback), else `default`."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name in _ROLLOUT_FRAMES:
+            return "rollout"
+        tb = tb.tb_next
+    return default
+
+
+def _oom_changes(p: Optional[MemoryPlan], config: RunConfig, phase: str) -> tuple[list[Suggestion], str]:
+    """(settings to change, what to say when there are none) for an out-of-memory in `phase` of a run of
+    `config` (planned as `p`, or None without a plan)."""
+    if phase == "evaluation":
+        size = config.eval.batch_size
+        if size > 1:
+            return [Suggestion("eval.batch_size", max(1, size // 2), size)], ""
+        return [], "eval.batch_size is already 1: lower train.max_completion_length (the answers' length)"
     if p is None:
-        return ("CUDA out of memory during training (no memory plan for this model); lower train.num_generations "
-                f"or train.max_completion_length: the logits term grows with both{kept}")
-    largest = ", ".join(f"{t.key} {t.gib:.1f} GiB ({t.settings or 'fixed'})" for t in p.largest(3))
+        return [], ("no memory plan for this model: lower train.num_generations or train.max_completion_length "
+                    "(the rollout, activations and logits grow with both)")
+    if phase == "rollout" and p.resolved.generation in ("unsloth_vllm", "vllm"):
+        util = config.memory.gpu_memory_utilization
+        if p.kv_cache_bytes is not None and p.kv_cache_bytes < (p.kv_needed_bytes or 0) and util <= 0.9:
+            return [Suggestion("memory.gpu_memory_utilization", round(min(util + 0.1, 0.95), 2), util)], ""
     card = p.vram_gb or p.min_vram_gb
     growing = sum(p.terms[k].bytes for k in ("lora", "optimizer", "activations", "logits")) / GIB
     # The real peak passed the card, so the plan fell short by at least its spare: plan that much lower,
@@ -651,23 +680,56 @@ def oom_message(p: Optional[MemoryPlan], checkpoint: Optional[Path] = None) -> s
     reserve = max(card - p.total_gb, 0) + OOM_UNDERESTIMATE * growing
     fitted, changes = fit_settings(p.resolved, card, reserve)
     if fitted is None:
-        advice = f"no settings of this preset plan under {card - reserve:.1f} GiB: use a smaller model"
-    elif not changes:
-        advice = "lower train.num_generations or train.max_completion_length (the logits term grows with both)"
+        return [], f"no settings of this preset plan under {card - reserve:.1f} GiB: use a smaller model"
+    if not changes:
+        return [], "lower train.num_generations or train.max_completion_length (the logits term grows with both)"
+    return changes, ""
+
+
+def oom_message(p: Optional[MemoryPlan], config: RunConfig, phase: str = "training", checkpoint: Optional[Path] = None,
+                run_path: Optional[Path] = None, adapter: Optional[Path] = None) -> str:
+    """One line for a CUDA out-of-memory during a run: where it happened, the plan's largest terms, the
+    settings to lower and to what, what is kept on disk, and the command that goes on. Settings that
+    --resume may change (config.RESUME_SETTABLE) continue the run; others need a new run."""
+    where = OOM_PHASES.get(phase, phase)
+    largest = "" if p is None else "; largest planned terms: " + ", ".join(
+        f"{t.key} {t.gib:.1f} GiB ({t.settings or 'fixed'})" for t in p.largest(3))
+    changes, otherwise = _oom_changes(p, config, phase)
+    if changes:
+        planned = ""
+        if p is not None and phase != "evaluation":
+            fitted = p.resolved.with_config(apply_suggestions(config, changes))
+            planned = f" (plans {_estimate(fitted, p.vram_gb or p.min_vram_gb).total_gb:.1f} instead of {p.total_gb:.1f} GiB)"
+        advice = f"set {', '.join(map(str, changes))}{planned}"
     else:
-        advice = f"set {', '.join(map(str, changes))} (plans {_estimate(fitted, card).total_gb:.1f} instead of {p.total_gb:.1f} GiB)"
-    return f"CUDA out of memory during training; largest planned terms: {largest}; {advice}{kept}"
+        advice = otherwise
+    kept = []
+    if adapter is not None:
+        kept.append(f"the trained adapter is saved in {adapter}")
+    kept.append(f"the last checkpoint is kept in {checkpoint}" if checkpoint else "no checkpoint was written yet")
+    sets = " ".join(f"--set {c.as_override()}" for c in changes)
+    if run_path is None:
+        then = ""
+    elif changes and all(c.key in RESUME_SETTABLE for c in changes):
+        then = f"; then continue with: python -m lowvram_grpo.run --resume {run_path} {sets}"
+    elif changes:
+        then = f"; these settings change the training itself: start a new run with {sets}"
+    else:
+        then = "; --resume cannot change these settings: start a new run with them lowered"
+    return f"CUDA out of memory {where}{largest}; {advice}; {'; '.join(kept)}{then}"
 
 
 @contextlib.contextmanager
-def out_of_memory_reported(p: Optional[MemoryPlan], run_dir: Path):
+def out_of_memory_reported(p: Optional[MemoryPlan], config: RunConfig, run_dir, phase: str = "training",
+                           adapter: Optional[Path] = None):
     """Turns a CUDA out-of-memory inside the block into `OutOfMemory` with `oom_message`'s one line.
-    Nothing is deleted: the checkpoints written so far stay in `run_dir`."""
+    `run_dir`: the run's RunDir (run_dir.RunDir); nothing is deleted, the checkpoints written so far stay;
+    `adapter`: this run's saved adapter, when it was saved already. During training the phase is
+    'rollout' when TRL was generating or scoring the rollouts (oom_phase)."""
     import torch
-
-    from .run_dir import RunDir
 
     try:
         yield
-    except torch.cuda.OutOfMemoryError:
-        raise OutOfMemory(oom_message(p, RunDir(run_dir).latest_checkpoint())) from None
+    except torch.cuda.OutOfMemoryError as exc:
+        where = oom_phase(exc, phase) if phase == "training" else phase
+        raise OutOfMemory(oom_message(p, config, where, run_dir.latest_checkpoint(), run_dir.path, adapter)) from None

@@ -142,14 +142,28 @@ class GRPORun:
 
     # ------------------------------------------------------------------ start / restore
     def start(self) -> None:
-        """The first write: the output dir, config.yaml, a fresh metrics.jsonl."""
+        """The first write: the output dir, config.yaml, a fresh metrics.jsonl, the start summary."""
         self.run_dir.create()
         self.run_dir.write_config(self.config)
         self.run_dir.reset_metrics()  # a rerun into the same dir starts its log afresh
+        self.run_dir.write_summary(self._start_summary())
+
+    def _start_summary(self) -> dict:
+        """What --resume reads back: the backend and export the run started with, the numbers measured before GRPO."""
+        return {"status": "training", "backend": self.resolved.backend, "export": self.export_kind,
+                "before": self.measured["before"], "before_texts": self.texts["before"],
+                "primed": self.measured["primed"], "priming": self.priming}
+
+    def _out_of_memory(self, phase: str):
+        """A CUDA out-of-memory in `phase` becomes OutOfMemory with the plan's one line (memory.py)."""
+        from .memory import out_of_memory_reported
+
+        return out_of_memory_reported(self.memory_plan, self.config, self.run_dir, phase, adapter=self.adapter_dir)
 
     def restore(self, checkpoint: Path) -> None:
         """A resumed run: the log as it was at `checkpoint`, and the numbers measured before GRPO."""
         self.run_dir.restore_metrics(checkpoint)
+        self.run_dir.write_config(self.config)  # with the --set keys the resume changed (config.RESUME_SETTABLE)
         start = self.run_dir.read_summary() or {}
         for stage in ("before", "primed"):
             self.measured[stage] = start.get(stage)
@@ -167,7 +181,8 @@ class GRPORun:
         what = f"the adapter in {adapter}" if adapter else "the base model"
         self.log(f"measuring {what} on {len(self.eval_rows)} held-out questions ({stage}) ...")
         request = self.handle.load_lora(adapter) if adapter else None
-        self.measured[stage], self.texts[stage] = evaluate(self.handle, self.eval_rows, self.config, lora_request=request)
+        with self._out_of_memory("evaluation"):
+            self.measured[stage], self.texts[stage] = evaluate(self.handle, self.eval_rows, self.config, lora_request=request)
         return self.measured[stage]
 
     def prime(self) -> Optional[dict]:
@@ -176,19 +191,17 @@ class GRPORun:
         if self.config.prime.steps > 0:
             from .priming import prime
 
-            self.priming = prime(self.handle, self.train_questions, self.config, self.log)
+            with self._out_of_memory("priming"):
+                self.priming = prime(self.handle, self.train_questions, self.config, self.log)
             primed_dir = self.handle.save_lora(self.run_dir.primed_adapter_dir) if self.run_dir.writer else None
             if primed_dir is not None:
                 self.measure("primed", primed_dir)
-        self.run_dir.write_summary({"status": "training", "backend": self.resolved.backend,
-                                    "before": self.measured["before"], "before_texts": self.texts["before"],
-                                    "primed": self.measured["primed"], "priming": self.priming})
+        self.run_dir.write_summary(self._start_summary())
         return self.priming
 
     # ------------------------------------------------------------------ train / save
     def train(self, resume_from: Optional[Path] = None) -> None:
         """GRPO with TRL's trainer (training.py); Ctrl-C / SIGTERM stop at a step's end with a checkpoint."""
-        from .memory import out_of_memory_reported
         from .training import build_trainer, describe_effective
 
         self.trainer = trainer = build_trainer(self.handle, self.train_rows, self.run_dir, rollouts=self.rollouts)
@@ -197,7 +210,7 @@ class GRPORun:
             trainer.nonfinite_guard.load(self.run_dir.read_run_state(resume_from))
         started = time.time()
         try:
-            with trainer.stop_signals.installed(), out_of_memory_reported(self.memory_plan, self.run_dir):
+            with trainer.stop_signals.installed(), self._out_of_memory("training"):
                 trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
         except RewardError as exc:
             raise TrainingStopped(f"{exc}; {self.run_dir.resume_hint()}") from None
@@ -302,11 +315,13 @@ def _run(config, output_dir, backend, log, handle, resume_from, export) -> RunRe
     return grpo.finish()
 
 
-def resume(output_dir, backend: str = "auto", log=print) -> RunResult:
+def resume(output_dir, backend: str = "auto", log=print, overrides: Optional[list[str]] = None,
+           export: Optional[str] = None) -> RunResult:
     """Continue the run in `output_dir` (`--resume`) from its newest complete checkpoint to its configured end,
-    on the backend it started on (their optimizers' saved states differ)."""
+    on the backend it started on (their optimizers' saved states differ). `overrides`: the --set keys a
+    resume may change (config.RESUME_SETTABLE); `export`: merged16/gguf, else the export the run started with."""
     run_dir = RunDir(output_dir)
-    config = run_dir.resumable_config()
+    config = run_dir.resumable_config(overrides or [])
     started = run_dir.started_backend()
     if backend == "auto":
         backend = started
@@ -317,7 +332,7 @@ def resume(output_dir, backend: str = "auto", log=print) -> RunResult:
     checkpoint = run_dir.latest_checkpoint()
     if checkpoint is None:
         log(f"no complete checkpoint in {run_dir} yet: running it again from the start")
-    return run(config, run_dir.path, backend, log, resume_from=checkpoint)
+    return run(config, run_dir.path, backend, log, resume_from=checkpoint, export=export or run_dir.started_export())
 
 
 def default_output_dir(preset: str) -> Path:

@@ -71,19 +71,20 @@ def describe_presets() -> str:
     return "\n".join(lines)
 
 
-_FIXED_BY_RESUME = {"preset": "--preset", "overrides": "--set", "max_steps": "--max-steps",
-                    "dataset": "--dataset", "output_dir": "--output-dir"}
+_FIXED_BY_RESUME = {"preset": "--preset", "max_steps": "--max-steps", "dataset": "--dataset",
+                    "output_dir": "--output-dir"}
 
 
 def resume_run(args, restart: bool = False) -> int:
-    """--resume RUN_DIR: the run's own config.yaml, continued in RUN_DIR."""
+    """--resume RUN_DIR: the run's own config.yaml (with the --set keys a resume may change), continued in
+    RUN_DIR; --export here, or the one the run started with, is written at its end."""
     from .errors import ConfigError
     from .run_dir import RunDir
 
     given = [flag for dest, flag in _FIXED_BY_RESUME.items() if getattr(args, dest, None)]
     if given:
         raise ConfigError(f"--resume continues a run with its own config.yaml and output dir: drop {', '.join(given)}")
-    config = RunDir(args.resume).resumable_config()
+    config = RunDir(args.resume).resumable_config(args.overrides)
     if args.dry_run:
         print(config.to_yaml(), end="")
         return 0
@@ -91,7 +92,7 @@ def resume_run(args, restart: bool = False) -> int:
         start_on_allocator(config, args.backend)
     from .pipeline import resume
 
-    resume(args.resume, backend=args.backend)
+    resume(args.resume, backend=args.backend, overrides=args.overrides, export=args.export)
     return 0
 
 

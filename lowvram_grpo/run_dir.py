@@ -132,13 +132,13 @@ class RunDir:
             raise RunDirError(f"{self.path / CONFIG} is not a YAML mapping: the file is damaged")
         return data
 
-    def read_config(self):
-        """config.yaml as a validated RunConfig (what --resume continues)."""
+    def read_config(self, overrides: "list[str]" = ()):
+        """config.yaml as a validated RunConfig (what --resume continues), with `overrides` (--set) applied."""
         from .config import load_config
 
         if not (self.path / CONFIG).is_file():
             raise ConfigError(f"--resume {self.path}: no config.yaml there; give the --output-dir of an earlier run")
-        return load_config(str(self.path / CONFIG))
+        return load_config(str(self.path / CONFIG), list(overrides))
 
     # ------------------------------------------------------------------ summary.json
     def read_summary(self) -> Optional[dict]:
@@ -287,8 +287,16 @@ class RunDir:
         self._write_text(METRICS, saved.read_text() if saved.is_file() else "")
 
     # ------------------------------------------------------------------ resume
-    def resumable_config(self):
-        """The config of the run in this folder, after checking there is a run to continue (ConfigError if not)."""
+    def resumable_config(self, overrides: "list[str]" = ()):
+        """The config of the run in this folder, after checking there is a run to continue (ConfigError if not),
+        with the `--set` overrides --resume allows (config.RESUME_SETTABLE) applied."""
+        from .config import RESUME_SETTABLE
+
+        for assignment in overrides:
+            key = assignment.partition("=")[0].strip()
+            if key not in RESUME_SETTABLE:
+                raise ConfigError(f"--resume --set {key}: a resumed run keeps its training settings; --resume may "
+                                  f"change only {', '.join(RESUME_SETTABLE)} (start a new run to change the rest)")
         if not self.path.is_dir():
             raise ConfigError(f"--resume {self.path}: no such directory; give the --output-dir of an earlier run")
         if not (self.path / CONFIG).is_file():
@@ -297,11 +305,15 @@ class RunDir:
         if summary.get("status") == "complete":
             raise ConfigError(f"--resume {self.path}: that run is complete ({summary.get('steps')} steps); "
                               f"to train longer start a new run from its adapter")
-        return self.read_config()
+        return self.read_config(overrides)
 
     def started_backend(self) -> str:
         """The backend the run started on ('auto' when it never wrote its start summary)."""
         return (self.read_summary() or {}).get("backend") or "auto"
+
+    def started_export(self) -> Optional[str]:
+        """The --export the run was started with (merged16 / gguf), or None."""
+        return (self.read_summary() or {}).get("export")
 
     def resume_hint(self) -> str:
         if self.latest_checkpoint() is None:

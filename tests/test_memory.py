@@ -15,8 +15,8 @@ import yaml
 from conftest import REPO, run_cli
 from lowvram_grpo.config import list_presets, load_config
 from lowvram_grpo.hardware import ANY_GPU, profile
-from lowvram_grpo.memory import (GIB, OutOfMemory, PlanError, apply_suggestions, format_plan, logits_bytes_held_whole,
-                                 model_shape, oom_message, out_of_memory_reported, plan, shape_from_config_json)
+from lowvram_grpo.memory import (GIB, PlanError, apply_suggestions, format_plan, logits_bytes_held_whole,
+                                 model_shape, oom_message, plan, shape_from_config_json)
 from lowvram_grpo.resolve import resolve
 
 GPU_PRESETS = ["llama8b_4bit", "qwen3b_4bit", "qwen1_5b_4bit"]
@@ -198,37 +198,46 @@ def test_every_preset_can_be_planned():
 # --------------------------------------------------------------------------- out of memory
 
 def test_an_out_of_memory_report_is_one_line_with_what_to_lower(tmp_path):
-    p = planned(load_config("llama8b_4bit"), 16)
-    message = oom_message(p, tmp_path / "checkpoint-50")
+    config = load_config("llama8b_4bit")
+    run = tmp_path / "run"
+    message = oom_message(planned(config, 12), config, "training", run / "checkpoint-50", run)
     assert "\n" not in message
-    assert "largest planned terms: weights 5.3 GiB" in message
+    assert message.startswith("CUDA out of memory in a training step; largest planned terms: weights 5.3 GiB")
     assert re.search(r"set [a-z_]+\.[a-z_]+=[\w.]+ \(was ", message)
-    assert str(tmp_path / "checkpoint-50") in message
-    assert "no checkpoint was written yet" in oom_message(None)
+    assert f"the last checkpoint is kept in {run / 'checkpoint-50'}" in message
+    # on a 12 GiB card the plan lowers num_generations: that changes the training, so a new run, not --resume
+    assert "train.num_generations=4 (was 6)" in message
+    assert "start a new run with --set " in message and "--resume" not in message
+    # on a 16 GiB card a smaller vLLM share is enough, and --resume may change it
+    message = oom_message(planned(config, 16), config, "training", None, run)
+    assert "no checkpoint was written yet" in message
+    assert message.endswith(f"then continue with: python -m lowvram_grpo.run --resume {run} "
+                            "--set memory.gpu_memory_utilization=0.5")
 
 
-def test_cuda_oom_inside_training_becomes_that_line_and_keeps_the_checkpoints(tmp_path):
-    import torch
+def test_an_out_of_memory_in_evaluation_advises_a_smaller_eval_batch_that_resume_can_set(tmp_path):
+    config = load_config("llama8b_4bit")  # eval.batch_size 16
+    message = oom_message(planned(config, 16), config, "evaluation", None, tmp_path, adapter=tmp_path / "adapter")
+    assert message.startswith("CUDA out of memory in the held-out evaluation")
+    assert "set eval.batch_size=8 (was 16)" in message
+    assert f"the trained adapter is saved in {tmp_path / 'adapter'}" in message
+    assert message.endswith(f"then continue with: python -m lowvram_grpo.run --resume {tmp_path} --set eval.batch_size=8")
 
-    from safetensors.torch import save_file
 
-    from lowvram_grpo.run_dir import REQUIRED_FILES
+def test_an_out_of_memory_while_generating_is_told_apart_from_the_training_step():
+    from lowvram_grpo.memory import oom_phase
 
-    for step in (2, 9, 10):  # 10 was being written when memory ran out: incomplete, not named
-        folder = tmp_path / f"checkpoint-{step}"
-        folder.mkdir()
-        if step == 10:
-            continue
-        for name in REQUIRED_FILES + ("rng_state.pth",):
-            (folder / name).write_text("{}")
-        (folder / "adapter_config.json").write_text("{}")
-        save_file({"lora_A": torch.zeros(1)}, str(folder / "adapter_model.safetensors"))
-    p = planned(load_config("qwen1_5b_4bit"), 8)
-    with pytest.raises(OutOfMemory) as caught:
-        with out_of_memory_reported(p, tmp_path):
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    assert str(caught.value) == oom_message(p, tmp_path / "checkpoint-9")
-    assert sorted(d.name for d in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-2", "checkpoint-9"]
+    def _generate():  # the name of TRL 1.15's GRPOTrainer._generate
+        raise MemoryError("stand-in")
+
+    try:
+        _generate()
+    except MemoryError as exc:
+        assert oom_phase(exc, "training") == "rollout"
+    try:
+        raise MemoryError("in a loss")
+    except MemoryError as exc:
+        assert oom_phase(exc, "training") == "training"
 
 
 # --------------------------------------------------------------------------- CLI
