@@ -31,6 +31,7 @@ class Hardware:
     cpu_bf16: bool = False                           # the CPU computes bf16 natively (AVX512-BF16 / AMX)
     unsloth_installed: bool = False
     vllm_installed: bool = False
+    vllm_bnb_plugin_installed: bool = False          # vllm-bnb-plugin: vLLM >= 0.28 serves bitsandbytes 4-bit only with it
     mimalloc_library: Optional[str] = None           # libmimalloc.so to preload (allocator.py), when installed
 
     @property
@@ -59,7 +60,7 @@ class Hardware:
 
 def _gpu(name: str, gpu_name: str, cc: tuple[int, int], total_gib: float) -> Hardware:
     return Hardware(name=name, device="cuda", gpu_name=gpu_name, compute_capability=cc, total_gib=total_gib,
-                    gpu_count=1, unsloth_installed=True, vllm_installed=True)
+                    gpu_count=1, unsloth_installed=True, vllm_installed=True, vllm_bnb_plugin_installed=True)
 
 
 # Cards users of this tool train on. total_gib: what torch reports on that card (nvidia-smi's MiB / 1024,
@@ -82,7 +83,7 @@ PROFILES: dict[str, Hardware] = {
 # What --dry-run plans for on a machine without a GPU when no --gpu is named: a card with native bf16 and
 # the GPU install set, of unknown size (the plan then gives the smallest card that fits).
 ANY_GPU = Hardware(name="any-gpu", device="cuda", gpu_name="an NVIDIA GPU", compute_capability=(8, 0), gpu_count=1,
-                   unsloth_installed=True, vllm_installed=True)
+                   unsloth_installed=True, vllm_installed=True, vllm_bnb_plugin_installed=True)
 
 
 def profile(name: str) -> Hardware:
@@ -116,14 +117,16 @@ def detect() -> Hardware:
     from .allocator import mimalloc_library
 
     unsloth, vllm, mimalloc = _installed("unsloth"), _installed("vllm"), mimalloc_library()
+    plugin = _installed("vllm_bnb_plugin")
     if not torch.cuda.is_available():
         return Hardware(name="present", device="cpu", cpu_bf16=cpu_has_native_bf16(),
-                        unsloth_installed=unsloth, vllm_installed=vllm, mimalloc_library=mimalloc)
+                        unsloth_installed=unsloth, vllm_installed=vllm, vllm_bnb_plugin_installed=plugin,
+                        mimalloc_library=mimalloc)
     props = torch.cuda.get_device_properties(0)
     return Hardware(name="present", device="cuda", gpu_name=props.name,
                     compute_capability=(props.major, props.minor), total_gib=props.total_memory / 2 ** 30,
-                    gpu_count=torch.cuda.device_count(), cpu_bf16=False,
-                    unsloth_installed=unsloth, vllm_installed=vllm, mimalloc_library=mimalloc)
+                    gpu_count=torch.cuda.device_count(), cpu_bf16=False, unsloth_installed=unsloth,
+                    vllm_installed=vllm, vllm_bnb_plugin_installed=plugin, mimalloc_library=mimalloc)
 
 
 def with_memory(hardware: Hardware, total_gib: float) -> Hardware:

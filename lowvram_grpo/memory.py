@@ -24,10 +24,12 @@ The terms (GiB = 2**30 bytes; a "16 GB" card has about 15-16 GiB):
 - vLLM (model.fast_inference): vLLM takes gpu_memory_utilization x the card for the weights (shared
   with training) and its KV cache; training must fit in the rest.
 - vLLM on the hf backend (model.generation=vllm): a separate engine with its own copy of the weights
-  (16-bit, or NF4 through bitsandbytes with load_in_4bit), its KV cache, a LoRA slot and its own CUDA
-  context, started after the trainer loaded: its gpu_memory_utilization share must hold all that, and
-  the whole trainer must fit beside it. Counted in full although the engine sleeps (weights to CPU
-  RAM, KV cache freed) during the backward pass: the plan is for the rollout's moment too.
+  (16-bit, or NF4 through bitsandbytes with load_in_4bit), a LoRA slot, its own CUDA context and
+  exactly the KV cache it asks vLLM for (`kv_cache_memory_bytes`: max(rollout batch, eval batch)
+  sequences of model.max_seq_length tokens; vLLM then sizes nothing from gpu_memory_utilization),
+  started after the trainer loaded, the whole trainer beside it. Counted in full although the engine
+  sleeps (weights to CPU RAM, KV cache freed) during the backward pass: the plan is for the rollout's
+  moment too. The engine's functions below are what backends/vllm_engine.py starts it with.
 - CUDA context, cuBLAS workspace and allocator fragmentation: a constant.
 
 Generation without vLLM (transformers' KV cache) happens before the backward pass, never with it,
@@ -134,23 +136,30 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
 }
 
 
+def shape_from_config(raw: dict, name: str) -> ModelShape:
+    """The shape from a model's config (config.json's mapping, or a loaded model's `config.to_dict()`):
+    the one reader of these fields, for the plan, the settings checks and the vLLM engine."""
+    raw = raw.get("text_config") or raw  # multimodal configs nest the language model's
+    try:
+        heads = int(raw["num_attention_heads"])
+        return ModelShape(
+            name=name, hidden=int(raw["hidden_size"]), layers=int(raw["num_hidden_layers"]), heads=heads,
+            kv_heads=int(raw.get("num_key_value_heads") or heads), intermediate=int(raw["intermediate_size"]),
+            vocab=int(raw["vocab_size"]), tied_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            head_dim=raw.get("head_dim"),
+        )
+    except KeyError as exc:
+        raise PlanError(f"{name} lacks {exc.args[0]!r}: the plan needs hidden_size, num_hidden_layers, "
+                        "num_attention_heads, intermediate_size and vocab_size") from None
+
+
 def shape_from_config_json(path: Path) -> ModelShape:
     """The shape of a local checkpoint from its config.json (transformers' field names)."""
     try:
         raw = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise PlanError(f"cannot read the model shape from {path}: {exc}") from None
-    raw = raw.get("text_config", raw)  # multimodal configs nest the language model's
-    try:
-        return ModelShape(
-            name=str(Path(path).parent), hidden=int(raw["hidden_size"]), layers=int(raw["num_hidden_layers"]),
-            heads=int(raw["num_attention_heads"]), kv_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
-            intermediate=int(raw["intermediate_size"]), vocab=int(raw["vocab_size"]),
-            tied_embeddings=bool(raw.get("tie_word_embeddings", False)), head_dim=raw.get("head_dim"),
-        )
-    except KeyError as exc:
-        raise PlanError(f"{path} lacks {exc.args[0]!r}: the plan needs hidden_size, num_hidden_layers, "
-                        "num_attention_heads, intermediate_size and vocab_size") from None
+    return shape_from_config(raw, str(Path(path).parent))
 
 
 def model_shape(name: str) -> ModelShape:
@@ -362,6 +371,46 @@ def _training_terms(shape: ModelShape, resolved) -> dict[str, Term]:
     }
 
 
+# --------------------------------------------------------------------------- the hf backend's vLLM engine
+
+KV_BLOCK_TOKENS = 32  # vLLM allocates the KV cache in blocks of 32 tokens
+
+
+def engine_sequences(config: RunConfig) -> int:
+    """Sequences the hf backend's vLLM engine decodes at once: a rollout batch, or an evaluation batch."""
+    return max(config.train.generation_batch_size, config.eval.batch_size)
+
+
+def engine_kv_cache_bytes(shape: ModelShape, config: RunConfig, kv_bytes: int) -> int:
+    """The KV cache the hf backend's vLLM engine asks vLLM for (`kv_cache_memory_bytes`, which vLLM then
+    allocates instead of a gpu_memory_utilization share): memory.vllm_kv_cache_gb, else `engine_sequences`
+    sequences of model.max_seq_length tokens in whole 32-token blocks, at `kv_bytes` per element."""
+    if config.memory.vllm_kv_cache_gb:
+        return int(config.memory.vllm_kv_cache_gb * GIB)
+    tokens = math.ceil(config.model.max_seq_length / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+    return 2 * shape.layers * shape.kv_dim * kv_bytes * engine_sequences(config) * tokens  # K and V
+
+
+def _engine_weights_bytes(shape: ModelShape, load_in_4bit: bool) -> int:
+    """The engine's own copy of the base: NF4 linear layers + 16-bit embeddings (bitsandbytes), or 16-bit."""
+    return int(shape.linear_params * NF4_BYTES_PER_PARAM + shape.other_params * 2) if load_in_4bit else shape.params * 2
+
+
+def engine_share_bytes(shape: ModelShape, resolved) -> int:
+    """What the engine allocates inside its process on the card: its weights, runtime, a LoRA slot and its KV cache."""
+    return (_engine_weights_bytes(shape, resolved.load_in_4bit) + VLLM_RUNTIME_BYTES
+            + lora_param_count(shape, resolved.config) * 2
+            + engine_kv_cache_bytes(shape, resolved.config, resolved.compute_bytes))
+
+
+def engine_gpu_memory_utilization(shape: ModelShape, resolved, card_gib: float) -> float:
+    """The gpu_memory_utilization the engine passes on CUDA. With kv_cache_memory_bytes set, vLLM 0.31 sizes
+    nothing from it; it only refuses to start unless that share of the card is free
+    (vllm/v1/worker/utils.py request_memory). The engine's own share, rounded up to 0.01, makes that
+    check ask exactly whether the engine fits beside the trainer loaded before it."""
+    return min(max(math.ceil(engine_share_bytes(shape, resolved) / (card_gib * GIB) * 100) / 100, 0.01), 0.95)
+
+
 def _estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
     """The plan's terms for the resolved settings on a card of `vram_gb` GiB (None: the smallest card that fits)."""
     config = resolved.config
@@ -371,42 +420,40 @@ def _estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
                 "CUDA context, cuBLAS workspace, fragmentation (a constant)", "")
     outside_vllm = sum(t.bytes for k, t in terms.items() if k != "weights") + cuda.bytes
     weights = terms["weights"].bytes
-    if resolved.generation not in ("unsloth_vllm", "vllm"):
+    s = _sizes(resolved)
+    if resolved.generation == "vllm":
+        # our engine (hf backend): its own weights, a LoRA slot and exactly the KV cache it asks for, in a
+        # process with its own CUDA context, started once the trainer has loaded; the whole trainer beside it
+        share = engine_share_bytes(shape, resolved)
+        kv = engine_kv_cache_bytes(shape, config, resolved.compute_bytes)
+        terms["vllm"] = Term(
+            "vllm", "vLLM engine, its own weights and KV cache", share + VLLM_PROCESS_BYTES,
+            f"its copy of the weights {_engine_weights_bytes(shape, resolved.load_in_4bit) / GIB:.2f} GiB, runtime "
+            f"{VLLM_RUNTIME_BYTES / GIB:.1f} GiB, LoRA slot, KV cache {kv / GIB:.2f} GiB (kv_cache_memory_bytes: "
+            f"{engine_sequences(config)} sequences x {config.model.max_seq_length} tokens), + "
+            f"{VLLM_PROCESS_BYTES / GIB:.1f} GiB CUDA context. Asleep during backward, counted in full",
+            "memory.vllm_kv_cache_gb, eval.batch_size, model.generation")
+        terms["cuda"] = cuda
+        total = sum(t.bytes for t in terms.values())
+        return MemoryPlan(resolved, shape, terms, vram_gb, total / GIB)
+    if resolved.generation != "unsloth_vllm":
         terms["cuda"] = cuda
         return MemoryPlan(resolved, shape, terms, vram_gb, (outside_vllm + weights) / GIB)
 
-    s = _sizes(resolved)
+    # unsloth's engine shares the trainer's weights and takes util x card for them, its runtime and the KV cache
     util = resolved.gpu_memory_utilization
     kv_per_token = 2 * shape.layers * shape.kv_dim * KV_BYTES
     kv_needed = s.generation_batch * s.seq_len * kv_per_token
-    if resolved.generation == "unsloth_vllm":
-        # vLLM takes util x card for the (shared) weights, its runtime and the KV cache; training gets the rest.
-        in_share, outside = weights + VLLM_RUNTIME_BYTES, outside_vllm
-    else:
-        # our engine (hf backend): its own weights (16-bit, or NF4 + 16-bit embeddings) and a LoRA slot in its
-        # share; the whole trainer and the engine's own CUDA context beside it
-        own = int(shape.linear_params * NF4_BYTES_PER_PARAM + shape.other_params * 2) if resolved.load_in_4bit \
-            else shape.params * 2
-        in_share = own + VLLM_RUNTIME_BYTES + lora_param_count(shape, resolved.config) * 2
-        outside = outside_vllm + weights + VLLM_PROCESS_BYTES
+    in_share, outside = weights + VLLM_RUNTIME_BYTES, outside_vllm
     min_vram = max((in_share + kv_needed) / util, outside / (1 - util)) / GIB
     card = vram_gb if vram_gb is not None else min_vram
     reserved = int(util * card * GIB)
     kv_cache = reserved - in_share
-    if resolved.generation == "unsloth_vllm":
-        terms["vllm"] = Term(
-            "vllm", f"vLLM KV cache + runtime ({util:g} x {card:.1f} GiB - weights)", max(reserved - weights, 0),
-            f"gpu_memory_utilization {util:g} of the card, less the shared weights; KV cache {kv_cache / GIB:.2f} GiB, "
-            f"{kv_needed / GIB:.2f} GiB holds {s.generation_batch} sequences x {s.seq_len} tokens",
-            "memory.gpu_memory_utilization")
-    else:
-        terms["vllm"] = Term(
-            "vllm", f"vLLM engine, its own weights ({util:g} x {card:.1f} GiB + its CUDA context)",
-            reserved + VLLM_PROCESS_BYTES,
-            f"gpu_memory_utilization {util:g} of the card: its copy of the weights {own / GIB:.2f} GiB, runtime, LoRA "
-            f"slot, KV cache {kv_cache / GIB:.2f} GiB ({kv_needed / GIB:.2f} GiB holds {s.generation_batch} sequences "
-            f"x {s.seq_len} tokens); + {VLLM_PROCESS_BYTES / GIB:.1f} GiB CUDA context. Asleep during backward, counted in full",
-            "memory.gpu_memory_utilization, model.generation")
+    terms["vllm"] = Term(
+        "vllm", f"vLLM KV cache + runtime ({util:g} x {card:.1f} GiB - weights)", max(reserved - weights, 0),
+        f"gpu_memory_utilization {util:g} of the card, less the shared weights; KV cache {kv_cache / GIB:.2f} GiB, "
+        f"{kv_needed / GIB:.2f} GiB holds {s.generation_batch} sequences x {s.seq_len} tokens",
+        "memory.gpu_memory_utilization")
     terms["cuda"] = cuda
     return MemoryPlan(resolved, shape, terms, vram_gb, min_vram, kv_cache_bytes=kv_cache, kv_needed_bytes=kv_needed,
                       vllm_min_share_bytes=in_share + kv_needed, vllm_outside_bytes=outside)
@@ -453,7 +500,7 @@ def _fits(resolved, vram_gb: float, reserve_gb: float = 0.0) -> bool:
 def _tune_utilization(resolved, vram_gb: float, reserve_gb: float = 0.0):
     """With vLLM: the gpu_memory_utilization (a multiple of 0.05 where one works) that leaves room both
     for vLLM's KV cache and for training, nearest the middle of that range; `resolved` if none does."""
-    if resolved.generation not in ("unsloth_vllm", "vllm") or _fits(resolved, vram_gb, reserve_gb):
+    if resolved.generation != "unsloth_vllm" or _fits(resolved, vram_gb, reserve_gb):
         return resolved
     probe = _estimate(resolved.with_config(with_settings(resolved.config, {"memory.gpu_memory_utilization": 0.5})), vram_gb)
     card = vram_gb * GIB
@@ -669,7 +716,7 @@ def _oom_changes(p: Optional[MemoryPlan], config: RunConfig, phase: str) -> tupl
     if p is None:
         return [], ("no memory plan for this model: lower train.num_generations or train.max_completion_length "
                     "(the rollout, activations and logits grow with both)")
-    if phase == "rollout" and p.resolved.generation in ("unsloth_vllm", "vllm"):
+    if phase == "rollout" and p.resolved.generation == "unsloth_vllm":
         util = config.memory.gpu_memory_utilization
         if p.kv_cache_bytes is not None and p.kv_cache_bytes < (p.kv_needed_bytes or 0) and util <= 0.9:
             return [Suggestion("memory.gpu_memory_utilization", round(min(util + 0.1, 0.95), 2), util)], ""

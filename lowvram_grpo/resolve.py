@@ -56,7 +56,12 @@ from .errors import ResolveError
 from .hardware import Hardware
 
 BACKENDS = ("auto", "unsloth", "hf")
-VLLM_MIN_COMPUTE_CAPABILITY = (7, 0)  # unsloth turns fast_inference off below this (and vLLM needs it)
+# vllm 0.31's wheels are built with CUDA 13, which dropped compute capability 7.0 (the V100) and below: its
+# kernels need 7.5 (T4) or newer and an NVIDIA driver >= 580 (the doctor checks the driver).
+VLLM_MIN_COMPUTE_CAPABILITY = (7, 5)
+# The LoRA ranks vLLM 0.31 accepts (vllm/config/lora.py MaxLoRARanks); unsloth_zoo's determine_max_lora_rank
+# rounds lora.r up to the next one, and so do we for our own engine.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -79,7 +84,8 @@ class Resolved:
     generation: str                   # 'unsloth_vllm' | 'vllm' (our engine, hf backend) | 'transformers'
     use_vllm: bool                    # GRPOConfig(use_vllm=...): only the shared unsloth engine
     vllm_max_model_len: Optional[int]
-    gpu_memory_utilization: Optional[float]
+    vllm_max_lora_rank: Optional[int]  # lora.r rounded up to a rank vLLM accepts (VLLM_LORA_RANKS); None without vLLM
+    gpu_memory_utilization: Optional[float]  # unsloth's shared engine; our own engine derives its own (memory.py)
     vram_gib: Optional[float]         # the card planned for: memory.vram_gb, else the hardware's; None on CPU
     per_device_train_batch_size: int
     gradient_accumulation_steps: int
@@ -112,7 +118,8 @@ class Resolved:
         lines = [f"resolved for {self.hardware.describe()}",
                  f"  backend {self.backend} on {self.device}; compute dtype {self.dtype} (bf16={self.bf16}, fp16={self.fp16}); "
                  f"4-bit base: {self.load_in_4bit}; gradient checkpointing: {self.gradient_checkpointing}",
-                 f"  generation: {self.generation}" + (f" (vLLM max_model_len {self.vllm_max_model_len}"
+                 f"  generation: {self.generation}" + (f" (vLLM max_model_len {self.vllm_max_model_len}, "
+                                                       f"max_lora_rank {self.vllm_max_lora_rank}"
                                                        + (f", gpu_memory_utilization {self.gpu_memory_utilization:g}"
                                                           if self.gpu_memory_utilization is not None else "") + ")"
                                                        if self.vllm_max_model_len is not None else "")
@@ -146,12 +153,24 @@ def choose_generation(config: RunConfig, hardware: Hardware, backend: str, fast_
                 "pip install -r requirements.txt"
             raise ResolveError(f"model.generation=vllm needs vLLM, which is not installed: {where}, "
                                f"or set model.generation=transformers")
+        if hardware.cuda and hardware.compute_capability < VLLM_MIN_COMPUTE_CAPABILITY:
+            raise ResolveError(f"model.generation=vllm: vLLM 0.31's CUDA 13 build needs compute capability >= 7.5 and "
+                               f"{hardware.gpu_name} is {hardware.sm}: set model.generation=transformers")
         if config.memory.load_in_4bit and not hardware.cuda:
             raise ResolveError("model.generation=vllm with memory.load_in_4bit: vLLM's CPU build serves the 16-bit "
                                "checkpoint while the trainer's base is NF4, so the sampler would not be the policy "
                                "being trained; set memory.load_in_4bit=false or model.generation=transformers")
         return "vllm"
     return "unsloth_vllm" if fast_inference else "transformers"
+
+
+def vllm_lora_rank(r: int) -> int:
+    """lora.r rounded up to the next rank vLLM accepts (as unsloth_zoo's determine_max_lora_rank does)."""
+    for rank in VLLM_LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise ResolveError(f"lora.r={r}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}: lower lora.r, or generate "
+                       "without vLLM (model.fast_inference=false / model.generation=transformers)")
 
 
 def choose_host_allocator(asked: str, hardware: Hardware) -> str:
@@ -211,8 +230,8 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
             notes.append("model.fast_inference: vLLM is not installed, generating with transformers "
                          "(pip install -r requirements.txt installs it)")
         elif hardware.compute_capability < VLLM_MIN_COMPUTE_CAPABILITY:
-            notes.append(f"model.fast_inference: vLLM needs compute capability >= 7.0 and {hardware.gpu_name} is "
-                         f"{hardware.sm}: generating with transformers")
+            notes.append(f"model.fast_inference: vLLM 0.31's CUDA 13 build needs compute capability >= 7.5 and "
+                         f"{hardware.gpu_name} is {hardware.sm}: generating with transformers")
         else:
             fast = True
 
@@ -222,6 +241,20 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
 
     generation = choose_generation(config, hardware, chosen, fast)
     own_vllm = generation in ("unsloth_vllm", "vllm")
+    if own_vllm and hardware.cuda and config.memory.load_in_4bit and not hardware.vllm_bnb_plugin_installed:
+        turn_off = "model.fast_inference=false" if generation == "unsloth_vllm" else "model.generation=transformers"
+        raise ResolveError("a 4-bit base with vLLM needs vllm-bnb-plugin (vLLM >= 0.28 moved bitsandbytes out of tree): "
+                           f"pip install vllm-bnb-plugin==0.0.3 (requirements.txt has it), or set {turn_off}")
+    lora_rank = vllm_lora_rank(config.lora.r) if own_vllm else None
+    if lora_rank is not None and lora_rank != config.lora.r:
+        notes.append(f"vLLM takes LoRA ranks {', '.join(map(str, VLLM_LORA_RANKS))}: its max_lora_rank is {lora_rank} "
+                     f"for lora.r={config.lora.r} (the adapter keeps rank {config.lora.r})")
+    if generation == "unsloth_vllm":
+        notes.append("unsloth 2026.10.7's GRPO trainer turns TRL's vLLM importance-sampling correction off "
+                     "(vllm_importance_sampling_correction=False; docs/unsloth_grpo_changes.md)")
+    if generation == "vllm" and hardware.cuda:
+        notes.append("model.generation=vllm: the engine asks vLLM for its KV cache in bytes (kv_cache_memory_bytes) and "
+                     "passes its own share of the card as gpu_memory_utilization; memory.gpu_memory_utilization is unsloth's")
     per_device = config.train.per_device_train_batch_size or config.train.num_generations
     accumulation = config.train.gradient_accumulation_steps
     vram = config.memory.vram_gb if config.memory.vram_gb is not None else hardware.total_gib
@@ -230,8 +263,8 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         dtype=dtype, bf16=bf16, fp16=fp16, load_in_4bit=config.memory.load_in_4bit,
         gradient_checkpointing=checkpointing, optim=optim, fast_inference=fast,
         generation=generation, use_vllm=fast,
-        vllm_max_model_len=config.model.max_seq_length if own_vllm else None,
-        gpu_memory_utilization=config.memory.gpu_memory_utilization if own_vllm and hardware.cuda else None,
+        vllm_max_model_len=config.model.max_seq_length if own_vllm else None, vllm_max_lora_rank=lora_rank,
+        gpu_memory_utilization=config.memory.gpu_memory_utilization if generation == "unsloth_vllm" else None,
         vram_gib=vram if hardware.cuda else None,
         per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
         num_processes=num_processes, generation_batch_size=per_device * accumulation * num_processes,
@@ -255,4 +288,5 @@ def without_vllm(resolved: Resolved, why: str) -> Resolved:
     """The settings with vLLM off: unsloth loaded the model without a `vllm_engine`, so GRPOConfig must
     not say use_vllm (unsloth's trainer would start TRL's own engine, a second copy of the weights)."""
     return dataclasses.replace(resolved, fast_inference=False, use_vllm=False, generation="transformers",
-                               vllm_max_model_len=None, gpu_memory_utilization=None, notes=resolved.notes + (why,))
+                               vllm_max_model_len=None, vllm_max_lora_rank=None, gpu_memory_utilization=None,
+                               notes=resolved.notes + (why,))

@@ -119,6 +119,9 @@ def describe_effective(effective: dict) -> str:
     line = (f"GRPO as the trainer runs it: loss_type={s['loss_type']} beta={s['beta']} epsilon={s['epsilon']} "
             f"scale_rewards={s['scale_rewards']} num_generations={s['num_generations']} "
             f"generation_batch_size={s['generation_batch_size']} use_vllm={s['use_vllm']} bf16={s['bf16']} fp16={s['fp16']}")
+    if s["use_vllm"]:  # unsloth's trainer turns TRL's correction off by default; our own engine keeps it on
+        line += (f" vllm_importance_sampling_correction={s['vllm_importance_sampling_correction']}"
+                 f" ({s['vllm_importance_sampling_mode']})")
     if effective["changed"]:
         line += "; changed from the config by the trainer: " + ", ".join(
             f"{k} {a!r} -> {u!r}" for k, (a, u) in effective["changed"].items())

@@ -355,8 +355,9 @@ def test_unsloth_load_arguments_for_the_gpu_preset(hw, dtype):
 
     resolved = resolve(load_config("llama8b_4bit"), profile(hw))
     load = from_pretrained_kwargs(resolved, resolved.config.model.name)
+    fast = hw != "v100-16gb"  # vllm 0.31's CUDA 13 build has no kernels for sm70
     assert load == dict(model_name=resolved.config.model.name, max_seq_length=1024, dtype=getattr(torch, dtype),
-                        load_in_4bit=True, fast_inference=True, max_lora_rank=32, gpu_memory_utilization=0.6,
+                        load_in_4bit=True, fast_inference=fast, max_lora_rank=32, gpu_memory_utilization=0.6,
                         use_gradient_checkpointing="unsloth")
     peft = get_peft_model_kwargs(resolved)
     assert (peft["r"], peft["lora_alpha"], peft["use_gradient_checkpointing"]) == (32, 32, "unsloth")
@@ -379,16 +380,30 @@ def test_the_exports_call_unsloths_gpu_savers_as_they_are_defined():
     assert '"q4_k_m"' in ast.get_docstring(functions["unsloth_save_pretrained_gguf"]) or "q4_k_m" in source
 
 
-def test_the_hf_backends_own_vllm_engine_is_planned_with_its_own_weights():
-    """model.generation=vllm on a GPU: a second engine with its own copy of the weights, its KV cache, a LoRA
-    slot and its own CUDA context beside the whole trainer (nothing shared, unlike unsloth's engine)."""
+def test_the_hf_backends_own_vllm_engine_is_planned_as_the_engine_asks_vllm():
+    """model.generation=vllm on a GPU: a second engine with its own copy of the weights, a LoRA slot, its own
+    CUDA context and exactly the KV cache it asks for (kv_cache_memory_bytes, max(G, eval batch) sequences),
+    beside the whole trainer. Defect: the plan counted gpu_memory_utilization x the card (0.5 x 22 GiB) for
+    vLLM while the engine asked for ~0.3 GiB of KV cache, which vLLM then used instead, and counted G
+    sequences where the engine asks for max(G, eval batch)."""
+    from lowvram_grpo.backends.vllm_engine import settings_for
+    from lowvram_grpo.memory import (KV_BLOCK_TOKENS, VLLM_PROCESS_BYTES, engine_kv_cache_bytes, engine_sequences,
+                                     engine_share_bytes)
+
     config = load_config("qwen1_5b_4bit", ["model.generation=vllm", "model.fast_inference=false"])
     with_vllm = planned(config, 22, backend="hf")
     without = planned(load_config("qwen1_5b_4bit", ["model.fast_inference=false"]), 22, backend="hf")
     assert "vllm" not in without.terms
+    shape, resolved = with_vllm.shape, with_vllm.resolved
+    engine = settings_for(resolved, shape, config.model.name)
+    assert engine.max_num_seqs == engine_sequences(config) == max(6, config.eval.batch_size) == 16
+    tokens = -(-config.model.max_seq_length // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+    assert engine.kv_cache_bytes == engine_kv_cache_bytes(shape, config, 2) == 2 * 28 * 256 * 2 * 16 * tokens  # 0.33 GiB
     term = with_vllm.terms["vllm"]
-    assert term.bytes == pytest.approx(0.5 * 22 * GIB + 0.6 * GIB, rel=1e-6) and "its own weights" in term.label
-    assert with_vllm.min_vram_gb > without.min_vram_gb
-    assert with_vllm.vllm_min_share_bytes > with_vllm.terms["weights"].bytes  # its NF4 copy + KV + runtime
-    small = planned(config, 6, backend="hf")
-    assert not small.fits and any(s.key in ("memory.gpu_memory_utilization", "model.generation") for s in small.suggestions)
+    assert term.bytes == engine_share_bytes(shape, resolved) + VLLM_PROCESS_BYTES and "its own weights" in term.label
+    assert term.gib == pytest.approx(2.53, abs=0.01)  # was 0.5 x 22 + 0.6 = 11.6 GiB
+    assert with_vllm.total_gb == pytest.approx(without.total_gb + term.gib)
+    # vLLM refuses to start unless gpu_memory_utilization x the card is free: the engine passes its own share
+    assert engine.gpu_memory_utilization == pytest.approx(-(-engine_share_bytes(shape, resolved) * 100 // (22 * GIB)) / 100)
+    small = planned(config, 4, backend="hf")
+    assert not small.fits and any(s.key == "model.generation" for s in small.suggestions)

@@ -85,7 +85,7 @@ def test_vllm_is_off_where_unsloth_would_turn_it_off():
     pascal = Hardware(name="p100", device="cuda", gpu_name="Tesla P100", compute_capability=(6, 0), total_gib=15.9,
                       gpu_count=1, unsloth_installed=True, vllm_installed=True)
     r = resolve(config, pascal)
-    assert not r.use_vllm and r.dtype == "float16" and any("compute capability >= 7.0" in n for n in r.notes)
+    assert not r.use_vllm and r.dtype == "float16" and any("compute capability >= 7.5" in n for n in r.notes)
 
 
 def test_backend_auto_follows_the_machine():

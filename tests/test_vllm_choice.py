@@ -5,11 +5,10 @@ import dataclasses
 
 import pytest
 
-from lowvram_grpo.backends.vllm_engine import (
-    CPU_HEAD_SIZES, VLLMEngineError, _runs, check_servable, kv_bytes_per_token, kv_cache_bytes, settings_for,
-)
+from lowvram_grpo.backends.vllm_engine import CPU_HEAD_SIZES, VLLMEngineError, _runs, check_servable, settings_for
 from lowvram_grpo.config import load_config
 from lowvram_grpo.hardware import profile
+from lowvram_grpo.memory import engine_kv_cache_bytes, model_shape, shape_from_config
 from lowvram_grpo.resolve import ResolveError, resolve
 from lowvram_grpo.run import main
 
@@ -24,8 +23,9 @@ def test_vllm_generation_is_our_engine_on_the_hf_backend_never_trls():
     assert r.vllm_max_model_len == config.model.max_seq_length and r.gpu_memory_utilization is None
     gpu = resolve(load_config("qwen1_5b_4bit", ["model.generation=vllm", "model.fast_inference=false"]), profile("l4"), "hf")
     assert (gpu.generation, gpu.use_vllm) == ("vllm", False)
-    assert gpu.gpu_memory_utilization == gpu.config.memory.gpu_memory_utilization  # the preset's (0.5)
-    assert f"gpu_memory_utilization {gpu.gpu_memory_utilization:g}" in gpu.describe()
+    # our engine sizes its KV cache in bytes and derives its own gpu_memory_utilization (memory.py): not unsloth's key
+    assert gpu.gpu_memory_utilization is None
+    assert "the engine asks vLLM for its KV cache in bytes" in gpu.describe()
 
 
 def test_auto_keeps_transformers_on_hf_and_unsloths_engine_on_gpu():
@@ -40,37 +40,88 @@ def test_vllm_generation_refused_without_vllm_or_on_unsloth():
         resolve(config, CPU_WITHOUT_VLLM, "hf")
     with pytest.raises(ResolveError, match="vLLM's CPU build serves the 16-bit checkpoint"):
         resolve(load_config("smollm2_cpu", ["model.generation=vllm", "memory.load_in_4bit=true"]), CPU_WITH_VLLM, "hf")
-    four_bit_gpu = load_config("qwen1_5b_4bit", ["model.generation=vllm", "memory.vllm_kv_cache_gb=1"])
-    assert resolve(four_bit_gpu, profile("l4"), "hf").generation == "vllm"
-    assert settings_for(four_bit_gpu, "/m", "bfloat16", "cuda").load_in_4bit  # vLLM's bitsandbytes NF4, as the trainer
+    four_bit_gpu = resolve(load_config("qwen1_5b_4bit", ["model.generation=vllm", "memory.vllm_kv_cache_gb=1"]),
+                           profile("l4"), "hf")
+    assert four_bit_gpu.generation == "vllm"
+    settings = settings_for(four_bit_gpu, model_shape("Qwen/Qwen2.5-1.5B-Instruct"), "Qwen/Qwen2.5-1.5B-Instruct")
+    assert settings.load_in_4bit and settings.kv_cache_bytes == 2**30  # vLLM's bitsandbytes NF4, as the trainer
     with pytest.raises(ResolveError, match="add --backend hf"):
         resolve(config, profile("l4"), "unsloth")
 
 
-def test_kv_cache_is_sized_from_the_run(tmp_path):
-    model = tmp_path / "m"
-    model.mkdir()
-    (model / "config.json").write_text('{"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, '
-                                       '"hidden_size": 576, "head_dim": 64}')  # SmolLM2-135M's shape
-    assert kv_bytes_per_token(str(model), "bfloat16") == 2 * 30 * 3 * 64 * 2 == 23040
-    assert kv_cache_bytes(str(model), "bfloat16", 8, 512) == 23040 * 8 * 512  # 90 MiB
-    assert kv_cache_bytes(str(model), "bfloat16", 8, 500) == 23040 * 8 * 512  # whole 32-token blocks
+SMOLLM2_CONFIG = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
+                  "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152}
+
+
+def test_kv_cache_is_sized_from_the_run():
+    shape = shape_from_config(SMOLLM2_CONFIG, "smollm2")
+    per_token = 2 * 30 * 3 * 64 * 2  # K and V, 30 layers, 3 KV heads of 64, bf16: 23040 bytes
     config = load_config("smollm2_cpu", ["model.generation=vllm", "train.num_generations=4",
                                          "train.per_device_train_batch_size=4", "eval.batch_size=6"])
-    s = settings_for(config, str(model), "bfloat16", "cpu")
-    assert (s.max_num_seqs, s.max_lora_rank, s.max_model_len) == (6, 16, 512)  # eval batch 6 > rollout batch 4
-    assert s.kv_cache_bytes == 23040 * 6 * 512 and s.gpu_memory_utilization is None and not s.sleep_between_rollouts
-    fixed = settings_for(load_config("smollm2_cpu", ["memory.vllm_kv_cache_gb=0.5", "memory.vllm_cpu_threads=1"]),
-                         str(model), "bfloat16", "cpu")
+    assert engine_kv_cache_bytes(shape, config, 2) == per_token * 6 * 512  # eval batch 6 > rollout batch 4
+    shorter = load_config("smollm2_cpu", ["model.max_seq_length=500", "train.num_generations=4",
+                                          "train.per_device_train_batch_size=4", "eval.batch_size=6"])
+    assert engine_kv_cache_bytes(shape, shorter, 2) == per_token * 6 * 512  # whole 32-token blocks
+    cpu = dataclasses.replace(profile("cpu"), vllm_installed=True)
+    s = settings_for(resolve(config, cpu, "hf"), shape, "/m")
+    assert (s.max_num_seqs, s.max_lora_rank, s.max_model_len) == (6, 16, 512)
+    assert s.kv_cache_bytes == per_token * 6 * 512  # the preset computes in bf16: 2-byte KV
+    assert s.gpu_memory_utilization is None and not s.sleep_between_rollouts
+    fixed = settings_for(resolve(load_config("smollm2_cpu", ["model.generation=vllm", "memory.vllm_kv_cache_gb=0.5",
+                                                             "memory.vllm_cpu_threads=1"]), cpu, "hf"), shape, "/m")
     assert (fixed.kv_cache_bytes, fixed.cpu_threads) == (2**29, 1)
-    gpu = settings_for(load_config("smollm2_cpu"), str(model), "bfloat16", "cuda")
-    assert gpu.sleep_between_rollouts and gpu.gpu_memory_utilization == pytest.approx(0.6)
+
+
+def test_the_engine_is_sized_from_the_loaded_models_config_so_a_hub_id_needs_no_local_file(tiny_model_dir):
+    """Defect: the engine read <model>/config.json from disk, which a hub id does not have: a CUDA run of
+    `--preset qwen1_5b_4bit --backend hf --set model.generation=vllm` stopped after loading the model."""
+    from transformers import AutoConfig
+
+    loaded = AutoConfig.from_pretrained(str(tiny_model_dir)).to_dict()  # what handle.model.config.to_dict() gives
+    resolved = resolve(load_config("qwen1_5b_4bit", ["model.generation=vllm"]), profile("rtx4090"), "hf")
+    s = settings_for(resolved, shape_from_config(loaded, "Qwen/Qwen2.5-1.5B-Instruct"), "Qwen/Qwen2.5-1.5B-Instruct")
+    assert s.model_path == "Qwen/Qwen2.5-1.5B-Instruct" and s.kv_cache_bytes > 0
+    assert s.sleep_between_rollouts and 0 < s.gpu_memory_utilization < 0.2  # its own share of a 24 GiB card
+
+
+def test_the_lora_rank_vllm_is_started_with_is_one_it_accepts():
+    """Defect: vLLM takes max_lora_rank only in {1, 8, 16, 32, 64, 128, 256, 320, 512}; r=24 failed its validation."""
+    r24 = resolve(load_config("qwen1_5b_4bit", ["lora.r=24", "lora.alpha=24", "model.generation=vllm"]),
+                  profile("rtx4090"), "hf")
+    assert r24.vllm_max_lora_rank == 32
+    assert "its max_lora_rank is 32 for lora.r=24 (the adapter keeps rank 24)" in r24.describe()
+    assert settings_for(r24, model_shape("Qwen/Qwen2.5-1.5B-Instruct"), "Qwen/Qwen2.5-1.5B-Instruct").max_lora_rank == 32
+    unsloth = resolve(load_config("llama8b_4bit", ["lora.r=24", "lora.alpha=24"]), profile("rtx4090"))
+    assert unsloth.generation == "unsloth_vllm" and unsloth.vllm_max_lora_rank == 32
+    assert resolve(load_config("llama8b_4bit"), profile("rtx4090")).vllm_max_lora_rank == 32  # r=32 stays
+    assert resolve(load_config("llama8b_4bit", ["model.fast_inference=false"]), profile("rtx4090")).vllm_max_lora_rank is None
+    with pytest.raises(ResolveError, match="vLLM serves LoRA ranks up to 512"):
+        resolve(load_config("llama8b_4bit", ["lora.r=600"]), profile("rtx4090"))
+
+
+def test_vllm_is_not_chosen_on_a_card_vllm_031s_cuda_13_build_dropped():
+    """Defect: vllm 0.31's wheels are CUDA 13 builds: compute capability 7.0 (V100) is dropped."""
+    v100 = resolve(load_config("llama8b_4bit"), profile("v100-16gb"))
+    assert (v100.fast_inference, v100.use_vllm, v100.generation) == (False, False, "transformers")
+    assert any("needs compute capability >= 7.5 and Tesla V100-SXM2-16GB is sm70" in n for n in v100.notes)
+    assert resolve(load_config("llama8b_4bit"), profile("t4")).fast_inference  # sm75 keeps it
+    with pytest.raises(ResolveError, match="needs compute capability >= 7.5"):
+        resolve(load_config("qwen1_5b_4bit", ["model.generation=vllm"]), profile("v100-16gb"), "hf")
+
+
+def test_a_4bit_base_with_vllm_is_refused_without_the_bitsandbytes_plugin():
+    no_plugin = dataclasses.replace(profile("rtx4090"), vllm_bnb_plugin_installed=False)
+    with pytest.raises(ResolveError, match="pip install vllm-bnb-plugin==0.0.3 .* or set model.fast_inference=false"):
+        resolve(load_config("llama8b_4bit"), no_plugin)
+    with pytest.raises(ResolveError, match="or set model.generation=transformers"):
+        resolve(load_config("qwen1_5b_4bit", ["model.generation=vllm"]), no_plugin, "hf")
+    assert resolve(load_config("llama8b_4bit", ["memory.load_in_4bit=false"]), no_plugin).fast_inference  # 16-bit: no plugin needed
 
 
 def test_a_head_size_vllms_cpu_build_lacks_is_refused(tiny_model_dir):
     with pytest.raises(VLLMEngineError, match="no attention kernel for head size 16"):
-        check_servable(str(tiny_model_dir), "cpu")  # builtin:tiny: 64 wide, 4 heads
-    check_servable(str(tiny_model_dir), "cuda")    # CUDA's kernels are not limited to these sizes
+        check_servable(model_shape(str(tiny_model_dir)), "cpu")  # builtin:tiny: 64 wide, 4 heads
+    check_servable(model_shape(str(tiny_model_dir)), "cuda")    # CUDA's kernels are not limited to these sizes
     assert 64 in CPU_HEAD_SIZES                    # SmolLM2's
 
 

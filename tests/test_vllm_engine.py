@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from conftest import REPO  # noqa: E402
 from lowvram_grpo.backends.base import LoraRequest, SamplingParams  # noqa: E402
 from lowvram_grpo.backends.vllm_engine import (  # noqa: E402
-    EngineSettings, LocalVLLMEngine, _prompt_ids, kv_cache_bytes,
+    EngineSettings, LocalVLLMEngine, _prompt_ids,
 )
 
 # bf16 weights on both sides, different kernels (vLLM's CPU attention and LoRA kernels vs PyTorch's eager
@@ -88,7 +88,7 @@ def randomize_b(model, seed: int, std: float = 0.05) -> None:
 def engine(smollm2, policy):
     _, tokenizer = policy
     settings = EngineSettings(model_path=smollm2, dtype="bfloat16", max_model_len=512, max_lora_rank=R, max_num_seqs=8,
-                              kv_cache_bytes=kv_cache_bytes(smollm2, "bfloat16", 8, 512), seed=0)
+                              kv_cache_bytes=2 * 30 * 3 * 64 * 2 * 8 * 512, seed=0)  # 8 SmolLM2 sequences of 512, bf16
     with LocalVLLMEngine(settings, tokenizer) as eng:
         yield eng
     assert eng.alive_pids() == [], "vLLM's processes outlived close()"

@@ -13,6 +13,20 @@ from ..builtin_models import resolve_model_path
 from .base import ModelHandle
 
 
+def quantization_kwargs(resolved) -> dict:
+    """transformers' `BitsAndBytesConfig` arguments: NF4 with double quantization, computing in the resolved dtype."""
+    import torch
+
+    return dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=getattr(torch, resolved.dtype))
+
+
+def lora_kwargs(config) -> dict:
+    """peft's `LoraConfig` arguments for the config's lora section."""
+    return dict(r=config.lora.r, lora_alpha=config.lora.alpha, lora_dropout=config.lora.dropout,
+                target_modules=list(config.lora.target_modules), bias="none", task_type="CAUSAL_LM")
+
+
 def load_model(resolved) -> ModelHandle:
     """The PEFT model for `resolved` (resolve.py decided dtype, device and checkpointing)."""
     import torch
@@ -24,11 +38,7 @@ def load_model(resolved) -> ModelHandle:
     dtype = getattr(torch, resolved.dtype)
     checkpointing = resolved.gradient_checkpointing != "false"
 
-    quantization = None
-    if resolved.load_in_4bit:
-        quantization = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
-        )
+    quantization = BitsAndBytesConfig(**quantization_kwargs(resolved)) if resolved.load_in_4bit else None
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=quantization,
                                                  device_map=resolved.device)
     checks.after_load(config, model)  # lengths and LoRA layers against the loaded model, before anything is written
@@ -42,15 +52,7 @@ def load_model(resolved) -> ModelHandle:
         model.enable_input_require_grads()
 
     torch.manual_seed(config.lora.random_state)  # the adapters' initial A matrices
-    lora = LoraConfig(
-        r=config.lora.r,
-        lora_alpha=config.lora.alpha,
-        lora_dropout=config.lora.dropout,
-        target_modules=list(config.lora.target_modules),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    model = get_peft_model(model, lora)
+    model = get_peft_model(model, LoraConfig(**lora_kwargs(config)))
     return ModelHandle(model, tokenizer, resolved, base_model=path)
 
 

