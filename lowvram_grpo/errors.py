@@ -10,7 +10,8 @@ are one line and say what to do next.
   (the embedded model's wheel is missing), RunDirError (a run folder that cannot be used or read).
 - exit 1, during a run (files may exist; the message says how to go on): TrainingStopped (NaN guard,
   a failing reward), AdapterError (an adapter that is incomplete or made for another model),
-  OutOfMemory (CUDA ran out during training), RewardError (a reward function failed).
+  OutOfMemory (CUDA ran out during training), EngineStopped (the vLLM engine could not start or died),
+  RewardError (a reward function failed).
 - 128 + signal: Interrupted (Ctrl-C 130, SIGTERM 143), after writing a checkpoint.
 
 `guarded(body)` is the one place these become exit codes, for every command of the package (run, doctor,
@@ -87,6 +88,11 @@ class AdapterError(LowvramError, ValueError):
 
 class OutOfMemory(LowvramError, RuntimeError):
     """CUDA ran out of memory during training; the message is memory.oom_message's one line."""
+
+
+class EngineStopped(LowvramError, RuntimeError):
+    """The hf backend's vLLM engine could not start, or its process died during the run; the message
+    says what is kept and how to go on."""
 
 
 class RewardError(LowvramError, RuntimeError):

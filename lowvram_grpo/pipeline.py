@@ -22,6 +22,7 @@ GRPO step data-parallel); only the main process writes files.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,10 +33,11 @@ from . import allocator, checks
 from .backends import check_export, export_model, load_model, prepare_backend
 from .config import RunConfig, check_trackers_installed
 from .data import drop_long_prompts, load_questions, to_prompt_rows
-from .errors import ConfigError, DataError, RewardError, TrainingStopped
+from .errors import ConfigError, DataError, EngineStopped, RewardError, TrainingStopped
 from .hardware import detect
+from .memory import OOM_PHASES
 from .resolve import resolve as resolve_settings
-from .run_dir import RunDir
+from .run_dir import RunDir, resume_command
 
 STAGES = ("before", "primed", "after")
 
@@ -154,11 +156,28 @@ class GRPORun:
                 "before": self.measured["before"], "before_texts": self.texts["before"],
                 "primed": self.measured["primed"], "priming": self.priming}
 
-    def _out_of_memory(self, phase: str):
-        """A CUDA out-of-memory in `phase` becomes OutOfMemory with the plan's one line (memory.py)."""
+    @contextlib.contextmanager
+    def _failures_reported(self, phase: str):
+        """What only a GPU or the vLLM engine raises, in `phase`, as one line that says what is kept and how
+        to go on: a CUDA out-of-memory (memory.py), the vLLM engine's process dying (OutOfMemory, EngineStopped)."""
         from .memory import out_of_memory_reported
 
-        return out_of_memory_reported(self.memory_plan, self.config, self.run_dir, phase, adapter=self.adapter_dir)
+        with out_of_memory_reported(self.memory_plan, self.config, self.run_dir, phase, adapter=self.adapter_dir):
+            try:
+                yield
+            except Exception as exc:
+                if self.rollouts is None:
+                    raise
+                from .backends.vllm_engine import engine_stop_cause
+
+                cause = engine_stop_cause(exc)
+                if cause is None:
+                    raise
+                where = OOM_PHASES["rollout" if phase == "training" else phase]  # in training it serves only rollouts
+                checkpoint = self.run_dir.latest_checkpoint()
+                kept = (f"the last checkpoint is kept in {checkpoint}; continue with: {resume_command(self.run_dir.path)}"
+                        if checkpoint else f"no checkpoint was written yet: {resume_command(self.run_dir.path)} starts it again")
+                raise EngineStopped(f"the vLLM engine stopped {where}: {cause}; {kept}") from None
 
     def restore(self, checkpoint: Path) -> None:
         """A resumed run: the log as it was at `checkpoint`, and the numbers measured before GRPO."""
@@ -181,7 +200,7 @@ class GRPORun:
         what = f"the adapter in {adapter}" if adapter else "the base model"
         self.log(f"measuring {what} on {len(self.eval_rows)} held-out questions ({stage}) ...")
         request = self.handle.load_lora(adapter) if adapter else None
-        with self._out_of_memory("evaluation"):
+        with self._failures_reported("evaluation"):
             self.measured[stage], self.texts[stage] = evaluate(self.handle, self.eval_rows, self.config, lora_request=request)
         return self.measured[stage]
 
@@ -191,7 +210,7 @@ class GRPORun:
         if self.config.prime.steps > 0:
             from .priming import prime
 
-            with self._out_of_memory("priming"):
+            with self._failures_reported("priming"):
                 self.priming = prime(self.handle, self.train_questions, self.config, self.log)
             primed_dir = self.handle.save_lora(self.run_dir.primed_adapter_dir) if self.run_dir.writer else None
             if primed_dir is not None:
@@ -210,7 +229,7 @@ class GRPORun:
             trainer.nonfinite_guard.load(self.run_dir.read_run_state(resume_from))
         started = time.time()
         try:
-            with trainer.stop_signals.installed(), self._out_of_memory("training"):
+            with trainer.stop_signals.installed(), self._failures_reported("training"):
                 trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
         except RewardError as exc:
             raise TrainingStopped(f"{exc}; {self.run_dir.resume_hint()}") from None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -284,6 +285,7 @@ def test_grpo_trains_with_vllm_rollouts_and_a_sync_every_step(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["before"]["n"] == summary["after"]["n"] == 2  # the evaluation sampled through vLLM
     assert "starting the vLLM engine" in log
+    assert "vllm_importance_sampling_correction=True (sequence_mask)" in log  # our engine keeps TRL's correction
 
 
 def test_ctrl_c_stops_at_the_step_with_a_checkpoint_and_ends_the_engine(tmp_path):
@@ -348,3 +350,48 @@ def test_a_killed_trainer_takes_the_engine_with_it(tmp_path, smollm2):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def error_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if line.startswith("error:")]
+
+
+def test_an_engine_that_cannot_start_is_one_line_writes_nothing_and_leaves_no_process(tmp_path):
+    """A real start failure: vLLM's CPU worker refuses a KV cache larger than the machine's memory."""
+    out = tmp_path / "run"
+    proc = start_run(out, "--max-steps", "2", "--set", "memory.vllm_kv_cache_gb=100000")
+    pids = engine_pids(proc, set())
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 1, log[-3000:]
+    lines = error_lines(log)
+    assert len(lines) == 1, log[-3000:]
+    # vLLM's worker logs the root cause above it, in its own words (here: the KV cache does not fit in memory)
+    assert "less than requested memory for kv (100000.0 GiB)" in log
+    assert lines[0].startswith("error: the vLLM engine could not start: vLLM could not start (Engine core "
+                               "initialization failed"), lines
+    assert "lower memory.vllm_kv_cache_gb, eval.batch_size or model.max_seq_length" in lines[0]
+    assert not out.exists()
+    assert wait_gone(pids) == []
+
+
+def test_an_engine_killed_mid_run_ends_the_run_with_its_checkpoint_and_resume_finishes(tmp_path):
+    """vLLM's synchronous client would wait forever for a killed EngineCore; the engine watches its processes."""
+    out = tmp_path / "run"
+    proc = start_run(out, "--max-steps", "4", "--set", "train.save_steps=1")
+    pids = engine_pids(proc, set(), until=lambda: (out / "checkpoint-1").is_dir())
+    core = [pid for pid in pids if psutil.Process(pid).name() == "VLLM::EngineCore"]
+    assert proc.poll() is None and core, proc.stdout.read()[-3000:]
+    os.kill(core[0], signal.SIGKILL)  # as the kernel's OOM killer would
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, log[-3000:]
+    lines = error_lines(log)
+    assert len(lines) == 1, log[-3000:]
+    assert re.match(r"error: the vLLM engine stopped while generating the GRPO rollouts: its process \d+ ended during "
+                    r"(the rollout|the adapter sync) \(killed, or out of memory\); the last checkpoint is kept in "
+                    + re.escape(str(out)) + r"/checkpoint-\d; continue with: python -m lowvram_grpo\.run --resume "
+                    + re.escape(str(out)) + "$", lines[0]), lines
+    assert wait_gone(pids) == [], "vLLM processes outlived the run"
+    resumed = subprocess.run([sys.executable, "-m", "lowvram_grpo.run", "--resume", str(out)], cwd=REPO,
+                             capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["status"] == "complete"

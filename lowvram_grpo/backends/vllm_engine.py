@@ -76,6 +76,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -90,6 +91,10 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.3
 
 class VLLMEngineError(RuntimeError):
     """vLLM cannot serve this model or configuration; the message says why and what to change."""
+
+
+class VLLMEngineDied(VLLMEngineError):
+    """A process of the engine ended while the trainer waited on it (killed, or out of memory)."""
 
 
 def vllm_installed() -> bool:
@@ -380,8 +385,13 @@ class LocalVLLMEngine:
             kwargs = engine_kwargs(s)
             try:
                 self.llm = LLM(**kwargs)
-            finally:
+            except Exception as exc:  # vLLM's own log above names the root cause (its worker's error)
                 self.pids = _engine_pids(_child_pids() - before)
+                self.close()
+                cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise VLLMEngineError(f"vLLM could not start ({cause[:300]})") from None
+            finally:
+                self.pids = self.pids or _engine_pids(_child_pids() - before)
         self._watchdog = _start_watchdog(self.pids)
         self._sync_root = Path(tempfile.mkdtemp(prefix="lowvram-vllm-adapters-"))
         atexit.register(_close_ref, weakref.ref(self))
@@ -427,6 +437,35 @@ class LocalVLLMEngine:
                 pass
         return alive
 
+    def dead_pids(self) -> list[int]:
+        """The engine's processes that have ended (a killed EngineCore or Worker)."""
+        alive = set(self.alive_pids())
+        return [pid for pid in self.pids if pid not in alive]
+
+    def _watched(self, what: str, call, *args, **kwargs):
+        """`call(*args, **kwargs)` (a blocking call into vLLM), ended with VLLMEngineDied when a process of the
+        engine dies meanwhile. vLLM's synchronous client waits forever for a killed EngineCore: its
+        SyncMPClient.get_output blocks on a queue that only an engine that reports its own error fills
+        (vllm/v1/engine/core_client.py, 0.31 and the CPU build 0.32), so the call runs in a thread and this
+        one watches the processes."""
+        outcome: dict = {}
+
+        def run():
+            try:
+                outcome["value"] = call(*args, **kwargs)
+            except BaseException as exc:  # handed to the caller's thread
+                outcome["error"] = exc
+
+        worker = threading.Thread(target=run, name=f"vllm-{what}", daemon=True)
+        worker.start()
+        while worker.is_alive():
+            worker.join(0.5)
+            if worker.is_alive() and self.pids and self.dead_pids():
+                raise VLLMEngineDied(f"its process {self.dead_pids()[0]} ended during {what} (killed, or out of memory)")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
     def _require(self):
         if self.llm is None:
             raise VLLMEngineError("the vLLM engine is closed" if self._closed else "the vLLM engine was not started")
@@ -435,13 +474,13 @@ class LocalVLLMEngine:
     # -------------------------------------------------------------- GPU sleep mode
     def _wake(self):
         if self._asleep:
-            self._require().wake_up()
+            self._watched("wake_up", self._require().wake_up)
             self._asleep = False
 
     def sleep(self):
         """GPU: free vLLM's memory while the trainer computes (level 1: weights to CPU RAM, KV dropped)."""
         if self.settings.sleep_between_rollouts and not self._asleep and self.llm is not None:
-            self.llm.sleep(level=1)
+            self._watched("sleep", self.llm.sleep, level=1)
             self._asleep = True
 
     # -------------------------------------------------------------- adapters
@@ -478,7 +517,7 @@ class LocalVLLMEngine:
         path = lora_io.save_adapter(model, None, self._sync_root / f"v{version}")
         request = self._new_request(f"policy-v{version}", path)
         self._wake()
-        llm.llm_engine.add_lora(request)  # load now: the sync's cost is counted here, not in the rollout
+        self._watched("the adapter sync", llm.llm_engine.add_lora, request)  # load now: counted in the sync
         previous, self.policy = self.policy, _Policy(version, step, request, path)
         if previous is not None:
             self._remove(previous.request)
@@ -506,8 +545,8 @@ class LocalVLLMEngine:
         self._wake()
         ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]  # the template has them
         sampling = self._sampling(**eval_sampling_kwargs(params, self._stop_ids()))
-        outputs = llm.generate([{"prompt_token_ids": list(p)} for p in ids], sampling,
-                               lora_request=self.vllm_request(lora_request), use_tqdm=False)
+        outputs = self._watched("generation", llm.generate, [{"prompt_token_ids": list(p)} for p in ids], sampling,
+                                lora_request=self.vllm_request(lora_request), use_tqdm=False)
         result = []
         for out in outputs:
             tokens = list(out.outputs[0].token_ids)
@@ -534,8 +573,8 @@ class LocalVLLMEngine:
             for i, k in enumerate(n)
         ]
         started = time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params,
-                               lora_request=request, use_tqdm=False)
+        outputs = self._watched("the rollout", llm.generate, [{"prompt_token_ids": list(p)} for p in prompt_ids],
+                                params, lora_request=request, use_tqdm=False)
         self.stats.rollout_seconds.append(time.perf_counter() - started)
         self.stats.ids_used.append(request.lora_int_id if request is not None else None)
         self.sleep()
@@ -682,6 +721,18 @@ def check_run_servable(resolved) -> None:
         raise BackendError(str(exc)) from None
 
 
+def engine_stop_cause(exc: BaseException) -> Optional[str]:
+    """Why the engine stopped, when `exc` says it did: our VLLMEngineDied (a process killed) or vLLM's
+    EngineDeadError (its engine core failed and said so); None for any other error."""
+    if isinstance(exc, VLLMEngineDied):
+        return str(exc)
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError:
+        return None
+    return "its engine core failed (vLLM's log above names the cause)" if isinstance(exc, EngineDeadError) else None
+
+
 def start_for_run(handle, log=print) -> TRLRollouts:
     """Start the engine for `handle`'s base checkpoint, make it the handle's generation engine (the
     before/after evaluation samples through it) and return the rollouts for build_trainer."""
@@ -693,7 +744,15 @@ def start_for_run(handle, log=print) -> TRLRollouts:
     shape = shape_from_config(handle.model.config.to_dict(), handle.base_model)  # the model loaded: hub ids too
     settings = settings_for(resolved, shape, handle.base_model)
     log(f"starting the vLLM engine: {settings.describe()} ...")
-    engine = LocalVLLMEngine(settings, handle.tokenizer)
+    try:
+        engine = LocalVLLMEngine(settings, handle.tokenizer)
+    except VLLMEngineError as exc:
+        from ..errors import EngineStopped
+
+        raise EngineStopped(f"the vLLM engine could not start: {exc}; it asked for a KV cache of "
+                            f"{settings.kv_cache_bytes / 2**30:.2f} GiB for {settings.max_num_seqs} sequences of "
+                            f"{settings.max_model_len} tokens: lower memory.vllm_kv_cache_gb, eval.batch_size or "
+                            "model.max_seq_length, or set model.generation=transformers; nothing was written") from None
     _OPEN.add(engine)
     handle.engine = engine
     return TRLRollouts(engine, sync_every=config.model.vllm_sync_steps)
