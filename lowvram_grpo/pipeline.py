@@ -98,7 +98,7 @@ class GRPORun:
         notebook loads it in its own cell) and the prompts that fit train.max_prompt_length."""
         if handle is not None:
             self.resolved = handle.resolved
-        if self.resolved.cuda:  # the first lines of a GPU run's log: doctor's cheap checks (versions, driver, free memory)
+        if self.resolved.cuda and _is_main_process():  # the first lines of a GPU run's log: doctor's cheap checks
             from .doctor import log_lines
 
             for line in log_lines(self.resolved):
