@@ -57,7 +57,7 @@ MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
 # vllm 0.31.0 (requirements.txt) is published as CUDA 13 wheels only; CUDA 13 has no kernels below sm75.
 VLLM_CUDA_MAJOR = 13
 CUDA13_MIN_COMPUTE_CAPABILITY = (7, 5)
-FILES_PER_SAVE = 20 * 2 ** 20  # the tokenizer, RNG and trainer state saved beside each adapter (Llama 3's tokenizer.json: 9 MB)
+FILES_PER_SAVE = 10 * 2 ** 20  # the tokenizer, RNG and trainer state saved beside each adapter (Llama 3's tokenizer.json: 9 MB)
 GPU_ONLY_MODULES = tuple(m for m in GPU_MODULES if m not in CPU_MODULES)
 # Modules whose installed distribution is not named like the module (for `pip install NAME==PIN`).
 DISTRIBUTION_OF = {"yaml": "pyyaml"}
