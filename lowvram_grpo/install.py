@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 # Modules (import names) each install set provides that a run needs.
+# math_verify: answers.py's checker, imported by the correctness reward and the held-out accuracies of every run.
 CORE_MODULES = ("torch", "transformers", "trl", "peft", "datasets", "accelerate", "bitsandbytes", "safetensors",
-                "yaml", "matplotlib", "tqdm")
+                "yaml", "matplotlib", "tqdm", "math_verify")
 # vllm_bnb_plugin: vLLM >= 0.28 serves bitsandbytes 4-bit only through this plugin (unsloth's load_in_4bit +
 # fast_inference and the hf backend's vLLM engine with a 4-bit base both need it).
 GPU_MODULES = CORE_MODULES + ("unsloth", "unsloth_zoo", "vllm", "vllm_bnb_plugin")

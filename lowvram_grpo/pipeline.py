@@ -100,6 +100,11 @@ class GRPORun:
         notebook loads it in its own cell) and the prompts that fit train.max_prompt_length."""
         if handle is not None:
             self.resolved = handle.resolved
+        if self.resolved.cuda and _is_main_process():  # the first lines of a GPU run's log: doctor's cheap checks
+            from .doctor import log_lines
+
+            for line in log_lines(self.resolved):
+                self.log(line)
         self.memory_plan = self._show_memory_plan()  # before every GPU run, before the model takes memory
         prepare_backend(self.resolved.backend)  # unsloth must be imported before trl/transformers
         self.handle = handle or load_model(self.resolved, self.log)

