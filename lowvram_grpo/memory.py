@@ -29,7 +29,7 @@ The terms (GiB = 2**30 bytes; a "16 GB" card has about 15-16 GiB):
   sequences of model.max_seq_length tokens; vLLM then sizes nothing from gpu_memory_utilization),
   started after the trainer loaded, the whole trainer beside it. Counted in full although the engine
   sleeps (weights to CPU RAM, KV cache freed) during the backward pass: the plan is for the rollout's
-  moment too. The engine's functions below are what backends/vllm_engine.py starts it with.
+  moment too. The engine's functions below are what backends/vllm/ starts it with.
 - CUDA context, cuBLAS workspace and allocator fragmentation: a constant.
 
 Generation without vLLM (transformers' KV cache) happens before the backward pass, never with it,
