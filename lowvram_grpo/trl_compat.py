@@ -20,7 +20,7 @@ one warning line. The reaches, and why each is needed:
   and `use_vllm=True` in GRPOConfig would start TRL's own vLLM engine. For rollouts from our own engine
   (TRL's public `rollout_func`), the built trainer's `use_vllm` attribute is switched on afterwards and
   `vllm_generation` is our sampler, whose `sync_weights()` TRL calls before a rollout when the step moved
-  (adapter-only sync: backends/vllm_engine.py).
+  (adapter-only sync: backends/vllm/).
 - `install_logprob_fallback()`: TRL 1.15 computes completion log-probs through a Triton-only fused LM
   head (`trl.trainer.utils._ChunkedLogProbFunction`); on a CPU it has no kernel. A dispatcher takes its
   place: the Triton kernel for CUDA/XPU tensors, logprobs_fallback.torch_chunked_logprobs (the same

@@ -114,7 +114,7 @@ def test_every_module_the_package_imports_imports_in_the_gpu_set():
         from lowvram_grpo.backends import prepare_backend
         prepare_backend("hf")
         for mod in ("lowvram_grpo.backends.hf_backend", "lowvram_grpo.training", "lowvram_grpo.evaluation",
-                    "lowvram_grpo.backends.vllm_engine", "lowvram_grpo.backends.unsloth_backend"):
+                    "lowvram_grpo.backends.vllm", "lowvram_grpo.backends.unsloth_backend"):
             importlib.import_module(mod)
         for info in pkgutil.walk_packages(lowvram_grpo.__path__, "lowvram_grpo."):
             if not info.name.endswith("__main__"):  # that one runs the CLI
@@ -277,7 +277,7 @@ def test_the_hf_backends_vllm_engine_arguments_validate_in_vllm(combos, tmp_path
     from vllm import SamplingParams as VLLMSamplingParams
 
     from lowvram_grpo.backends.base import SamplingParams
-    from lowvram_grpo.backends.vllm_engine import (engine_kwargs, eval_sampling_kwargs, rollout_sampling_kwargs,
+    from lowvram_grpo.backends.vllm import (engine_kwargs, eval_sampling_kwargs, rollout_sampling_kwargs,
                                                    settings_for)
     from lowvram_grpo.memory import model_shape
 

@@ -386,7 +386,7 @@ def test_the_hf_backends_own_vllm_engine_is_planned_as_the_engine_asks_vllm():
     beside the whole trainer. Defect: the plan counted gpu_memory_utilization x the card (0.5 x 22 GiB) for
     vLLM while the engine asked for ~0.3 GiB of KV cache, which vLLM then used instead, and counted G
     sequences where the engine asks for max(G, eval batch)."""
-    from lowvram_grpo.backends.vllm_engine import settings_for
+    from lowvram_grpo.backends.vllm import settings_for
     from lowvram_grpo.memory import (KV_BLOCK_TOKENS, VLLM_PROCESS_BYTES, engine_kv_cache_bytes, engine_sequences,
                                      engine_share_bytes)
 

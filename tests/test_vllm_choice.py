@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from lowvram_grpo.backends.vllm_engine import CPU_HEAD_SIZES, VLLMEngineError, _runs, check_servable, settings_for
+from lowvram_grpo.backends.vllm import CPU_HEAD_SIZES, VLLMEngineError, check_servable, settings_for
+from lowvram_grpo.backends.vllm.rollouts import _runs
 from lowvram_grpo.config import load_config
 from lowvram_grpo.hardware import profile
 from lowvram_grpo.memory import engine_kv_cache_bytes, model_shape, shape_from_config

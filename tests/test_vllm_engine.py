@@ -1,4 +1,4 @@
-"""The vLLM engine (lowvram_grpo/backends/vllm_engine.py) on vLLM's CPU build with the real
+"""The vLLM engine (lowvram_grpo/backends/vllm/) on vLLM's CPU build with the real
 SmolLM2-135M-Instruct (the tiny built-in's head size 16 has no vLLM CPU kernel: test_vllm_choice.py).
 
 - sampling log-probs: after a sync, vLLM's log-probs of its own samples agree with the PEFT model's
@@ -37,9 +37,8 @@ import torch  # noqa: E402
 
 from conftest import REPO  # noqa: E402
 from lowvram_grpo.backends.base import LoraRequest, SamplingParams  # noqa: E402
-from lowvram_grpo.backends.vllm_engine import (  # noqa: E402
-    EngineSettings, LocalVLLMEngine, _prompt_ids,
-)
+from lowvram_grpo.backends.vllm import EngineSettings, LocalVLLMEngine  # noqa: E402
+from lowvram_grpo.backends.vllm.rollouts import _prompt_ids  # noqa: E402
 
 # bf16 weights on both sides, different kernels (vLLM's CPU attention and LoRA kernels vs PyTorch's eager
 # bf16 matmuls with fp32 LoRA weights): per-token log-probs differ by bf16 rounding of the logits. Measured
@@ -326,12 +325,12 @@ def test_a_killed_trainer_takes_the_engine_with_it(tmp_path, smollm2):
     script.write_text(textwrap.dedent(f"""
         import sys, time
         from transformers import AutoTokenizer
-        from lowvram_grpo.backends.vllm_engine import EngineSettings, LocalVLLMEngine
+        from lowvram_grpo.backends.vllm import EngineSettings, LocalVLLMEngine
 
         if __name__ == "__main__":
             s = EngineSettings(model_path={smollm2!r}, dtype="bfloat16", max_model_len=256, max_lora_rank=8,
                                max_num_seqs=2, kv_cache_bytes=64 * 2**20)
-            engine = LocalVLLMEngine(s, AutoTokenizer.from_pretrained({smollm2!r}))
+            engine = LocalVLLMEngine(s, AutoTokenizer.from_pretrained({smollm2!r})).start()
             print("PIDS", *engine.pids, flush=True)
             time.sleep(600)
     """))

@@ -112,7 +112,7 @@ EXPORTS = {
 def export(model, tokenizer, directory: Path, kind: str) -> Path:
     """Write the model with its adapter merged in through unsloth's saver for `kind` (EXPORTS).
     unsloth writes into `directory` itself (GGUF: it fetches and builds llama.cpp on first use)."""
-    from . import BackendError
+    from ..errors import BackendError
 
     method, kwargs = EXPORTS[kind]
     saver = getattr(model, method, None)
