@@ -49,6 +49,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from bench.harness import write_report
+
 RESULTS = Path(__file__).resolve().parent / "results"
 class Variant(NamedTuple):
     features: str                    # LOWVRAM_GRPO_HOST_MEMORY: what host_memory.py keeps on
@@ -309,9 +311,7 @@ def main(argv=None) -> int:
         "clean_step_threshold_other_cpu_share": CLEAN,
         "variants": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {write_report(args.out, out)}")
     return 0
 
 

@@ -25,19 +25,18 @@ what TRL's own vLLM path does each step, for comparison with the adapter-only sy
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.harness import REPO, command_line, machine, ratios, run_child, write_child_result, write_report
+
 PARTS = ("generate", "sync", "rewards", "logps_nograd", "forward", "backward")
 
 
@@ -280,23 +279,12 @@ def child(variant: str, args) -> dict:
     return result
 
 
-def run_child(variant: str, args) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
-        result_path = fh.name
-    cmd = [sys.executable, "-m", "bench.vllm_cpu", "--child", variant, "--result", result_path, "--preset", args.preset,
-           "--steps", str(args.steps), "--generations", str(args.generations), "--tokens", str(args.tokens),
-           "--heldout", str(args.heldout)]
+def child_args(variant: str, args) -> list[str]:
+    argv = ["--child", variant, "--preset", args.preset, "--steps", str(args.steps), "--generations",
+            str(args.generations), "--tokens", str(args.tokens), "--heldout", str(args.heldout)]
     for assignment in args.set or []:
-        cmd += ["--set", assignment]
-    print(f"[bench] {variant}: {args.steps} steps ...", file=sys.stderr, flush=True)
-    started = time.time()
-    subprocess.run(cmd, cwd=REPO, check=True)
-    result = json.loads(Path(result_path).read_text())
-    os.unlink(result_path)
-    result["wall_s"] = round(time.time() - started, 1)
-    print(f"[bench] {variant}: {result['step_s']} s/step, peak PSS (all processes) "
-          f"{result['peak_pss_all_processes_mb']} MB", file=sys.stderr)
-    return result
+        argv += ["--set", assignment]
+    return argv
 
 
 def table(results: dict) -> str:
@@ -334,28 +322,26 @@ def main() -> int:
     args = p.parse_args()
 
     if args.child:
-        Path(args.result).write_text(json.dumps(child(args.child, args)))
+        write_child_result(args.result, child(args.child, args))
         return 0
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    results = {variant: run_child(variant, args) for variant in variants}
+    results = {}
+    for variant in variants:
+        results[variant] = r = run_child("bench.vllm_cpu", child_args(variant, args), f"{variant}: {args.steps} steps")
+        print(f"[bench] {variant}: {r['step_s']} s/step, peak PSS (all processes) {r['peak_pss_all_processes_mb']} MB",
+              file=sys.stderr)
     report = {
-        "command": "python -m bench.vllm_cpu " + " ".join(sys.argv[1:]),
+        "command": command_line("bench.vllm_cpu"),
         "settings": {"preset": args.preset, "model": "SmolLM2-135M-Instruct", "generations": args.generations,
                      "max_completion_tokens": args.tokens, "steps": args.steps, "counted_steps": max(1, args.steps - 1),
-                     "cores": len(os.sched_getaffinity(0)), "extra": args.set or []},
+                     **machine(), "extra": args.set or []},
         **results,
     }
     for ref in ("transformers", "trl"):
         if ref in results:
-            report[f"ratios_vs_{ref}"] = {
-                name: {"step_s": round(r["step_s"] / results[ref]["step_s"], 3),
-                       "peak_pss_all_processes_mb": round(r["peak_pss_all_processes_mb"]
-                                                          / results[ref]["peak_pss_all_processes_mb"], 3)}
-                for name, r in results.items() if name != ref
-            }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+            report[f"ratios_vs_{ref}"] = ratios(results, ref, ("step_s", "peak_pss_all_processes_mb"))
+    write_report(args.out, report)
     print(table(results))
     print(f"\nwritten: {args.out}")
     return 0

@@ -22,17 +22,13 @@ steps after the first (warm-up) and the process's peak RSS (`ru_maxrss`), and th
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent  # run as `python -m bench.vs_trl` from the checkout (or installed)
+from bench.harness import command_line, machine, peak_rss_mb, ratios, run_child, write_child_result, write_report
 
 PARTS = ("generate", "rewards", "logps_nograd", "forward", "backward")
 
@@ -54,10 +50,6 @@ def bench_overrides(args, extra: list[str] = ()) -> list[str]:
 
 
 # --------------------------------------------------------------------------- timing instrumentation
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class StepClock:
@@ -154,6 +146,27 @@ def build_ours(config, backend: str):
     return build_trainer(handle, prompt_rows(config), out)
 
 
+# What a user of TRL's docs copies from a run's config into GRPOConfig: the same values as ours, taken from
+# the one builder (training.grpo_config_kwargs). Everything else is TRL's default, but for the bench's plumbing.
+SHARED_WITH_PLAIN_TRL = ("learning_rate", "num_generations", "max_completion_length", "temperature", "beta",
+                         "max_steps", "seed", "use_cpu")
+PLAIN_TRL = dict(optim="adamw_torch", logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True)
+
+
+def plain_trl_args(config, output_dir: str, gradient_checkpointing: bool = True):
+    """Plain TRL's GRPOConfig: SHARED_WITH_PLAIN_TRL from our builder, fp32 AdamW, one prompt's group per step."""
+    from trl import GRPOConfig
+
+    from lowvram_grpo.hardware import detect
+    from lowvram_grpo.resolve import resolve
+    from lowvram_grpo.training import grpo_config_kwargs
+
+    ours = grpo_config_kwargs(resolve(config, detect(), "hf"), Path(output_dir))
+    return GRPOConfig(output_dir=output_dir, per_device_train_batch_size=config.train.num_generations,
+                      gradient_checkpointing=gradient_checkpointing, **{k: ours[k] for k in SHARED_WITH_PLAIN_TRL},
+                      **PLAIN_TRL)
+
+
 def build_plain_trl(config, gradient_checkpointing: bool = True):
     """What a user writes from TRL's docs: GRPOTrainer + a PEFT LoRA config, fp32, AdamW.
 
@@ -162,7 +175,7 @@ def build_plain_trl(config, gradient_checkpointing: bool = True):
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from lowvram_grpo.trl_compat import install_logprob_fallback
     from lowvram_grpo.builtin_models import resolve_model_path
@@ -172,25 +185,7 @@ def build_plain_trl(config, gradient_checkpointing: bool = True):
     path = resolve_model_path(config.model.name)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    t = config.train
-    args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench-trl-"),
-        learning_rate=t.learning_rate,
-        optim="adamw_torch",
-        per_device_train_batch_size=t.num_generations,
-        num_generations=t.num_generations,
-        max_completion_length=t.max_completion_length,
-        temperature=t.temperature,
-        beta=t.beta,
-        max_steps=t.max_steps,
-        logging_steps=1,
-        save_strategy="no",
-        seed=t.seed,
-        use_cpu=True,
-        report_to="none",
-        disable_tqdm=True,
-        gradient_checkpointing=gradient_checkpointing,
-    )
+    args = plain_trl_args(config, tempfile.mkdtemp(prefix="bench-trl-"), gradient_checkpointing)
     lora = LoraConfig(r=config.lora.r, lora_alpha=config.lora.alpha, target_modules=list(config.lora.target_modules),
                       task_type="CAUSAL_LM")
     torch.manual_seed(config.lora.random_state)
@@ -238,21 +233,12 @@ def child(variant: str, args) -> dict:
 # --------------------------------------------------------------------------- the parent side
 
 
-def run_child(variant: str, args) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
-        result_path = fh.name
-    cmd = [sys.executable, "-m", "bench.vs_trl", "--child", variant, "--result", result_path, "--preset", args.preset,
-           "--steps", str(args.steps), "--generations", str(args.generations), "--tokens", str(args.tokens)]
+def child_args(variant: str, args) -> list[str]:
+    argv = ["--child", variant, "--preset", args.preset, "--steps", str(args.steps),
+            "--generations", str(args.generations), "--tokens", str(args.tokens)]
     for assignment in args.set or []:
-        cmd += ["--set", assignment]
-    print(f"[bench] {variant}: {args.steps} steps ...", file=sys.stderr, flush=True)
-    started = time.time()
-    subprocess.run(cmd, cwd=REPO, check=True)
-    result = json.loads(Path(result_path).read_text())
-    os.unlink(result_path)
-    result["wall_s"] = round(time.time() - started, 1)
-    print(f"[bench] {variant}: {result['step_s']} s/step, peak RSS {result['peak_rss_mb']} MB", file=sys.stderr)
-    return result
+        argv += ["--set", assignment]
+    return argv
 
 
 def table(results: dict) -> str:
@@ -277,32 +263,30 @@ def main() -> int:
     p.add_argument("--generations", type=int, default=4, help="completions per prompt (G)")
     p.add_argument("--tokens", type=int, default=64, help="max completion tokens (L)")
     p.add_argument("--set", action="append", help="extra config override for every variant")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "vs_trl.json")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "vs_trl.json")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
 
     if args.child:
-        Path(args.result).write_text(json.dumps(child(args.child, args)))
+        write_child_result(args.result, child(args.child, args))
         return 0
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    results = {variant: run_child(variant, args) for variant in variants}
+    results = {}
+    for variant in variants:
+        results[variant] = r = run_child("bench.vs_trl", child_args(variant, args), f"{variant}: {args.steps} steps")
+        print(f"[bench] {variant}: {r['step_s']} s/step, peak RSS {r['peak_rss_mb']} MB", file=sys.stderr)
     report = {
-        "command": "python -m bench.vs_trl " + " ".join(sys.argv[1:]),
+        "command": command_line("bench.vs_trl"),
         "settings": {"preset": args.preset, "model": "SmolLM2-135M-Instruct", "generations": args.generations,
                      "max_completion_tokens": args.tokens, "steps": args.steps, "counted_steps": max(1, args.steps - 1),
-                     "threads": os.cpu_count(), "extra": args.set or []},
+                     **machine(), "extra": args.set or []},
         **results,
     }
     if "trl" in results:
-        report["ratios_vs_trl"] = {
-            name: {"step_s": round(r["step_s"] / results["trl"]["step_s"], 3),
-                   "peak_rss_mb": round(r["peak_rss_mb"] / results["trl"]["peak_rss_mb"], 3)}
-            for name, r in results.items() if name != "trl"
-        }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+        report["ratios_vs_trl"] = ratios(results, "trl", ("step_s", "peak_rss_mb"))
+    write_report(args.out, report)
     print(table(results))
     print(f"\nwritten: {args.out}")
     return 0
