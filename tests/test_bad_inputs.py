@@ -131,6 +131,8 @@ CONFIG_CASES = [
     ("eval.top_p", "2", "eval.top_p must be in (0, 1]"),
     ("eval.seed", "x", "eval.seed must be int"),
     ("eval.batch_size", "0", "eval.batch_size must be >= 1"),
+    ("eval.samples", "-1", "eval.samples must be >= 0"),
+    ("eval.sample_temperature", "0", "eval.sample_temperature must be > 0"),
     ("eval.enabled", "maybe", "eval.enabled must be bool"),
     ("memory.load_in_4bit", "maybe", "memory.load_in_4bit must be bool"),
     ("memory.gpu_memory_utilization", "0.99", "memory.gpu_memory_utilization must be in [0.05, 0.95]"),
