@@ -120,11 +120,12 @@ def surprises(config, n_train_available: Optional[int] = None) -> list[str]:
     out = []
     evals = 0
     if config.eval.enabled:
-        evals = config.data.eval_size * (3 if config.prime.steps > 0 else 2)
+        evals = config.data.eval_size * (3 if config.prime.steps > 0 else 2) * (1 + config.eval.samples)
     trained = config.train.max_steps * (config.train.per_device_train_batch_size or config.train.num_generations) \
         * config.train.gradient_accumulation_steps
     if evals > EVAL_TO_TRAIN_WARNING * trained:
-        out.append(f"warning: evaluation samples {evals} completions (data.eval_size={config.data.eval_size} per measurement), "
+        extra = f" x (1 + eval.samples={config.eval.samples})" if config.eval.samples else ""
+        out.append(f"warning: evaluation samples {evals} completions (data.eval_size={config.data.eval_size} per measurement{extra}), "
                    f"{evals / trained:.0f}x the {trained} that training samples: lower data.eval_size or train longer")
     if n_train_available is not None and config.data.num_train and config.data.num_train > n_train_available:
         out.append(f"warning: data.num_train={config.data.num_train} but the data has {n_train_available} training rows "

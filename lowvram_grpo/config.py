@@ -308,18 +308,33 @@ class PrimeConfig:
 
 @dataclass
 class EvalConfig:
-    """The before/after comparison on the held-out split."""
+    """The held-out comparison (before / primed / after, and `lowvram-grpo eval`): greedy by default, as
+    published GSM8K numbers are (lm-eval-harness, model cards); `samples` adds mean@k and pass@k."""
 
-    temperature: float = _help("Sampling temperature for the comparison; 0 = greedy.", 0.8)
-    top_p: float = _help("Nucleus sampling for the comparison.", 0.95)
-    seed: int = _help("Sampling seed: the same for before and after, so the two are comparable.", 3407)
+    temperature: float = _help(
+        "Decoding of the held-out answers: 0 = greedy (the standard protocol: one deterministic answer per question); "
+        "> 0 = one answer sampled per question at this temperature (eval.top_p, eval.seed).", 0.0)
+    top_p: float = _help("Nucleus sampling wherever evaluation samples (eval.temperature > 0, eval.samples).", 0.95)
+    seed: int = _help("Sampling seed: the same for every column, so the columns are comparable.", 3407)
+    samples: int = _help(
+        "0 = off; k > 0 also samples k answers per question at eval.sample_temperature and reports mean@k (the mean "
+        "accuracy of the samples) and pass@k (a question counts when any of its k samples is right). k times the "
+        "evaluation time.", 0)
+    sample_temperature: float = _help("Temperature of the eval.samples answers.", 0.8)
     batch_size: int = _help("Prompts generated at once during evaluation.", 8)
     enabled: bool = _help("Measure before/after at all (off = faster smoke runs; summary.json then has no numbers).", True)
 
     def __post_init__(self):
-        _check(self.temperature >= 0, f"eval.temperature must be >= 0; got {self.temperature}")
+        _check(self.temperature >= 0, f"eval.temperature must be >= 0 (0 = greedy); got {self.temperature}")
         _check(0 < self.top_p <= 1, f"eval.top_p must be in (0, 1]; got {self.top_p}")
+        _check(self.samples >= 0, f"eval.samples must be >= 0 (0 = off, k = mean@k and pass@k); got {self.samples}")
+        _check(self.sample_temperature > 0,
+               f"eval.sample_temperature must be > 0 (the eval.samples answers are sampled); got {self.sample_temperature}")
         _check(self.batch_size >= 1, f"eval.batch_size must be >= 1; got {self.batch_size}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 @dataclass

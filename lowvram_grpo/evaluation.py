@@ -1,8 +1,13 @@
-"""Before/after comparison on the held-out questions.
+"""Held-out numbers: the base model and adapters on the same questions, under one named protocol.
 
-The same prompts, the same sampling settings and the same seed are used for the base model
-(`lora_request=None`), the primed adapter and the trained adapter (`lora_request=handle.load_lora(saved)`),
-so the columns differ only by the adapter. Reported per column:
+The protocol (`protocol(config)`, stored with every column in summary.json) is **greedy decoding** by
+default (`eval.temperature: 0`), as published GSM8K numbers are (lm-eval-harness, verl's validation, model
+cards): one deterministic answer per question, so a column's accuracy is a property of the adapter, not of
+a sampling draw. `eval.temperature > 0` samples one answer per question instead (the same seed in every
+column); `eval.samples: k` adds mean@k and pass@k over k answers sampled at `eval.sample_temperature`.
+The same prompts and protocol are used for the base model (`lora_request=None`), the primed adapter and
+the trained adapter (`lora_request=handle.load_lora(saved)`), so the columns differ only by the adapter.
+Reported per column:
 
 - `reward_mean`: the mean total reward, from the very reward functions and weights the trainer used
   (`rewards.reward_functions(config.rewards)`: built-in ones and a `rewards.module` file's alike), called
@@ -17,7 +22,11 @@ so the columns differ only by the adapter. Reported per column:
 - `format_rate`: a reasoning block followed by an answer block;
 - `mean_completion_tokens`;
 - `n` and the per-question verdicts (`strict_correct`, `lenient_correct`: 0/1 in question order, for
-  paired comparisons between columns).
+  paired comparisons between columns: `paired_change`, an exact McNemar test);
+- `protocol`: how the answers were decoded (`protocol_label` says it in words);
+- with `eval.samples: k`, `sampled`: `strict_mean_at_k` / `lenient_mean_at_k` (mean accuracy of the k
+  samples, with a 95% normal interval over questions) and `strict_pass_at_k` / `lenient_pass_at_k` (share
+  of questions with a right answer among the k, Wilson interval), and the per-question counts.
 """
 from __future__ import annotations
 
@@ -74,13 +83,45 @@ def paired_change(start: dict, end: dict, key: str) -> Optional[tuple[int, int, 
     return gained, lost, mcnemar_p(gained, lost)
 
 
-def generate_answers(handle: ModelHandle, rows: list[dict], config, lora_request: Optional[LoraRequest]) -> list[Completion]:
+def protocol(config) -> dict:
+    """How the held-out answers are decoded, as stored beside every column's numbers."""
     ev = config.eval
+    described = {"decoding": "greedy" if ev.greedy else "sampled", "temperature": ev.temperature,
+                 "max_tokens": config.train.max_completion_length, "batch_size": ev.batch_size}
+    if not ev.greedy:
+        described.update(top_p=ev.top_p, seed=ev.seed, answers_per_question=1)
+    if ev.samples:
+        described["samples"] = {"k": ev.samples, "temperature": ev.sample_temperature, "top_p": ev.top_p, "seed": ev.seed}
+    return described
+
+
+def protocol_label(described: Optional[dict]) -> str:
+    """The protocol in words, for tables and reports ('greedy decoding, up to 64 new tokens')."""
+    if not described:
+        return "protocol not recorded (summaries written before it was: one answer sampled at eval.temperature, 0.8 by default then)"
+    if described.get("decoding") == "greedy":
+        text = f"greedy decoding, up to {described['max_tokens']} new tokens"
+    else:
+        text = (f"one answer sampled per question at T={described['temperature']:g}, top-p {described['top_p']:g}, "
+                f"seed {described['seed']}, up to {described['max_tokens']} new tokens")
+    samples = described.get("samples")
+    if samples:
+        text += f"; mean@{samples['k']} / pass@{samples['k']} over {samples['k']} samples at T={samples['temperature']:g}"
+    return text
+
+
+def generate_answers(handle: ModelHandle, rows: list[dict], config, lora_request: Optional[LoraRequest],
+                     temperature: Optional[float] = None) -> list[Completion]:
+    """One completion per row, in batches of eval.batch_size, at `temperature` (default eval.temperature;
+    0 = greedy). Sampling uses eval.top_p and a seed per batch, identical for every column."""
+    ev = config.eval
+    temperature = ev.temperature if temperature is None else temperature
     texts: list[Completion] = []
     for start in range(0, len(rows), ev.batch_size):
         batch = rows[start:start + ev.batch_size]
         params = SamplingParams(
-            temperature=ev.temperature, top_p=ev.top_p, max_tokens=config.train.max_completion_length,
+            temperature=temperature, top_p=ev.top_p if temperature > 0 else 1.0,
+            max_tokens=config.train.max_completion_length,
             seed=ev.seed + start,  # per batch, identical for before and after
         )
         texts += handle.generate([r["prompt"] for r in batch], params, lora_request=lora_request)
@@ -114,9 +155,7 @@ def score(rows: list[dict], generated: list[Completion], config, reward_funcs=No
     for fn, weight in zip(reward_funcs, config.rewards.weight_list):
         for i, value in enumerate(fn(prompts=prompts, completions=completions, **keywords)):
             total[i] += weight * value
-    golds = [r["answer"] for r in rows]
-    strict = [int(answers.is_correct(answers.strict_answer(t), g)) for t, g in zip(texts, golds)]
-    lenient = [int(answers.is_correct(answers.lenient_answer(t), g)) for t, g in zip(texts, golds)]
+    strict, lenient = verdicts(rows, texts)
     n = len(rows)
     return {
         "reward_mean": sum(total) / n,
@@ -132,12 +171,58 @@ def score(rows: list[dict], generated: list[Completion], config, reward_funcs=No
     }
 
 
+def verdicts(rows: list[dict], texts: list[str]) -> tuple[list[int], list[int]]:
+    """Per question: is the strict answer right, is the lenient answer right (0/1 each)."""
+    golds = [r["answer"] for r in rows]
+    strict = [int(answers.is_correct(answers.strict_answer(t), g)) for t, g in zip(texts, golds)]
+    lenient = [int(answers.is_correct(answers.lenient_answer(t), g)) for t, g in zip(texts, golds)]
+    return strict, lenient
+
+
+def mean_interval(values: list[float], z: float = Z95) -> tuple[float, float]:
+    """A 95% normal interval of the mean of per-question values (clipped to [0, 1])."""
+    n = len(values)
+    if n < 2:
+        return (0.0, 1.0)
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = z * sd / math.sqrt(n)
+    return (max(0.0, mean - half), min(1.0, mean + half))
+
+
+def sampled_numbers(rows: list[dict], texts: list[str], k: int) -> dict:
+    """mean@k and pass@k, strict and lenient, from k completions per row (row i's are texts[i*k:(i+1)*k])."""
+    repeated = [r for r in rows for _ in range(k)]
+    strict, lenient = verdicts(repeated, texts)
+    n = len(rows)
+    out: dict = {"k": k}
+    for name, flat in (("strict", strict), ("lenient", lenient)):
+        counts = [sum(flat[i * k:(i + 1) * k]) for i in range(n)]
+        means = [c / k for c in counts]
+        passed = sum(1 for c in counts if c)
+        out.update({f"{name}_mean_at_k": sum(means) / n, f"{name}_mean_at_k_ci": list(mean_interval(means)),
+                    f"{name}_pass_at_k": passed / n, f"{name}_pass_at_k_ci": list(wilson_interval(passed, n)),
+                    f"{name}_counts": counts})
+    return out
+
+
 def evaluate(handle: ModelHandle, rows: list[dict], config, lora_request: Optional[LoraRequest]) -> tuple[dict, list[str]]:
+    """The column's numbers under the configured protocol, and its answers (the greedy ones by default)."""
     generated = generate_answers(handle, rows, config, lora_request)
-    return score(rows, generated, config, tokenizer=handle.tokenizer), [c.text for c in generated]
+    numbers = score(rows, generated, config, tokenizer=handle.tokenizer)
+    numbers["protocol"] = protocol(config)
+    k = config.eval.samples
+    if k:
+        repeated = [r for r in rows for _ in range(k)]
+        sampled = generate_answers(handle, repeated, config, lora_request, temperature=config.eval.sample_temperature)
+        numbers["sampled"] = sampled_numbers(rows, [c.text for c in sampled], k)
+    return numbers, [c.text for c in generated]
 
 
 # --------------------------------------------------------------------------- the table
+
+SAMPLED_ROWS = (("strict", "mean"), ("strict", "pass"), ("lenient", "mean"), ("lenient", "pass"))
+
 
 def cell(row: dict, key: str) -> str:
     """'0.453 [0.34, 0.57]' for an accuracy with its interval, '2.904' otherwise, '-' when absent
@@ -148,40 +233,86 @@ def cell(row: dict, key: str) -> str:
     return f"{row[key]:.3f} [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else f"{row[key]:.3f}"
 
 
-def interval_notes(before: dict, after: dict, primed: Optional[dict] = None) -> list[str]:
-    """One sentence per accuracy: do the 95% intervals of the compared columns overlap?"""
+def metric_rows(columns: list[dict]) -> list[tuple[str, list[str], Optional[tuple[float, float]]]]:
+    """(label, one cell per column, (first, last) value for the change) for every metric a table shows:
+    METRICS, then mean@k / pass@k where a column has `sampled`."""
+    out = []
+    for key in METRICS:
+        ends = (columns[0][key], columns[-1][key]) if key in columns[0] and key in columns[-1] else None
+        out.append((key, [cell(c, key) for c in columns], ends))
+    k = next((c["sampled"]["k"] for c in columns if c.get("sampled")), None)
+    if k:
+        for judge, kind in SAMPLED_ROWS:
+            key = f"{judge}_{kind}_at_k"
+            cells = [cell(c["sampled"], key) if c.get("sampled") else "-" for c in columns]
+            first, last = columns[0].get("sampled"), columns[-1].get("sampled")
+            ends = (first[key], last[key]) if first and last else None
+            out.append((f"{judge} {kind}@{k}", cells, ends))
+    return out
+
+
+def protocol_lines(columns: list[dict]) -> list[str]:
+    """The protocol the columns were measured with, and a warning when they differ."""
+    described = [c.get("protocol") for c in columns]
+    labels = list(dict.fromkeys(protocol_label(d) for d in described))
+    if len(labels) == 1:
+        return [f"protocol: {labels[0]}"]
+    return [f"warning: the columns were measured under different protocols ({'; '.join(labels)}): "
+            "their differences mix the protocol with the adapter"]
+
+
+def pair_notes(pairs: list[tuple[str, dict, str, dict]]) -> list[str]:
+    """One sentence per accuracy and (start name, start, end label, end) pair: the change, whether the 95%
+    intervals overlap, and the paired count of questions that flipped with its McNemar p."""
     notes = []
-    pairs = [("primed", primed, "after (GRPO's own change)")] if primed else []
-    pairs.append(("before", before, "after"))
     for key in WITH_INTERVAL:
-        for name, start, label in pairs:
-            if not (f"{key}_ci" in start and f"{key}_ci" in after):
+        for name, start, label, end in pairs:
+            if not (f"{key}_ci" in start and f"{key}_ci" in end):
                 continue
-            change = after[key] - start[key]
-            if intervals_overlap(start[f"{key}_ci"], after[f"{key}_ci"]):
+            change = end[key] - start[key]
+            if intervals_overlap(start[f"{key}_ci"], end[f"{key}_ci"]):
                 verdict = "the 95% intervals overlap: not a clear difference at this n"
             else:
                 verdict = "the 95% intervals do not overlap"
-            paired = paired_change(start, after, key)
+            paired = paired_change(start, end, key)
             if paired is not None:
                 p = paired[2]
-                verdict += (f"; paired over the same {len(after['strict_correct'])} questions: {paired[0]} newly right, "
+                verdict += (f"; paired over the same {len(end['strict_correct'])} questions: {paired[0]} newly right, "
                             f"{paired[1]} newly wrong (McNemar p {'< 0.001' if p < 0.001 else f'= {p:.3f}'})")
             notes.append(f"{key} {name} -> {label}: {change:+.3f}; {verdict}")
     return notes
 
 
+def interval_notes(before: dict, after: dict, primed: Optional[dict] = None) -> list[str]:
+    """A run's notes: primed -> after (GRPO's own change) when priming ran, and before -> after."""
+    pairs = [("primed", primed, "after (GRPO's own change)", after)] if primed else []
+    pairs.append(("before", before, "after", after))
+    return pair_notes(pairs)
+
+
+def format_columns(named: list[tuple[str, dict]], pairs: list[tuple[str, dict, str, dict]]) -> str:
+    """A plain-text table of named columns (the first is the reference of the `change` column), the
+    protocol, and the pair notes."""
+    names, columns = [n for n, _ in named], [c for _, c in named]
+    width = max(22, *(len(n) + 2 for n in names))
+    lines = [f"{'held-out metric':<24}" + "".join(f"{n:>{width}}" for n in names) + f"{'change':>10}"]
+    for label, cells, ends in metric_rows(columns):
+        change = f"{ends[1] - ends[0]:>+10.3f}" if ends else f"{'-':>10}"
+        lines.append(f"{label:<24}" + "".join(f"{c:>{width}}" for c in cells) + change)
+    lines.append(f"({columns[-1].get('n', '?')} held-out questions; [95% Wilson interval])")
+    if (names[0], names[-1]) != ("before", "after"):
+        lines.append(f"(change = {names[-1]} - {names[0]})")
+    lines += protocol_lines(columns)
+    lines += pair_notes(pairs)
+    return "\n".join(lines)
+
+
 def format_table(before: dict, after: dict, primed: Optional[dict] = None) -> str:
     """The before/after table printed at the end of a run (with the primed column when priming ran),
-    accuracies with their 95% Wilson intervals, and whether the intervals overlap."""
-    columns = [before] + ([primed] if primed else []) + [after]
-    names = ["before"] + (["primed"] if primed else []) + ["after"]
-    width = 22
-    lines = [f"{'held-out metric':<24}" + "".join(f"{n:>{width}}" for n in names) + f"{'change':>10}"]
-    for key in METRICS:
-        change = f"{after[key] - before[key]:>+10.3f}" if key in after and key in before else f"{'-':>10}"
-        lines.append(f"{key:<24}" + "".join(f"{cell(c, key):>{width}}" for c in columns) + change)
-    lines.append(f"({after.get('n', '?')} held-out questions; [95% Wilson interval])")
+    accuracies with their 95% Wilson intervals, the protocol, and whether the intervals overlap."""
+    named = [("before", before)] + ([("primed", primed)] if primed else []) + [("after", after)]
+    table = format_columns(named, [])
+    lines = table.splitlines()
     if primed:
         own = "".join(f", {key} {after[key] - primed[key]:+.3f}" for key in WITH_INTERVAL if key in after and key in primed)
         lines.append(f"(GRPO's own change in reward_mean, primed -> after: {after['reward_mean'] - primed['reward_mean']:+.3f}{own})")

@@ -200,10 +200,11 @@ class GRPORun:
         """The held-out numbers of the base model (`adapter` None) or of a saved adapter, as `stage`."""
         if not self.config.eval.enabled:
             return None
-        from .evaluation import evaluate
+        from .evaluation import evaluate, protocol, protocol_label
 
         what = f"the adapter in {adapter}" if adapter else "the base model"
-        self.log(f"measuring {what} on {len(self.eval_rows)} held-out questions ({stage}) ...")
+        self.log(f"measuring {what} on {len(self.eval_rows)} held-out questions ({stage}; "
+                 f"{protocol_label(protocol(self.config))}) ...")
         request = self.handle.load_lora(adapter) if adapter else None
         with self._failures_reported("evaluation"):
             self.measured[stage], self.texts[stage] = evaluate(self.handle, self.eval_rows, self.config, lora_request=request)

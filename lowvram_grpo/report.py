@@ -3,8 +3,9 @@
 Every run writes it at the end (pipeline.run); `python -m lowvram_grpo.report RUN_DIR` rebuilds it
 from `metrics.jsonl`, `summary.json` and `config.yaml`. It holds:
 
-- plots per GRPO step: reward (total and per reward function), KL, completion length, the share of
-  completions cut at `max_completion_length` (with the share of groups whose rewards were all equal), loss;
+- plots per GRPO step: reward (total, per step under its moving average, and per reward function), KL,
+  completion length, the share of completions cut at `max_completion_length` (with the share of groups
+  whose rewards were all equal, and of groups all right / all wrong), loss;
 - the before/(primed/)after table on the held-out questions and the sample answers;
 - the training-signal warnings (signals.py), replayed over the whole log.
 
@@ -18,9 +19,10 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import RunDirError
-from .evaluation import METRICS, cell, interval_notes
+from .evaluation import interval_notes, metric_rows, protocol_lines
 from .run_dir import RunDir
-from .signals import CLIPPED_KEY, THRESHOLD, ZERO_STD_KEY, Signal, scan
+from .signals import (ALL_RIGHT_KEY, ALL_WRONG_KEY, CLIPPED_KEY, SMOOTHING, THRESHOLD, ZERO_STD_KEY, Signal,
+                      moving_average, scan)
 
 PLOT_FILES = ("reward.png", "kl.png", "completion_length.png", "clipped_ratio.png", "loss.png")
 
@@ -34,8 +36,9 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def _line_plot(path: Path, title: str, ylabel: str, lines: list[tuple[str, str]], rows: list[dict],
                hline: Optional[tuple[float, str]] = None, ylim: Optional[tuple[float, float]] = None,
-               emphasise: Optional[str] = None) -> bool:
-    """One PNG: each (label, metric key) as a line over GRPO steps. False (nothing written) if no line has data."""
+               smooth: Optional[str] = None) -> bool:
+    """One PNG: each (label, metric key) as a line over GRPO steps. False (nothing written) if no line has data.
+    `smooth`: a key whose raw line is drawn thin and pale under its moving average (signals.moving_average)."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
@@ -46,8 +49,12 @@ def _line_plot(path: Path, title: str, ylabel: str, lines: list[tuple[str, str]]
     fig = Figure(figsize=(8.5, 4), dpi=110, layout="constrained")
     ax = fig.subplots()
     for label, steps, values, key in drawn:
-        style = dict(linewidth=2.4, color="black", zorder=3) if key == emphasise else dict(linewidth=1.4)
-        ax.plot(steps, values, label=label, marker="o" if len(steps) <= 30 else None, markersize=3.5, **style)
+        if key == smooth:
+            ax.plot(steps, values, label=f"{label}, per step", linewidth=1.0, color="black", alpha=0.3, zorder=2)
+            ax.plot(steps, moving_average(values), label=f"{label}, moving average of {SMOOTHING} steps",
+                    linewidth=2.6, color="black", zorder=3)
+            continue
+        ax.plot(steps, values, label=label, marker="o" if len(steps) <= 30 else None, markersize=3.5, linewidth=1.4)
     if hline is not None:
         ax.axhline(hline[0], color="tab:red", linestyle="--", linewidth=1, label=hline[1])
     if ylim is not None:
@@ -77,7 +84,7 @@ def write_plots(run_dir: Path, rows: list[dict], config: dict) -> dict[str, Opti
     plots = {
         "reward": dict(title="Reward per step (total = weighted sum of the reward functions)",
                        ylabel="mean reward over the step's completions",
-                       lines=[("total (weighted)", "reward")] + per_reward, emphasise="reward"),
+                       lines=[("total (weighted)", "reward")] + per_reward, smooth="reward"),
         "kl": dict(title="KL divergence from the base model", ylabel="KL (per token, mean)", lines=[("KL", "kl")]),
         "completion_length": dict(
             title="Completion length", ylabel="tokens",
@@ -87,7 +94,8 @@ def write_plots(run_dir: Path, rows: list[dict], config: dict) -> dict[str, Opti
         "clipped_ratio": dict(
             title="Cut-off completions and groups without signal", ylabel="fraction",
             lines=[("completions cut at max_completion_length", CLIPPED_KEY),
-                   ("groups with all-equal rewards", ZERO_STD_KEY)],
+                   ("groups with all-equal rewards", ZERO_STD_KEY),
+                   ("groups all right (correctness)", ALL_RIGHT_KEY), ("groups all wrong (correctness)", ALL_WRONG_KEY)],
             hline=(THRESHOLD, f"warning threshold {THRESHOLD}"), ylim=(-0.03, 1.03)),
         "loss": dict(title="GRPO loss", ylabel="loss", lines=[("loss", "loss")]),
     }
@@ -113,17 +121,18 @@ def _fenced(text: str) -> str:
 
 
 def comparison_table(summary: dict) -> str:
-    """The held-out before/(primed/)after table in markdown, accuracies with their 95% Wilson intervals."""
+    """The held-out before/(primed/)after table in markdown, accuracies with their 95% Wilson intervals,
+    and the protocol the numbers were measured with (greedy by default)."""
     before, primed, after = summary.get("before"), summary.get("primed"), summary.get("after")
     if not (before and after):
         return "No before/after numbers: evaluation was off for this run (`eval.enabled`)."
-    columns = ["before (base)"] + (["primed"] if primed else []) + ["after (GRPO)", "change"]
-    lines = ["| held-out metric | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
-    for key in METRICS:
-        cells = [cell(row, key) for row in [before] + ([primed] if primed else []) + [after]]
-        cells.append(f"{after[key] - before[key]:+.3f}" if key in after and key in before else "-")
-        lines.append(f"| {key} | " + " | ".join(cells) + " |")
-    note = (f"\n\n{after.get('n', '?')} held-out questions; same prompts, sampling and seed for every column; "
+    names = ["before (base)"] + (["primed"] if primed else []) + ["after (GRPO)", "change"]
+    lines = ["| held-out metric | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for label, cells, ends in metric_rows([before] + ([primed] if primed else []) + [after]):
+        change = f"{ends[1] - ends[0]:+.3f}" if ends else "-"
+        lines.append(f"| {label} | " + " | ".join(cells + [change]) + " |")
+    protocol = " ".join(protocol_lines([before] + ([primed] if primed else []) + [after]))
+    note = (f"\n\n{after.get('n', '?')} held-out questions, the same prompts for every column; {protocol}; "
             "[95% Wilson interval]. Strict: the answer inside `<answer>...</answer>` is right; lenient: the answer "
             "the text states, in any format, is right.")
     if primed:

@@ -6,8 +6,13 @@ logged metrics mean it has little or nothing to learn from:
 - `truncated`: most completions hit `max_completion_length` (TRL's `completions/clipped_ratio`). A cut-off
   completion never writes its closing tags, so the format and correctness rewards stay at 0.
 - `no_signal`: most groups scored all-equal rewards (TRL's `frac_reward_zero_std`): zero advantage,
-  zero gradient.
+  zero gradient. Which way says what to do: groups that are all wrong (`groups/all_wrong`, logged by
+  training.GroupOutcomes from the correctness reward) need right answers within reach (prime the format,
+  partial-credit rewards); groups that are all right need harder questions, more generations or a higher
+  temperature, so that answers in a group differ.
 - `flat_reward`: the mean reward has not moved for many logged steps.
+
+`moving_average` is the smoothing of the progress bar's and the reward plot's average (SMOOTHING steps).
 
 Everything here is a pure function of metric rows (the dicts of `metrics.jsonl`), so the same checks
 run live during training (`training.SignalWarnings`, one print per kind) and afterwards in the report
@@ -21,6 +26,9 @@ from typing import Iterable, Optional
 CLIPPED_KEY = "completions/clipped_ratio"
 ZERO_STD_KEY = "frac_reward_zero_std"
 REWARD_KEY = "reward"
+ALL_RIGHT_KEY = "groups/all_right"   # share of groups whose completions were all right (training.GroupOutcomes)
+ALL_WRONG_KEY = "groups/all_wrong"   # ... all wrong
+SMOOTHING = 10      # logged steps in the moving average of the reward (progress bar, reward plot)
 
 WINDOW = 5          # logged steps averaged for the two ratio checks: one odd step is not a pattern
 MIN_ROWS = 2        # ... and at least this many, so the very first step alone never warns
@@ -66,14 +74,38 @@ def truncation(rows: list[dict], max_completion_length: Optional[int] = None) ->
 
 
 def no_signal(rows: list[dict]) -> Optional[str]:
-    """A warning when most recent groups had all-equal rewards (nothing for GRPO to compare), else None."""
+    """A warning when most recent groups had all-equal rewards (nothing for GRPO to compare), else None.
+    It says which way they are equal when the correctness reward logged it (all right or all wrong)."""
     fraction = _recent_mean(rows, ZERO_STD_KEY)
     if fraction is None or fraction <= THRESHOLD:
         return None
-    return (f"{fraction:.0%} of groups scored all-equal rewards (TRL's frac_reward_zero_std): their advantages, and "
-            f"so their gradients, are 0. Give the groups something to tell apart: prime the format first "
-            f"(`--set prime.steps=20`), raise train.num_generations or train.temperature, or add a partial-credit "
-            f"reward such as xmlcount.")
+    head = (f"{fraction:.0%} of groups scored all-equal rewards (TRL's frac_reward_zero_std): their advantages, and "
+            f"so their gradients, are 0.")
+    right, wrong = _recent_mean(rows, ALL_RIGHT_KEY), _recent_mean(rows, ALL_WRONG_KEY)
+    if right is not None and wrong is not None and max(right, wrong) > 0:
+        if right > wrong:
+            return (f"{head} Most are all right ({right:.0%} of groups: every answer correct): the model already solves "
+                    f"these questions, and only the other groups teach anything. Make the answers in a group differ: "
+                    f"harder questions (your own --dataset, or --set data.max_operand=<larger> for the built-in "
+                    f"problems), more generations per question (--set train.num_generations=<larger>) or a higher "
+                    f"--set train.temperature.")
+        return (f"{head} Most are all wrong ({wrong:.0%} of groups: no answer correct): there is nothing right to "
+                f"reinforce. Bring right answers within reach: prime the format first (`--set prime.steps=20`), add "
+                f"partial-credit rewards such as xmlcount and soft_format, or easier questions.")
+    return (f"{head} Give the groups something to tell apart: if they are all wrong, prime the format first "
+            f"(`--set prime.steps=20`) or add a partial-credit reward such as xmlcount; if they are all right, use "
+            f"harder questions, raise train.num_generations or train.temperature.")
+
+
+def moving_average(values: list[float], window: int = SMOOTHING) -> list[float]:
+    """The trailing mean of the last `window` values at each position (fewer at the start)."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
 
 
 def flat_reward(rows: list[dict]) -> Optional[str]:

@@ -1,9 +1,11 @@
 """GRPO training through TRL's `GRPOTrainer`: the algorithm stays in TRL.
 
 This module maps our config onto `GRPOConfig`, hands TRL the PEFT model, the reward functions (with
-their weights) and the prompt rows, and adds three callbacks: a progress bar (step, reward, loss, time
-left), a `metrics.jsonl` writer (one JSON object per logged step) and the training-signal warnings
-(signals.py: truncated completions, groups with all-equal rewards, a flat reward), plus the guards
+their weights; `correctness` also logs the share of all-right and all-wrong groups) and the prompt rows,
+and adds three callbacks: a progress bar (step, time left, the reward and its moving average, the share
+of groups with signal, the KL when beta > 0; not TRL's loss, ~0 by construction), a `metrics.jsonl`
+writer (one JSON object per logged step) and the training-signal warnings (signals.py: truncated
+completions, groups with all-equal rewards and which way, a flat reward), plus the guards
 (guards.py: NaN/inf steps skipped, Ctrl-C / SIGTERM at a step boundary). Checkpoints are written
 atomically with our run state through RunDir, and resuming restores the trained adapter; the private
 Trainer hooks this needs live in trl_compat.py. Under `accelerate launch` (several processes, hf
@@ -16,6 +18,7 @@ memory: PEFT disables the adapters for the reference pass), paged 8-bit AdamW.
 """
 from __future__ import annotations
 
+import collections
 import enum
 import math
 import sys
@@ -28,6 +31,7 @@ from .guards import NonFiniteGuard, StopOnSignal
 from .host_memory import ReleaseHostMemory
 from .rewards import reward_functions
 from .run_dir import RunDir
+from .signals import ALL_RIGHT_KEY, ALL_WRONG_KEY
 from .trl_compat import HookedGRPOTrainer, install_logprob_fallback
 
 
@@ -180,10 +184,16 @@ class SignalWarnings(TrainerCallback):
 
 
 class ProgressBar(TrainerCallback):
-    """A tqdm bar: step/total, time left, and the latest reward and loss."""
+    """A tqdm bar with what means something in GRPO: step/total and time left, the step's mean reward and
+    its moving average (signals.SMOOTHING logged steps: at a few prompts per step the raw reward is noise),
+    the share of groups whose rewards differed (the only ones with a gradient), and the KL to the base
+    when train.beta > 0. Not TRL's loss: with group-normalised advantages it is ~0 by construction."""
 
-    def __init__(self, total: int, initial: int = 0):
-        self.total, self.initial, self.bar = total, initial, None
+    def __init__(self, total: int, initial: int = 0, beta: float = 0.0):
+        from .signals import SMOOTHING
+
+        self.total, self.initial, self.beta, self.bar = total, initial, beta, None
+        self.rewards: collections.deque = collections.deque(maxlen=SMOOTHING)
 
     def on_train_begin(self, args, state, control, **kwargs):
         from tqdm.auto import tqdm
@@ -197,11 +207,60 @@ class ProgressBar(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.bar is not None and logs and "reward" in logs:
-            self.bar.set_postfix(reward=f"{logs['reward']:.3f}", loss=f"{logs.get('loss', float('nan')):.4f}", refresh=True)
+            self.bar.set_postfix(progress_fields(logs, self.rewards, self.beta), refresh=True)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.bar is not None:
             self.bar.close()
+
+
+def progress_fields(logs: dict, recent: "collections.deque", beta: float) -> dict:
+    """The bar's fields for one logged step; `recent` keeps the last rewards for the moving average."""
+    from .signals import ZERO_STD_KEY
+
+    reward = logs["reward"]
+    if isinstance(reward, (int, float)) and math.isfinite(reward):
+        recent.append(reward)
+    fields = {"reward": f"{reward:.3f}"}
+    if recent:
+        fields[f"avg{recent.maxlen}"] = f"{sum(recent) / len(recent):.3f}"
+    if isinstance(logs.get(ZERO_STD_KEY), (int, float)):
+        fields["signal"] = f"{1 - logs[ZERO_STD_KEY]:.0%} of groups"
+    if beta > 0 and isinstance(logs.get("kl"), (int, float)):
+        fields["kl"] = f"{logs['kl']:.4f}"
+    return fields
+
+
+class GroupOutcomes:
+    """The correctness reward, also logging per GRPO step the share of groups whose completions were all
+    right (`groups/all_right`) and all wrong (`groups/all_wrong`) through TRL's `log_metric` hook: such
+    groups carry no signal, and which of the two they are says what to change (signals.no_signal). Groups
+    are consecutive runs of num_generations completions, as TRL orders them (on several processes a group
+    may be split, and the shares are approximate). Otherwise the function TRL was handed, name and all."""
+
+    def __init__(self, fn, group_size: int):
+        self.fn, self.group_size = fn, group_size
+        self.__name__ = self.__qualname__ = fn.__name__
+        self.__doc__ = fn.__doc__
+
+    @property
+    def failures(self) -> int:
+        return getattr(self.fn, "failures", 0)
+
+    def __call__(self, prompts, completions, **kwargs):
+        scores = self.fn(prompts=prompts, completions=completions, **kwargs)
+        log = kwargs.get("log_metric")
+        g = self.group_size
+        if log is not None and scores and len(scores) % g == 0:
+            groups = [scores[i:i + g] for i in range(0, len(scores), g)]
+            log(ALL_RIGHT_KEY, sum(1 for group in groups if all(s > 0 for s in group)) / len(groups))
+            log(ALL_WRONG_KEY, sum(1 for group in groups if all(s <= 0 for s in group)) / len(groups))
+        return scores
+
+
+def with_group_outcomes(reward_funcs: list, group_size: int) -> list:
+    """`reward_funcs` with the `correctness` reward wrapped by GroupOutcomes (the others as they are)."""
+    return [GroupOutcomes(fn, group_size) if fn.__name__ == "correctness" else fn for fn in reward_funcs]
 
 
 class GRPORunTrainer(HookedGRPOTrainer):
@@ -255,7 +314,8 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None) -> GRP
     trainer = GRPORunTrainer(
         model=handle.model,
         processing_class=handle.tokenizer,
-        reward_funcs=reward_functions(config.rewards),  # each checked: one finite number per completion
+        # each checked: one finite number per completion; correctness also logs all-right / all-wrong groups
+        reward_funcs=with_group_outcomes(reward_functions(config.rewards), config.train.num_generations),
         args=GRPOConfig(**asked),
         train_dataset=Dataset.from_list(train_rows),
         **({"rollout_func": rollouts.rollout_func} if rollouts is not None else {}),
@@ -273,7 +333,7 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None) -> GRP
     trainer.add_callback(trainer.nonfinite_guard)  # before MetricsWriter: it adds skipped_nonfinite to the logs
     trainer.add_callback(trainer.stop_signals)
     if trainer.is_world_process_zero():
-        trainer.add_callback(ProgressBar(config.train.max_steps))
+        trainer.add_callback(ProgressBar(config.train.max_steps, beta=config.train.beta))
         trainer.add_callback(SignalWarnings(config.train.max_completion_length))
     trainer.add_callback(MetricsWriter(run_dir))
     trainer.add_callback(ReleaseHostMemory())  # freed step memory back to the OS: RSS stays flat (host_memory.py)

@@ -167,6 +167,8 @@ CONFIG_CASES = [
     ("eval.top_p", "2", "eval.top_p must be in (0, 1]"),
     ("eval.seed", "x", "eval.seed must be int"),
     ("eval.batch_size", "0", "eval.batch_size must be >= 1"),
+    ("eval.samples", "-1", "eval.samples must be >= 0"),
+    ("eval.sample_temperature", "0", "eval.sample_temperature must be > 0"),
     ("eval.enabled", "maybe", "eval.enabled must be bool"),
     ("memory.load_in_4bit", "maybe", "memory.load_in_4bit must be bool"),
     ("memory.gpu_memory_utilization", "0.99", "memory.gpu_memory_utilization must be in [0.05, 0.95]"),
@@ -457,3 +459,82 @@ def test_a_mismatched_or_corrupt_adapter_is_refused_by_load_lora(tmp_path, tiny_
     weights.write_bytes(weights.read_bytes()[:1000])  # cut short, as a full disk would leave it
     with pytest.raises(AdapterError, match="corrupt adapter_model.safetensors"):
         handle.load_lora(tmp_path / "mine")
+
+
+# ---------------------------------------------------------------- `lowvram-grpo eval` (evaluate.py): (id, argv after 'eval', fragment)
+# Refused before the model loads; the command writes nothing in any case. `{tmp}/adapter-*` are prepared adapters.
+EVAL_CASES = [
+    ("adapter-missing", ["--adapter", "{tmp}/no-adapter"], "--adapter {tmp}/no-adapter: no adapter at"),
+    ("adapter-incomplete", ["--adapter", "{tmp}/adapter-incomplete"], "is incomplete: adapter_model.safetensors missing"),
+    ("adapter-other-base", ["--preset", "tiny", "--adapter", "{tmp}/adapter-other"],
+     "was made for someone/Other-Model-7B, not for the model here (builtin:tiny): pass --model someone/Other-Model-7B"),
+    ("adapter-same-names", ["--preset", "tiny", "--adapter", "a={tmp}/adapter-tiny", "--adapter", "a={tmp}/adapter-tiny"],
+     "two columns have the same name"),
+    ("adapter-missing-value", ["--adapter"], "expected one argument"),
+    ("dataset-missing", ["--preset", "tiny", "--dataset", "{tmp}/missing.jsonl"], "does not exist"),
+    ("dataset-no-columns", ["--preset", "tiny", "--dataset", "{tmp}/cols.jsonl"], "lacks the field(s)"),
+    ("limit-zero", ["--preset", "tiny", "--limit", "0"], "--limit: must be >= 1"),
+    ("limit-word", ["--preset", "tiny", "--limit", "all"], "--limit: expected a whole number"),
+    ("preset-unknown", ["--preset", "nope"], "unknown preset 'nope'"),
+    ("model-missing", ["--preset", "tiny", "--model", "./no/such/model"], "model.name ./no/such/model does not exist"),
+    ("set-unknown-key", ["--preset", "tiny", "--set", "eval.bogus=1"], "unknown key 'eval.bogus'"),
+    ("set-bad-value", ["--preset", "tiny", "--set", "eval.samples=-2"], "eval.samples must be >= 0"),
+    ("backend-unknown", ["--preset", "tiny", "--backend", "vllm"], "--backend: invalid choice"),
+    ("gpu-preset-without-gpu", ["--preset", "llama8b_4bit", "--dataset", "{tmp}/small.jsonl"], "needs an NVIDIA GPU"),
+    ("json-with-value", ["--preset", "tiny", "--json=yes"], "ignored explicit argument"),
+    ("debug-with-value", ["--preset", "tiny", "--debug=yes"], "ignored explicit argument"),
+    ("unknown-option", ["--preset", "tiny", "--output-dir", "x"], "unrecognized arguments: --output-dir"),
+]
+
+
+@pytest.fixture(scope="module")
+def eval_files(bad_files):
+    """Adapters for the eval cases: a complete one of builtin:tiny, one made for another model, one incomplete."""
+    import torch
+    from safetensors.torch import save_file
+
+    for name, base in (("adapter-tiny", "builtin:tiny"), ("adapter-other", "someone/Other-Model-7B"),
+                       ("adapter-incomplete", "builtin:tiny")):
+        folder = bad_files / name
+        folder.mkdir(exist_ok=True)
+        (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": base, "peft_type": "LORA"}))
+        if name != "adapter-incomplete":
+            save_file({"base_model.model.lora_A.weight": torch.zeros(2, 2)}, str(folder / "adapter_model.safetensors"))
+    return bad_files
+
+
+@pytest.mark.parametrize("argv, fragment", [c[1:] for c in EVAL_CASES], ids=[c[0] for c in EVAL_CASES])
+def test_bad_eval_argument(argv, fragment, eval_files, capsys, monkeypatch):
+    """Through `lowvram-grpo eval ...` (run.main's dispatch). Nothing heavy may start: the model loader is
+    replaced by one that fails the test if called."""
+    import lowvram_grpo.backends as backends
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input was refused")
+
+    monkeypatch.setattr(backends, "load_model", must_not_load)
+    argv = _fill(argv, eval_files)
+    before = _snapshot(eval_files)
+    code, stderr = _main(["eval", *argv], capsys)
+    _assert_refused(code, stderr, _fill([fragment], eval_files)[0])
+    assert _snapshot(eval_files) == before
+
+
+def test_every_eval_option_has_a_case():
+    from lowvram_grpo.evaluate import build_parser
+
+    options = {s for action in build_parser()._actions for s in action.option_strings} - {"-h", "--help"}
+    covered = {arg.split("=")[0] for _, argv, _ in EVAL_CASES for arg in argv if arg.startswith("--")}
+    assert options - covered == set(), "add a bad-value case to EVAL_CASES"
+
+
+def test_eval_in_a_fresh_process(eval_files):
+    """`python -m lowvram_grpo.evaluate` itself: one line, exit 2."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-m", "lowvram_grpo.evaluate", "--adapter", str(eval_files / "adapter-other"),
+                           "--preset", "tiny"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    _assert_refused(proc.returncode, proc.stderr, "was made for someone/Other-Model-7B")

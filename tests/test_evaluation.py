@@ -110,3 +110,50 @@ def test_the_table_reports_the_paired_change_when_verdicts_are_there():
                 "mean_completion_tokens": 1.0, "n": n, "strict_correct": verdicts, "lenient_correct": verdicts}
     table = format_table(row([0] * 20), row([1] * 12 + [0] * 8), row([0] * 20))
     assert "paired over the same 20 questions: 12 newly right, 0 newly wrong (McNemar p < 0.001)" in table
+
+
+def test_the_protocol_is_greedy_by_default_and_is_said_in_words():
+    from lowvram_grpo.evaluation import protocol, protocol_label
+
+    for preset in ("tiny", "smollm2_cpu", "llama8b_4bit"):
+        described = protocol(load_config(preset))
+        assert described["decoding"] == "greedy" and described["temperature"] == 0
+    assert protocol_label(protocol(load_config("smollm2_cpu"))) == "greedy decoding, up to 64 new tokens"
+    sampled = protocol(load_config("tiny", ["eval.temperature=0.8", "eval.samples=4"]))
+    assert protocol_label(sampled) == ("one answer sampled per question at T=0.8, top-p 0.95, seed 3407, up to 24 new "
+                                       "tokens; mean@4 / pass@4 over 4 samples at T=0.8")
+    assert protocol_label(None).startswith("protocol not recorded")
+
+
+def test_mean_and_pass_at_k_from_k_samples_per_question():
+    from lowvram_grpo.evaluation import sampled_numbers
+
+    rows = [{"prompt": [], "answer": "5"}, {"prompt": [], "answer": "7"}]
+    right5, wrong = xml_formatted("2 + 3 = 5", "5"), xml_formatted("x", "1")
+    got = sampled_numbers(rows, [right5, wrong, wrong, "so 7", wrong, wrong], k=3)
+    assert got["strict_counts"] == [1, 0] and got["lenient_counts"] == [1, 1]
+    assert got["strict_mean_at_k"] == pytest.approx(1 / 6) and got["strict_pass_at_k"] == 0.5
+    assert got["lenient_mean_at_k"] == pytest.approx(1 / 3) and got["lenient_pass_at_k"] == 1.0
+    assert got["strict_pass_at_k_ci"] == pytest.approx(list(wilson_interval(1, 2)))
+    assert 0 <= got["lenient_mean_at_k_ci"][0] <= 1 / 3 <= got["lenient_mean_at_k_ci"][1] <= 1
+
+
+def test_a_table_of_any_columns_has_the_sampled_rows_the_protocol_and_the_pairs():
+    from lowvram_grpo.evaluation import format_columns
+
+    def column(verdicts, sampled=None):
+        n, k = len(verdicts), sum(verdicts)
+        return {"reward_mean": 0.0, "accuracy_strict": k / n, "accuracy_strict_ci": list(wilson_interval(k, n)),
+                "accuracy_lenient": k / n, "accuracy_lenient_ci": list(wilson_interval(k, n)), "format_rate": 1.0,
+                "mean_completion_tokens": 1.0, "n": n, "strict_correct": verdicts, "lenient_correct": verdicts,
+                "protocol": {"decoding": "greedy", "temperature": 0.0, "max_tokens": 64, "batch_size": 8},
+                **({"sampled": sampled} if sampled else {})}
+    sampled = {"k": 4, **{f"{j}_{m}_at_k": 0.5 for j in ("strict", "lenient") for m in ("mean", "pass")}}
+    named = [("base", column([0] * 10)), ("primed", column([1] * 4 + [0] * 6)), ("trained", column([1] * 9 + [0], sampled))]
+    pairs = [("base", named[0][1], "trained", named[2][1]), ("primed", named[1][1], "trained", named[2][1])]
+    table = format_columns(named, pairs)
+    assert "protocol: greedy decoding, up to 64 new tokens" in table and "(change = trained - base)" in table
+    assert "strict pass@4" in table and "lenient mean@4" in table
+    assert "accuracy_strict primed -> trained: +0.500; " in table and "5 newly right, 0 newly wrong" in table
+    other = dict(named[2][1], protocol={"decoding": "sampled", "temperature": 0.8, "top_p": 0.95, "seed": 1, "max_tokens": 64})
+    assert "measured under different protocols" in format_columns([named[0], ("x", other)], [])

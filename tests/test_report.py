@@ -176,3 +176,49 @@ def test_truncated_run_warns_during_the_run_and_in_the_report(tmp_path):
     assert "train.max_completion_length=8" in warning[0] and "prime.steps" in warning[0]
     report = (out / REPORT_FILE).read_text()
     assert "- **truncated** (from step 2):" in report and "cut off at train.max_completion_length=4" in report
+
+
+# ----------------------------------------------------------------------------- which way the all-equal groups are
+def test_the_all_equal_warning_says_which_way_and_what_to_do():
+    all_wrong = rows_with(signals.ZERO_STD_KEY, [0.9, 0.8, 0.9], **{signals.ALL_WRONG_KEY: 0.8, signals.ALL_RIGHT_KEY: 0.05})
+    message = signals.no_signal(all_wrong)
+    assert "Most are all wrong" in message and "prime.steps" in message and "partial-credit" in message
+    assert "num_generations" not in message
+    all_right = rows_with(signals.ZERO_STD_KEY, [0.9, 0.8, 0.9], **{signals.ALL_WRONG_KEY: 0.0, signals.ALL_RIGHT_KEY: 0.8})
+    message = signals.no_signal(all_right)
+    assert "Most are all right (80% of groups" in message and "prime.steps" not in message
+    assert "data.max_operand" in message and "train.num_generations" in message and "train.temperature" in message
+    unknown = signals.no_signal(rows_with(signals.ZERO_STD_KEY, [0.9, 0.8]))  # a run without the correctness reward
+    assert "if they are all wrong" in unknown and "if they are all right" in unknown
+
+
+def test_moving_average_is_the_trailing_mean():
+    assert signals.moving_average([1.0, 3.0, 5.0, 7.0], window=2) == [1.0, 2.0, 4.0, 6.0]
+    assert signals.moving_average([], window=3) == []
+
+
+def test_the_progress_bar_shows_reward_its_average_signal_and_kl_not_the_loss():
+    import collections
+
+    from lowvram_grpo.training import progress_fields
+
+    recent = collections.deque(maxlen=3)
+    for reward in (1.0, 2.0, 3.0):
+        fields = progress_fields({"reward": reward, "loss": 0.0, signals.ZERO_STD_KEY: 0.25, "kl": 0.01}, recent, beta=0.04)
+    assert fields == {"reward": "3.000", "avg3": "2.000", "signal": "75% of groups", "kl": "0.0100"}
+    fields = progress_fields({"reward": 5.0, signals.ZERO_STD_KEY: 0.5, "kl": 0.0}, recent, beta=0.0)
+    assert fields == {"reward": "5.000", "avg3": "3.333", "signal": "50% of groups"}  # beta 0: no KL
+
+
+def test_correctness_logs_the_share_of_all_right_and_all_wrong_groups():
+    from lowvram_grpo.rewards import REWARDS, xml_formatted
+    from lowvram_grpo.training import with_group_outcomes
+
+    funcs = with_group_outcomes([REWARDS["xmlcount"], REWARDS["correctness"]], group_size=2)
+    assert funcs[0] is REWARDS["xmlcount"] and funcs[1].__name__ == "correctness"
+    logged = {}
+    right, wrong = xml_formatted("1 + 1 = 2", "2"), xml_formatted("1 + 1 = 3", "3")
+    scores = funcs[1](prompts=[[]] * 6, completions=[right, right, wrong, wrong, right, wrong], answer=["2"] * 6,
+                      log_metric=lambda name, value: logged.__setitem__(name, value))
+    assert scores == [2.0, 2.0, 0.0, 0.0, 2.0, 0.0]
+    assert logged == {signals.ALL_RIGHT_KEY: pytest.approx(1 / 3), signals.ALL_WRONG_KEY: pytest.approx(1 / 3)}
