@@ -19,10 +19,8 @@ from typing import Optional
 
 from .errors import RunDirError
 from .evaluation import METRICS, cell, interval_notes
-from .run_dir import RunDir
+from .run_dir import PLOT_FILES, RunDir  # noqa: F401  (PLOT_FILES: the plots below, named where a run's files are)
 from .signals import CLIPPED_KEY, THRESHOLD, ZERO_STD_KEY, Signal, scan
-
-PLOT_FILES = ("reward.png", "kl.png", "completion_length.png", "clipped_ratio.png", "loss.png")
 
 
 # ----------------------------------------------------------------------------- plots
