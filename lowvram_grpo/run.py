@@ -185,10 +185,6 @@ def _main(args, restart: bool = False) -> int:
         raise ConfigError(f"--gpu {args.gpu} plans for a card you name: add --dry-run (training uses the card present)")
     if restart and not args.dry_run:
         before_load(config)  # settings that cannot work are refused here, not after a restart
-        if args.output_dir is not None:
-            from .run_dir import RunDir
-
-            RunDir(args.output_dir).check_free(args.overwrite)  # and a folder that holds a run
         start_on_allocator(config, args.backend)
     if args.dry_run or args.auto_fit:
         before_load(config)
