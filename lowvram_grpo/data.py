@@ -145,7 +145,8 @@ def _jsonl(text: str, path: Path) -> list:
 
 
 def _json(text: str, path: Path) -> list:
-    """A list of objects; {"train": [objects]}; pandas' to_json layouts (columns, split); JSON Lines named .json."""
+    """A list of objects; {"train": [objects]}; pandas' to_json layouts (columns, index, split, table);
+    {"column": [values]}; JSON Lines named .json."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -159,9 +160,12 @@ def _json(text: str, path: Path) -> list:
             data = [dict(zip(data["columns"], row)) for row in data["data"]]
         elif len(lists) == 1 and all(isinstance(x, dict) for x in lists[0]):  # {"train": [...]}
             data = lists[0]
-        elif values and all(isinstance(v, dict) for v in values):  # pandas' default orient="columns"
-            index = list(dict.fromkeys(i for v in values for i in v))
-            data = [{column: cells.get(i) for column, cells in data.items()} for i in index]
+        elif values and all(isinstance(v, dict) for v in values):
+            if all(str(k).isdigit() for k in data):  # pandas' orient="index": {row: {column: value}}
+                data = values
+            else:  # pandas' default orient="columns": {column: {row: value}}
+                index = list(dict.fromkeys(i for v in values for i in v))
+                data = [{column: cells.get(i) for column, cells in data.items()} for i in index]
         elif values and len(lists) == len(values) and len({len(v) for v in lists}) == 1:  # {"column": [values]}
             data = [dict(zip(data, row)) for row in zip(*lists)]
     if not isinstance(data, list):

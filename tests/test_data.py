@@ -180,6 +180,9 @@ EXPORTS = {
     "pandas to_json (default: columns)": ("d.json", _pandas("json")),
     "pandas to_json records": ("d.json", _pandas("json", orient="records", force_ascii=False)),
     "pandas to_json split": ("d.json", _pandas("json", orient="split")),
+    "pandas to_json index": ("d.json", _pandas("json", orient="index")),
+    "pandas to_json table": ("d.json", _pandas("json", orient="table")),
+    "columns of values": ("d.json", lambda p: _write(p, json.dumps({k: [r[k] for r in TRICKY] for k in TRICKY[0]}))),
     "pandas to_json lines": ("d.jsonl", _pandas("json", orient="records", lines=True)),
     "pandas to_parquet": ("d.parquet", _pandas("parquet")),
     "datasets to_json (JSON Lines named .json)": ("d.json", _hf("json")),
@@ -292,3 +295,45 @@ def test_a_local_dataset_folder_with_configs_and_splits(tmp_path):
     assert len(train) == 4
     with pytest.raises(DataError, match=r"cannot load dataset .*@main:validation.*check the folder's config and split"):
         load_questions(DataConfig(dataset=f"{folder}@main:validation", eval_size=2))
+
+
+# --------------------------------------------------------------------------- the README's example, run as written
+
+def _readme_data_blocks() -> dict:
+    from conftest import REPO
+
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Your data"):]
+    section = section[:section.index("\n## ", 4)]
+    import re
+
+    return {lang: body for lang, body in re.findall(r"```(\w+)\n(.*?)```", section, re.DOTALL)}
+
+
+def test_the_readme_data_example_trains_on_a_task_that_is_not_arithmetic(tmp_path):
+    """README "Your data": reviews.csv (saved here as Excel's "CSV UTF-8" does: BOM, CRLF) and
+    sentiment_reward.py, with the README's command as written; the reward gets the `sentiment` column."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    blocks = _readme_data_blocks()
+    (tmp_path / "reviews.csv").write_bytes(b"\xef\xbb\xbf" + blocks["csv"].replace("\n", "\r\n").encode())
+    (tmp_path / "sentiment_reward.py").write_text(blocks["python"])
+    argv = shlex.split(blocks["bash"].replace("\\\n", " "))
+    assert argv[:3] == ["python", "-m", "lowvram_grpo.run"] and "reviews.csv" in argv and "rewards.module=sentiment_reward.py" in argv
+    proc = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "runs" / "reviews"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "complete" and summary["steps"] == 3
+    assert summary["samples"][0]["question"] in blocks["csv"]  # a review, asked after the system prompt
+    for side in ("before", "after"):  # scored by says_sentiment + xmlcount; no gold answer column: no accuracy
+        assert "reward_mean" in summary[side] and "accuracy_strict" not in summary[side]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3] and all("rewards/says_sentiment/mean" in m for m in metrics)
+    assert "Is the review positive or negative?" in (out / "config.yaml").read_text()
