@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable), e.g. --set train.learning_rate=1e-5")
     p.add_argument("--max-steps", type=_positive_int, help="training steps (train.max_steps)")
-    p.add_argument("--dataset", help="a .jsonl/.json/.parquet file with question/answer, or a hub id (data.dataset)")
+    p.add_argument("--dataset", help="a .jsonl/.json/.csv/.tsv/.parquet file (columns: data.question_column, "
+                   "data.answer_column, or TRL's prompt), a hub id or a dataset folder NAME[@config][:split] (data.dataset)")
     p.add_argument("--output-dir", type=Path, help="where the run writes its files (default: outputs/PRESET-TIME); "
                    "a folder that holds a run is refused unless --overwrite")
     p.add_argument("--init-adapter", type=Path, metavar="PATH", help="start from a saved PEFT LoRA adapter (e.g. a "
