@@ -63,8 +63,8 @@ def test_overwrite_replaces_only_the_runs_own_files(tiny_run, tmp_path):
     assert (out / "notes.txt").read_text() == "mine"
 
 
-# A reward that is slow from the second step on and touches MARKER then, so the run is mid-training when
-# the test acts.
+# A reward that, from the second step on, touches MARKER and waits for RELEASE, so the run is mid-training
+# (holding its folder) for as long as the test needs, however loaded the machine is.
 SLOW_REWARD = """
 import os, time
 from pathlib import Path
@@ -72,19 +72,22 @@ from pathlib import Path
 def slow(prompts, completions, trainer_state=None, **kwargs):
     if trainer_state is not None and trainer_state.global_step >= 1:
         Path(os.environ["MARKER"]).touch()
-        time.sleep(1.0)
+        deadline = time.time() + 600
+        while not Path(os.environ["RELEASE"]).exists() and time.time() < deadline:
+            time.sleep(0.1)
     return [0.0] * len(completions)
 """
 
 
 def test_a_second_process_is_refused_at_once_while_a_run_writes_its_folder(tmp_path):
     (tmp_path / "slow.py").write_text(SLOW_REWARD)
-    out, marker = tmp_path / "run", tmp_path / "training"
+    out, marker, release = tmp_path / "run", tmp_path / "training", tmp_path / "release"
+    env = {**ENV, "MARKER": str(marker), "RELEASE": str(release)}
     args = ["--preset", "tiny", "--max-steps", "4", "--set", "eval.enabled=false", "--set", "train.save_steps=2",
             "--set", f"rewards.module={tmp_path / 'slow.py'}", "--set", "rewards.names=[brevity, slow]"]
     with open(tmp_path / "stderr.txt", "w") as err:
         first = subprocess.Popen([sys.executable, "-m", "lowvram_grpo.run", *args, "--output-dir", str(out)], cwd=REPO,
-                                 stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **ENV, "MARKER": str(marker)})
+                                 stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **env})
         try:
             deadline = time.time() + 300
             while not marker.exists():
@@ -93,10 +96,12 @@ def test_a_second_process_is_refused_at_once_while_a_run_writes_its_folder(tmp_p
                 time.sleep(0.2)
             assert RunDir(out).locked_by() == f"pid {first.pid}"
             for extra in ([], ["--overwrite"]):
-                second = run_cli(*args, *extra, "--output-dir", str(out), env={**ENV, "MARKER": str(marker)})
+                second = run_cli(*args, *extra, "--output-dir", str(out), env=env)
                 assert f"output dir {out} is being written by a running process (pid {first.pid})" in _one_error(second)
             resume = run_cli("--resume", str(out), env=ENV)
             assert f"that run is still running (pid {first.pid})" in _one_error(resume)
+            assert first.poll() is None  # it was running all along
+            release.touch()
             assert first.wait(timeout=300) == 0, (tmp_path / "stderr.txt").read_text()[-2000:]
         finally:
             first.kill()
