@@ -1,6 +1,5 @@
 """Reward functions that fail, a user's reward file, and the numerical guard, on real tiny GRPO runs."""
 import json
-import math
 
 import pytest
 import torch

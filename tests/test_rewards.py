@@ -111,7 +111,6 @@ def test_correctness_scores_every_real_gsm8k_gold_answer_the_maximum(gsm8k_path)
 import asyncio
 import functools
 import math
-import types
 from fractions import Fraction
 
 from lowvram_grpo.errors import ConfigError, RewardError
