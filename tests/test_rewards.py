@@ -1,11 +1,17 @@
+import asyncio
+import functools
 import json
+import math
+from decimal import Decimal
+from fractions import Fraction
 
 import pytest
 
+from lowvram_grpo.errors import ConfigError, RewardError
 from lowvram_grpo.rewards import (
-    REWARD_MAX, REWARDS, answer_number, count_xml, extract_hash_answer, parse_number, xml_formatted,
+    REWARD_MAX, REWARDS, answer_number, call_reward, callable_name, check_rewards, count_xml, extract_hash_answer, guarded,
+    is_async_callable, parse_number, xml_formatted,
 )
-from decimal import Decimal
 
 NOTEBOOK_FIVE = ["xmlcount", "soft_format", "strict_format", "int", "correctness"]
 
@@ -107,15 +113,6 @@ def test_correctness_scores_every_real_gsm8k_gold_answer_the_maximum(gsm8k_path)
 
 
 # --------------------------------------------------------------------------- TRL 1.15's reward contract
-
-import asyncio
-import functools
-import math
-from fractions import Fraction
-
-from lowvram_grpo.errors import ConfigError, RewardError
-from lowvram_grpo.rewards import call_reward, callable_name, check_rewards, guarded, is_async_callable
-
 
 def _returning(value):
     def fn(prompts, completions, **kwargs):
