@@ -27,11 +27,11 @@ running) unless asked to replace it (`overwrite`, then `clear_run()` at the firs
 takes an exclusive lock for the whole run, so a second process writing the same folder is refused at
 once. The lock is an flock on a file outside the run folder (in the temp dir, named by the folder's
 absolute path): taking it writes nothing into the folder, and it is released when the process ends,
-however it ends. Only the writer (the main process under `accelerate launch`) locks.
+however it ends. Only the writer (the main process under `accelerate launch`) locks. It holds among the
+processes of one user on one machine (POSIX; none on Windows).
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -43,6 +43,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import yaml
+
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): runs are not locked there
+    fcntl = None
 
 from .errors import AdapterError, ConfigError, RunDirError
 from .lora_io import atomic_replace_dir, atomic_write_text, check_adapter_dir, remove_stale_staging
@@ -175,7 +180,7 @@ class RunDir:
     def locked_by(self) -> Optional[str]:
         """Who holds this folder's lock ('pid N'), when another process does; None when free or held by us."""
         lock_file = _lock_file(self.path)
-        if str(lock_file) in _HELD or not lock_file.is_file():
+        if fcntl is None or str(lock_file) in _HELD or not lock_file.is_file():
             return None
         try:
             with open(lock_file, "rb") as fh:
@@ -189,7 +194,7 @@ class RunDir:
     def lock(self) -> "RunDir":
         """Hold this folder's lock until `unlock()` (or the process ends); RunDirError when another process
         holds it. Re-entrant within a process (resume, then the run it starts, take it once each)."""
-        if not self.writer:
+        if not self.writer or fcntl is None:
             return self
         lock_file = _lock_file(self.path)
         held = _HELD.get(str(lock_file))
