@@ -228,7 +228,7 @@ def summarize(raw: dict, window: int) -> dict:
 def run_variant(name: str, args, out_dir: Path) -> dict:
     result = out_dir / f"{name.replace('+', '_')}.json"
     run_dir = out_dir / f"run-{name.replace('+', '_')}"
-    run_args = ["--output-dir", str(run_dir)]
+    run_args = ["--output-dir", str(run_dir), "--overwrite"]  # a rerun with --keep DIR replaces its own run folders
     if args.prime_steps is not None:
         run_args += ["--set", f"prime.steps={args.prime_steps}"]
     if args.steps is not None:
@@ -274,7 +274,7 @@ def main(argv=None) -> int:
     p.add_argument("--prime-steps", type=int, help="priming steps (default: the preset's)")
     p.add_argument("--steps", type=int, help="GRPO steps (default: the preset's)")
     p.add_argument("--eval-size", type=int, help="held-out questions (default: the preset's)")
-    p.add_argument("--keep", type=Path, help="keep each variant's run folder here (run-<variant>) instead of a temporary one")
+    p.add_argument("--keep", type=Path, help="keep each variant's run folder here (run-<variant>) instead of a temporary one; a rerun replaces them")
     p.add_argument("--window", type=int, default=40, help="the RSS slope is taken over the last N GRPO steps")
     p.add_argument("--out", type=Path, default=RESULTS / "host_memory.json")
     p.add_argument("run_args", nargs="*", help="after --: more arguments for lowvram_grpo.run")

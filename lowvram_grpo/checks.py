@@ -84,8 +84,41 @@ def check_lora(config, layers: dict[str, tuple[int, int]]) -> None:
                           f"or lower")
 
 
+_COPY_SUFFIXES = ("-unsloth-bnb-4bit", "-bnb-4bit", "-unsloth")  # unsloth's re-uploads of the same weights
+
+
+def _base_identities(name: str) -> set[str]:
+    """What names one base model: a local folder's resolved path and its name, a built-in's folder, a hub id's
+    repository name; lower-case, without 'meta-' and unsloth's copy suffixes ('Meta-Llama-3.1-8B-Instruct' and
+    'unsloth/llama-3.1-8b-instruct-bnb-4bit' are one model)."""
+    from .builtin_models import is_builtin, resolve_model_path
+
+    ids = set()
+    path = Path(resolve_model_path(name) if is_builtin(name) else name).expanduser()
+    if path.is_dir():
+        ids.add(str(path.resolve()))
+    short = str(path).rstrip("/").rsplit("/", 1)[-1].lower().removeprefix("meta-")
+    for suffix in _COPY_SUFFIXES:
+        short = short.removesuffix(suffix)
+    return ids | {short}
+
+
+def check_init_adapter(config) -> None:
+    """lora.init_adapter trained on another base model than model.name is refused before anything loads."""
+    if not config.lora.init_adapter:
+        return
+    from .lora_io import adapter_settings
+
+    recorded = adapter_settings(config.lora.init_adapter)["base_model"]
+    if recorded and not _base_identities(recorded) & _base_identities(config.model.name):
+        raise ConfigError(f"lora.init_adapter {config.lora.init_adapter} was trained on {recorded}, not on "
+                          f"model.name {config.model.name}: set model.name to its base model, or give an adapter "
+                          f"trained on {config.model.name}")
+
+
 def before_load(config) -> None:
     """What can be refused before the model loads (ConfigError)."""
+    check_init_adapter(config)
     check_lengths(config, _context_length(config.model.name))
     if _architecture(config.model.name) == "llama":
         from .memory import model_shape

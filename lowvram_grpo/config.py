@@ -99,12 +99,33 @@ class LoraConfig:
         factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     )
     random_state: int = _help("Seed of the adapters' initialisation.", 3407)
+    init_adapter: Optional[str] = _help(
+        "Start from a saved PEFT LoRA adapter (a folder with adapter_config.json, e.g. a finished run's adapter/, "
+        "or another tool's): it is loaded as the trainable LoRA, and lora.r, lora.alpha, lora.target_modules and "
+        "lora.dropout are read from its adapter_config.json. One made for another base model is refused. Priming "
+        "is skipped unless asked for (--set prime.steps=N). CLI: --init-adapter PATH.", None)
 
     def __post_init__(self):
+        if self.init_adapter is not None:
+            self._read_init_adapter()
         _check(self.r > 0, f"lora.r must be > 0 (e.g. 16); got {self.r}")
         _check(self.alpha > 0, f"lora.alpha must be > 0 (e.g. equal to lora.r); got {self.alpha}")
         _check(0.0 <= self.dropout < 1.0, f"lora.dropout must be in [0, 1); got {self.dropout}")
         _check(len(self.target_modules) > 0, "lora.target_modules is empty: name at least one layer, e.g. [q_proj, v_proj]")
+
+    def _read_init_adapter(self) -> None:
+        """r, alpha, target_modules and dropout from the adapter's own adapter_config.json (the path kept absolute,
+        so config.yaml works from any directory)."""
+        from .lora_io import AdapterError, adapter_settings
+
+        _check(bool(self.init_adapter.strip()), "lora.init_adapter is empty: give an adapter folder, or null")
+        self.init_adapter = str(Path(self.init_adapter).expanduser().resolve())
+        try:
+            adapter = adapter_settings(self.init_adapter)
+        except AdapterError as exc:
+            raise ConfigError(f"lora.init_adapter: {exc}") from None
+        self.r, self.alpha, self.dropout = adapter["r"], adapter["alpha"], adapter["dropout"]
+        self.target_modules = adapter["target_modules"]
 
 
 # Trackers transformers 5.17 can report to (transformers.integrations INTEGRATION_TO_CALLBACK), and none.
@@ -227,10 +248,21 @@ class DataConfig:
     """Where training questions come from and how they become prompts."""
 
     dataset: Optional[str] = _help(
-        "null = built-in arithmetic word problems (offline, deterministic); or a .jsonl/.json/.parquet file with "
-        "'question' and 'answer' ('... #### final') fields; or a hub id such as openai/gsm8k[@config][:split] (needs internet).",
+        "null = built-in arithmetic word problems (offline, deterministic); or a .jsonl/.json/.csv/.tsv/.parquet file "
+        "with a question and an answer column ('... #### final', '\\boxed{final}' or the answer itself), or TRL's "
+        "'prompt' column (text or chat messages); or a hub id such as openai/gsm8k[@config][:split] (needs internet) "
+        "or a local dataset folder[@config][:split]. Other columns are handed to the reward functions.",
         None,
     )
+    question_column: str = _help(
+        "The column holding the question (put after system_prompt as a chat). When the data has no such column "
+        "but TRL's 'prompt' column (text or chat messages), that prompt is used as it is.", "question")
+    answer_column: str = _help(
+        "The column holding the gold answer: GSM8K's '... #### 72', a '\\boxed{...}' or the answer itself. "
+        "Optional: without it the built-in answer rewards (correctness) cannot run.", "answer")
+    solution_column: str = _help(
+        "The column holding a worked solution (MATH's 'solution': its last \\boxed{...} is the gold answer when "
+        "there is no answer column); used for priming. Optional.", "solution")
     system_prompt: str = _help("System message of every prompt: tells the model the answer format.", NOTEBOOK_SYSTEM_PROMPT)
     num_train: Optional[int] = _help("Training questions to use (built-in: to generate). null = all of the file / 2000 built-in.", None)
     eval_size: int = _help("Questions held out for the before/after comparison.", 32)
@@ -245,6 +277,8 @@ class DataConfig:
         _check(self.num_train is None or self.num_train >= 1, f"data.num_train must be >= 1 or null; got {self.num_train}")
         _check(self.eval_size >= 1, f"data.eval_size must be >= 1; got {self.eval_size}")
         _check(self.max_operand >= 2, f"data.max_operand must be >= 2; got {self.max_operand}")
+        for key in ("question_column", "answer_column", "solution_column"):
+            _check(bool(getattr(self, key).strip()), f"data.{key} is empty: name a column of the dataset")
 
 
 @dataclass
@@ -252,13 +286,15 @@ class RewardsConfig:
     """Reward functions (by name: built-in ones from lowvram_grpo.rewards.REWARDS, or your own file's) and their weights."""
 
     names: list[str] = _help(
-        "Reward functions summed into the GRPO reward.",
+        "Reward functions summed into the GRPO reward: built-in names, your rewards.module's functions, or a reward "
+        "model (a hub id or a local folder of a sequence-classification model, scored as TRL scores one).",
         factory=lambda: ["xmlcount", "soft_format", "strict_format", "int", "correctness"],
     )
     weights: Optional[list[float]] = _help("One weight per name; null = all 1.0.", None)
     module: Optional[str] = _help(
         "A .py file of your own reward functions, TRL's signature (prompts, completions, **kwargs) -> list[float]; "
-        "name them in rewards.names. Imported and probed on a sample completion when the config loads.",
+        "name them in rewards.names. Imported when the config loads; each named function is called once on the "
+        "first training row before the model loads.",
         None,
     )
     on_error: str = _help(
@@ -281,9 +317,7 @@ class RewardsConfig:
         try:
             module = rewards.load_reward_module(self.module) if self.module else None
             for name in self.names:
-                fn = rewards.lookup_reward(name, module)
-                if fn is not rewards.REWARDS.get(name):
-                    rewards.probe_reward(fn, name)
+                rewards.lookup_reward(name, module)  # called once on the data by rewards.check_rewards (GRPORun)
         except rewards.RewardError as exc:
             raise ConfigError(str(exc)) from None
 
@@ -569,7 +603,17 @@ def load_config(preset: str, overrides: list[str] = ()) -> RunConfig:
     for assignment in overrides:
         apply_override(raw, assignment)
     _carry_reward_weights(preset_rewards, raw.get("rewards") or {})
+    _no_priming_from_an_adapter(raw, overrides)
     return config_from_dict(raw)
+
+
+def _no_priming_from_an_adapter(raw: dict, overrides) -> None:
+    """`--set lora.init_adapter=...` (or --init-adapter) starts from a trained adapter: the preset's priming is
+    skipped unless the overrides ask for it too (`prime.steps=N`)."""
+    keys = {a.partition("=")[0].strip() for a in overrides}
+    adapter = (raw.get("lora") or {}).get("init_adapter") if isinstance(raw.get("lora"), dict) else None
+    if "lora.init_adapter" in keys and adapter and "prime.steps" not in keys and isinstance(raw.get("prime"), dict):
+        raw["prime"]["steps"] = 0
 
 
 def _carry_reward_weights(preset: dict, now: dict) -> None:

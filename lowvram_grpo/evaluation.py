@@ -37,7 +37,7 @@ from typing import Optional
 from . import host_memory
 from . import answers
 from .backends.base import Completion, LoraRequest, ModelHandle, SamplingParams
-from .rewards import completion_text, format_ok, reward_functions
+from .rewards import call_reward, completion_text, format_ok, reward_functions
 
 METRICS = ("reward_mean", "accuracy_strict", "accuracy_lenient", "format_rate", "mean_completion_tokens")
 WITH_INTERVAL = ("accuracy_strict", "accuracy_lenient")
@@ -148,26 +148,37 @@ def score(rows: list[dict], generated: list[Completion], config, reward_funcs=No
     if reward_funcs is None:
         reward_funcs = reward_functions(config.rewards)
     texts = [c.text for c in generated]
-    completions = [[{"role": "assistant", "content": text}] for text in texts]  # as TRL passes them
     prompts = [r["prompt"] for r in rows]
+    # as TRL passes them: messages for chat prompts, plain text for TRL's standard (text) prompts
+    completions = texts if isinstance(prompts[0], str) else [[{"role": "assistant", "content": t}] for t in texts]
     keywords = _reward_keywords(rows, texts, config, tokenizer)
-    total = [0.0] * len(rows)
+    total: list = [None] * len(rows)  # as TRL sums: None (does not apply) and NaN left out; all left out: no score
     for fn, weight in zip(reward_funcs, config.rewards.weight_list):
-        for i, value in enumerate(fn(prompts=prompts, completions=completions, **keywords)):
-            total[i] += weight * value
-    strict, lenient = verdicts(rows, texts)
+        for i, value in enumerate(call_reward(fn, prompts=prompts, completions=completions, **keywords)):
+            if value is not None and not math.isnan(value):
+                total[i] = (total[i] or 0.0) + weight * value
+    scored = [t for t in total if t is not None]
     n = len(rows)
-    return {
-        "reward_mean": sum(total) / n,
-        "accuracy_strict": sum(strict) / n,
-        "accuracy_strict_ci": list(wilson_interval(sum(strict), n)),
-        "accuracy_lenient": sum(lenient) / n,
-        "accuracy_lenient_ci": list(wilson_interval(sum(lenient), n)),
+    numbers = {
+        **({"reward_mean": sum(scored) / len(scored)} if scored else {}),
         "format_rate": sum(1 for t in texts if format_ok(completion_text(t))) / n,
         "mean_completion_tokens": sum(c.num_tokens for c in generated) / n,
         "n": n,
+    }
+    graded = [(r, t) for r, t in zip(rows, texts) if r.get("answer") is not None]
+    if not graded:  # data without gold answers: no accuracy to measure
+        return numbers
+    strict, lenient = verdicts([r for r, _ in graded], [t for _, t in graded])
+    k = len(graded)
+    return {
+        **numbers,
+        "accuracy_strict": sum(strict) / k,
+        "accuracy_strict_ci": list(wilson_interval(sum(strict), k)),
+        "accuracy_lenient": sum(lenient) / k,
+        "accuracy_lenient_ci": list(wilson_interval(sum(lenient), k)),
         "strict_correct": strict,
         "lenient_correct": lenient,
+        **({"n_graded": k} if k != n else {}),
     }
 
 

@@ -173,3 +173,77 @@ def load_adapter_into(peft_model, path: Path, adapter_name: str, base_model: str
         made_for = config.get("base_model_name_or_path") or "an unnamed base"
         this = f"; this is {base_model}" if base_model else ""
         raise AdapterError(f"adapter at {path} does not fit this base model (it was made for {made_for}{this}): {detail}") from None
+
+
+# --------------------------------------------------------------------------- starting a run from an adapter
+
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # PEFT's current and older weights file
+# adapter_config.json keys that shape the LoRA beyond r / alpha / targets / dropout, passed on when set
+LORA_EXTRAS = ("bias", "use_rslora", "modules_to_save", "layers_to_transform", "layers_pattern")
+
+
+def adapter_settings(path) -> dict:
+    """The LoRA settings of the saved PEFT adapter at `path` (ours or another tool's), from its
+    adapter_config.json: r, alpha, target_modules, dropout, the base model it was trained on and the
+    extras (LORA_EXTRAS). AdapterError with one line when it is not a LoRA adapter that can be trained on."""
+    path = Path(path)
+    if not (path / "adapter_config.json").is_file():
+        if (path / "adapter" / "adapter_config.json").is_file():
+            raise AdapterError(f"{path} holds a run, not an adapter: give its adapter, {path / 'adapter'}")
+        what = "does not exist" if not path.exists() else "is not a PEFT adapter (no adapter_config.json)"
+        raise AdapterError(f"{path} {what}: give the folder of a saved PEFT LoRA adapter (adapter_config.json + weights)")
+    if not any((path / name).is_file() for name in ADAPTER_WEIGHTS):
+        raise AdapterError(f"adapter at {path} has no weights ({' or '.join(ADAPTER_WEIGHTS)})")
+    try:
+        raw = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"adapter at {path} has an unreadable adapter_config.json ({exc})") from None
+    if not isinstance(raw, dict) or raw.get("peft_type", "LORA") != "LORA":
+        kind = raw.get("peft_type") if isinstance(raw, dict) else type(raw).__name__
+        raise AdapterError(f"adapter at {path} is a {kind} adapter: only LoRA adapters can be trained on here")
+    targets = raw.get("target_modules")
+    if isinstance(targets, str) or not targets:
+        raise AdapterError(f"adapter at {path} names its target modules as {targets!r}, not a list of layer names: "
+                           "only listed target_modules can be trained on here")
+    alpha = raw.get("lora_alpha", raw.get("r"))
+    if not isinstance(raw.get("r"), int) or not isinstance(alpha, (int, float)) or alpha != int(alpha):
+        raise AdapterError(f"adapter at {path} has r={raw.get('r')!r}, lora_alpha={alpha!r}: expected whole numbers")
+    return {"r": raw["r"], "alpha": int(alpha), "target_modules": sorted(targets),
+            "dropout": float(raw.get("lora_dropout") or 0.0), "base_model": raw.get("base_model_name_or_path"),
+            "extras": {key: raw[key] for key in LORA_EXTRAS if raw.get(key) not in (None, False, "none", [], {})}}
+
+
+def _load_error(path: Path, base_model: str, exc: Exception) -> AdapterError:
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
+    detail = next((line for line in lines if "size mismatch" in line), lines[0])[:300]
+    return AdapterError(f"adapter at {path} does not fit this base model ({base_model}): {detail}")
+
+
+def load_trainable_adapter(model, path, base_model: str = ""):
+    """`model` (a transformers model) with the saved adapter at `path` as its trainable LoRA ('default'),
+    as PEFT loads one (every option of its adapter_config.json)."""
+    from peft import PeftModel
+
+    try:
+        return PeftModel.from_pretrained(model, str(path), is_trainable=True)
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise _load_error(Path(path), base_model, exc) from None
+
+
+def load_adapter_weights(peft_model, path, base_model: str = "") -> None:
+    """Put the saved adapter's weights at `path` into `peft_model`'s trainable adapter (made with the same
+    r / alpha / targets, e.g. by unsloth's get_peft_model); every LoRA weight must match one way or the other."""
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+
+    try:
+        weights = load_peft_weights(str(path), device="cpu")
+        result = set_peft_model_state_dict(peft_model, weights)
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise _load_error(Path(path), base_model, exc) from None
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    unexpected = list(result.unexpected_keys)
+    if missing or unexpected:
+        first = (unexpected or missing)[0]
+        raise AdapterError(f"adapter at {path} does not fit this model's LoRA layers ({len(unexpected)} weights it "
+                           f"has no place for, {len(missing)} it lacks, e.g. {first})")

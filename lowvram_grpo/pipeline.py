@@ -32,11 +32,12 @@ from typing import Optional
 from . import allocator, checks
 from .backends import check_export, export_model, load_model, prepare_backend
 from .config import RunConfig, check_trackers_installed
-from .data import drop_long_prompts, load_questions, to_prompt_rows
+from .data import drop_long_prompts, load_questions, prompt_text, to_prompt_rows
 from .errors import ConfigError, DataError, EngineStopped, RewardError, TrainingStopped
 from .hardware import detect
 from .memory import OOM_PHASES
 from .resolve import resolve as resolve_settings
+from .rewards import check_rewards, load_reward_models
 from .run_dir import RunDir, resume_command
 
 STAGES = ("before", "primed", "after")
@@ -62,10 +63,17 @@ class GRPORun:
     nothing is written); each step after it is a method. Numbers measured go to `self.measured`."""
 
     def __init__(self, config: RunConfig, output_dir, backend: str = "auto", log=print, hardware=None,
-                 export: Optional[str] = None):
+                 export: Optional[str] = None, existing: str = "refuse"):
+        """`existing`: what to do with a run already in `output_dir`: 'refuse' it (RunDirError saying how to go
+        on), 'overwrite' it (its files are deleted at the first write, in start()), or 'resume' it."""
         self.started = time.time()
         self.log = log if _is_main_process() else (lambda *args, **kwargs: None)  # one process speaks
         self.warn = (lambda line: print(line, file=sys.stderr)) if _is_main_process() else self.log
+        self.run_dir = RunDir(output_dir, writer=_is_main_process())
+        self.run_dir.check_creatable()  # created in start(), once the model and the data have been accepted
+        if existing != "resume":  # a run there (finished, stopped, running) is never silently replaced
+            self.run_dir.check_free(overwrite=existing == "overwrite")
+        self.overwrite = existing == "overwrite"
         check_trackers_installed(config.train)
         checks.before_load(config)  # settings that cannot work together (lengths, LoRA vs the model's shape)
         self.resolved = resolve_settings(config, hardware or detect(), backend, num_processes=_num_processes())
@@ -76,10 +84,12 @@ class GRPORun:
             check_run_servable(self.resolved)  # a model vLLM's CPU build has no kernels for: refused now
         self.export_kind = export
         self.train_questions, self.eval_questions = load_questions(config.data)  # data in; fails before any write
+        check_rewards(config.rewards, to_prompt_rows(self.train_questions, config.data.system_prompt),
+                      config.data.dataset or "built-in problems")  # each reward as TRL will call it, on this data
         for warning in checks.surprises(config, len(self.train_questions)):
             self.warn(warning)
-        self.run_dir = RunDir(output_dir, writer=_is_main_process())
-        self.run_dir.check_creatable()  # created in start(), once the model and the data have been accepted
+        self.run_dir.lock()  # a second process writing this folder is refused from here on, until release()
+        self.locked = self.run_dir.writer
         self.handle = None
         self.rollouts = None  # model.generation=vllm: rollouts (and evaluation) from our vLLM engine
         self.trainer = None
@@ -118,6 +128,11 @@ class GRPORun:
             self.log(note)
         self.log(f"{self.config.model.name} (4-bit: {self.resolved.load_in_4bit}): "
                  f"{self.handle.trainable_parameters():,} trainable LoRA parameters")
+        if self.config.lora.init_adapter:
+            lora = self.config.lora
+            self.log(f"starting from the adapter in {lora.init_adapter} (r={lora.r}, alpha={lora.alpha}, "
+                     f"target_modules={','.join(lora.target_modules)})")
+        load_reward_models(self.config.rewards)  # reward models named in rewards.names, before anything is written
         if self.resolved.generation == "vllm":
             from .backends.vllm import start_for_run
 
@@ -149,7 +164,10 @@ class GRPORun:
 
     # ------------------------------------------------------------------ start / restore
     def start(self) -> None:
-        """The first write: the output dir, config.yaml, a fresh metrics.jsonl, the start summary."""
+        """The first write: the output dir, config.yaml, a fresh metrics.jsonl, the start summary (with
+        `existing='overwrite'`, the run that was there is deleted first)."""
+        if self.overwrite:
+            self.run_dir.clear_run()
         self.run_dir.create()
         self.run_dir.write_config(self.config)
         self.run_dir.reset_metrics()  # a rerun into the same dir starts its log afresh
@@ -197,9 +215,12 @@ class GRPORun:
 
     # ------------------------------------------------------------------ measure / prime
     def measure(self, stage: str, adapter: Optional[Path] = None) -> Optional[dict]:
-        """The held-out numbers of the base model (`adapter` None) or of a saved adapter, as `stage`."""
+        """The held-out numbers of the base model (`adapter` None) or of a saved adapter, as `stage`. A run
+        started from an adapter (lora.init_adapter) measures "before" on that adapter: where GRPO starts."""
         if not self.config.eval.enabled:
             return None
+        if stage == "before" and adapter is None and self.config.lora.init_adapter:
+            adapter = Path(self.config.lora.init_adapter)
         from .evaluation import evaluate, protocol, protocol_label
 
         what = f"the adapter in {adapter}" if adapter else "the base model"
@@ -213,6 +234,9 @@ class GRPORun:
     def prime(self) -> Optional[dict]:
         """Supervised priming (priming.py says why: so GRPO's groups have rewards that differ), saved to
         primed_adapter/ and measured; then the start summary, which a resumed run reuses."""
+        if self.config.lora.init_adapter and self.config.prime.steps == 0:
+            self.log(f"no priming: the run starts from the adapter in {self.config.lora.init_adapter} "
+                     "(--set prime.steps=N primes it further)")
         if self.config.prime.steps > 0:
             from .priming import prime
 
@@ -276,6 +300,7 @@ class GRPORun:
             "backend": self.resolved.backend,
             "device": self.resolved.device,
             "model": self.config.model.name,
+            "init_adapter": self.config.lora.init_adapter,
             "steps": trainer.state.global_step,
             "train_seconds": round(self.train_seconds, 2),
             "total_seconds": round(time.time() - self.started, 2),
@@ -287,7 +312,7 @@ class GRPORun:
             "skipped_nonfinite": trainer.nonfinite_guard.skipped,
             "reward_failures": {f.__name__: f.failures for f in trainer.reward_funcs if getattr(f, "failures", 0)},
             "samples": [
-                {"question": row["prompt"][-1]["content"], "answer": row["answer"], "base": b, "trained": a}
+                {"question": prompt_text(row["prompt"]), "answer": row.get("answer"), "base": b, "trained": a}
                 for row, b, a in list(zip(self.eval_rows, self.texts["before"], self.texts["after"]))[:2]
             ],
         }
@@ -304,7 +329,14 @@ class GRPORun:
 
         report = write_report(self.run_dir.path)  # report.md + plots from metrics.jsonl and summary.json
         self.log(f"\nadapter: {self.adapter_dir}\nsummary: {self.run_dir.file('summary.json')}\nreport:  {report}")
+        self.release()
         return result
+
+    def release(self) -> None:
+        """Let go of the output dir's lock (taken in __init__; the process ending lets go of it too)."""
+        if self.locked:
+            self.locked = False
+            self.run_dir.unlock()
 
 
 def _num_processes() -> int:
@@ -314,18 +346,26 @@ def _num_processes() -> int:
 
 
 def run(config: RunConfig, output_dir, backend: str = "auto", log=print, handle=None,
-        resume_from: Optional[Path] = None, export: Optional[str] = None) -> RunResult:
+        resume_from: Optional[Path] = None, export: Optional[str] = None, existing: str = "refuse") -> RunResult:
     """A whole run. `handle`: a model already loaded for this config (the notebook's); `resume_from`: a
-    checkpoint in `output_dir` to continue from (see `resume`); `export`: merged16 or gguf after training.
+    checkpoint in `output_dir` to continue from (see `resume`); `export`: merged16 or gguf after training;
+    `existing`: a run already in `output_dir` is refused ('refuse'), replaced ('overwrite') or continued ('resume').
     A vLLM engine started for the run ends when the run raises (an error, a stop, Ctrl-C); after a normal
     return it stays with the handle (the notebook generates with it) and ends at exit."""
     from .backends.vllm import closes_engines_on_error
 
-    return closes_engines_on_error(_run)(config, output_dir, backend, log, handle, resume_from, export)
+    return closes_engines_on_error(_run)(config, output_dir, backend, log, handle, resume_from, export, existing)
 
 
-def _run(config, output_dir, backend, log, handle, resume_from, export) -> RunResult:
-    grpo = GRPORun(config, output_dir, backend, log, export=export)
+def _run(config, output_dir, backend, log, handle, resume_from, export, existing="refuse") -> RunResult:
+    grpo = GRPORun(config, output_dir, backend, log, export=export, existing=existing)
+    try:
+        return _steps(grpo, handle, resume_from)
+    finally:
+        grpo.release()
+
+
+def _steps(grpo: "GRPORun", handle, resume_from) -> RunResult:
     grpo.load(handle)
     if resume_from is None:
         grpo.start()
@@ -353,11 +393,16 @@ def resume(output_dir, backend: str = "auto", log=print, overrides: Optional[lis
     elif started != "auto" and backend != started:
         raise ConfigError(f"--resume {run_dir}: the run started on the {started} backend; "
                           f"resume it with --backend {started} (or leave --backend out)")
-    run_dir.remove_leftovers()
-    checkpoint = run_dir.latest_checkpoint()
-    if checkpoint is None:
-        log(f"no complete checkpoint in {run_dir} yet: running it again from the start")
-    return run(config, run_dir.path, backend, log, resume_from=checkpoint, export=export or run_dir.started_export())
+    run_dir.lock()  # before anything is touched: a second --resume (or a run still going) is refused here
+    try:
+        run_dir.remove_leftovers()
+        checkpoint = run_dir.latest_checkpoint()
+        if checkpoint is None:
+            log(f"no complete checkpoint in {run_dir} yet: running it again from the start")
+        return run(config, run_dir.path, backend, log, resume_from=checkpoint, existing="resume",
+                   export=export or run_dir.started_export())
+    finally:
+        run_dir.unlock()
 
 
 def default_output_dir(preset: str) -> Path:
@@ -365,9 +410,11 @@ def default_output_dir(preset: str) -> Path:
 
 
 def train(preset: str = "tiny", overrides: Optional[list[str]] = None, output_dir: Optional[str] = None,
-          backend: str = "auto") -> RunResult:
-    """Python entry point: `lowvram_grpo.train("tiny", ["train.max_steps=3"], "runs/x")`."""
+          backend: str = "auto", overwrite: bool = False) -> RunResult:
+    """Python entry point: `lowvram_grpo.train("tiny", ["train.max_steps=3"], "runs/x")`; a run already in
+    `output_dir` is refused unless `overwrite`."""
     from .config import load_config
 
     config = load_config(preset, overrides or [])
-    return run(config, Path(output_dir) if output_dir else default_output_dir(config.preset), backend)
+    return run(config, Path(output_dir) if output_dir else default_output_dir(config.preset), backend,
+               existing="overwrite" if overwrite else "refuse")

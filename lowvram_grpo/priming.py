@@ -16,7 +16,7 @@ import time
 from typing import Optional
 
 from . import host_memory
-from .data import Question, chat_messages
+from .data import Question, prompt_of
 from .rewards import xml_formatted
 
 
@@ -64,9 +64,9 @@ def prime(handle, questions: list[Question], config, log=print, max_seconds: Opt
     import torch
 
     settings = config.prime
-    examples = [q for q in questions if q.solution]
+    examples = [q for q in questions if q.solution and q.answer is not None]
     if not examples:
-        log("priming skipped: the training data has no worked solutions")
+        log("priming skipped: the training data has no worked solutions with gold answers")
         return {"steps": 0}
     model, tokenizer = handle.model, handle.tokenizer
     params = [p for p in model.parameters() if p.requires_grad]
@@ -83,7 +83,7 @@ def prime(handle, questions: list[Question], config, log=print, max_seconds: Opt
         if max_seconds is not None and time.time() - started >= max_seconds:
             break
         chunk = [examples[(step * settings.batch_size + i) % len(examples)] for i in range(settings.batch_size)]
-        prompts = [handle.apply_chat_template(chat_messages(q.question, config.data.system_prompt)) for q in chunk]
+        prompts = [handle.apply_chat_template(prompt_of(q, config.data.system_prompt)) for q in chunk]
         targets = [xml_formatted(q.solution, q.answer) for q in chunk]
         input_ids, attention, labels = _batch(tokenizer, prompts, targets, config.model.max_seq_length)
         device = next(model.parameters()).device

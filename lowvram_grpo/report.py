@@ -20,11 +20,9 @@ from typing import Optional
 
 from .errors import RunDirError
 from .evaluation import interval_notes, metric_rows, protocol_lines
-from .run_dir import RunDir
+from .run_dir import PLOT_FILES, RunDir  # noqa: F401  (PLOT_FILES: the plots below, named where a run's files are)
 from .signals import (ALL_RIGHT_KEY, ALL_WRONG_KEY, CLIPPED_KEY, SMOOTHING, THRESHOLD, ZERO_STD_KEY, Signal,
                       moving_average, scan)
-
-PLOT_FILES = ("reward.png", "kl.png", "completion_length.png", "clipped_ratio.png", "loss.png")
 
 
 # ----------------------------------------------------------------------------- plots

@@ -13,17 +13,28 @@ The five are the Unsloth Llama-3.1-8B GRPO notebook's, with two deliberate fixes
 
 `REWARD_MAX` gives each function's best score, used by tests and the report.
 
-A preset may add its own rewards from a file (`rewards.module: my_rewards.py`): its functions are
-selectable by name in `rewards.names`; the file is imported and each named function is probed on a
-sample completion when the config loads. TRL gets every reward through `guarded`, which checks one
-finite number per completion and names the function when that fails (`rewards.on_error`).
+TRL 1.15's reward contract, all of it (GRPOTrainer._calculate_rewards): a reward is a function, a
+`functools.partial` or a callable object, sync or `async`; it is called with `prompts`, `completions`,
+`completion_ids`, `trainer_state`, `log_extra`, `log_metric` and every dataset column as keywords
+(`TRL_KEYWORDS`); it returns one value per completion, any iterable of them (list, tuple, numpy array,
+tensor), each a real number or None ("does not apply to this sample": TRL leaves it out of that
+completion's sum; NaN reads the same). A name with a '/' (a hub id) or of a local folder in
+`rewards.names` is a reward model, scored as TRL scores one given by name (`RewardModel`).
+A preset may add its own rewards from a file (`rewards.module: my_rewards.py`), selectable by name.
+TRL gets every function through `guarded`, which refuses, with one line naming the function, only what
+TRL itself would fail on (a failure, a wrong count, a value that is not a number), or scores it 0
+(`rewards.on_error: zero`); an infinite score passes as in TRL, with a warning. `check_rewards` checks
+the configured rewards against the run's data before anything heavy: the built-in answer rewards need a
+gold answer, and a user's function is called once on the first training row, as TRL will call it.
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import importlib.util
 import inspect
 import math
-import numbers
 import re
 import sys
 import types
@@ -31,15 +42,19 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Callable, Optional
 
-from .errors import RewardError
+from .errors import ConfigError, RewardError
 from . import answers
 
 RewardFn = Callable[..., list]
+# The keywords TRL 1.15's GRPOTrainer passes every reward function besides the dataset's columns
+# (_calculate_rewards; `environments` only with an environment_factory, which this package does not use).
+TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 REWARDS: dict[str, RewardFn] = {}
 REWARD_MAX: dict[str, float] = {}
+NEEDS_GOLD: set[str] = set()  # built-in rewards that score against the gold answer (the `answer` column)
 
 
-def register(name: str, max_score: float):
+def register(name: str, max_score: float, needs_gold: bool = False):
     """Add a reward to the registry under `name` (also its `__name__`, which TRL uses in its logs)."""
 
     def wrap(fn: RewardFn) -> RewardFn:
@@ -47,6 +62,8 @@ def register(name: str, max_score: float):
         fn.__qualname__ = name
         REWARDS[name] = fn
         REWARD_MAX[name] = max_score
+        if needs_gold:
+            NEEDS_GOLD.add(name)
         return fn
 
     return wrap
@@ -99,15 +116,16 @@ def _gold_list(answer, n: int) -> list:
         raise ValueError("the dataset has no 'answer' column: correctness needs the gold answers")
     if isinstance(answer, (str, int, float)):
         return [str(answer)] * n
-    return [str(a) for a in answer]
+    return [None if a is None else str(a) for a in answer]
 
 
 # --------------------------------------------------------------------------- the notebook's five
 
-@register("correctness", 2.0)
-def correctness_reward(prompts, completions, answer=None, **kwargs) -> list[float]:
+@register("correctness", 2.0, needs_gold=True)
+def correctness_reward(prompts, completions, answer=None, **kwargs) -> list:
     """2.0 when the stated answer equals the gold answer (answers.is_correct: exact for plain numbers,
-    math-verify for fractions, LaTeX, percentages); 0.0 otherwise.
+    math-verify for fractions, LaTeX, percentages); 0.0 otherwise; None (TRL: does not apply) for a
+    row without a gold answer.
 
     With <answer> tags the stated answer is the tagged text (its last number if it has words around
     it; a block cut off before </answer> counts); without tags the whole completion must be just the
@@ -115,6 +133,9 @@ def correctness_reward(prompts, completions, answer=None, **kwargs) -> list[floa
     golds = _gold_list(answer, len(completions))
     scores = []
     for completion, gold in zip(completions, golds):
+        if gold is None:
+            scores.append(None)
+            continue
         text = completion_text(completion)
         if "<answer>" in text:
             stated = answers.lenient_answer(text)
@@ -188,22 +209,43 @@ def xml_formatted(reasoning: str, answer: str) -> str:
     return f"<reasoning>\n{reasoning.strip()}\n</reasoning>\n<answer>\n{answer.strip()}\n</answer>\n"
 
 
-# --------------------------------------------------------------------------- a user's own reward file, checked scores
+# --------------------------------------------------------------------------- TRL's contract, checked
 
-def check_scores(name: str, scores, n: int) -> list[float]:
-    """`scores` as a list of `n` finite floats, else RewardError naming the function and the problem."""
-    if isinstance(scores, (str, bytes, dict)) or not hasattr(scores, "__iter__"):
+def is_async_callable(fn) -> bool:
+    """Whether calling `fn` returns a coroutine, as TRL decides it (trl.trainer.utils.is_async_callable):
+    partials unwrapped, and a callable object's own `__call__`."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def callable_name(fn) -> str:
+    """The name TRL logs a reward under (trl.trainer.utils.get_callable_name)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def check_scores(name: str, scores, n: int) -> list:
+    """`scores` as TRL takes them: `n` values, each a float or None (None and NaN: the reward does not apply
+    to that completion); RewardError naming the function for what TRL would fail on."""
+    if isinstance(scores, (str, bytes)) or not hasattr(scores, "__iter__"):
         raise RewardError(f"reward {name!r} returned {type(scores).__name__}, not a list of {n} numbers (one per completion)")
     values = list(scores)
     if len(values) != n:
         raise RewardError(f"reward {name!r} returned {len(values)} scores for {n} completions: return one number per completion")
     checked = []
     for i, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise RewardError(f"reward {name!r} returned {value!r} ({type(value).__name__}) as score {i}: scores must be numbers")
-        if not math.isfinite(value):
-            raise RewardError(f"reward {name!r} returned {value} as score {i}: scores must be finite numbers")
-        checked.append(float(value))
+        if value is None:
+            checked.append(None)
+            continue
+        try:
+            if isinstance(value, (str, bytes, complex)):
+                raise TypeError
+            checked.append(float(value))  # what torch.tensor(..., dtype=float32) takes: numbers, numpy, 1-element tensors
+        except (TypeError, ValueError, OverflowError):
+            raise RewardError(f"reward {name!r} returned {value!r} ({type(value).__name__}) as score {i}: scores must be "
+                              "numbers (or None where the reward does not apply)") from None
     return checked
 
 
@@ -212,28 +254,71 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
 
 
-def guarded(fn: RewardFn, name: str, on_error: str = "stop", warn=None) -> RewardFn:
-    """`fn` with its scores checked. A failure raises RewardError (on_error 'stop') or scores the batch 0
-    and warns the first time (on_error 'zero'). Keeps `name` as `__name__`: TRL logs rewards by it."""
+_UNEXPECTED_KEYWORD = re.compile(r"unexpected keyword argument '(\w+)'")
 
-    def reward(prompts, completions, **kwargs):
-        try:
-            return check_scores(name, fn(prompts=prompts, completions=completions, **kwargs), len(completions))
-        except RewardError as exc:
-            problem = exc
-        except Exception as exc:  # the user's code: any failure is reported the same way
-            problem = RewardError(f"reward {name!r} raised {_first_line(exc)}")
+
+def _problem(name: str, exc: Exception) -> RewardError:
+    if isinstance(exc, RewardError):
+        return exc
+    missing = _UNEXPECTED_KEYWORD.search(str(exc)) if isinstance(exc, TypeError) else None
+    if missing:
+        return RewardError(f"reward {name!r} does not take the keyword {missing.group(1)!r} that TRL passes it (TRL "
+                           "passes prompts, completions, completion_ids, trainer_state, log_extra, log_metric and every "
+                           "dataset column): add **kwargs to its parameters")
+    return RewardError(f"reward {name!r} raised {_first_line(exc)}")
+
+
+def guarded(fn: RewardFn, name: str, on_error: str = "stop", warn=None) -> RewardFn:
+    """`fn` with its scores checked (`check_scores`), sync or async like `fn` (TRL awaits async ones). A
+    failure raises RewardError (on_error 'stop') or scores the batch 0 and warns the first time (on_error
+    'zero'). An infinite score passes, as TRL takes it, with one warning. Keeps `name` as `__name__`: TRL
+    logs rewards by it."""
+    say = warn or _warn
+
+    def checked(scores, n):
+        values = check_scores(name, scores, n)
+        if not reward.warned_inf and any(v is not None and math.isinf(v) for v in values):
+            reward.warned_inf = True
+            say(f"warning: reward {name!r} returned an infinite score: TRL takes it, but that completion's whole "
+                "group then gets advantage 0 (nothing learned from it); return finite numbers")
+        return values
+
+    def failed(exc: Exception, n: int) -> list:
+        problem = _problem(name, exc)
         if on_error != "zero":
             raise problem from None
         reward.failures += 1
         if reward.failures == 1:
-            (warn or _warn)(f"warning: {problem}; scoring its completions 0 (rewards.on_error: zero)")
-        return [0.0] * len(completions)
+            say(f"warning: {problem}; scoring its completions 0 (rewards.on_error: zero)")
+        return [0.0] * n
+
+    if is_async_callable(fn):
+        async def reward(prompts, completions, **kwargs):
+            try:
+                return checked(await fn(prompts=prompts, completions=completions, **kwargs), len(completions))
+            except Exception as exc:  # the user's code: any failure is reported the same way
+                return failed(exc, len(completions))
+    else:
+        def reward(prompts, completions, **kwargs):
+            try:
+                return checked(fn(prompts=prompts, completions=completions, **kwargs), len(completions))
+            except Exception as exc:  # the user's code: any failure is reported the same way
+                return failed(exc, len(completions))
 
     reward.__name__ = reward.__qualname__ = name
-    reward.__doc__ = fn.__doc__
+    reward.__doc__ = getattr(fn, "__doc__", None)
     reward.failures = 0
+    reward.warned_inf = False
     return reward
+
+
+def call_reward(fn: RewardFn, **kwargs) -> list:
+    """Call a reward as TRL does, outside the trainer (evaluation, the probe): an async one is awaited on
+    an event loop of its own, in a thread (a notebook's main thread already runs a loop)."""
+    if not is_async_callable(fn):
+        return fn(**kwargs)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, fn(**kwargs)).result()
 
 
 def _warn(message: str) -> None:
@@ -270,8 +355,16 @@ def module_reward_names(module) -> list[str]:
                   if not n.startswith("_") and inspect.isfunction(f) and f.__module__ == module.__name__)
 
 
+def is_reward_model(name: str) -> bool:
+    """A name in rewards.names that is a reward model (a hub id has a '/', a local folder exists), as TRL
+    takes a string: not a function's name."""
+    return "/" in name or Path(name).expanduser().is_dir()
+
+
 def lookup_reward(name: str, module=None) -> RewardFn:
-    """A reward by name: a built-in one, or a function of the user's reward file."""
+    """A reward by name: a built-in one, a function (or callable) of the user's reward file, or a reward model."""
+    if is_reward_model(name):
+        return RewardModel(name)
     if module is not None and name in vars(module):
         if name in REWARDS:
             raise RewardError(f"rewards.module {module.__file__} defines {name!r}, the name of a built-in reward: rename it")
@@ -282,23 +375,124 @@ def lookup_reward(name: str, module=None) -> RewardFn:
     if name in REWARDS:
         return REWARDS[name]
     where = f"; {module.__file__} defines: {', '.join(module_reward_names(module)) or 'no functions'}" if module else ""
-    raise RewardError(f"unknown reward {name!r} in rewards.names: choose from {', '.join(REWARDS)}{where}")
+    raise RewardError(f"unknown reward {name!r} in rewards.names: choose from {', '.join(REWARDS)}{where} "
+                      "(or a reward model: a hub id or a local folder)")
 
 
-def probe_reward(fn: RewardFn, name: str) -> None:
-    """Call a user's reward once on a sample completion, with the keywords TRL passes, and check the scores."""
-    prompt = [{"role": "system", "content": "Answer in the format."}, {"role": "user", "content": "What is 2 + 2?"}]
-    completion = [{"role": "assistant", "content": xml_formatted("2 + 2 = 4", "4")}]
+def logged_name(name: str) -> str:
+    """The name TRL logs a reward under (`rewards/<name>/mean`): a reward model's last path part, as TRL
+    names one by its model id."""
+    return name.rstrip("/").rsplit("/", 1)[-1] if is_reward_model(name) else name
+
+
+class RewardModel:
+    """A reward model given by name (hub id or local folder), scored the way TRL 1.15 scores one
+    (GRPOTrainer: `AutoModelForSequenceClassification.from_pretrained(name, num_labels=1)` with its own
+    tokenizer, pad token = eos when it has none; prompt + completion through the chat template when
+    conversational, else concatenated; right padding, no special tokens added; the first logit). Loaded
+    once per process (`load()`, before anything is written), shared by training and evaluation."""
+
+    _loaded: dict[str, tuple] = {}
+
+    def __init__(self, name: str):
+        self.name = name
+        self.__name__ = logged_name(name)
+
+    def load(self) -> tuple:
+        if self.name not in self._loaded:
+            from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+            try:
+                model = AutoModelForSequenceClassification.from_pretrained(self.name, num_labels=1)
+                tokenizer = AutoTokenizer.from_pretrained(self.name)
+            except Exception as exc:
+                raise RewardError(f"reward model {self.name!r} in rewards.names cannot be loaded ({_first_line(exc)}): "
+                                  "give a sequence-classification model's hub id or folder") from None
+            if tokenizer.pad_token_id is None:
+                tokenizer.pad_token = tokenizer.eos_token
+            model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+            import torch
+
+            model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+            self._loaded[self.name] = (model, tokenizer)
+        return self._loaded[self.name]
+
+    def __call__(self, prompts, completions, **kwargs) -> list[float]:
+        import torch
+        from trl.data_utils import apply_chat_template, is_conversational
+
+        model, tokenizer = self.load()
+        if is_conversational({"prompt": prompts[0]}):
+            texts = [apply_chat_template({"messages": p + c}, tokenizer)["text"] for p, c in zip(prompts, completions)]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions)]
+        inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        with torch.inference_mode():
+            return model(**inputs.to(model.device)).logits[:, 0].tolist()
+
+
+def sample_completion(row: dict):
+    """A completion in the shape TRL hands one for `row`'s prompt: messages for a chat prompt, else text."""
+    text = xml_formatted(str(row.get("solution") or "Let me think."), str(row.get("answer") or "yes"))
+    return text if isinstance(row["prompt"], str) else [{"role": "assistant", "content": text}]
+
+
+def probe_reward(fn: RewardFn, name: str, row: Optional[dict] = None) -> None:
+    """Call a user's reward once as TRL will: on `row` (a training row: its prompt and every other column)
+    with a sample completion and TRL's own keywords, and check the scores."""
+    if row is None:
+        row = {"prompt": [{"role": "system", "content": "Answer in the format."}, {"role": "user", "content": "What is 2 + 2?"}],
+               "answer": "4", "solution": "2 + 2 = 4"}
+    columns = {key: [value] for key, value in row.items() if key not in ("prompt", "completion", "completion_ids")}
     state = types.SimpleNamespace(global_step=0, max_steps=1, epoch=0.0, log_history=[])
     try:
-        guarded(fn, name)(prompts=[prompt], completions=[completion], answer=["4"], solution=["2 + 2 = 4"],
-                          completion_ids=[[0]], trainer_state=state, log_extra=lambda *a, **k: None,
-                          log_metric=lambda *a, **k: None)
+        call_reward(guarded(fn, name), prompts=[row["prompt"]], completions=[sample_completion(row)], **columns,
+                    completion_ids=[[0]], trainer_state=state, log_extra=lambda *a, **k: None,
+                    log_metric=lambda *a, **k: None)
     except RewardError as exc:
-        raise RewardError(f"{exc} (on a sample completion, checked when rewards.module loads)") from None
+        raise RewardError(f"{exc} (called once on the first training row, as TRL will call it)") from None
+
+
+def check_rewards(rewards_config, rows: list[dict], source: str) -> None:
+    """Before anything heavy: each configured reward against the run's training rows (RewardError): a
+    built-in answer reward needs gold answers, a local reward model's folder must be there, and a user's
+    function is called once on the first row."""
+    try:
+        _check_rewards(rewards_config, rows, source)
+    except RewardError as exc:  # bad input, refused before anything is written: exit 2
+        raise ConfigError(str(exc)) from None
+
+
+def _check_rewards(rewards_config, rows: list[dict], source: str) -> None:
+    module = load_reward_module(rewards_config.module) if rewards_config.module else None
+    for name in rewards_config.names:
+        if is_reward_model(name):
+            folder = Path(name).expanduser()
+            if name.startswith((".", "/", "~")) and not (folder / "config.json").is_file():
+                raise RewardError(f"reward model {name!r} in rewards.names: no model folder (config.json) there")
+            continue
+        fn = lookup_reward(name, module)
+        if name in NEEDS_GOLD and not any(row.get("answer") is not None for row in rows):
+            columns = ", ".join(repr(k) for k in rows[0] if k != "prompt") or "none"
+            raise RewardError(f"reward {name!r} needs gold answers and the data {source} gives none (its other columns: "
+                              f"{columns}): map the answer column with data.answer_column=NAME, or choose other "
+                              "rewards.names (your own in rewards.module)")
+        if fn is not REWARDS.get(name):
+            probe_reward(fn, name, rows[0])
+
+
+def load_reward_models(rewards_config) -> None:
+    """Load the reward models named in rewards.names (after the policy model, before anything is written)."""
+    for name in rewards_config.names:
+        if is_reward_model(name):
+            try:
+                RewardModel(name).load()
+            except RewardError as exc:
+                raise ConfigError(str(exc)) from None
 
 
 def reward_functions(rewards_config, warn=None) -> list[RewardFn]:
     """The configured rewards, in order, each wrapped by `guarded` (what TRL is handed)."""
     module = load_reward_module(rewards_config.module) if rewards_config.module else None
-    return [guarded(lookup_reward(name, module), name, rewards_config.on_error, warn) for name in rewards_config.names]
+    return [guarded(lookup_reward(name, module), logged_name(name), rewards_config.on_error, warn)
+            for name in rewards_config.names]

@@ -41,8 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable), e.g. --set train.learning_rate=1e-5")
     p.add_argument("--max-steps", type=_positive_int, help="training steps (train.max_steps)")
-    p.add_argument("--dataset", help="a .jsonl/.json/.parquet file with question/answer, or a hub id (data.dataset)")
-    p.add_argument("--output-dir", type=Path, help="where the run writes its files (default: outputs/PRESET-TIME)")
+    p.add_argument("--dataset", help="a .jsonl/.json/.csv/.tsv/.parquet file (columns: data.question_column, "
+                   "data.answer_column, or TRL's prompt), a hub id or a dataset folder NAME[@config][:split] (data.dataset)")
+    p.add_argument("--output-dir", type=Path, help="where the run writes its files (default: outputs/PRESET-TIME); "
+                   "a folder that holds a run is refused unless --overwrite")
+    p.add_argument("--init-adapter", type=Path, metavar="PATH", help="start from a saved PEFT LoRA adapter (e.g. a "
+                   "finished run's OUTPUT/adapter): its r, alpha and target modules are used; priming is skipped unless "
+                   "--set prime.steps=N (lora.init_adapter)")
+    p.add_argument("--overwrite", action="store_true", help="replace the run in --output-dir (its files are deleted "
+                   "once the new run's data and model are accepted); never one that is still running")
     p.add_argument("--backend", default="auto", choices=["auto", "unsloth", "hf"], help="model backend (default: auto)")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR",
                    help="continue an interrupted run from its newest checkpoint to its configured end "
@@ -72,7 +79,7 @@ def describe_presets() -> str:
 
 
 _FIXED_BY_RESUME = {"preset": "--preset", "max_steps": "--max-steps", "dataset": "--dataset",
-                    "output_dir": "--output-dir"}
+                    "output_dir": "--output-dir", "overwrite": "--overwrite", "init_adapter": "--init-adapter"}
 
 
 def resume_run(args, restart: bool = False) -> int:
@@ -172,6 +179,8 @@ def _main(args, restart: bool = False) -> int:
         overrides.append(f"data.dataset={args.dataset}")
     if args.vram is not None:
         overrides.append(f"memory.vram_gb={args.vram}")
+    if args.init_adapter is not None:
+        overrides.append(f"lora.init_adapter={args.init_adapter}")
     config = load_config(args.preset or default_preset(), overrides)
     if args.gpu is not None and not args.dry_run:
         raise ConfigError(f"--gpu {args.gpu} plans for a card you name: add --dry-run (training uses the card present)")
@@ -191,7 +200,8 @@ def _main(args, restart: bool = False) -> int:
             return 0
     from .pipeline import default_output_dir, run
 
-    run(config, args.output_dir or default_output_dir(config.preset), backend=args.backend, export=args.export)
+    run(config, args.output_dir or default_output_dir(config.preset), backend=args.backend, export=args.export,
+        existing="overwrite" if args.overwrite else "refuse")
     return 0
 
 

@@ -21,24 +21,42 @@ Every file is written atomically (a temporary name, then a rename). Every read h
 that is absent reads as None (or []), a file that is there but unreadable raises `RunDirError` naming
 it (exit 2). Only the main process writes when several run (accelerate): `RunDir(path, writer=False)`
 on the others. Nothing here imports torch, transformers or trl.
+
+A run never destroys another: `check_free()` refuses a folder that holds a run (finished, stopped or
+running) unless asked to replace it (`overwrite`, then `clear_run()` at the first write), and `lock()`
+takes an exclusive lock for the whole run, so a second process writing the same folder is refused at
+once. The lock is an flock on a file outside the run folder (in the temp dir, named by the folder's
+absolute path): taking it writes nothing into the folder, and it is released when the process ends,
+however it ends. Only the writer (the main process under `accelerate launch`) locks. It holds among the
+processes of one user on one machine (POSIX; none on Windows).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
 import yaml
+
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): runs are not locked there
+    fcntl = None
 
 from .errors import AdapterError, ConfigError, RunDirError
 from .lora_io import atomic_replace_dir, atomic_write_text, check_adapter_dir, remove_stale_staging
 
 CONFIG, SUMMARY, METRICS, RUN_STATE, REPORT = "config.yaml", "summary.json", "metrics.jsonl", "run_state.json", "report.md"
 ADAPTER, PRIMED_ADAPTER = "adapter", "primed_adapter"
+PLOT_FILES = ("reward.png", "kl.png", "completion_length.png", "clipped_ratio.png", "loss.png")  # report.py draws them
+# what a run leaves that marks the folder as holding one (any of them)
+RUN_MARKERS = (CONFIG, SUMMARY, METRICS, ADAPTER, PRIMED_ADAPTER)
 STAGING_PREFIX = ".checkpoint-staging-"
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 # what a checkpoint needs to be resumed from (transformers' files + ours)
@@ -47,6 +65,37 @@ REQUIRED_FILES = ("trainer_state.json", "optimizer.pt", "scheduler.pt", RUN_STAT
 
 def resume_command(path: Path) -> str:
     return f"python -m lowvram_grpo.run --resume {path}"
+
+
+def train_on_command(path: Path, preset: str = "") -> str:
+    """The command that trains a new run from the adapter of the finished run in `path`, with its settings."""
+    path = Path(path)
+    new = path.with_name(f"{path.name}-more")
+    number = 2
+    while new.exists():
+        new, number = path.with_name(f"{path.name}-more{number}"), number + 1
+    return (f"python -m lowvram_grpo.run --preset {path / CONFIG} --init-adapter {path / ADAPTER} --output-dir {new}"
+            if (path / CONFIG).is_file() else
+            f"python -m lowvram_grpo.run --preset {preset or 'PRESET'} --init-adapter {path / ADAPTER} --output-dir {new}")
+
+
+# --------------------------------------------------------------------------- the lock
+
+_HELD: dict[str, list] = {}  # lock file -> [open file, count]: this process's locks (re-entrant)
+
+
+def _lock_file(path: Path) -> Path:
+    """Where the lock of the run folder `path` lives: outside it, named by its absolute path."""
+    key = hashlib.sha1(str(Path(path).expanduser().resolve()).encode()).hexdigest()[:20]
+    getuid = getattr(os, "getuid", lambda: 0)
+    return Path(tempfile.gettempdir()) / f"lowvram_grpo-locks-{getuid()}" / f"{key}.lock"
+
+
+def _holder(lock_file: Path) -> str:
+    try:
+        return f"pid {json.loads(lock_file.read_text())['pid']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
 
 
 class RunDir:
@@ -74,6 +123,112 @@ class RunDir:
             problem = f"{existing} is not writable"
         if problem:
             raise ConfigError(f"cannot create output dir {self.path}: {problem}; pass a writable --output-dir")
+
+    def holds_run(self) -> bool:
+        """Whether the folder holds a run (what a run writes first or last is there), finished or not."""
+        return self.path.is_dir() and (any((self.path / name).exists() for name in RUN_MARKERS)
+                                       or bool(self.checkpoint_dirs()))
+
+    def describe_run(self) -> str:
+        """'a finished run (3 steps)' / 'a stopped run (newest checkpoint: checkpoint-4)' / ..."""
+        summary = self._summary_or_none()
+        if summary is not None and summary.get("status") == "complete":
+            return f"a finished run ({summary.get('steps')} steps)"
+        checkpoint = self.latest_checkpoint()
+        return f"a stopped run ({f'newest checkpoint: {checkpoint.name}' if checkpoint else 'no checkpoint yet'})"
+
+    def _summary_or_none(self) -> Optional[dict]:
+        try:
+            return self.read_summary()
+        except RunDirError:
+            return None
+
+    def check_free(self, overwrite: bool = False) -> None:
+        """Refuse a folder another process is writing (always), and one that holds a run unless `overwrite`:
+        each with one line saying how to go on (RunDirError). Writes nothing."""
+        if not self.writer:
+            return
+        holder = self.locked_by()
+        if holder:
+            raise RunDirError(f"output dir {self.path} is being written by a running process ({holder}): wait for it "
+                              "to end, or pick another --output-dir")
+        if overwrite or not self.holds_run():
+            return
+        what = self.describe_run()
+        if what.startswith("a finished run"):
+            how = f"train on from its adapter with: {train_on_command(self.path)}"
+        else:
+            how = f"continue it with: {resume_command(self.path)}"
+        raise RunDirError(f"output dir {self.path} holds {what}: {how}; or pick another --output-dir, or add "
+                          "--overwrite to replace it")
+
+    def clear_run(self) -> None:
+        """Delete the run this folder holds (its own files only: anything else in the folder stays), for
+        `--overwrite`, at the new run's first write."""
+        if not self.writer or not self.path.is_dir():
+            return
+        doomed = [self.path / name for name in (CONFIG, SUMMARY, METRICS, REPORT, ADAPTER, PRIMED_ADAPTER, "runs", *PLOT_FILES)]
+        doomed += [p for _, p in self.checkpoint_dirs()] + list(self.path.glob("export-*"))
+        doomed += list(self.path.glob(f"{STAGING_PREFIX}*")) + list(self.path.glob(".adapter.*")) + list(self.path.glob(".primed_adapter.*"))
+        for path in doomed:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+
+    # ------------------------------------------------------------------ the lock
+    def locked_by(self) -> Optional[str]:
+        """Who holds this folder's lock ('pid N'), when another process does; None when free or held by us."""
+        lock_file = _lock_file(self.path)
+        if fcntl is None or str(lock_file) in _HELD or not lock_file.is_file():
+            return None
+        try:
+            with open(lock_file, "rb") as fh:
+                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _holder(lock_file)
+        except OSError:
+            return None
+        return None
+
+    def lock(self) -> "RunDir":
+        """Hold this folder's lock until `unlock()` (or the process ends); RunDirError when another process
+        holds it. Re-entrant within a process (resume, then the run it starts, take it once each)."""
+        if not self.writer or fcntl is None:
+            return self
+        lock_file = _lock_file(self.path)
+        held = _HELD.get(str(lock_file))
+        if held is not None:
+            held[1] += 1
+            return self
+        lock_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fh = open(lock_file, "a+")
+        for attempt in range(5):  # a moment's shared hold by another process's locked_by() is not a run
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if attempt == 4:
+                    fh.close()
+                    raise RunDirError(f"output dir {self.path} is being written by a running process "
+                                      f"({_holder(lock_file)}): wait for it to end, or pick another --output-dir") from None
+                time.sleep(0.05)
+        fh.seek(0)
+        fh.truncate()
+        fh.write(json.dumps({"pid": os.getpid(), "path": str(self.path.resolve())}))
+        fh.flush()
+        _HELD[str(lock_file)] = [fh, 1]
+        return self
+
+    def unlock(self) -> None:
+        lock_file = str(_lock_file(self.path))
+        held = _HELD.get(lock_file)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] <= 0:
+            del _HELD[lock_file]
+            held[0].close()  # closing the file releases the flock
 
     def create(self) -> "RunDir":
         if not self.writer:
@@ -301,10 +456,13 @@ class RunDir:
             raise ConfigError(f"--resume {self.path}: no such directory; give the --output-dir of an earlier run")
         if not (self.path / CONFIG).is_file():
             raise ConfigError(f"--resume {self.path}: no config.yaml there; give the --output-dir of an earlier run")
+        holder = self.locked_by()
+        if holder:
+            raise RunDirError(f"--resume {self.path}: that run is still running ({holder}): wait for it to end")
         summary = self.read_summary() or {}
         if summary.get("status") == "complete":
             raise ConfigError(f"--resume {self.path}: that run is complete ({summary.get('steps')} steps); "
-                              f"to train longer start a new run from its adapter")
+                              f"to train on from its adapter: {train_on_command(self.path)}")
         return self.read_config(overrides)
 
     def started_backend(self) -> str:

@@ -8,10 +8,12 @@ sample as real `python -m lowvram_grpo.run` processes. In the argument lists `{t
 prepared bad files (see `bad_files`) and `{run}` an existing run directory."""
 import dataclasses
 import json
+import subprocess
+import sys
 
 import pytest
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 from lowvram_grpo.config import SECTIONS, _TOP_LEVEL_SCALARS
 
 # ---------------------------------------------------------------- CLI options: (id, argv, fragment of the error line)
@@ -31,23 +33,71 @@ CLI_CASES = [
     ("max-steps-word", ["--preset", "tiny", "--max-steps", "many"], "--max-steps: expected a whole number"),
     ("dataset-missing", ["--preset", "tiny", "--dataset", "{tmp}/missing.jsonl"], "does not exist"),
     ("dataset-empty", ["--preset", "tiny", "--dataset", "{tmp}/empty.jsonl"], "is empty"),
-    ("dataset-no-columns", ["--preset", "tiny", "--dataset", "{tmp}/cols.jsonl"], "lacks the field(s)"),
+    ("dataset-no-columns", ["--preset", "tiny", "--dataset", "{tmp}/cols.jsonl"],
+     "has no 'question' column and no TRL 'prompt' column: its columns are 'q', 'a'; map the question with "
+     "data.question_column=NAME"),
+    ("dataset-mapped-column-missing", ["--preset", "tiny", "--dataset", "{tmp}/cols.jsonl", "--set", "data.question_column=q",
+                                       "--set", "data.answer_column=label"],
+     "has no column 'label' (data.answer_column): its columns are 'q', 'a'"),
     ("dataset-bad-json", ["--preset", "tiny", "--dataset", "{tmp}/badjson.jsonl"], "is not valid JSON"),
-    ("dataset-unknown-extension", ["--preset", "tiny", "--dataset", "{tmp}/data.csv"], "unknown extension"),
+    ("dataset-unknown-extension", ["--preset", "tiny", "--dataset", "{tmp}/data.xlsx"], "unknown extension '.xlsx'"),
+    ("dataset-csv-wide-row", ["--preset", "tiny", "--dataset", "{tmp}/wide.csv"], "quote fields that contain the separator"),
+    ("dataset-not-text", ["--preset", "tiny", "--dataset", "{tmp}/latin.csv"], "is neither UTF-8 nor Windows-1252 text"),
+    ("dataset-empty-question", ["--preset", "tiny", "--dataset", "{tmp}/emptyq.jsonl"], "row 1 has an empty 'question'"),
+    ("dataset-bad-prompt", ["--preset", "tiny", "--dataset", "{tmp}/badprompt.jsonl"],
+     "'prompt' must be text or a list of chat messages"),
+    ("dataset-mixed-prompts", ["--preset", "tiny", "--dataset", "{tmp}/mixedprompts.jsonl"],
+     "mixes text prompts and chat-message prompts"),
+    ("dataset-mixed-column", ["--preset", "tiny", "--dataset", "{tmp}/mixedtypes.jsonl"], "column 'level' of dataset"),
+    ("dataset-trl-keyword-column", ["--preset", "tiny", "--dataset", "{tmp}/kwcolumn.jsonl"],
+     "has a column 'trainer_state', a keyword TRL itself passes the reward functions"),
+    ("dataset-no-gold-for-correctness", ["--preset", "tiny", "--dataset", "{tmp}/nogold.jsonl"],
+     "reward 'correctness' needs gold answers and the data {tmp}/nogold.jsonl gives none (its other columns: 'question'): "
+     "map the answer column with data.answer_column=NAME"),
+    ("dataset-folder-bad-split", ["--preset", "tiny", "--dataset", "{tmp}/dsfolder@main:nope"], "cannot load dataset"),
     ("output-dir-under-a-file", ["--preset", "tiny", "--output-dir", "{tmp}/a_file/sub"], "cannot create output dir"),
     ("output-dir-is-a-file", ["--preset", "tiny", "--output-dir", "{tmp}/a_file"], "cannot create output dir"),
+    ("output-dir-holds-a-finished-run", ["--preset", "tiny", "--output-dir", "{run}"],
+     "output dir {run} holds a finished run (3 steps): train on from its adapter with: python -m lowvram_grpo.run "
+     "--preset {run}/config.yaml --init-adapter {run}/adapter --output-dir {run}-more; or pick another --output-dir, "
+     "or add --overwrite to replace it"),
+    ("output-dir-holds-a-stopped-run", ["--preset", "tiny", "--output-dir", "{tmp}/started-run"],
+     "holds a stopped run (no checkpoint yet): continue it with: python -m lowvram_grpo.run --resume {tmp}/started-run"),
+    ("output-dir-being-written", ["--preset", "tiny", "--output-dir", "{tmp}/locked-run"],
+     "output dir {tmp}/locked-run is being written by a running process (pid "),
+    ("overwrite-a-running-run", ["--preset", "tiny", "--output-dir", "{tmp}/locked-run", "--overwrite"],
+     "is being written by a running process (pid "),
+    ("overwrite-with-value", ["--preset", "tiny", "--overwrite=yes"], "ignored explicit argument"),
     ("backend-unknown", ["--preset", "tiny", "--backend", "vllm"], "--backend: invalid choice"),
     ("resume-no-dir", ["--resume", "{tmp}/no-run"], "no such directory"),
     ("resume-not-a-run", ["--resume", "{tmp}"], "no config.yaml there"),
-    ("resume-complete-run", ["--resume", "{run}"], "that run is complete"),
+    ("resume-complete-run", ["--resume", "{run}"],
+     "that run is complete (3 steps); to train on from its adapter: python -m lowvram_grpo.run --preset "
+     "{run}/config.yaml --init-adapter {run}/adapter --output-dir {run}-more"),
+    ("resume-a-running-run", ["--resume", "{tmp}/locked-run"], "that run is still running (pid "),
     ("resume-with-preset", ["--resume", "{run}", "--preset", "tiny"], "drop --preset"),
     ("resume-with-set", ["--resume", "{run}", "--set", "train.max_steps=9"],
      "--resume --set train.max_steps: a resumed run keeps its training settings"),
     ("resume-with-bad-settable-value", ["--resume", "{tmp}/started-run", "--set", "eval.batch_size=0"],
      "eval.batch_size must be >= 1"),
     ("resume-with-output-dir", ["--resume", "{run}", "--output-dir", "{tmp}/elsewhere"], "drop --output-dir"),
+    ("resume-with-overwrite", ["--resume", "{run}", "--overwrite"], "drop --overwrite"),
+    ("resume-with-init-adapter", ["--resume", "{run}", "--init-adapter", "{run}/adapter"], "drop --init-adapter"),
     ("resume-missing-value", ["--resume"], "expected one argument"),
     ("resume-on-another-backend", ["--resume", "{tmp}/started-run", "--backend", "hf"], "started on the unsloth backend"),
+    ("init-adapter-missing", ["--preset", "tiny", "--init-adapter", "{tmp}/no-adapter"],
+     "lora.init_adapter: {tmp}/no-adapter does not exist: give the folder of a saved PEFT LoRA adapter"),
+    ("init-adapter-a-run-folder", ["--preset", "tiny", "--init-adapter", "{run}"],
+     "{run} holds a run, not an adapter: give its adapter, {run}/adapter"),
+    ("init-adapter-not-lora", ["--preset", "tiny", "--init-adapter", "{tmp}/ia3-adapter"],
+     "is a IA3 adapter: only LoRA adapters can be trained on here"),
+    ("init-adapter-pattern-targets", ["--preset", "tiny", "--init-adapter", "{tmp}/pattern-adapter"],
+     "names its target modules as '.*proj', not a list of layer names"),
+    ("init-adapter-no-weights", ["--preset", "tiny", "--init-adapter", "{tmp}/weightless-adapter"], "has no weights"),
+    ("init-adapter-other-base", ["--preset", "tiny", "--init-adapter", "{tmp}/smollm2-adapter"],
+     "lora.init_adapter {tmp}/smollm2-adapter was trained on HuggingFaceTB/SmolLM2-135M-Instruct, not on model.name "
+     "builtin:tiny"),
+    ("init-adapter-missing-value", ["--preset", "tiny", "--init-adapter"], "expected one argument"),
     ("dry-run-with-value", ["--preset", "tiny", "--dry-run=yes"], "ignored explicit argument"),
     ("gpu-unknown-profile", ["--preset", "llama8b_4bit", "--dry-run", "--gpu", "gtx1080"], "unknown GPU profile 'gtx1080': choose one of t4"),
     ("gpu-without-dry-run", ["--preset", "tiny", "--gpu", "t4"], "--gpu t4 plans for a card you name: add --dry-run"),
@@ -113,6 +163,7 @@ CONFIG_CASES = [
     ("lora.target_modules", "[]", "lora.target_modules is empty"),
     ("lora.target_modules", "q_proj", "lora.target_modules must be a list of str"),
     ("lora.random_state", "abc", "lora.random_state must be int"),
+    ("lora.init_adapter", "{tmp}/no-adapter", "lora.init_adapter: {tmp}/no-adapter does not exist"),
     ("train.learning_rate", "0", "train.learning_rate must be > 0"),
     ("train.adam_beta1", "1.5", "train.adam_beta1 must be in [0, 1)"),
     ("train.adam_beta2", "-0.1", "train.adam_beta2 must be in [0, 1)"),
@@ -145,6 +196,9 @@ CONFIG_CASES = [
     ("train.seed", "abc", "train.seed must be int"),
     ("data.dataset", "{tmp}/missing.jsonl", "does not exist"),
     ("data.system_prompt", "[a, b]", "data.system_prompt must be str"),
+    ("data.question_column", "''", "data.question_column is empty"),
+    ("data.answer_column", "[a]", "data.answer_column must be str"),
+    ("data.solution_column", "' '", "data.solution_column is empty"),
     ("data.num_train", "0", "data.num_train must be >= 1 or null"),
     ("data.eval_size", "0", "data.eval_size must be >= 1"),
     ("data.eval_dataset", "{tmp}/missing.jsonl", "does not exist"),
@@ -185,10 +239,18 @@ REWARD_FILE_CASES = [
      "unknown reward 'nope' in rewards.names: choose from"),
     ("not-callable", ["rewards.module={tmp}/notcallable.py", "rewards.names=[score]"], "'score' in rewards.module"),
     ("probe-wrong-length", ["rewards.module={tmp}/wronglen.py", "rewards.names=[wrong_len]"],
-     "reward 'wrong_len' returned 2 scores for 1 completions"),
+     "reward 'wrong_len' returned 2 scores for 1 completions: return one number per completion (called once on the "
+     "first training row, as TRL will call it)"),
     ("probe-raises", ["rewards.module={tmp}/raises.py", "rewards.names=[raises]"], "reward 'raises' raised ValueError: boom"),
-    ("probe-nan", ["rewards.module={tmp}/nan.py", "rewards.names=[nan_score]"], "reward 'nan_score' returned nan as score 0"),
+    ("probe-complex", ["rewards.module={tmp}/complexscore.py", "rewards.names=[complex_score]"],
+     "reward 'complex_score' returned 1j (complex) as score 0"),
     ("probe-not-numbers", ["rewards.module={tmp}/text.py", "rewards.names=[text_score]"], "returned 'good' (str) as score 0"),
+    ("probe-no-kwargs", ["rewards.module={tmp}/nokwargs.py", "rewards.names=[no_kwargs]"],
+     "reward 'no_kwargs' does not take the keyword 'answer' that TRL passes it"),
+    ("probe-async-raises", ["rewards.module={tmp}/asyncraises.py", "rewards.names=[async_raises]"],
+     "reward 'async_raises' raised RuntimeError: judge down"),
+    ("reward-model-missing", ["rewards.names=[correctness, {tmp}/no-reward-model]"],
+     "reward model '{tmp}/no-reward-model' in rewards.names: no model folder (config.json) there"),
     ("shadows-a-built-in", ["rewards.module={tmp}/shadow.py", "rewards.names=[correctness]"],
      "defines 'correctness', the name of a built-in reward"),
 ]
@@ -210,7 +272,19 @@ FILES = {
     "empty.jsonl": "",
     "cols.jsonl": '{"q": "a", "a": "b"}\n' * 40,
     "badjson.jsonl": '{"question": "1 + 1?", "answer": "#### 2"}\n{oops\n',
-    "data.csv": "question,answer\n",
+    "data.xlsx": "question,answer\n",
+    "wide.csv": "question,answer\nWhat is 1, 2?,3,4\n",
+    "emptyq.jsonl": '{"question": " ", "answer": "1"}\n' * 10,
+    "badprompt.jsonl": '{"prompt": {"text": "hi"}}\n' * 10,
+    "mixedprompts.jsonl": '{"prompt": "hi"}\n{"prompt": [{"role": "user", "content": "hi"}]}\n' * 5,
+    "mixedtypes.jsonl": '{"question": "a", "answer": "1", "level": 3}\n{"question": "b", "answer": "2", "level": "hard"}\n' * 5,
+    "kwcolumn.jsonl": '{"question": "a", "answer": "1", "trainer_state": "x"}\n' * 10,
+    "nogold.jsonl": '{"question": "Name a colour."}\n' * 10,
+    "dsfolder/README.md": "---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: main.jsonl\n---\n",
+    "dsfolder/main.jsonl": '{"question": "1 + 1?", "answer": "#### 2"}\n' * 10,
+    "complexscore.py": "def complex_score(prompts, completions, **kwargs):\n    return [1j] * len(completions)\n",
+    "nokwargs.py": "def no_kwargs(prompts, completions):\n    return [0.0] * len(completions)\n",
+    "asyncraises.py": "async def async_raises(prompts, completions, **kwargs):\n    raise RuntimeError('judge down')\n",
     "a_file": "x",
     "rewards.txt": "not python",
     "syntax.py": "def broken(:\n",
@@ -219,7 +293,6 @@ FILES = {
     "notcallable.py": "score = 3\n",
     "wronglen.py": "def wrong_len(prompts, completions, **kwargs):\n    return [1.0] * (len(completions) + 1)\n",
     "raises.py": "def raises(prompts, completions, **kwargs):\n    raise ValueError('boom')\n",
-    "nan.py": "def nan_score(prompts, completions, **kwargs):\n    return [float('nan')] * len(completions)\n",
     "text.py": "def text_score(prompts, completions, **kwargs):\n    return ['good'] * len(completions)\n",
     "shadow.py": "def correctness(prompts, completions, **kwargs):\n    return [0.0] * len(completions)\n",
     "small.jsonl": '{"question": "1 + 1?", "answer": "#### 2"}\n' * 10,
@@ -250,7 +323,9 @@ CHECK_CLASSES = {"lengths", "context", "lora-target", "lora-rank", "held-out"}
 def bad_files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad")
     for name, text in FILES.items():
+        (tmp / name).parent.mkdir(exist_ok=True)
         (tmp / name).write_text(text)
+    (tmp / "latin.csv").write_bytes(b"question,answer\n\x81\x8d,1\n")  # neither UTF-8 nor Windows-1252
     for case_id, text, _ in TOP_LEVEL_CASES:
         (tmp / f"top-{case_id}.yaml").write_text(text)
     _tiny_gpt2(tmp / "gpt2-tiny")
@@ -262,7 +337,41 @@ def bad_files(tmp_path_factory):
     started.mkdir()
     (started / "config.yaml").write_text("preset: tiny\nmodel: {name: builtin:tiny}\n")
     (started / "summary.json").write_text(json.dumps({"status": "training", "backend": "unsloth"}))
-    return tmp
+    _adapters(tmp, run / "adapter")
+    locked = tmp / "locked-run"  # a run another process is writing right now
+    locked.mkdir()
+    (locked / "config.yaml").write_text("preset: tiny\nmodel: {name: builtin:tiny}\n")
+    (locked / "summary.json").write_text(json.dumps({"status": "training", "backend": "hf"}))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(locked)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert holder.stdout.readline().strip() == "locked"
+    yield tmp
+    holder.kill()
+    holder.wait()
+
+
+# Holds a run folder's lock, as a running run does, until killed.
+HOLD_LOCK = "import sys, time; from lowvram_grpo.run_dir import RunDir; RunDir(sys.argv[1]).lock(); print('locked', flush=True); time.sleep(3600)"
+
+
+def _adapters(tmp, ours):
+    """A real LoRA adapter of the tiny model (a finished run's), and copies of it another tool could have
+    written: for another base model, of another PEFT type, with a pattern for targets, without weights."""
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lowvram_grpo.builtin_models import ensure_tiny_model
+
+    model = AutoModelForCausalLM.from_pretrained(ensure_tiny_model())
+    get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])).save_pretrained(ours)
+    for name, change in (("smollm2-adapter", {"base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}),
+                         ("ia3-adapter", {"peft_type": "IA3"}), ("pattern-adapter", {"target_modules": ".*proj"}),
+                         ("weightless-adapter", {})):
+        shutil.copytree(ours, tmp / name)
+        config = json.loads((ours / "adapter_config.json").read_text())
+        (tmp / name / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    (tmp / "weightless-adapter" / "adapter_model.safetensors").unlink()
 
 
 def _tiny_gpt2(folder):
@@ -422,7 +531,8 @@ def test_every_config_key_has_a_case():
     assert set(_TOP_LEVEL_SCALARS) - {c[0] for c in TOP_LEVEL_CASES} == set(), "add a case to TOP_LEVEL_CASES"
 
 
-IN_A_FRESH_PROCESS = ["max-steps-word", "set-unknown-key", "resume-complete-run", "gpu-preset-without-gpu"]
+IN_A_FRESH_PROCESS = ["max-steps-word", "set-unknown-key", "resume-complete-run", "gpu-preset-without-gpu",
+                      "output-dir-holds-a-finished-run", "output-dir-being-written", "dataset-no-gold-for-correctness"]
 
 
 @pytest.mark.parametrize("case_id", IN_A_FRESH_PROCESS)
@@ -430,8 +540,8 @@ def test_in_a_fresh_process(case_id, bad_files):
     _, argv, fragment = next(c for c in CLI_CASES if c[0] == case_id)
     argv = _fill(argv, bad_files)
     out = bad_files / "out-never"
-    proc = run_cli(*argv, *([] if "--resume" in argv else ["--output-dir", str(out)]), timeout=120)
-    _assert_refused(proc.returncode, proc.stderr, fragment)
+    proc = run_cli(*argv, *([] if "--resume" in argv or "--output-dir" in argv else ["--output-dir", str(out)]), timeout=120)
+    _assert_refused(proc.returncode, proc.stderr, _fill([fragment], bad_files)[0])
     assert not out.exists()
 
 

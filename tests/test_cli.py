@@ -71,7 +71,7 @@ def _bad_inputs(tmp_path):
         (["--preset", "tiny", "--max-steps", "many"], "--max-steps"),
         (["--preset", "tiny", "--dataset", str(tmp_path / "missing.jsonl")], "does not exist"),
         (["--preset", "tiny", "--dataset", str(empty)], "is empty"),
-        (["--preset", "tiny", "--dataset", str(no_columns)], "lacks the field(s)"),
+        (["--preset", "tiny", "--dataset", str(no_columns)], "has no 'question' column and no TRL 'prompt' column"),
         (["--preset", "tiny", "--output-dir", str(a_file / "sub")], "cannot create output dir"),
         (["--preset", "llama8b_4bit", "--max-steps", "1"], "needs an NVIDIA GPU"),
         (["--preset", "tiny", "--backend", "vllm"], "--backend"),

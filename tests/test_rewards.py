@@ -1,11 +1,17 @@
+import asyncio
+import functools
 import json
+import math
+from decimal import Decimal
+from fractions import Fraction
 
 import pytest
 
+from lowvram_grpo.errors import ConfigError, RewardError
 from lowvram_grpo.rewards import (
-    REWARD_MAX, REWARDS, answer_number, count_xml, extract_hash_answer, parse_number, xml_formatted,
+    REWARD_MAX, REWARDS, answer_number, call_reward, callable_name, check_rewards, count_xml, extract_hash_answer, guarded,
+    is_async_callable, parse_number, xml_formatted,
 )
-from decimal import Decimal
 
 NOTEBOOK_FIVE = ["xmlcount", "soft_format", "strict_format", "int", "correctness"]
 
@@ -104,3 +110,179 @@ def test_correctness_scores_every_real_gsm8k_gold_answer_the_maximum(gsm8k_path)
     # and a wrong number never scores
     wrong = [xml_formatted("x", str(parse_number(g) + 1)) for g in golds[:200]]
     assert set(REWARDS["correctness"]([None] * 200, wrong, answer=golds[:200])) == {0.0}
+
+
+# --------------------------------------------------------------------------- TRL 1.15's reward contract
+
+def _returning(value):
+    def fn(prompts, completions, **kwargs):
+        return value
+    return fn
+
+
+@pytest.mark.parametrize("value, expected", [
+    ([None, 1.0], [None, 1.0]),                       # "does not apply to this sample" (multi-task data)
+    ([math.nan, 2], [math.nan, 2.0]),                 # TRL reads NaN as None
+    ([True, False], [1.0, 0.0]),
+    ((0.5, 1), [0.5, 1.0]),
+    (iter([3, 4]), [3.0, 4.0]),
+    ([Decimal("0.25"), Fraction(1, 2)], [0.25, 0.5]),
+], ids=["none", "nan", "bools", "tuple", "iterator", "decimal-fraction"])
+def test_what_trl_takes_from_a_reward_passes_unchanged(value, expected):
+    got = guarded(_returning(value), "mine")(prompts=["p", "p"], completions=["a", "b"])
+    assert [None if g is None else (math.nan if math.isnan(g) else g) for g in got] == pytest.approx(expected, nan_ok=True)
+
+
+def test_numpy_and_torch_scores_and_an_infinite_one_that_warns_once():
+    import numpy as np
+    import torch
+
+    assert guarded(_returning(np.array([0.5, 1.0], dtype=np.float32)), "np")(prompts=[0, 0], completions=[0, 0]) == [0.5, 1.0]
+    assert guarded(_returning(torch.tensor([[0.5], [2.0]])), "pt")(prompts=[0, 0], completions=[0, 0]) == [0.5, 2.0]
+    warnings = []
+    reward = guarded(_returning([math.inf, 1.0]), "inf", warn=warnings.append)
+    assert reward(prompts=[0, 0], completions=[0, 0]) == [math.inf, 1.0]
+    reward(prompts=[0, 0], completions=[0, 0])
+    assert len(warnings) == 1 and "reward 'inf' returned an infinite score: TRL takes it" in warnings[0]
+
+
+async def async_judge(prompts, completions, **kwargs):
+    await asyncio.sleep(0)
+    return [float(len(c)) for c in completions]
+
+
+class CallableScorer:
+    def __call__(self, prompts, completions, **kwargs):
+        return [1.0] * len(completions)
+
+
+class AsyncScorer:
+    async def __call__(self, prompts, completions, **kwargs):
+        return [2.0] * len(completions)
+
+
+def _scaled(prompts, completions, scale, **kwargs):
+    return [scale] * len(completions)
+
+
+def test_async_functions_callable_objects_and_partials_as_trl_takes_them():
+    reward = guarded(async_judge, "judge")
+    assert is_async_callable(reward) and asyncio.run(reward(prompts=[0, 0], completions=["ab", "c"])) == [2.0, 1.0]
+    assert call_reward(reward, prompts=[0], completions=["abc"]) == [3.0]  # outside the trainer (evaluation, probe)
+    assert call_reward(guarded(CallableScorer(), "obj"), prompts=[0], completions=["x"]) == [1.0]
+    assert is_async_callable(AsyncScorer()) and call_reward(guarded(AsyncScorer(), "aobj"), prompts=[0], completions=["x"]) == [2.0]
+    partial = functools.partial(_scaled, scale=0.25)
+    assert call_reward(guarded(partial, "scaled"), prompts=[0], completions=["x"]) == [0.25]
+    assert callable_name(partial) == "_scaled" and callable_name(CallableScorer()) == "CallableScorer"  # TRL's names
+    with pytest.raises(RewardError, match=r"reward 'judge' raised ZeroDivisionError"):
+        call_reward(guarded(_async_failing, "judge"), prompts=[0], completions=["x"])
+
+
+async def _async_failing(prompts, completions, **kwargs):
+    return 1 / 0
+
+
+def test_a_reward_without_kwargs_is_told_which_keyword_trl_passes():
+    def narrow(prompts, completions):
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardError, match=r"reward 'narrow' does not take the keyword 'trainer_state' that TRL passes it .*"
+                                          r"add \*\*kwargs"):
+        guarded(narrow, "narrow")(prompts=[0], completions=["x"], trainer_state=None)
+
+
+def test_rewards_are_checked_against_the_runs_own_rows(tmp_path):
+    from lowvram_grpo.config import RewardsConfig
+
+    rows = [{"prompt": "Say a colour:", "colour": "red"}, {"prompt": "Say a fruit:", "colour": None}]
+    with pytest.raises(ConfigError, match=r"reward 'correctness' needs gold answers and the data d.csv gives none "
+                                          r"\(its other columns: 'colour'\): map the answer column with data.answer_column"):
+        check_rewards(RewardsConfig(names=["brevity", "correctness"]), rows, "d.csv")
+    module = tmp_path / "mine.py"
+    module.write_text("def names_colour(prompts, completions, colour, **kwargs):\n"
+                      "    assert isinstance(completions[0], str)  # text prompts: text completions, as TRL passes them\n"
+                      "    return [1.0 if c and c in t else 0.0 for t, c in zip(completions, colour)]\n")
+    check_rewards(RewardsConfig(names=["names_colour"], module=str(module)), rows, "d.csv")  # takes the row's column
+    gold = [{"prompt": [{"role": "user", "content": "1+1?"}], "answer": "2"}]
+    check_rewards(RewardsConfig(names=["correctness"]), gold, "g.jsonl")
+
+
+# A reward file that uses the whole contract: text prompts (TRL's standard format), a dataset column, None
+# for rows a reward does not apply to, an async function, numpy scores, a partial, a callable object,
+# trainer_state, log_metric, log_extra and completion_ids.
+CONTRACT_REWARDS = '''
+import asyncio, functools
+import numpy as np
+
+def says_target(prompts, completions, target, **kwargs):
+    assert all(isinstance(p, str) and isinstance(c, str) for p, c in zip(prompts, completions))
+    return [1.0 if t in c else 0.0 for c, t in zip(completions, target)]
+
+async def judge(prompts, completions, **kwargs):
+    await asyncio.sleep(0)
+    return [min(len(c), 50) / 50 for c in completions]
+
+def only_kind_a(prompts, completions, kind, trainer_state, log_metric, log_extra, completion_ids, **kwargs):
+    assert len(completion_ids) == len(completions) and all(isinstance(i, list) for i in completion_ids)
+    log_metric("kind_a_share", sum(k == "a" for k in kind) / len(kind))
+    log_extra("kind", list(kind))
+    return [0.5 if k == "a" else None for k in kind]
+
+def _fixed(prompts, completions, value, **kwargs):
+    return np.full(len(completions), value, dtype=np.float32)
+
+fixed = functools.partial(_fixed, value=0.25)
+
+class ByStep:
+    def __call__(self, prompts, completions, trainer_state, **kwargs):
+        return tuple(float(trainer_state.global_step) for _ in completions)
+
+by_step = ByStep()
+'''
+
+
+def _tiny_reward_model(folder, tiny_model_dir):
+    """A sequence-classification model on the tiny model's tokenizer, as a reward model folder."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                                       num_labels=1, pad_token_id=tokenizer.pad_token_id))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_real_run_with_trls_whole_reward_contract_and_a_reward_model_by_name(tmp_path, tiny_model_dir):
+    from conftest import run_cli
+
+    (tmp_path / "contract.py").write_text(CONTRACT_REWARDS)
+    reward_model = _tiny_reward_model(tmp_path / "tiny-rm", tiny_model_dir)
+    rows = [{"prompt": f"Say the word {w}:", "target": w, "kind": "a" if i % 3 else "b"}
+            for i, w in enumerate(["apple", "river", "stone", "cloud", "green", "light", "music", "ocean", "paper", "tiger"])]
+    data = tmp_path / "words.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    names = f"[brevity, says_target, judge, only_kind_a, fixed, by_step, {reward_model}]"
+    proc = run_cli("--preset", "tiny", "--max-steps", "3", "--dataset", str(data), "--set", f"rewards.module={tmp_path / 'contract.py'}",
+                   "--set", f"rewards.names={names}", "--output-dir", str(out), env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for name in ("brevity", "says_target", "judge", "fixed", "by_step", "tiny-rm"):
+        assert all(f"rewards/{name}/mean" in m for m in metrics), name
+    assert all(m["rewards/fixed/mean"] == pytest.approx(0.25) for m in metrics)
+    assert [m["rewards/by_step/mean"] for m in metrics] == [0.0, 1.0, 2.0]
+    # a step on a kind-b prompt: only_kind_a said None for all its completions, TRL left it out (no mean logged)
+    shares = [m["kind_a_share"] for m in metrics]
+    assert 1.0 in shares and 0.0 in shares
+    assert [m.get("rewards/only_kind_a/mean") for m in metrics] == [0.5 if s else None for s in shares]
+    assert all(0 <= m["rewards/judge/mean"] <= 1 for m in metrics)
+    assert all(isinstance(m["rewards/tiny-rm/mean"], float) for m in metrics)
+    summary = json.loads((out / "summary.json").read_text())
+    for side in ("before", "after"):  # scored by the same functions, no gold answers: no accuracy
+        assert isinstance(summary[side]["reward_mean"], float) and "accuracy_strict" not in summary[side]
+    assert summary["samples"][0]["answer"] is None and summary["samples"][0]["question"].startswith("Say the word")

@@ -1,8 +1,9 @@
 """The `hf` backend: transformers + bitsandbytes + peft. This is where the model is built without unsloth.
 
 4-bit NF4 with double quantization when `memory.load_in_4bit` (bitsandbytes runs it on CPU too),
-LoRA from peft on `lora.target_modules`, gradient checkpointing unless turned off. The same path
-serves several GPUs later (TRL with accelerate places the model).
+LoRA from peft on `lora.target_modules` (or, with `lora.init_adapter`, a saved adapter loaded as the trainable
+LoRA), gradient checkpointing unless turned off. The same path serves several GPUs later (TRL with accelerate
+places the model).
 """
 from __future__ import annotations
 
@@ -51,6 +52,11 @@ def load_model(resolved) -> ModelHandle:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
 
+    if config.lora.init_adapter:  # a saved adapter as the trainable LoRA, as PEFT loads it (checks.py checked its base)
+        from ..lora_io import load_trainable_adapter
+
+        return ModelHandle(load_trainable_adapter(model, config.lora.init_adapter, base_model=path), tokenizer,
+                           resolved, base_model=path)
     torch.manual_seed(config.lora.random_state)  # the adapters' initial A matrices
     model = get_peft_model(model, LoraConfig(**lora_kwargs(config)))
     return ModelHandle(model, tokenizer, resolved, base_model=path)

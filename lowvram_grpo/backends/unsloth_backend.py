@@ -49,8 +49,14 @@ def from_pretrained_kwargs(resolved, path: str) -> dict:
 
 
 def get_peft_model_kwargs(resolved) -> dict:
-    """`FastLanguageModel.get_peft_model`'s arguments (after the model)."""
+    """`FastLanguageModel.get_peft_model`'s arguments (after the model). With `lora.init_adapter`, the r / alpha /
+    targets / dropout the config read from its adapter_config.json, plus the options it sets (lora_io.LORA_EXTRAS)."""
     config = resolved.config
+    extras = {}
+    if config.lora.init_adapter:
+        from ..lora_io import adapter_settings
+
+        extras = adapter_settings(config.lora.init_adapter)["extras"]
     return dict(
         r=config.lora.r,
         target_modules=list(config.lora.target_modules),
@@ -58,6 +64,7 @@ def get_peft_model_kwargs(resolved) -> dict:
         lora_dropout=config.lora.dropout,
         use_gradient_checkpointing=_checkpointing(resolved),
         random_state=config.lora.random_state,
+        **extras,
     )
 
 
@@ -78,6 +85,10 @@ def load_model(resolved, log=print) -> ModelHandle:
     model, tokenizer = FastLanguageModel.from_pretrained(**from_pretrained_kwargs(resolved, path))
     checks.after_load(resolved.config, model)  # lengths and LoRA layers against the loaded model
     model = FastLanguageModel.get_peft_model(model, **get_peft_model_kwargs(resolved))
+    if resolved.config.lora.init_adapter:  # its weights into the LoRA just made with its settings
+        from ..lora_io import load_adapter_weights
+
+        load_adapter_weights(model, resolved.config.lora.init_adapter, base_model=path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     resolved = follow_loaded_dtype(resolved, loaded_dtype(model))
