@@ -39,9 +39,8 @@ def resolve_model_path(name: str) -> str:
 
 
 def _tokenizer_corpus() -> list[str]:
-    from .config import NOTEBOOK_SYSTEM_PROMPT
     from .data import arithmetic_problems
-    from .rewards import xml_formatted
+    from .rewards import NOTEBOOK_SYSTEM_PROMPT, xml_formatted
 
     texts = [NOTEBOOK_SYSTEM_PROMPT, "system user assistant"]
     for p in arithmetic_problems(600, seed=12345, max_operand=100):

@@ -22,19 +22,9 @@ import yaml
 
 from .builtin_models import BUILTIN_MODELS  # the one list of built-in model names
 from .errors import ConfigError
+from .rewards import NOTEBOOK_SYSTEM_PROMPT  # the answer format the built-in rewards score
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"  # package data (pyproject.toml)
-
-# The Unsloth GRPO notebook's system prompt (leading/trailing newlines dropped).
-NOTEBOOK_SYSTEM_PROMPT = """Respond in the following format:
-<reasoning>
-...
-</reasoning>
-<answer>
-...
-</answer>"""
-
-
 
 
 def _help(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING):

@@ -45,6 +45,15 @@ from typing import Callable, Optional
 from .errors import ConfigError, RewardError
 from . import answers
 
+# The Unsloth GRPO notebook's system prompt (leading/trailing newlines dropped).
+NOTEBOOK_SYSTEM_PROMPT = """Respond in the following format:
+<reasoning>
+...
+</reasoning>
+<answer>
+...
+</answer>"""
+
 RewardFn = Callable[..., list]
 # The keywords TRL 1.15's GRPOTrainer passes every reward function besides the dataset's columns
 # (_calculate_rewards; `environments` only with an environment_factory, which this package does not use).
