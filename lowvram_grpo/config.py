@@ -24,7 +24,10 @@ from .builtin_models import BUILTIN_MODELS  # the one list of built-in model nam
 from .errors import ConfigError
 from .rewards import NOTEBOOK_SYSTEM_PROMPT  # the answer format the built-in rewards score
 
-PRESETS_DIR = Path(__file__).resolve().parent / "presets"  # package data (pyproject.toml)
+# The presets: presets/ at the top of the checkout, installed as the package data folder lowvram_grpo/presets
+# (pyproject.toml maps one to the other).
+_INSTALLED_PRESETS = Path(__file__).resolve().parent / "presets"
+PRESETS_DIR = _INSTALLED_PRESETS if _INSTALLED_PRESETS.is_dir() else Path(__file__).resolve().parent.parent / "presets"
 
 
 def _help(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING):

@@ -97,7 +97,8 @@ def test_pip_install_gives_a_console_script_that_runs_from_any_folder(tmp_path):
     import shutil
 
     source = tmp_path / "source"  # what a clone holds for building (pip builds in the tree it is given)
-    shutil.copytree(REPO / "lowvram_grpo", source / "lowvram_grpo", ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("lowvram_grpo", "presets"):
+        shutil.copytree(REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
     venv = tmp_path / "venv"
@@ -119,3 +120,15 @@ def test_pip_install_gives_a_console_script_that_runs_from_any_folder(tmp_path):
     where = subprocess.run([str(venv / "bin" / "python"), "-c", "import lowvram_grpo; print(lowvram_grpo.__file__)"],
                            cwd=elsewhere, capture_output=True, text=True, env=env).stdout
     assert str(venv) in where  # the installed copy ran, not the checkout
+
+
+def test_pyproject_installs_every_package_folder_and_the_top_level_presets():
+    """pyproject.toml lists the packages by hand (the presets folder is mapped in from the top of the
+    repository): a package folder missing from the list would be missing from `pip install .`."""
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {".".join(p.relative_to(REPO).parent.parts) for p in (REPO / "lowvram_grpo").rglob("__init__.py")}
+    assert set(setuptools["packages"]) == folders | {"lowvram_grpo.presets"}
+    assert setuptools["package-dir"] == {"lowvram_grpo.presets": "presets"}
+    assert sorted(p.name for p in (REPO / "presets").glob("*.yaml")) and not (REPO / "lowvram_grpo" / "presets").exists()
