@@ -17,6 +17,8 @@ from lowvram_grpo.errors import ResolveError
 from lowvram_grpo.hardware import PROFILES, Hardware
 from lowvram_grpo.resolve import choose_host_allocator, resolve
 
+pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
+
 LIBRARY = allocator.mimalloc_library()
 needs_mimalloc = pytest.mark.skipif(LIBRARY is None, reason="cmeel-mimalloc is not installed (requirements-cpu-nodeps.txt)")
 FAKE = "/opt/lib/libmimalloc.so"

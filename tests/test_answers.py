@@ -72,6 +72,7 @@ def test_correctness_reward_scores_fractions_and_latex(stated):
     assert REWARDS["correctness"]([None], [completion], answer=["0.5"]) == [0.0]
 
 
+@pytest.mark.slow
 def test_fast_path_agrees_with_math_verify_on_every_gsm8k_gold(gsm8k_path):
     """Plain numbers are compared as decimals without math-verify; on GSM8K's golds, written the ways a
     model writes them (and off by one), math-verify gives the same verdict."""

@@ -453,6 +453,7 @@ def test_settings_that_cannot_work_together(extra, fragment, bad_files, capsys):
     _check_case(["--preset", "tiny", *extra], fragment, bad_files, capsys)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, fragment", [c[1:] for c in DOCTOR_CASES], ids=[c[0] for c in DOCTOR_CASES])
 def test_bad_doctor_argument(argv, fragment, bad_files, capsys):
     _check_case(["doctor", *argv], fragment, bad_files, capsys)
@@ -535,6 +536,7 @@ IN_A_FRESH_PROCESS = ["max-steps-word", "set-unknown-key", "resume-complete-run"
                       "output-dir-holds-a-finished-run", "output-dir-being-written", "dataset-no-gold-for-correctness"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case_id", IN_A_FRESH_PROCESS)
 def test_in_a_fresh_process(case_id, bad_files):
     _, argv, fragment = next(c for c in CLI_CASES if c[0] == case_id)
@@ -582,7 +584,7 @@ EVAL_CASES = [
      "two columns have the same name"),
     ("adapter-missing-value", ["--adapter"], "expected one argument"),
     ("dataset-missing", ["--preset", "tiny", "--dataset", "{tmp}/missing.jsonl"], "does not exist"),
-    ("dataset-no-columns", ["--preset", "tiny", "--dataset", "{tmp}/cols.jsonl"], "lacks the field(s)"),
+    ("dataset-no-columns", ["--preset", "tiny", "--dataset", "{tmp}/cols.jsonl"], "has no 'question' column and no TRL 'prompt' column"),
     ("limit-zero", ["--preset", "tiny", "--limit", "0"], "--limit: must be >= 1"),
     ("limit-word", ["--preset", "tiny", "--limit", "all"], "--limit: expected a whole number"),
     ("preset-unknown", ["--preset", "nope"], "unknown preset 'nope'"),
@@ -638,6 +640,7 @@ def test_every_eval_option_has_a_case():
     assert options - covered == set(), "add a bad-value case to EVAL_CASES"
 
 
+@pytest.mark.slow
 def test_eval_in_a_fresh_process(eval_files):
     """`python -m lowvram_grpo.evaluate` itself: one line, exit 2."""
     import subprocess

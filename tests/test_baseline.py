@@ -7,6 +7,8 @@ import pytest
 
 from conftest import REPO, run_cli
 
+pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
+
 
 def _baseline(*args):
     return subprocess.run([sys.executable, "-m", "lowvram_grpo.baseline", *map(str, args)], cwd=REPO,

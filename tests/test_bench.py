@@ -6,6 +6,10 @@ import sys
 
 from conftest import REPO
 
+import pytest  # noqa: E402
+
+pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
+
 
 def test_vs_trl_writes_step_times_memory_and_ratios(tmp_path, tiny_model_dir):
     out = tmp_path / "vs_trl.json"

@@ -7,6 +7,10 @@ from safetensors.torch import load_file
 
 from conftest import run_cli
 
+import pytest  # noqa: E402
+
+pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
+
 
 def test_tiny_run_writes_the_four_outputs(tiny_run):
     out, _ = tiny_run

@@ -59,6 +59,7 @@ def test_local_files_in_each_format(tmp_path, suffix):
     assert q.answer.isdigit() and "####" not in q.solution
 
 
+@pytest.mark.slow
 def test_real_gsm8k_file(gsm8k_path):
     train, held_out = load_questions(DataConfig(dataset=str(gsm8k_path), eval_size=32, num_train=500))
     assert len(train) == 500 and len(held_out) == 32
@@ -310,6 +311,7 @@ def _readme_data_blocks() -> dict:
     return {lang: body for lang, body in re.findall(r"```(\w+)\n(.*?)```", section, re.DOTALL)}
 
 
+@pytest.mark.slow
 def test_the_readme_data_example_trains_on_a_task_that_is_not_arithmetic(tmp_path):
     """README "Your data": reviews.csv (saved here as Excel's "CSV UTF-8" does: BOM, CRLF) and
     sentiment_reward.py, with the README's command as written; the reward gets the `sentiment` column."""

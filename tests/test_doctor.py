@@ -40,6 +40,7 @@ def one_error_line(stderr: str) -> str:
 
 # ---------------------------------------------------------------- the CLI on this machine
 
+@pytest.mark.slow
 @no_cuda
 def test_doctor_without_a_preset_checks_the_cpu_path(tmp_path):
     """`python -m lowvram_grpo.doctor`: the run `lowvram-grpo` starts here (smollm2_cpu), every module it
@@ -70,6 +71,7 @@ def test_doctor_without_a_preset_checks_the_cpu_path(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 @no_cuda
 def test_doctor_says_why_a_gpu_preset_cannot_run_here_and_exits_2(tmp_path):
     """`lowvram-grpo doctor --preset llama8b_4bit` (the CLI's subcommand) on this CPU machine: exit 2, one
@@ -103,6 +105,7 @@ def test_doctor_says_why_a_gpu_preset_cannot_run_here_and_exits_2(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_tiny_run_is_ready_here_in_either_set(tmp_path, capsys):
     """--preset tiny runs on the CPU in both venvs; --quick finds the modules without importing them."""
     code = guarded(lambda: doctor.main(["--preset", "tiny", "--quick", "--output-dir", str(tmp_path / "o")]))
@@ -249,6 +252,7 @@ def test_the_hf_backends_own_engine_blocks_when_its_share_is_not_free_beside_the
     assert start and start[0].status == "BLOCK" and "lower memory.vllm_kv_cache_gb or eval.batch_size" in start[0].fix
 
 
+@pytest.mark.slow
 def test_a_described_card_through_the_whole_doctor(tmp_path, capsys):
     """diagnose() with a described RTX 4090 (2 GiB taken by a display) for qwen1_5b_4bit on the hf backend:
     the card, the plan against 21.6 GiB free, the disk; exit 0 where its modules are installed."""
@@ -264,6 +268,7 @@ def test_a_described_card_through_the_whole_doctor(tmp_path, capsys):
     assert "ready: the GPU path is ready: python -m lowvram_grpo.run --preset qwen1_5b_4bit --backend hf" in out
 
 
+@pytest.mark.slow
 def test_the_first_lines_of_a_gpu_runs_log_are_doctors(tmp_path):
     """GRPORun.load on a CUDA resolution logs doctor's cheap lines first, then the plan, then loads. Here the
     card is a profile and torch has no CUDA, so loading then fails; nothing was written."""
@@ -280,6 +285,7 @@ def test_the_first_lines_of_a_gpu_runs_log_are_doctors(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_log_lines_on_a_described_card():
     t4 = facts(card("Tesla T4", (7, 5), 14.7, 13.9))
     lines = doctor.log_lines(_resolved("qwen1_5b_4bit", "t4", backend="hf"), t4)

@@ -11,6 +11,8 @@ import torch
 
 from conftest import run_cli
 
+pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
+
 N_HELD_OUT = 16
 BATCH = 8  # the reference decodes in the protocol's batches (eval.batch_size, left padding), as any batched eval does
 

@@ -9,6 +9,8 @@ import pytest
 
 from conftest import REPO, run_cli
 
+pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
+
 
 def eval_cli(*args, timeout=600):
     """`python -m lowvram_grpo.evaluate ARGS` in a fresh process, from the repo root."""

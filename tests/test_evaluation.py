@@ -70,6 +70,7 @@ def test_table_prints_intervals_and_says_whether_they_overlap():
     assert not intervals_overlap((0.1, 0.2), (0.21, 0.3)) and intervals_overlap((0.1, 0.2), (0.2, 0.3))
 
 
+@pytest.mark.slow
 def test_the_readme_reward_file_example_trains_and_evaluates(tmp_path):
     """README: --set rewards.module=my_rewards.py --set "rewards.names=[correctness, my_reward]", with the
     before/after measurement on (it used to train, then die with KeyError: 'my_reward')."""

@@ -41,6 +41,8 @@ from lowvram_grpo.config import list_presets, load_config
 from lowvram_grpo.hardware import PROFILES
 from lowvram_grpo.resolve import ResolveError, resolve
 
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # pytest.ini: the fast tier is -m "not slow"
+
 PACKAGES = ("unsloth", "unsloth_zoo", "vllm", "trl", "transformers")
 BACKEND = Path(unsloth_backend.__file__)
 TRAINING = Path(training.__file__)
@@ -429,5 +431,5 @@ def test_gpu_presets_name_ids_unsloth_maps_to_pre_quantized_4bit(wheels):
                 if name in group]
         assert keys, f"{preset}: unsloth {wheels['unsloth'].version}'s mapper has no pre-quantized repo for {name}"
         assert all(key.endswith("bnb-4bit") for key in keys), keys
-        comment = (REPO / "lowvram_grpo" / "presets" / f"{preset}.yaml").read_text()
+        comment = (REPO / "presets" / f"{preset}.yaml").read_text()
         assert any(key in comment for key in keys), f"{preset}: the comment should name {keys}"

@@ -12,6 +12,8 @@ import pytest
 
 from conftest import REPO
 
+pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
+
 PHASES = {"load", "rollout", "training", "evaluation"}
 
 

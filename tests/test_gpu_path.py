@@ -35,6 +35,7 @@ def tiny_handle(tiny_model_dir):
 
 # --------------------------------------------------------------------------- 1. precision
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hw", [n for n, h in PROFILES.items() if h.cuda])
 @pytest.mark.parametrize("preset", GPU_PRESETS)
 def test_unsloth_trainer_precision_check_passes_on_every_card(preset, hw, tmp_path):
@@ -60,6 +61,7 @@ def test_when_unsloth_loads_another_dtype_mixed_precision_follows_it(tmp_path):
     assert (args["bf16"], args["fp16"]) == (False, True)
 
 
+@pytest.mark.slow
 def test_loaded_dtype_is_read_from_the_real_model(tiny_handle):
     from lowvram_grpo.backends.unsloth_backend import loaded_dtype
 
@@ -116,6 +118,7 @@ def _perturb_and_save(handle, path, value):
     return handle.save_lora(path)
 
 
+@pytest.mark.slow
 def test_vllm_load_lora_leaves_the_trained_model_with_one_adapter(tiny_handle, tmp_path):
     handle = _vllm_handle(tiny_handle)
     saved = _perturb_and_save(handle, tmp_path / "primed_adapter", 0.01)
@@ -127,12 +130,14 @@ def test_vllm_load_lora_leaves_the_trained_model_with_one_adapter(tiny_handle, t
     assert gathered and all(".default." in k for k in gathered)
 
 
+@pytest.mark.slow
 def test_the_transformers_engine_still_loads_beside_the_trained_adapter(tiny_handle, tmp_path):
     saved = _perturb_and_save(tiny_handle, tmp_path / "a", 0.01)
     request = tiny_handle.load_lora(saved)
     assert request.name in tiny_handle.model.peft_config and request.engine_request is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["transformers", "vllm"])
 def test_a_resaved_adapter_gets_a_new_request(engine, tiny_handle, tmp_path):
     """The notebook's save cell run twice: the second load_lora must serve the new weights."""
@@ -174,6 +179,7 @@ def test_vllm_prompts_are_token_ids_without_a_second_bos():
 
 # --------------------------------------------------------------------------- 6. hf plan: fp32 non-quantized parts
 
+@pytest.mark.slow
 def test_hf_4bit_plan_counts_the_fp32_parts_prepare_model_for_kbit_training_makes(tiny_model_dir):
     """Loaded for real in 4-bit on the CPU (bitsandbytes): every parameter that is not NF4 and not LoRA is
     fp32 after PEFT's prepare_model_for_kbit_training, as the plan now counts them."""
@@ -197,6 +203,7 @@ def test_hf_4bit_plan_counts_the_fp32_parts_prepare_model_for_kbit_training_make
 
 # --------------------------------------------------------------------------- 7. engine only where unsloth made one
 
+@pytest.mark.slow
 def test_no_vllm_engine_is_attached_when_unsloth_turned_vllm_off(tiny_handle):
     from lowvram_grpo.backends.unsloth_backend import vllm_engine_for
 

@@ -32,6 +32,8 @@ import pytest
 
 from conftest import REPO
 
+pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
+
 GPU_PRESETS = ("llama8b_4bit", "qwen3b_4bit", "qwen1_5b_4bit")
 
 

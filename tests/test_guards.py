@@ -94,6 +94,7 @@ def _tiny(tmp_path, *overrides):
     return load_config("tiny", ["train.max_steps=3", "eval.enabled=false", *overrides])
 
 
+@pytest.mark.slow
 def test_a_reward_failing_mid_run_stops_it_with_one_line_naming_it(user_rewards, tmp_path):
     out = tmp_path / "run"
     proc = run_cli("--preset", "tiny", "--max-steps", "3", "--set", "eval.enabled=false", "--set", "train.save_steps=1",
@@ -107,6 +108,7 @@ def test_a_reward_failing_mid_run_stops_it_with_one_line_naming_it(user_rewards,
     assert not (out / "adapter").exists()
 
 
+@pytest.mark.slow
 def test_on_error_zero_finishes_the_run_and_counts_the_failures(user_rewards, tmp_path, capsys):
     from lowvram_grpo.pipeline import run
 
@@ -133,6 +135,7 @@ def _blown_up_lora_a(config):
     return handle
 
 
+@pytest.mark.slow
 def test_nonfinite_gradients_skip_the_update_and_are_counted(tmp_path):
     from lowvram_grpo.pipeline import run
 
@@ -147,6 +150,7 @@ def test_nonfinite_gradients_skip_the_update_and_are_counted(tmp_path):
     assert all(torch.equal(before[n], after[n]) for n in before), "a skipped step must not move any weight"
 
 
+@pytest.mark.slow
 def test_too_many_nonfinite_steps_in_a_row_stop_the_run_with_advice(tmp_path):
     from lowvram_grpo.pipeline import run
 
@@ -157,6 +161,7 @@ def test_too_many_nonfinite_steps_in_a_row_stop_the_run_with_advice(tmp_path):
     assert not (tmp_path / "run" / "adapter").exists()
 
 
+@pytest.mark.slow
 def test_a_learning_rate_that_blows_the_weights_up_ends_in_one_clear_line(tmp_path):
     proc = run_cli("--preset", "tiny", "--max-steps", "3", "--set", "eval.enabled=false",
                    "--set", "train.learning_rate=1e30", "--output-dir", str(tmp_path / "run"), env=ENV)

@@ -14,6 +14,8 @@ from lowvram_grpo.config import load_config
 from lowvram_grpo.hardware import detect
 from lowvram_grpo.resolve import resolve
 
+pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
+
 PROMPTS = [[{"role": "user", "content": "What is 7 * 8?"}], [{"role": "user", "content": "A farmer has 3 cows and buys 12 more. How many cows?"}]]
 
 

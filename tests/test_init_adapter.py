@@ -18,6 +18,8 @@ from conftest import REPO, run_cli
 from lowvram_grpo.config import load_config
 from lowvram_grpo.errors import AdapterError, ConfigError
 
+pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
+
 ENV = {"OMP_NUM_THREADS": "1"}
 
 

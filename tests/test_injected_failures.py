@@ -14,6 +14,8 @@ import pytest
 from conftest import REPO, run_cli
 from lowvram_grpo.run_dir import RunDir
 
+pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
+
 RUN = ["--preset", "tiny", "--max-steps", "3", "--set", "train.save_steps=1"]
 
 

@@ -38,6 +38,7 @@ def test_known_shapes_give_the_published_parameter_counts(name, billions):
     assert model_shape(name).params / 1e9 == pytest.approx(billions, rel=0.01)
 
 
+@pytest.mark.slow
 def test_the_tiny_shape_is_the_built_model_and_counts_its_parameters(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -182,7 +183,7 @@ def test_gpu_presets_state_the_vram_their_plan_needs(preset):
     assert config.requires_cuda and config.memory.load_in_4bit and config.model.fast_inference
     stated = float(re.search(r"plan: ([\d.]+) GiB min", config.description).group(1))
     assert stated == pytest.approx(planned(config).min_vram_gb, abs=0.05)
-    text = (REPO / "lowvram_grpo" / "presets" / f"{preset}.yaml").read_text()
+    text = (REPO / "presets" / f"{preset}.yaml").read_text()
     assert f"at least {stated} GiB" in text  # the header says it too
     for key in ("r", "optim", "num_generations", "max_completion_length", "load_in_4bit",
                 "gpu_memory_utilization", "gradient_checkpointing", "fast_inference"):
@@ -242,6 +243,7 @@ def test_an_out_of_memory_while_generating_is_told_apart_from_the_training_step(
 
 # --------------------------------------------------------------------------- CLI
 
+@pytest.mark.slow
 def test_dry_run_prints_the_plan_with_a_total():
     proc = run_cli("--preset", "llama8b_4bit", "--dry-run")
     assert proc.returncode == 0, proc.stderr
@@ -250,12 +252,14 @@ def test_dry_run_prints_the_plan_with_a_total():
         assert word in proc.stdout
 
 
+@pytest.mark.slow
 def test_vram_6_says_it_does_not_fit_and_what_to_change():
     proc = run_cli("--preset", "llama8b_4bit", "--dry-run", "--vram", "6")
     assert proc.returncode == 0, proc.stderr
     assert "does NOT fit a 6 GiB card" in proc.stdout and "--preset qwen1_5b_4bit" in proc.stdout
 
 
+@pytest.mark.slow
 def test_vram_10_proposes_settings_and_auto_fit_applies_them():
     proc = run_cli("--preset", "llama8b_4bit", "--dry-run", "--vram", "10")
     assert "to fit, change:" in proc.stdout and "--set train.num_generations=4" in proc.stdout
@@ -266,6 +270,7 @@ def test_vram_10_proposes_settings_and_auto_fit_applies_them():
     assert resolved["train"]["num_generations"] == 4 and resolved["memory"]["vram_gb"] == 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, fragment", [
     (["--auto-fit"], "--auto-fit needs a card size"),
     (["--auto-fit", "--vram", "6"], "no settings of preset llama8b_4bit fit a 6 GiB card"),
@@ -277,12 +282,14 @@ def test_auto_fit_that_cannot_work_is_one_error_line(args, fragment, tmp_path):
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and fragment in proc.stderr
 
 
+@pytest.mark.slow
 def test_unknown_model_dry_run_says_the_plan_cannot_be_made():
     proc = run_cli("--preset", "llama8b_4bit", "--set", "model.name=someone/Mystery-7B", "--dry-run")
     assert proc.returncode == 0
     assert "GPU memory plan: no memory plan for model 'someone/Mystery-7B'" in proc.stdout
 
 
+@pytest.mark.slow
 def test_gpu_preset_without_cuda_stops_before_the_heavy_imports(tmp_path):
     code = ("import sys; from lowvram_grpo.run import main; "
             f"rc = main(['--preset', 'llama8b_4bit', '--max-steps', '1', '--output-dir', {str(tmp_path / 'out')!r}]); "
@@ -294,6 +301,7 @@ def test_gpu_preset_without_cuda_stops_before_the_heavy_imports(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_gguf_export_on_the_hf_backend_is_refused_before_anything_is_written(tmp_path):
     proc = run_cli("--preset", "tiny", "--backend", "hf", "--export", "gguf", "--output-dir", str(tmp_path / "out"))
     assert proc.returncode == 2 and "--export gguf needs the unsloth backend" in proc.stderr
@@ -302,6 +310,7 @@ def test_gguf_export_on_the_hf_backend_is_refused_before_anything_is_written(tmp
 
 # --------------------------------------------------------------------------- export (hf backend, for real)
 
+@pytest.mark.slow
 def test_merged16_export_on_the_hf_backend_equals_the_adapted_model(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM

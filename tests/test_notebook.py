@@ -14,6 +14,8 @@ import pytest
 
 from conftest import REPO
 
+pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
+
 NOTEBOOK = REPO / "notebooks" / "grpo_colab.ipynb"
 
 # CI's run: the tiny model, 2 priming steps then 3 GRPO steps (seconds).

@@ -7,6 +7,10 @@ from lowvram_grpo.data import load_questions
 from lowvram_grpo.evaluation import format_table
 from lowvram_grpo.priming import _batch, completion_loss, prime
 
+import pytest  # noqa: E402
+
+pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
+
 
 def test_priming_lowers_the_completion_loss(tiny_model_dir):
     config = load_config("tiny", ["prime.steps=30", "prime.learning_rate=5e-3", "prime.batch_size=4"])

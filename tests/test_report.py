@@ -68,6 +68,7 @@ def test_monitor_reports_each_kind_once():
 
 
 # ----------------------------------------------------------------------------- report from hand-made files
+@pytest.mark.slow
 def test_report_of_an_unfinished_run_without_kl(tmp_path):
     """No summary.json (the run stopped) and beta 0 (TRL logs no KL): the report says so, plots what exists."""
     rows = [{"step": i, "reward": 0.0, "loss": 0.0, "rewards/correctness/mean": 0.0, signals.CLIPPED_KEY: 1.0,
@@ -114,6 +115,7 @@ def test_an_old_summary_without_the_new_fields_still_renders():
 
 
 # ----------------------------------------------------------------------------- real tiny runs
+@pytest.mark.slow
 def test_a_tiny_run_writes_report_and_plots(tiny_run):
     out, proc = tiny_run
     text = (out / REPORT_FILE).read_text()
@@ -129,6 +131,7 @@ def test_a_tiny_run_writes_report_and_plots(tiny_run):
     assert {"rewards/brevity/mean", "completions/clipped_ratio", "frac_reward_zero_std", "kl"} <= metrics[0].keys()
 
 
+@pytest.mark.slow
 def test_report_cli_rebuilds_the_report(tiny_run, tmp_path):
     out, _ = tiny_run
     copy = tmp_path / "copy"
@@ -143,6 +146,7 @@ def run_report_cli(*args):
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_report_cli_bad_dirs_give_one_error_line_and_write_nothing(tmp_path):
     damaged = tmp_path / "damaged"
     damaged.mkdir()
@@ -162,6 +166,7 @@ def test_report_cli_bad_dirs_give_one_error_line_and_write_nothing(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_truncated_run_warns_during_the_run_and_in_the_report(tmp_path):
     """Acceptance: a run whose completions are (nearly) all cut off shows the truncation warning."""
     out = tmp_path / "cut"

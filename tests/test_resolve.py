@@ -120,6 +120,7 @@ def test_unsloth_loaded_dtype_wins_over_the_plan():
     assert follow_loaded_dtype(r, "bfloat16") is r
 
 
+@pytest.mark.slow
 def test_a_cpu_without_native_bf16_is_told_to_use_float32():
     slow = dataclasses.replace(profile("cpu"), cpu_bf16=False)
     assert any("model.dtype=float32" in n for n in resolve(load_config("smollm2_cpu"), slow).notes)
@@ -131,6 +132,7 @@ def test_unknown_profile_lists_the_known_ones():
         profile("gtx1080")
 
 
+@pytest.mark.slow
 def test_resolve_imports_no_torch():
     import subprocess
     import sys

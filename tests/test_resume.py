@@ -19,6 +19,8 @@ from conftest import REPO, run_cli
 from lowvram_grpo.run_dir import STAGING_PREFIX, RunDir
 from lowvram_grpo.lora_io import atomic_replace_dir, check_adapter_dir
 
+pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
+
 RUN_ARGS = ["--preset", "tiny", "--max-steps", "8", "--set", "train.save_steps=2"]
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 

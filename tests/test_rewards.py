@@ -99,6 +99,7 @@ def test_number_helpers():
     assert extract_hash_answer("no marker") is None
 
 
+@pytest.mark.slow
 def test_correctness_scores_every_real_gsm8k_gold_answer_the_maximum(gsm8k_path):
     rows = [json.loads(line) for line in gsm8k_path.open() if line.strip()]
     assert len(rows) > 1000
@@ -256,6 +257,7 @@ def _tiny_reward_model(folder, tiny_model_dir):
     return folder
 
 
+@pytest.mark.slow
 def test_a_real_run_with_trls_whole_reward_contract_and_a_reward_model_by_name(tmp_path, tiny_model_dir):
     from conftest import run_cli
 

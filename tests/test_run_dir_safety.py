@@ -16,6 +16,8 @@ from conftest import REPO, run_cli
 from lowvram_grpo.errors import RunDirError
 from lowvram_grpo.run_dir import RunDir
 
+pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
+
 ENV = {"OMP_NUM_THREADS": "1"}
 
 

@@ -10,6 +10,8 @@ from lowvram_grpo.config import load_config
 from lowvram_grpo.lora_io import AdapterError
 from lowvram_grpo.pipeline import run
 
+pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_model_dir):

@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 
 from conftest import run_cli
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("unsloth") is None,
-                                reason="unsloth is not installed (pip install -r requirements-cpu.txt installs it)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("unsloth") is None,
+                                reason="unsloth is not installed (pip install -r requirements-cpu.txt installs it)")]
 
 
 def test_unsloth_backend_trains_the_tiny_model_for_two_steps(tmp_path):

@@ -73,6 +73,7 @@ def test_kv_cache_is_sized_from_the_run():
     assert (fixed.kv_cache_bytes, fixed.cpu_threads) == (2**29, 1)
 
 
+@pytest.mark.slow
 def test_the_engine_is_sized_from_the_loaded_models_config_so_a_hub_id_needs_no_local_file(tiny_model_dir):
     """Defect: the engine read <model>/config.json from disk, which a hub id does not have: a CUDA run of
     `--preset qwen1_5b_4bit --backend hf --set model.generation=vllm` stopped after loading the model."""
@@ -119,6 +120,7 @@ def test_a_4bit_base_with_vllm_is_refused_without_the_bitsandbytes_plugin():
     assert resolve(load_config("llama8b_4bit", ["memory.load_in_4bit=false"]), no_plugin).fast_inference  # 16-bit: no plugin needed
 
 
+@pytest.mark.slow
 def test_a_head_size_vllms_cpu_build_lacks_is_refused(tiny_model_dir):
     with pytest.raises(VLLMEngineError, match="no attention kernel for head size 16"):
         check_servable(model_shape(str(tiny_model_dir)), "cpu")  # builtin:tiny: 64 wide, 4 heads
@@ -132,6 +134,7 @@ def test_rollout_prompts_are_grouped_as_trl_repeats_them():
     assert _runs([a, a, b, b, a, a]) == [(a, 2), (b, 2), (a, 2)]  # the same prompt twice in a batch: two groups
 
 
+@pytest.mark.slow
 def test_cli_refuses_vllm_for_a_model_or_install_it_cannot_serve(tmp_path, capsys):
     """--set model.generation=vllm on tiny: without vLLM 'not installed', with it 'no kernel for head size 16';
     either way one error line, exit 2, and no output dir."""

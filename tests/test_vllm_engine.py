@@ -40,6 +40,8 @@ from lowvram_grpo.backends.base import LoraRequest, SamplingParams  # noqa: E402
 from lowvram_grpo.backends.vllm import EngineSettings, LocalVLLMEngine  # noqa: E402
 from lowvram_grpo.backends.vllm.rollouts import _prompt_ids  # noqa: E402
 
+pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
+
 # bf16 weights on both sides, different kernels (vLLM's CPU attention and LoRA kernels vs PyTorch's eager
 # bf16 matmuls with fp32 LoRA weights): per-token log-probs differ by bf16 rounding of the logits. Measured
 # here on SmolLM2 (8 samples x 48 tokens, seed 11): with no LoRA on either side mean 0.036 / max 0.24 nats,
