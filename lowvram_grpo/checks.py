@@ -116,8 +116,23 @@ def check_init_adapter(config) -> None:
                           f"trained on {config.model.name}")
 
 
+def check_reward_names(config) -> None:
+    """Every name in rewards.names is a built-in reward, a function of the rewards.module file, or a reward
+    model; importing that file is where the user's code first runs (never when a config is built)."""
+    from . import rewards
+
+    try:
+        module = rewards.load_reward_module(config.rewards.module) if config.rewards.module else None
+        for name in config.rewards.names:
+            if not rewards.is_reward_model(name):
+                rewards.lookup_reward(name, module)
+    except rewards.RewardError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def before_load(config) -> None:
     """What can be refused before the model loads (ConfigError)."""
+    check_reward_names(config)
     check_init_adapter(config)
     check_lengths(config, _context_length(config.model.name))
     if _architecture(config.model.name) == "llama":

@@ -307,12 +307,9 @@ class RewardsConfig:
                    f"rewards.weights has {len(self.weights)} values for {len(self.names)} names: give one weight per name")
         if self.module is not None:
             self.module = str(Path(self.module).expanduser().resolve())  # config.yaml must work from any directory
-        try:
-            module = rewards.load_reward_module(self.module) if self.module else None
-            for name in self.names:
-                rewards.lookup_reward(name, module)  # called once on the data by rewards.check_rewards (GRPORun)
-        except rewards.RewardError as exc:
-            raise ConfigError(str(exc)) from None
+        # Building a config runs no user code: the reward file is imported and its names looked up by
+        # checks.before_load (a check of the run), and each function called once on the data by
+        # rewards.check_rewards (GRPORun), before anything heavy starts.
 
     @property
     def weight_list(self) -> list[float]:

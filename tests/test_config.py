@@ -60,7 +60,6 @@ def test_overrides_are_parsed_and_typed():
     ("train.num_generations=1", "num_generations must be >= 2"),
     ("train.per_device_train_batch_size=3", "must be divisible by train.num_generations"),
     ("train.max_steps=0", "train.max_steps must be >= 1"),
-    ("rewards.names=[bogus]", "unknown reward 'bogus'"),
     ("rewards.weights=[1]", "one weight per name"),
     ("memory.gpu_memory_utilization=1.5", "gpu_memory_utilization must be in"),
     ("train.optim=sgd", "train.optim must be one of"),
@@ -100,3 +99,26 @@ def test_changing_reward_names_carries_the_presets_weights_by_name():
         assert load_config("smollm2_cpu", order).rewards.weights == [1.0, 2.0]  # weights given: used as given
     with pytest.raises(ConfigError, match="rewards.weights has 3 values for 2 names"):
         load_config("smollm2_cpu", ["rewards.weights=[1, 2, 3]", "rewards.names=[correctness, int]"])
+
+
+def test_an_unknown_reward_name_is_refused_by_the_runs_check_not_by_building_the_config():
+    """Building a config runs no user code (a reward file is imported by checks.before_load, a check of the run)."""
+    from lowvram_grpo.checks import before_load
+
+    config = load_config("tiny", ["rewards.names=[bogus]"])
+    with pytest.raises(ConfigError, match="unknown reward 'bogus'"):
+        before_load(config)
+
+
+def test_building_a_config_runs_no_user_code(tmp_path):
+    """A reward file runs when the run checks it, never when a config is built (auto-fit builds many)."""
+    from lowvram_grpo.checks import before_load
+
+    marker = tmp_path / "imported"
+    module = tmp_path / "mine.py"
+    module.write_text(f"open({str(marker)!r}, 'w').close()\n\ndef mine(prompts, completions, **kw):\n"
+                      "    return [0.0] * len(completions)\n")
+    config = load_config("tiny", [f"rewards.module={module}", "rewards.names=[mine, correctness]"])
+    assert not marker.exists()
+    before_load(config)
+    assert marker.exists()

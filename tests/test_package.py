@@ -93,6 +93,7 @@ def _generates_with(adapter: Path) -> None:
 # --------------------------------------------------------------------------- the installed package
 
 @pytest.mark.slow
+@pytest.mark.network  # pip fetches what /opt/wheels and the cache lack from the registry
 def test_pip_install_gives_a_console_script_that_runs_from_any_folder(tmp_path):
     """In a fresh venv: the README's CPU torch, then `pip install -c requirements-cpu.txt .` (the pinned versions
     of what pyproject.toml declares), then `lowvram-grpo` from another folder. Presets come from the package."""
