@@ -96,7 +96,8 @@ def _generates_with(adapter: Path) -> None:
 @pytest.mark.network  # pip fetches what /opt/wheels and the cache lack from the registry
 def test_pip_install_gives_a_console_script_that_runs_from_any_folder(tmp_path):
     """In a fresh venv: the README's CPU torch, then `pip install -c requirements-cpu.txt .` (the pinned versions
-    of what pyproject.toml declares), then `lowvram-grpo` from another folder. Presets come from the package."""
+    of what pyproject.toml declares), then `lowvram-grpo` from another folder: every preset listed and dry-run
+    from the installed package data (presets/ of the repository), tiny trained."""
     import shutil
 
     source = tmp_path / "source"  # what a clone holds for building (pip builds in the tree it is given)
@@ -115,7 +116,13 @@ def test_pip_install_gives_a_console_script_that_runs_from_any_folder(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     listed = subprocess.run([str(venv / "bin" / "lowvram-grpo"), "--list-presets"], cwd=elsewhere, capture_output=True,
                             text=True, env=env)
-    assert listed.returncode == 0 and "smollm2_cpu" in listed.stdout and "llama8b_4bit" in listed.stdout, listed.stderr
+    assert listed.returncode == 0, listed.stderr
+    names = sorted(p.stem for p in (REPO / "presets").glob("*.yaml"))
+    assert [line.split()[0] for line in listed.stdout.splitlines()] == names
+    for name in names:  # every preset, from the installed package data: its settings and memory plan
+        dry = subprocess.run([str(venv / "bin" / "lowvram-grpo"), "--preset", name, "--dry-run"], cwd=elsewhere,
+                             capture_output=True, text=True, timeout=300, env=env)
+        assert dry.returncode == 0 and f"preset: {name}" in dry.stdout, (name, dry.stderr[-2000:])
     proc = subprocess.run([str(venv / "bin" / "lowvram-grpo"), "--preset", "tiny", "--max-steps", "2", "--output-dir", "D"],
                           cwd=elsewhere, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
