@@ -65,13 +65,13 @@ def reference_verdicts(text, gold):
 
 
 # ----------------------------------------------------------------------------- greedy decoding with plain transformers + PEFT
-def reference_answers(model_dir, adapter_dir, prompts, max_new_tokens):
+def reference_answers(model_dir, adapter_dir, prompts, max_new_tokens, dtype):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))  # the dtype the run resolved
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, str(adapter_dir))
     model.eval()
@@ -109,7 +109,8 @@ def test_greedy_numbers_agree_question_for_question_with_plain_transformers_and_
     columns = {"before": None, "primed": out / "primed_adapter", "after": out / "adapter"}
     texts = {}
     for stage, adapter in columns.items():
-        texts[stage] = reference_answers(model_dir, adapter, prompts, config.train.max_completion_length)
+        texts[stage] = reference_answers(model_dir, adapter, prompts, config.train.max_completion_length,
+                                         summary["resolved"]["dtype"])
         verdicts = [reference_verdicts(t, g) for t, g in zip(texts[stage], golds)]
         strict, lenient = [v[0] for v in verdicts], [v[1] for v in verdicts]
         assert summary[stage]["strict_correct"] == strict, (stage, texts[stage])
