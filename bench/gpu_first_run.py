@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from lowvram_grpo.errors import whole_number_at_least
+
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2 ** 30
 VARIANTS = ("hf-nf4", "unsloth", "hf-vllm")
@@ -679,14 +681,7 @@ def cap_and_resume(args, measured: dict, common: list[str], tmp: Path, log) -> t
     return cap, resume
 
 
-def _steps(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"must be >= 2 (the cap needs a checkpoint before the step it caps), got {value}")
-    return value
+_steps = whole_number_at_least(2, " (the cap needs a checkpoint before the step it caps)")
 
 
 def _variants(text: str) -> list[str]:

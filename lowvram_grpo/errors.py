@@ -127,6 +127,22 @@ class ArgumentParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def whole_number_at_least(minimum: int, why: str = ""):
+    """An argparse `type` for a whole number >= `minimum`; `why` explains the floor in the error line."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}{why}, got {value}")
+        return value
+    return parse
+
+
+positive_int = whole_number_at_least(1)
+
+
 def guarded(body, debug: bool = False) -> int:
     """Run a command's body; the one place errors become exit codes: a LowvramError prints its one line
     and exits with its code, Ctrl-C exits 130, anything else is one line and exit 1 (the traceback with

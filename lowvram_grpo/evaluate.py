@@ -30,19 +30,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from .errors import AdapterError, ArgumentParser, ConfigError, guarded
+from .errors import AdapterError, ArgumentParser, ConfigError, guarded, positive_int
 
 PROG = "lowvram-grpo eval"
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a saved LoRA adapter (a run's RUN/adapter, or any PEFT adapter of the base model); repeatable")
     p.add_argument("--dataset", help="questions to score: a .jsonl/.json/.parquet file or hub id the trainer accepts "
                    "(default: the config's held-out split)")
-    p.add_argument("--limit", type=_positive_int, metavar="N", help="score the first N questions only")
+    p.add_argument("--limit", type=positive_int, metavar="N", help="score the first N questions only")
     p.add_argument("--preset", help="settings when no adapter comes from a run folder (default: the machine's default preset)")
     p.add_argument("--model", help="the base model (model.name): a hub id, a local folder or builtin:NAME")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",

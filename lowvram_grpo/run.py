@@ -10,17 +10,7 @@ import importlib
 import sys
 from pathlib import Path
 
-from .errors import ArgumentParser, guarded
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+from .errors import ArgumentParser, guarded, positive_int
 
 
 def _positive_float(text: str) -> float:
@@ -40,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list-presets", action="store_true", help="list the presets and exit")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable), e.g. --set train.learning_rate=1e-5")
-    p.add_argument("--max-steps", type=_positive_int, help="training steps (train.max_steps)")
+    p.add_argument("--max-steps", type=positive_int, help="training steps (train.max_steps)")
     p.add_argument("--dataset", help="a .jsonl/.json/.csv/.tsv/.parquet file (columns: data.question_column, "
                    "data.answer_column, or TRL's prompt), a hub id or a dataset folder NAME[@config][:split] (data.dataset)")
     p.add_argument("--output-dir", type=Path, help="where the run writes its files (default: outputs/PRESET-TIME); "
