@@ -396,3 +396,28 @@ def test_an_engine_killed_mid_run_ends_the_run_with_its_checkpoint_and_resume_fi
                              capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["status"] == "complete"
+
+
+def test_a_killed_engine_core_is_named_even_when_vllms_own_monitor_sees_it_first(smollm2, policy):
+    """Two watchers race when the EngineCore dies: ours (its process gone while a call waits) and vLLM's
+    engine-core monitor (CPU build 0.32: it marks the client dead, and the next call raises EngineDeadError).
+    Here vLLM's wins for sure (the call comes after it marked the client dead): the error still names the
+    killed process, as the run's one line promises. In CI the race once went to vLLM mid-run."""
+    from lowvram_grpo.backends.vllm.settings import VLLMEngineDied
+
+    _, tokenizer = policy
+    settings = EngineSettings(model_path=smollm2, dtype="bfloat16", max_model_len=256, max_lora_rank=R, max_num_seqs=2,
+                              kv_cache_bytes=2 * 30 * 3 * 64 * 2 * 2 * 256, seed=0)
+    with LocalVLLMEngine(settings, tokenizer) as eng:
+        core = [pid for pid in eng.pids if psutil.Process(pid).name() == "VLLM::EngineCore"]
+        assert core, eng.pids
+        os.kill(core[0], signal.SIGKILL)
+        client = eng.llm.llm_engine.engine_core
+        deadline = time.monotonic() + 60
+        while not client.resources.engine_dead and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert client.resources.engine_dead, "vLLM's monitor did not mark the engine dead"
+        with pytest.raises(VLLMEngineDied, match=rf"its process {core[0]} ended during generation \(killed, or out of memory\)"):
+            eng.generate([tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)],
+                         SamplingParams(temperature=0.0, max_tokens=8), None)
+    assert wait_gone(eng.pids) == [], "vLLM processes outlived close()"

@@ -165,6 +165,11 @@ class LocalVLLMEngine:
             if worker.is_alive() and self.pids and self.dead_pids():
                 raise VLLMEngineDied(f"its process {self.dead_pids()[0]} ended during {what} (killed, or out of memory)")
         if "error" in outcome:
+            dead = self.dead_pids() if self.pids else []
+            if dead and not isinstance(outcome["error"], VLLMEngineDied):
+                # vLLM's own process monitor saw the death first (EngineDeadError): name the process, as above
+                raise VLLMEngineDied(f"its process {dead[0]} ended during {what} (killed, or out of memory)") \
+                    from outcome["error"]
             raise outcome["error"]
         return outcome["value"]
 
