@@ -1,0 +1,64 @@
+"""bench/plateau.py (issue 22 §4's harness), run end to end on the tiny model the way docs/results.md runs it
+on SmolLM2: prime, time, GRPO from the primed adapter, the equal-time prime-only baseline, the table."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def plateau(*args):
+    return subprocess.run([sys.executable, "-m", "bench.plateau", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_prime_time_grpo_and_the_equal_time_table_on_the_tiny_model(tmp_path):
+    root, times = tmp_path / "screen", tmp_path / "times.json"
+    common = ["--preset", "tiny", "--root", root, "--seed", "1"]
+
+    proc = plateau("prime", *common, "--steps", 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    primed = json.loads((root / "seed-1" / "prime-2" / "result.json").read_text())
+    assert primed["prime_steps"] == 2 and primed["numbers"]["n"] == 4 and primed["numbers"]["protocol"]
+
+    proc = plateau("times", *common, "--prime-steps", 2, "--variants", "default", "--time-prime-steps", 2,
+                   "--time-grpo-steps", 2, "--times-out", times)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    timed = json.loads(times.read_text())
+    assert timed["prime_steps_timed"] == 2 and len(timed["grpo"]["default"]["step_seconds"]) == 2
+    ratio = timed["grpo"]["default"]["ratio_to_priming_step"]
+    assert ratio > 0
+
+    proc = plateau("grpo", *common, "--prime-steps", 2, "--grpo-steps", 2, "--variants", "default,lr1e-5")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for variant in ("default", "lr1e-5"):
+        result = json.loads((root / "seed-1" / "prime-2" / f"grpo-{variant}-2" / "result.json").read_text())
+        assert result["numbers"]["n"] == 4 and result["training"]["reward|all"] is not None
+        assert [json.loads(line)["step"] for line in (root / "seed-1" / "prime-2" / f"grpo-{variant}-2" / "metrics.jsonl")
+                .read_text().splitlines()] == [1, 2]
+    again = plateau("grpo", *common, "--prime-steps", 2, "--grpo-steps", 2, "--variants", "default")
+    assert again.returncode == 0 and "done already" in again.stdout  # a finished step is not run again
+
+    table = plateau("table", *common, "--seeds", 1, "--prime-steps", 2, "--grpo-steps", 2, "--variants", "default",
+                    "--times-out", times)
+    equal = round(2 + 2 * ratio)
+    assert f"not run ({equal} steps)" in table.stdout, table.stdout
+    proc = plateau("prime", *common, "--steps", equal)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = plateau("table", *common, "--seeds", 1, "--prime-steps", 2, "--grpo-steps", 2, "--variants", "default",
+                    "--times-out", times)
+    assert table.returncode == 0, table.stderr[-3000:]
+    rows = [line for line in table.stdout.splitlines() if line.startswith("| 1 | default")]
+    assert len(rows) == 2 and f"({equal}) |" in rows[0], table.stdout
+    assert all(cell.strip() for cell in rows[0].strip("|").split("|")), rows[0]  # every column filled
+
+
+def test_an_unknown_variant_is_one_error_line_and_exit_2(tmp_path):
+    proc = plateau("grpo", "--root", tmp_path / "screen", "--variants", "default,nope")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("error: unknown variant 'nope'")
+    assert not (tmp_path / "screen").exists()
