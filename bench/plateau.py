@@ -1,9 +1,10 @@
 """GRPO past priming's plateau (issue 22, section 4): does GRPO add held-out accuracy to a converged priming?
 
-    python -m bench.plateau prime --seed 3407 --steps 200            # primed adapter + greedy numbers (cached)
-    python -m bench.plateau grpo --seed 3407 --variants default,lr1e-5,correct_only   # from that primed adapter
+    python -m bench.plateau prime --seed 3407 --steps 335 --measure-at 100,150,200 --save-at 285-334
+                          # one priming: the curve (measured at 100, 150, 200, 335) and checkpoints for equal time
+    python -m bench.plateau grpo --seed 3407 --prime-steps 200 --grpo-steps 24 --variants default,lr2e-5
+    python -m bench.plateau measure --seed 3407 --steps 313        # prime-only at equal time (`table` says N)
     flock /tmp/lowvram-cpu.lock python -m bench.plateau times --variants default,correct_only   # s/step, alone
-    python -m bench.plateau prime --seed 3407 --steps 390            # prime-only for the equal-time budget
     python -m bench.plateau table --seeds 3407,1,2 --variants default,correct_only   # docs/results.md's table
     python -m bench.plateau list
 
@@ -15,8 +16,11 @@ result.json); a step whose result.json exists is not run again. The seed sets `l
 `--preset`'s (smollm2_cpu: 128 built-in questions, greedy, batch 32, evaluation.evaluate).
 
 - `prime`: a fresh LoRA, `--steps` supervised priming steps (priming.prime, the preset's batch and lr),
-  saved and measured. The same seed and step count always give the same adapter, so the equal-time
-  prime-only baseline is a `prime` run with more steps (as lowvram_grpo.baseline primes from scratch).
+  saved and measured; `--save-at` / `--measure-at` also save (and measure) the adapter on the way. Priming's
+  data order has no randomness and its lr is constant, so the adapter at step n of a longer priming is prime-n's
+  (tests/test_plateau.py checks it bit for bit): the equal-time prime-only baseline is a checkpoint of the same
+  priming, or a `prime` run with more steps (as lowvram_grpo.baseline primes from scratch).
+- `measure`: measure a checkpoint that `prime --save-at` saved without measuring.
 - `grpo`: in a fresh process per variant (as bench/levers.py does), the base model gets the primed LoRA
   weights, `--grpo-steps` GRPO steps run through training.build_trainer with the variant's `--set`
   overrides, and the adapter is measured on the same questions. result.json holds the numbers, the
@@ -24,7 +28,9 @@ result.json); a step whose result.json exists is not run again. The seed sets `l
 - `times`: per-step wall time of priming and of each variant's GRPO step, measured in this process and
   fresh ones one after the other; run it alone under the shared CPU lock. The equal-time budget of a variant
   is then prime steps + grpo steps x (GRPO s/step / priming s/step), rounded to the nearest step.
-- `table`: markdown of primed -> after (paired, McNemar) and prime-only at equal time, per seed.
+- `table`: markdown of primed -> after (paired, McNemar) and prime-only at equal time, per seed, and each
+  seed's priming curve. Equal time comes from `times` when it has the variant, else from the runs' own wall
+  times (priming's seconds per step against the GRPO phase's seconds; both ran alone under the lock).
 """
 from __future__ import annotations
 
@@ -80,25 +86,85 @@ def _read(path: Path):
 
 
 # --------------------------------------------------------------------------- prime
+def _steps_list(text: str) -> list[int]:
+    """'100,150,200-205' -> [100, 150, 200, 201, 202, 203, 204, 205]."""
+    steps = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        low, _, high = part.partition("-")
+        steps.update(range(int(low), int(high or low) + 1))
+    return sorted(steps)
+
+
+def _prime_result(handle, eval_rows, config, args, steps: int, seconds: float, last_loss) -> None:
+    from lowvram_grpo.evaluation import evaluate
+
+    out = prime_dir(args.root, args.seed, steps)
+    numbers, texts = evaluate(handle, eval_rows, config, lora_request=handle.load_lora(out / "adapter"))
+    _write(out / "result.json", {"seed": args.seed, "prime_steps": steps, "common": args.common, "prime_seconds": round(seconds, 1),
+                                 "last_loss": last_loss, "numbers": _measured(numbers) | {"protocol": numbers["protocol"]},
+                                 "sample": texts[:2]})
+    print(f"{out}: strict {numbers['accuracy_strict']:.3f} lenient {numbers['accuracy_lenient']:.3f} "
+          f"format {numbers['format_rate']:.3f} ({seconds:.0f} s priming)", flush=True)
+
+
 def prime(args) -> int:
+    """One priming of `--steps`; the adapter is saved at every `--save-at` step count and measured at every
+    `--measure-at` one (and at the end). Priming's data order has no randomness and its optimizer runs on, so the
+    adapter saved at step n is prime-n's (the equal-time baseline for any n is a checkpoint of the one long run;
+    tests/test_plateau.py checks it bit for bit); the seconds saved beside it exclude saving and measuring."""
+    try:
+        measure_at = set(_steps_list(args.measure_at)) | {args.steps}
+        save_at = set(_steps_list(args.save_at)) | measure_at
+    except ValueError:
+        print(f"error: --save-at/--measure-at take step counts like 100,150,290-330; got {args.save_at!r} / "
+              f"{args.measure_at!r}", file=sys.stderr)
+        return 2
+    if any(n > args.steps or n < 1 for n in save_at):
+        print(f"error: --save-at/--measure-at must lie within 1..{args.steps} (--steps)", file=sys.stderr)
+        return 2
     out = prime_dir(args.root, args.seed, args.steps)
     if (out / "result.json").is_file():
         print(f"{out}: done already", flush=True)
         return 0
-    from lowvram_grpo.evaluation import evaluate
     from lowvram_grpo.priming import prime as run_priming
 
     config, handle, train_q, eval_rows = _setup(args.preset, [*args.common, *seed_overrides(args.seed), f"prime.steps={args.steps}"])
-    started = time.time()
-    priming = run_priming(handle, train_q, config, log=print)
-    seconds = time.time() - started
-    adapter = handle.save_lora(out / "adapter")
-    numbers, texts = evaluate(handle, eval_rows, config, lora_request=handle.load_lora(adapter))
-    _write(out / "result.json", {"seed": args.seed, "prime_steps": args.steps, "common": args.common, "prime_seconds": round(seconds, 1),
-                                 "last_loss": priming["last_loss"], "numbers": _measured(numbers) | {"protocol": numbers["protocol"]},
-                                 "sample": texts[:2]})
-    print(f"{out}: strict {numbers['accuracy_strict']:.3f} lenient {numbers['accuracy_lenient']:.3f} "
-          f"format {numbers['format_rate']:.3f} ({seconds:.0f} s priming)", flush=True)
+    clock = {"started": time.time(), "outside": 0.0}
+
+    def checkpoint(done: int) -> None:
+        if done not in save_at:
+            return
+        seconds = time.time() - clock["started"] - clock["outside"]
+        before = time.time()
+        target = prime_dir(args.root, args.seed, done)
+        handle.save_lora(target / "adapter")
+        _write(target / "trajectory.json", {"seed": args.seed, "prime_steps": done, "of_run": args.steps,
+                                            "prime_seconds": round(seconds, 1), "common": args.common})
+        if done in measure_at:
+            _prime_result(handle, eval_rows, config, args, done, seconds, None)
+        clock["outside"] += time.time() - before
+
+    losses = run_priming(handle, train_q, config, log=print, on_step=checkpoint).get("losses", [])
+    for n in measure_at:  # the losses are known at the end
+        path = prime_dir(args.root, args.seed, n) / "result.json"
+        _write(path, _read(path) | {"last_loss": losses[n - 1] if len(losses) >= n else None})
+    return 0
+
+
+def measure(args) -> int:
+    """Measure a checkpoint that `prime --save-at` saved without measuring (the equal-time baseline, once its step
+    count is known)."""
+    out = prime_dir(args.root, args.seed, args.steps)
+    if (out / "result.json").is_file():
+        print(f"{out}: done already", flush=True)
+        return 0
+    if not (out / "trajectory.json").is_file():
+        print(f"error: {out} holds no saved checkpoint: run `python -m bench.plateau prime --seed {args.seed} --steps N "
+              f"--save-at {args.steps}` (N >= {args.steps}) first", file=sys.stderr)
+        return 2
+    saved = _read(out / "trajectory.json")
+    config, handle, _, eval_rows = _setup(args.preset, [*args.common, *seed_overrides(args.seed)])
+    _prime_result(handle, eval_rows, config, args, args.steps, saved["prime_seconds"], None)
     return 0
 
 
@@ -250,8 +316,14 @@ def _paired(start: dict, end: dict, key: str) -> str:
     return f"{end[key] - start[key]:+.3f}, +{gained}/-{lost} (p {'< 0.001' if p < 0.001 else f'{p:.3f}'})"
 
 
-def equal_time_steps(times_data: dict, variant: str, prime_steps: int, grpo_steps: int) -> int:
-    return round(prime_steps + grpo_steps * times_data["grpo"][variant]["ratio_to_priming_step"])
+def equal_time_steps(times_data, variant: str, primed: dict, result: dict) -> tuple[int, str]:
+    """Priming steps that take as long as priming + this GRPO run, and where the ratio came from: `times` (step
+    medians measured alone) when it has the variant, else the two runs' own wall times (priming's seconds per step
+    against the GRPO phase's seconds: comparable when both ran alone, as docs/results.md's runs did)."""
+    prime_steps, grpo_steps = primed["prime_steps"], result["grpo_steps"]
+    if times_data and variant in times_data["grpo"]:
+        return round(prime_steps + grpo_steps * times_data["grpo"][variant]["ratio_to_priming_step"]), "times"
+    return round(prime_steps + result["train_seconds"] / (primed["prime_seconds"] / prime_steps)), "runs' own seconds"
 
 
 def table(args) -> int:
@@ -267,32 +339,38 @@ def table(args) -> int:
             if result is None:
                 continue
             for key, label in (("accuracy_strict", "strict"), ("accuracy_lenient", "lenient")):
-                equal = "not measured"
                 versus = ""
-                if times_data and variant in times_data["grpo"]:
-                    n = equal_time_steps(times_data, variant, args.prime_steps, args.grpo_steps)
-                    baseline = _read(prime_dir(args.root, seed, n) / "result.json")
-                    if baseline:
-                        equal = f"{_acc(baseline['numbers'], key)} ({n})"
-                        versus = _paired(baseline["numbers"], result["numbers"], key)
-                    else:
-                        equal = f"not run ({n} steps)"
+                n, source = equal_time_steps(times_data, variant, primed, result)
+                baseline = _read(prime_dir(args.root, seed, n) / "result.json")
+                if baseline:
+                    equal = f"{_acc(baseline['numbers'], key)} ({n})"
+                    versus = _paired(baseline["numbers"], result["numbers"], key)
+                else:
+                    equal = f"not run ({n} steps, from {source})"
                 lines.append(f"| {seed} | {variant} ({label}) | {_acc(primed['numbers'], key)} ({args.prime_steps}) | "
                              f"**{_acc(result['numbers'], key)}** | {_paired(primed['numbers'], result['numbers'], key)} | "
                              f"{equal} | {versus} |")
+    lines += ["", "| seed | priming steps | strict | lenient | format | priming s |", "|---|---|---|---|---|---|"]
+    for seed in [int(s) for s in args.seeds.split(",")]:  # the priming curve: where its plateau is
+        measured = [r for r in (_read(d / "result.json") for d in (args.root / f"seed-{seed}").glob("prime-*")) if r]
+        lines += [f"| {seed} | {r['prime_steps']} | {_acc(r['numbers'], 'accuracy_strict')} | "
+                  f"{_acc(r['numbers'], 'accuracy_lenient')} | {r['numbers']['format_rate']:.3f} | {r['prime_seconds']} |"
+                  for r in sorted(measured, key=lambda r: r["prime_steps"])]
     print("\n".join(lines))
     return 0
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.plateau", description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", choices=["prime", "grpo", "times", "table", "one", "one-time", "list"])
+    parser.add_argument("action", choices=["prime", "measure", "grpo", "times", "table", "one", "one-time", "list"])
     parser.add_argument("spec", nargs="?", help=argparse.SUPPRESS)  # internal: one grpo run's JSON spec
     parser.add_argument("--preset", default=PRESET)
     parser.add_argument("--root", type=Path, default=None, help="default: runs/plateau/PRESET")
     parser.add_argument("--seed", type=int, default=3407)
     parser.add_argument("--seeds", default="3407,1,2")
     parser.add_argument("--steps", type=int, default=200, help="prime: priming steps")
+    parser.add_argument("--save-at", default="", metavar="N,N", help="prime: also save the adapter at these step counts")
+    parser.add_argument("--measure-at", default="", metavar="N,N", help="prime: also save and measure at these step counts")
     parser.add_argument("--prime-steps", type=int, default=200, help="grpo/times/table: the primed adapter to start from")
     parser.add_argument("--grpo-steps", type=int, default=48)
     parser.add_argument("--variants", default="default")
@@ -316,7 +394,7 @@ def main(argv=None) -> int:
         return one_grpo(json.loads(args.spec))
     if args.action == "one-time":
         return one_time(json.loads(args.spec))
-    return {"prime": prime, "grpo": grpo, "times": times, "table": table}[args.action](args)
+    return {"prime": prime, "measure": measure, "grpo": grpo, "times": times, "table": table}[args.action](args)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ same LoRA parameters GRPO then trains, with a plain AdamW of its own.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from . import host_memory
 from .data import Question, prompt_of
@@ -57,10 +57,13 @@ def completion_loss(model, input_ids, attention_mask, labels):
     return -log_probs.float().mean()
 
 
-def prime(handle, questions: list[Question], config, log=print, max_seconds: Optional[float] = None) -> dict:
+def prime(handle, questions: list[Question], config, log=print, max_seconds: Optional[float] = None,
+          on_step: Optional[Callable[[int], None]] = None) -> dict:
     """Run `config.prime.steps` supervised steps on `questions` that have worked solutions (cycling through
     them); with `max_seconds`, no step starts once that much wall time has passed (the prime-only
-    baseline's equal-time budget, baseline.py)."""
+    baseline's equal-time budget, baseline.py). `on_step(steps_done)` runs after each step (bench/plateau.py
+    saves and measures checkpoints of one priming there; the time it takes is not counted against `max_seconds`
+    nor in the returned seconds)."""
     import torch
 
     settings = config.prime
@@ -72,7 +75,7 @@ def prime(handle, questions: list[Question], config, log=print, max_seconds: Opt
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
     model.train()
-    started, losses = time.time(), []
+    started, losses, outside = time.time(), [], 0.0  # outside: seconds spent in on_step
     from tqdm.auto import tqdm
 
     if max_seconds is None:
@@ -80,7 +83,7 @@ def prime(handle, questions: list[Question], config, log=print, max_seconds: Opt
     else:  # a time budget: the bar counts seconds, not the (open-ended) steps
         bar = tqdm(total=round(max_seconds), desc="priming (time budget)", unit="s", dynamic_ncols=True)
     for step in range(settings.steps):
-        if max_seconds is not None and time.time() - started >= max_seconds:
+        if max_seconds is not None and time.time() - started - outside >= max_seconds:
             break
         chunk = [examples[(step * settings.batch_size + i) % len(examples)] for i in range(settings.batch_size)]
         prompts = [handle.apply_chat_template(prompt_of(q, config.data.system_prompt)) for q in chunk]
@@ -96,6 +99,11 @@ def prime(handle, questions: list[Question], config, log=print, max_seconds: Opt
         host_memory.release()  # freed activations back to the OS: RSS stays flat (host_memory.py)
         bar.update(1 if max_seconds is None else min(round(time.time() - started), bar.total) - bar.n)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", **({} if max_seconds is None else {"steps": len(losses)}))
+        if on_step is not None:
+            before = time.time()
+            on_step(len(losses))
+            model.train()
+            outside += time.time() - before
     bar.close()
     return {"steps": len(losses), "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
-            "seconds": round(time.time() - started, 1)}
+            "seconds": round(time.time() - started - outside, 1)}

@@ -46,7 +46,7 @@ def test_prime_time_grpo_and_the_equal_time_table_on_the_tiny_model(tmp_path):
     table = plateau("table", *common, "--seeds", 1, "--prime-steps", 2, "--grpo-steps", 2, "--variants", "default",
                     "--times-out", times)
     equal = round(2 + 2 * ratio)
-    assert f"not run ({equal} steps)" in table.stdout, table.stdout
+    assert f"not run ({equal} steps, from times)" in table.stdout, table.stdout
     proc = plateau("prime", *common, "--steps", equal)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = plateau("table", *common, "--seeds", 1, "--prime-steps", 2, "--grpo-steps", 2, "--variants", "default",
@@ -62,3 +62,44 @@ def test_an_unknown_variant_is_one_error_line_and_exit_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("error: unknown variant 'nope'")
     assert not (tmp_path / "screen").exists()
+
+
+def test_checkpoints_of_one_priming_are_the_adapters_of_shorter_primings_bit_for_bit(tmp_path):
+    """The equal-time baseline and the priming curve are checkpoints of one long priming: saving and measuring
+    on the way must not change the trajectory, and the adapter at step n must be prime-n's."""
+    from safetensors.torch import load_file
+
+    long, short = tmp_path / "long", tmp_path / "short"
+    proc = plateau("prime", "--preset", "tiny", "--root", long, "--seed", "1", "--steps", 4, "--measure-at", 2,
+                   "--save-at", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (long / "seed-1" / "prime-2" / "result.json").is_file() and (long / "seed-1" / "prime-4" / "result.json").is_file()
+    assert not (long / "seed-1" / "prime-3" / "result.json").exists()  # saved, not measured
+    proc = plateau("prime", "--preset", "tiny", "--root", short, "--seed", "1", "--steps", 3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def weights(root, n):
+        return load_file(str(root / "seed-1" / f"prime-{n}" / "adapter" / "adapter_model.safetensors"))
+
+    a, b = weights(long, 3), weights(short, 3)
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    assert any((a[k] != weights(long, 2)[k]).any() for k in a)  # the steps did train
+
+    proc = plateau("measure", "--preset", "tiny", "--root", long, "--seed", "1", "--steps", 3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    measured = json.loads((long / "seed-1" / "prime-3" / "result.json").read_text())
+    assert measured["prime_steps"] == 3 and measured["numbers"]["n"] == 4
+    assert measured["numbers"]["strict_correct"] == json.loads((short / "seed-1" / "prime-3" / "result.json")
+                                                               .read_text())["numbers"]["strict_correct"]
+
+    curve = plateau("table", "--preset", "tiny", "--root", long, "--seeds", 1, "--prime-steps", 2)
+    assert [line.split("|")[2].strip() for line in curve.stdout.splitlines() if line.startswith("| 1 | ")] == ["2", "3", "4"]
+
+
+def test_checkpoints_outside_the_priming_and_unsaved_measures_are_one_error_line(tmp_path):
+    proc = plateau("prime", "--preset", "tiny", "--root", tmp_path / "s", "--steps", 3, "--save-at", "2-4")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --save-at") and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "s").exists()
+    proc = plateau("measure", "--preset", "tiny", "--root", tmp_path / "s", "--steps", 3)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "holds no saved checkpoint" in proc.stderr
+    assert not (tmp_path / "s").exists()
