@@ -57,6 +57,7 @@ VARIANTS: dict[str, list[str]] = {
     "no_std": ["train.scale_rewards=none", "train.loss_type=dr_grpo"],
     "beta0.04": ["train.beta=0.04"],
     "gen16": ["train.num_generations=16", "train.per_device_train_batch_size=32"],
+    "prompts4": ["train.per_device_train_batch_size=32"],  # 4 questions x 8 per step: more groups with signal
     "temp1.2": ["train.temperature=1.2"],
     "correct_only_lr2e-5": [CORRECT_ONLY, "train.learning_rate=2e-5"],
     "correct_only_no_std": [CORRECT_ONLY, "train.scale_rewards=none", "train.loss_type=dr_grpo"],
