@@ -131,13 +131,17 @@ def prime(args) -> int:
 
     config, handle, train_q, eval_rows = _setup(args.preset, [*args.common, *seed_overrides(args.seed), f"prime.steps={args.steps}"])
     clock = {"started": time.time(), "outside": 0.0}
+    made = []  # the checkpoints this run saved; one an earlier run left is not written again
 
     def checkpoint(done: int) -> None:
         if done not in save_at:
             return
+        target = prime_dir(args.root, args.seed, done)
+        if (target / "result.json").is_file() or (target / "trajectory.json").is_file():
+            return  # kept as made (the same adapter: an earlier priming of this seed saved it)
         seconds = time.time() - clock["started"] - clock["outside"]
         before = time.time()
-        target = prime_dir(args.root, args.seed, done)
+        made.append(done)
         handle.save_lora(target / "adapter")
         _write(target / "trajectory.json", {"seed": args.seed, "prime_steps": done, "of_run": args.steps,
                                             "prime_seconds": round(seconds, 1), "common": args.common})
@@ -146,7 +150,7 @@ def prime(args) -> int:
         clock["outside"] += time.time() - before
 
     losses = run_priming(handle, train_q, config, log=print, on_step=checkpoint).get("losses", [])
-    for n in measure_at:  # the losses are known at the end
+    for n in measure_at & set(made):  # the losses are known at the end
         path = prime_dir(args.root, args.seed, n) / "result.json"
         _write(path, _read(path) | {"last_loss": losses[n - 1] if len(losses) >= n else None})
     return 0

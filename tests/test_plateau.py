@@ -92,8 +92,14 @@ def test_checkpoints_of_one_priming_are_the_adapters_of_shorter_primings_bit_for
     assert measured["numbers"]["strict_correct"] == json.loads((short / "seed-1" / "prime-3" / "result.json")
                                                                .read_text())["numbers"]["strict_correct"]
 
+    kept = {p: p.stat().st_mtime_ns for p in (long / "seed-1").rglob("*") if p.is_file()}
+    proc = plateau("prime", "--preset", "tiny", "--root", long, "--seed", "1", "--steps", 5, "--measure-at", "2-4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(p.stat().st_mtime_ns == t for p, t in kept.items())  # what an earlier priming left is not rewritten
+    assert (long / "seed-1" / "prime-5" / "result.json").is_file()
+
     curve = plateau("table", "--preset", "tiny", "--root", long, "--seeds", 1, "--prime-steps", 2)
-    assert [line.split("|")[2].strip() for line in curve.stdout.splitlines() if line.startswith("| 1 | ")] == ["2", "3", "4"]
+    assert [line.split("|")[2].strip() for line in curve.stdout.splitlines() if line.startswith("| 1 | ")] == ["2", "3", "4", "5"]
 
 
 def test_checkpoints_outside_the_priming_and_unsaved_measures_are_one_error_line(tmp_path):
