@@ -130,24 +130,20 @@ def prime(args) -> int:
     from lowvram_grpo.priming import prime as run_priming
 
     config, handle, train_q, eval_rows = _setup(args.preset, [*args.common, *seed_overrides(args.seed), f"prime.steps={args.steps}"])
-    clock = {"started": time.time(), "outside": 0.0}
     made = []  # the checkpoints this run saved; one an earlier run left is not written again
 
-    def checkpoint(done: int) -> None:
+    def checkpoint(done: int, seconds: float) -> None:
         if done not in save_at:
             return
         target = prime_dir(args.root, args.seed, done)
         if (target / "result.json").is_file() or (target / "trajectory.json").is_file():
             return  # kept as made (the same adapter: an earlier priming of this seed saved it)
-        seconds = time.time() - clock["started"] - clock["outside"]
-        before = time.time()
         made.append(done)
         handle.save_lora(target / "adapter")
         _write(target / "trajectory.json", {"seed": args.seed, "prime_steps": done, "of_run": args.steps,
                                             "prime_seconds": round(seconds, 1), "common": args.common})
         if done in measure_at:
             _prime_result(handle, eval_rows, config, args, done, seconds, None)
-        clock["outside"] += time.time() - before
 
     losses = run_priming(handle, train_q, config, log=print, on_step=checkpoint).get("losses", [])
     for n in measure_at & set(made):  # the losses are known at the end

@@ -58,10 +58,10 @@ def completion_loss(model, input_ids, attention_mask, labels):
 
 
 def prime(handle, questions: list[Question], config, log=print, max_seconds: Optional[float] = None,
-          on_step: Optional[Callable[[int], None]] = None) -> dict:
+          on_step: Optional[Callable[[int, float], None]] = None) -> dict:
     """Run `config.prime.steps` supervised steps on `questions` that have worked solutions (cycling through
     them); with `max_seconds`, no step starts once that much wall time has passed (the prime-only
-    baseline's equal-time budget, baseline.py). `on_step(steps_done)` runs after each step (bench/plateau.py
+    baseline's equal-time budget, baseline.py). `on_step(steps_done, seconds_training_so_far)` runs after each step (bench/plateau.py
     saves and measures checkpoints of one priming there; the time it takes is not counted against `max_seconds`
     nor in the returned seconds)."""
     import torch
@@ -101,7 +101,7 @@ def prime(handle, questions: list[Question], config, log=print, max_seconds: Opt
         bar.set_postfix(loss=f"{losses[-1]:.3f}", **({} if max_seconds is None else {"steps": len(losses)}))
         if on_step is not None:
             before = time.time()
-            on_step(len(losses))
+            on_step(len(losses), before - started - outside)
             model.train()
             outside += time.time() - before
     bar.close()
