@@ -30,7 +30,8 @@ result.json); a step whose result.json exists is not run again. The seed sets `l
   is then prime steps + grpo steps x (GRPO s/step / priming s/step), rounded to the nearest step.
 - `table`: markdown of primed -> after (paired, McNemar) and prime-only at equal time, per seed, and each
   seed's priming curve. Equal time comes from `times` when it has the variant, else from the runs' own wall
-  times (priming's seconds per step against the GRPO phase's seconds; both ran alone under the lock).
+  times (priming's seconds per step against the GRPO phase's seconds; both ran alone under the lock). Where that
+  step count was not measured, the shortest measured priming above it stands in, and the row says so.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ VARIANTS: dict[str, list[str]] = {
     "beta0.04": ["train.beta=0.04"],
     "gen16": ["train.num_generations=16", "train.per_device_train_batch_size=32"],
     "prompts4": ["train.per_device_train_batch_size=32"],  # 4 questions x 8 per step: more groups with signal
+    "prompts4_beta0.04": ["train.per_device_train_batch_size=32", "train.beta=0.04"],  # + KL to the primed adapter
     "temp1.2": ["train.temperature=1.2"],
     "correct_only_lr2e-5": [CORRECT_ONLY, "train.learning_rate=2e-5"],
     "correct_only_no_std": [CORRECT_ONLY, "train.scale_rewards=none", "train.loss_type=dr_grpo"],
@@ -327,6 +329,15 @@ def equal_time_steps(times_data, variant: str, primed: dict, result: dict) -> tu
     return round(prime_steps + result["train_seconds"] / (primed["prime_seconds"] / prime_steps)), "runs' own seconds"
 
 
+def nearest_measured_at_or_above(root: Path, seed: int, steps: int) -> tuple[int, dict | None]:
+    """The measured priming of `steps` steps, else the shortest measured one longer than that (prime-only then gets
+    more time than GRPO had, never less); (steps, None) when there is none."""
+    longer = sorted(int(d.name.removeprefix("prime-")) for d in (root / f"seed-{seed}").glob("prime-*")
+                    if d.name.removeprefix("prime-").isdigit() and int(d.name.removeprefix("prime-")) >= steps
+                    and (d / "result.json").is_file())
+    return (longer[0], _read(prime_dir(root, seed, longer[0]) / "result.json")) if longer else (steps, None)
+
+
 def table(args) -> int:
     times_data = _read(args.times_out)
     lines = ["| seed | variant | primed (prime steps) | after GRPO | GRPO's change, paired (newly right/wrong, McNemar p) "
@@ -342,9 +353,10 @@ def table(args) -> int:
             for key, label in (("accuracy_strict", "strict"), ("accuracy_lenient", "lenient")):
                 versus = ""
                 n, source = equal_time_steps(times_data, variant, primed, result)
-                baseline = _read(prime_dir(args.root, seed, n) / "result.json")
+                steps, baseline = nearest_measured_at_or_above(args.root, seed, n)
                 if baseline:
-                    equal = f"{_acc(baseline['numbers'], key)} ({n})"
+                    more = "" if steps == n else f": equal time is {n}, the nearest measured above it"
+                    equal = f"{_acc(baseline['numbers'], key)} ({steps}{more})"
                     versus = _paired(baseline["numbers"], result["numbers"], key)
                 else:
                     equal = f"not run ({n} steps, from {source})"

@@ -47,6 +47,13 @@ def test_prime_time_grpo_and_the_equal_time_table_on_the_tiny_model(tmp_path):
                     "--times-out", times)
     equal = round(2 + 2 * ratio)
     assert f"not run ({equal} steps, from times)" in table.stdout, table.stdout
+    proc = plateau("prime", *common, "--steps", equal + 1)  # measured at its end only: prime-(equal+1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = plateau("table", *common, "--seeds", 1, "--prime-steps", 2, "--grpo-steps", 2, "--variants", "default",
+                    "--times-out", times)
+    longer = json.loads((root / "seed-1" / f"prime-{equal + 1}" / "result.json").read_text())["numbers"]["accuracy_strict"]
+    assert f"{longer:.3f} " in table.stdout and f"({equal + 1}: equal time is {equal}, the nearest measured above it) |" \
+        in table.stdout, table.stdout  # prime-only gets the nearest longer priming measured, and the table says so
     proc = plateau("prime", *common, "--steps", equal)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = plateau("table", *common, "--seeds", 1, "--prime-steps", 2, "--grpo-steps", 2, "--variants", "default",
