@@ -59,3 +59,27 @@ def test_completion_loss_equals_the_models_own_labels_loss(tiny_model_dir):
     got_grads = torch.autograd.grad(got, lora)
     assert torch.allclose(got, expected, atol=1e-5)
     assert all(torch.allclose(g, e, atol=1e-6, rtol=1e-4) for g, e in zip(got_grads, expected_grads))
+
+
+def test_with_beta_the_kl_reference_is_the_primed_model_not_the_base(tiny_model_dir, tmp_path):
+    """A real run, priming then GRPO with train.beta > 0: TRL (1.15, hf backend) freezes a copy of the adapter it is
+    handed as the 'ref' adapter, so the KL anchor is the *primed* model. The ref weights are the primed adapter's
+    (and not zero: the base would be a different anchor), and the KL TRL logs at step 1, before any update, is 0."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from lowvram_grpo import train
+
+    result = train("tiny", ["prime.steps=6", "prime.learning_rate=5e-3", "prime.batch_size=4", "train.beta=0.04",
+                            "train.max_steps=1", "train.save_steps=2", "eval.enabled=false"], output_dir=str(tmp_path / "run"))
+    model = result.handle.model
+    assert "ref" in model.peft_config
+    primed = load_file(str(tmp_path / "run" / "primed_adapter" / "adapter_model.safetensors"))
+    ref = {name.replace(".ref.", "."): p.detach() for name, p in model.named_parameters() if ".ref." in name}
+    assert ref.keys() == primed.keys() and primed
+    assert all(torch.equal(ref[k].to(primed[k].dtype), primed[k]) for k in primed)
+    assert max(float(t.abs().max()) for k, t in primed.items() if "lora_B" in k) > 1e-3  # primed != base
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1 and first["kl"] == pytest.approx(0.0, abs=1e-7)
