@@ -226,6 +226,8 @@ def score_columns(args) -> int:
             except AdapterError as exc:
                 raise AdapterError(str(exc), exit_code=2) from None
         numbers, _ = evaluate(handle, rows, config, lora_request=request)
+        if request is not None:  # one adapter in memory at a time, however many columns
+            handle.release_lora(request)
         named.append((column.name, numbers))
     if args.json:
         print(json.dumps(as_json(config, where, named, [None, *[c.adapter for c in columns]]), indent=1))

@@ -227,8 +227,12 @@ class GRPORun:
         self.log(f"measuring {what} on {len(self.eval_rows)} held-out questions ({stage}; "
                  f"{protocol_label(protocol(self.config))}) ...")
         request = self.handle.load_lora(adapter) if adapter else None
-        with self._failures_reported("evaluation"):
-            self.measured[stage], self.texts[stage] = evaluate(self.handle, self.eval_rows, self.config, lora_request=request)
+        try:
+            with self._failures_reported("evaluation"):
+                self.measured[stage], self.texts[stage] = evaluate(self.handle, self.eval_rows, self.config, lora_request=request)
+        finally:  # measured, it leaves the model as it was: GRPO trains and checkpoints the trained adapter alone
+            if request is not None:
+                self.handle.release_lora(request)
         return self.measured[stage]
 
     def prime(self) -> Optional[dict]:

@@ -83,3 +83,23 @@ def test_with_beta_the_kl_reference_is_the_primed_model_not_the_base(tiny_model_
     assert max(float(t.abs().max()) for k, t in primed.items() if "lora_B" in k) > 1e-3  # primed != base
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert first["step"] == 1 and first["kl"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_a_measured_adapter_is_released_so_grpo_checkpoints_hold_the_trained_adapter_alone(tiny_model_dir, tmp_path):
+    """A real run that measures its primed adapter (the transformers engine loads it into the PEFT model beside
+    the trained one): released after measuring, it is neither kept in memory through GRPO nor written into TRL's
+    checkpoints (save_pretrained writes every adapter of the model; a resume would load it back). What stays beside
+    the trained adapter is TRL's frozen 'ref' copy (tiny: train.beta 0.04), which a resume needs."""
+    from lowvram_grpo import train
+
+    run = tmp_path / "run"
+    result = train("tiny", ["prime.steps=2", "train.max_steps=2", "train.save_steps=1"], output_dir=str(run))
+    assert result.summary["primed"] and result.summary["after"]
+    checkpoints = sorted(run.glob("checkpoint-*"))
+    assert [c.name for c in checkpoints] == ["checkpoint-1", "checkpoint-2"]
+    for checkpoint in checkpoints:
+        assert (checkpoint / "adapter_model.safetensors").is_file()
+        assert [p.name for p in checkpoint.iterdir() if (p / "adapter_config.json").is_file()] == ["ref"]
+    model = result.handle.model
+    assert sorted(model.peft_config) == ["default", "ref"] and model.active_adapter == "default"
+    assert all(p.requires_grad for name, p in model.named_parameters() if ".default." in name)

@@ -18,6 +18,7 @@ served afresh, never from the old weights.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Protocol, Sequence, Union
@@ -66,20 +67,29 @@ class GenerationEngine(Protocol):
     def load_lora(self, path: Path) -> LoraRequest:
         ...
 
+    def release_lora(self, request: LoraRequest) -> None:
+        ...
+
 
 class AdapterVersions:
-    """Requests by (path, version): a re-saved adapter gets a new request with a new integer id."""
+    """Requests by (path, version): a re-saved adapter gets a new request with a new integer id; ids are never
+    re-used, also after `forget` (vLLM caches an adapter by its id)."""
 
     def __init__(self):
         self._requests: dict[tuple[str, int], LoraRequest] = {}
+        self._ids = itertools.count(1)
 
     def get(self, path: Path, make) -> LoraRequest:
         """The request for the adapter at `path` as it is now; `make(name, id, path, version)` builds a new one."""
         key = (str(path), lora_io.adapter_version(path))
         if key not in self._requests:
-            new_id = len(self._requests) + 1
+            new_id = next(self._ids)
             self._requests[key] = make(f"loaded_{new_id}", new_id, str(path), key[1])
         return self._requests[key]
+
+    def forget(self, request: LoraRequest) -> bool:
+        """Drop `request` (a later `get` of its adapter builds a new one); False if it was not held."""
+        return self._requests.pop((request.path, request.version), None) is not None
 
 
 class TransformersEngine:
@@ -96,6 +106,12 @@ class TransformersEngine:
             return LoraRequest(name=name, id=new_id, path=path_text, version=version)
 
         return self.versions.get(path, make)
+
+    def release_lora(self, request: LoraRequest) -> None:
+        """Delete the loaded adapter from the PEFT model: otherwise it would stay beside the trained one,
+        in memory and in every checkpoint TRL writes (save_pretrained saves all adapters)."""
+        if self.versions.forget(request) and request.name in self.handle.model.peft_config:
+            self.handle.model.delete_adapter(request.name)
 
     def _adapter_context(self, lora_request: Optional[LoraRequest]):
         model = self.handle.model
@@ -211,6 +227,11 @@ class ModelHandle:
         lora_io.restore_interrupted_replace(path)
         lora_io.check_adapter_dir(path)
         return self.engine.load_lora(path)
+
+    def release_lora(self, request: LoraRequest) -> None:
+        """Free what `load_lora` loaded for `request` when it is no longer needed (the transformers engine
+        loads it into the trained PEFT model; the vLLM engines read it from disk and keep nothing here)."""
+        self.engine.release_lora(request)
 
     # -------------------------------------------------------------- helpers
     def trainable_parameters(self) -> int:

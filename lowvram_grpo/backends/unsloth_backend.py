@@ -180,6 +180,9 @@ class VLLMEngine:
 
         return self.versions.get(path, make)
 
+    def release_lora(self, request: LoraRequest) -> None:
+        """Nothing to free here: vLLM reads the adapter from disk and evicts it itself (max_loras)."""
+
     def generate(self, texts: list[str], params: SamplingParams, lora_request: Optional[LoraRequest]) -> list[Completion]:
         from vllm import SamplingParams as VLLMSamplingParams
 

@@ -69,6 +69,9 @@ class LocalVLLMEngine:
         return self.versions.get(path, lambda name, new_id, path_text, version: LoraRequest(
             name=name, id=new_id, path=path_text, version=version))
 
+    def release_lora(self, request: LoraRequest) -> None:
+        """Nothing to free here: vLLM reads the adapter from disk and evicts it itself (max_loras)."""
+
     # -------------------------------------------------------------- life cycle
     def start(self) -> "LocalVLLMEngine":
         if self.llm is not None:
