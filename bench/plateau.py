@@ -329,12 +329,16 @@ def equal_time_steps(times_data, variant: str, primed: dict, result: dict) -> tu
     return round(prime_steps + result["train_seconds"] / (primed["prime_seconds"] / prime_steps)), "runs' own seconds"
 
 
+def measured_primings(root: Path, seed: int) -> list[int]:
+    """The step counts of `seed`'s primings that have a result.json, ascending."""
+    names = (d.name.removeprefix("prime-") for d in (root / f"seed-{seed}").glob("prime-*") if (d / "result.json").is_file())
+    return sorted(int(name) for name in names if name.isdigit())
+
+
 def nearest_measured_at_or_above(root: Path, seed: int, steps: int) -> tuple[int, dict | None]:
     """The measured priming of `steps` steps, else the shortest measured one longer than that (prime-only then gets
     more time than GRPO had, never less); (steps, None) when there is none."""
-    longer = sorted(int(d.name.removeprefix("prime-")) for d in (root / f"seed-{seed}").glob("prime-*")
-                    if d.name.removeprefix("prime-").isdigit() and int(d.name.removeprefix("prime-")) >= steps
-                    and (d / "result.json").is_file())
+    longer = [n for n in measured_primings(root, seed) if n >= steps]
     return (longer[0], _read(prime_dir(root, seed, longer[0]) / "result.json")) if longer else (steps, None)
 
 
@@ -365,10 +369,10 @@ def table(args) -> int:
                              f"{equal} | {versus} |")
     lines += ["", "| seed | priming steps | strict | lenient | format | priming s |", "|---|---|---|---|---|---|"]
     for seed in [int(s) for s in args.seeds.split(",")]:  # the priming curve: where its plateau is
-        measured = [r for r in (_read(d / "result.json") for d in (args.root / f"seed-{seed}").glob("prime-*")) if r]
+        measured = [_read(prime_dir(args.root, seed, n) / "result.json") for n in measured_primings(args.root, seed)]
         lines += [f"| {seed} | {r['prime_steps']} | {_acc(r['numbers'], 'accuracy_strict')} | "
                   f"{_acc(r['numbers'], 'accuracy_lenient')} | {r['numbers']['format_rate']:.3f} | {r['prime_seconds']} |"
-                  for r in sorted(measured, key=lambda r: r["prime_steps"])]
+                  for r in measured]
     print("\n".join(lines))
     return 0
 
