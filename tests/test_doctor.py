@@ -125,7 +125,7 @@ def test_every_requirements_file_is_read_by_the_one_parser(tmp_path):
         pins = read_pins(REPO / name)
         assert pins and all(re.fullmatch(r"[0-9][0-9a-z.+]*", v) for v in pins.values()), name
     gpu = read_pins(REPO / "requirements.txt")
-    assert gpu["vllm"] == "0.31.0" and gpu["vllm-bnb-plugin"] == "0.0.3" and gpu["unsloth-zoo"] == "2026.10.7"
+    assert gpu["vllm"] == "0.31.0" and gpu["vllm-bnb-plugin"] == "0.0.3" and gpu["unsloth-zoo"] == "2026.10.9"
     assert read_pins(REPO / "requirements-cpu-nodeps.txt")["cmeel-mimalloc"] == "3.4.3"  # marker holds on Linux
     loose = tmp_path / "r.txt"
     loose.write_text("torch>=2.0\n")
