@@ -32,7 +32,7 @@ from .host_memory import ReleaseHostMemory
 from .rewards import reward_functions
 from .run_dir import RunDir
 from .signals import ALL_RIGHT_KEY, ALL_WRONG_KEY
-from .trl_compat import HookedGRPOTrainer, install_logprob_fallback
+from .trl_compat import TrainerHooks, grpo_trainer_base, install_logprob_fallback, trainer_name
 
 
 def grpo_config_kwargs(resolved, output_dir: Path) -> dict:
@@ -120,7 +120,8 @@ def _plain(value):
 def describe_effective(effective: dict) -> str:
     """One line for the run log: the GRPO settings that shape the loss, and what the trainer changed."""
     s = effective["settings"]
-    line = (f"GRPO as the trainer runs it: loss_type={s['loss_type']} beta={s['beta']} epsilon={s['epsilon']} "
+    line = (f"GRPO as the trainer runs it: trainer={effective['trainer']} loss_type={s['loss_type']} beta={s['beta']} "
+            f"epsilon={s['epsilon']} "
             f"scale_rewards={s['scale_rewards']} num_generations={s['num_generations']} "
             f"generation_batch_size={s['generation_batch_size']} use_vllm={s['use_vllm']} bf16={s['bf16']} fp16={s['fp16']}")
     if s["use_vllm"]:  # unsloth's trainer turns TRL's correction off by default; our own engine keeps it on
@@ -133,13 +134,13 @@ def describe_effective(effective: dict) -> str:
 
 
 def effective_grpo_settings(trainer, asked: dict) -> dict:
-    """{'settings': what the built trainer will use, 'changed': {key: [asked, used]}} for EFFECTIVE_KEYS.
-    Read from `trainer.args` (and the trainer's own attribute of the same name where it has one, as TRL
-    and unsloth keep the live value there)."""
+    """{'trainer': the GRPO trainer class that runs, 'settings': what the built trainer will use, 'changed':
+    {key: [asked, used]}} for EFFECTIVE_KEYS. Read from `trainer.args` (and the trainer's own attribute of the
+    same name where it has one, as TRL and unsloth keep the live value there)."""
     used = {key: _plain(getattr(trainer, key, getattr(trainer.args, key, None))) for key in EFFECTIVE_KEYS}
     changed = {key: [_plain(asked[key]), used[key]] for key in EFFECTIVE_KEYS
                if key in asked and _plain(asked[key]) != used[key]}
-    return {"settings": used, "changed": changed}
+    return {"trainer": trainer_name(trainer), "settings": used, "changed": changed}
 
 
 class MetricsWriter(TrainerCallback):
@@ -263,10 +264,10 @@ def with_group_outcomes(reward_funcs: list, group_size: int) -> list:
     return [GroupOutcomes(fn, group_size) if fn.__name__ == "correctness" else fn for fn in reward_funcs]
 
 
-class GRPORunTrainer(HookedGRPOTrainer):
-    """TRL's GRPOTrainer with our checkpoints (run_dir.RunDir.save_checkpoint: atomic, with our run state),
-    the NaN guard's view of the gradient norm, and the trained adapter restored on resume (trl_compat's
-    hooks). build_trainer sets the attributes below."""
+class RunTrainer(TrainerHooks):
+    """Mixed over the GRPOTrainer class in use (trainer_class): our checkpoints (run_dir.RunDir.save_checkpoint:
+    atomic, with our run state), the NaN guard's view of the gradient norm, and the trained adapter restored on
+    resume (trl_compat's hooks). build_trainer sets the attributes below."""
 
     nonfinite_guard: NonFiniteGuard
     stop_signals: StopOnSignal
@@ -299,7 +300,19 @@ class GRPORunTrainer(HookedGRPOTrainer):
                     callback.bar.close()
 
 
-def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None) -> GRPORunTrainer:
+_TRAINER_CLASSES: dict = {}
+
+
+def trainer_class() -> type:
+    """`GRPORunTrainer`: RunTrainer over the GRPOTrainer `trl` exports now (trl_compat.grpo_trainer_base): stock
+    TRL's, or on the unsloth backend unsloth's generated UnslothGRPOTrainer, the class a GPU run trains with."""
+    base = grpo_trainer_base()
+    if base not in _TRAINER_CLASSES:
+        _TRAINER_CLASSES[base] = type("GRPORunTrainer", (RunTrainer, base), {"__module__": __name__})
+    return _TRAINER_CLASSES[base]
+
+
+def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None):
     """TRL's GRPOTrainer for the handle's PEFT model, with our checkpoints, guards (guards.py),
     progress bar, metrics file and training-signal warnings. `run_dir`: a RunDir or its path.
     `rollouts`: a backends.vllm.TRLRollouts when generation is 'vllm' (rollouts from our vLLM
@@ -311,7 +324,7 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None) -> GRP
     config = handle.config
     install_logprob_fallback()  # TRL's log-prob kernel is Triton (GPU only): route CPU tensors to PyTorch
     asked = grpo_config_kwargs(handle.resolved, run_dir.path)
-    trainer = GRPORunTrainer(
+    trainer = trainer_class()(
         model=handle.model,
         processing_class=handle.tokenizer,
         # each checked: one finite number per completion; correctness also logs all-right / all-wrong groups

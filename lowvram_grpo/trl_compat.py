@@ -5,8 +5,10 @@ checks that each private hook below exists with the parameters we call it with; 
 `BackendError` saying to install the pinned versions. Another version with the same hooks works, with
 one warning line. The reaches, and why each is needed:
 
-- `HookedGRPOTrainer`, TRL's GRPOTrainer with four private transformers.Trainer methods overridden, each
-  handing off to a hook the rest of the package sets (training.build_trainer):
+- `TrainerHooks`, mixed over the GRPOTrainer that `trl` exports when the trainer is built
+  (`grpo_trainer_base()`: TRL's own, or unsloth's generated `UnslothGRPOTrainer` once PatchFastRL has
+  replaced it; both are transformers.Trainer subclasses), four private transformers.Trainer methods
+  overridden, each handing off to a hook the rest of the package sets (training.build_trainer):
   * `_save_checkpoint(model, trial)` + `_get_output_dir(trial)`: checkpoints are written under a hidden
     staging dir and renamed into place with our run state (`save_checkpoint_with(step, write_files)`;
     run_dir.RunDir.save_checkpoint), so a checkpoint that exists is complete;
@@ -36,7 +38,6 @@ from pathlib import Path
 import transformers
 import trl
 from transformers import Trainer
-from trl import GRPOTrainer
 from trl.trainer import utils as trl_utils
 
 from .errors import AdapterError, BackendError
@@ -80,9 +81,30 @@ def _warn(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-class HookedGRPOTrainer(GRPOTrainer):
-    """TRL's GRPOTrainer with the private overrides above. The hooks are set by training.build_trainer:
-    `checkpoint_saver(step, write_trainer_files) -> Path`, `grad_norm_observer(norm)`."""
+def grpo_trainer_base() -> type:
+    """The GRPOTrainer class `trl` exports now: TRL's own, or unsloth's `UnslothGRPOTrainer` after
+    `PatchFastRL` (backends/unsloth_backend.prepare) replaced it. Read when a trainer is built, never at
+    import, so the order in which modules were imported cannot pick the wrong one."""
+    return trl.GRPOTrainer
+
+
+def trainer_name(trainer) -> str:
+    """The GRPO trainer class a built trainer runs on (the first class of its MRO that is not ours)."""
+    for cls in type(trainer).__mro__:
+        if not cls.__module__.startswith("lowvram_grpo."):
+            return cls.__name__
+    return type(trainer).__name__
+
+
+def is_unsloth_trainer(cls: type) -> bool:
+    """True for unsloth's generated trainer (unsloth_compiled_cache/UnslothGRPOTrainer.py)."""
+    return any(c.__name__ == "UnslothGRPOTrainer" for c in cls.__mro__)
+
+
+class TrainerHooks:
+    """The private overrides above, mixed in before a GRPOTrainer class (training.trainer_class). The hooks
+    are set by training.build_trainer: `checkpoint_saver(step, write_trainer_files) -> Path`,
+    `grad_norm_observer(norm)`."""
 
     checkpoint_saver = None
     grad_norm_observer = None
@@ -99,7 +121,7 @@ class HookedGRPOTrainer(GRPOTrainer):
         def write_trainer_files(root: Path) -> None:
             self._staging_root = root
             try:
-                super(HookedGRPOTrainer, self)._save_checkpoint(model, trial)
+                super(TrainerHooks, self)._save_checkpoint(model, trial)
             finally:
                 self._staging_root = None
 

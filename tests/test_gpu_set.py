@@ -13,8 +13,9 @@ the exact values our code computes: GRPOConfig, BitsAndBytesConfig, peft's LoraC
 EngineArgs and the ModelConfig it validates, LoRAConfig, CacheConfig, SamplingParams, LoRARequest.
 What stands in: the CUDA device itself (transformers' bf16-GPU check answers yes for a card whose
 profile has native bf16; vLLM's sleep mode, which only a CUDA platform accepts, is left out of the
-ModelConfig check). unsloth / unsloth_zoo 2026.10.7 refuse to import without a GPU: their code on our
-path is read from the installed source and, where it is a pure function (the LoRA rank rounding), run.
+ModelConfig check). unsloth / unsloth_zoo 2026.10.9 import without a GPU (their CPU fallback), and the
+RL-patched trainer runs here (tests/test_unsloth_trainer.py); their CUDA-only code on our path is read from the
+installed source and, where it is a pure function (the LoRA rank rounding), run.
 """
 from __future__ import annotations
 
@@ -139,11 +140,21 @@ def test_every_module_the_package_imports_imports_in_the_gpu_set():
     assert {"vllm", "trl", "peft", "transformers"} <= {n.split(".")[0] for n in candidates}
 
 
-def test_unsloth_needs_a_gpu_to_import():
-    """Where the GPU path stops on this machine (and why unsloth is read, not run, below)."""
-    proc = run_python("import unsloth")
-    assert proc.returncode != 0
-    assert re.search(r"GPU|CUDA|accelerator|NVIDIA", proc.stderr), proc.stderr[-2000:]
+def test_unsloth_imports_on_a_cpu_and_its_rl_module_patches_trls_grpo_trainer():
+    """unsloth 2026.10.9 imports without a GPU (its CPU fallback, whose namespace has no PatchFastRL), and its
+    RL module, which needs triton (in this set), replaces TRL's GRPOTrainer with the generated class a GPU run
+    trains with; backends.unsloth_backend.prepare() does exactly this (tests/test_unsloth_trainer.py trains with it)."""
+    proc = run_python("""
+        import unsloth, trl
+        print("CPU_PATCHFASTRL", hasattr(unsloth, "PatchFastRL"), "STOCK", trl.GRPOTrainer.__name__)
+        from lowvram_grpo.backends.unsloth_backend import patched_trainer_problem, prepare
+        prepare()
+        print("PATCHED", trl.GRPOTrainer.__name__, trl.GRPOTrainer.__module__, patched_trainer_problem())
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no GPU found, training on CPU" in proc.stdout
+    assert "CPU_PATCHFASTRL False STOCK GRPOTrainer" in proc.stdout
+    assert "PATCHED UnslothGRPOTrainer UnslothGRPOTrainer None" in proc.stdout
 
 
 def _string_tuples(path: Path, marker: str) -> list[tuple[str, ...]]:
@@ -365,7 +376,7 @@ def test_the_dtype_we_pass_unsloth_passes_its_assert_and_is_not_changed(combos):
 
     source = (SITE / "unsloth" / "models" / "loader.py").read_text()
     assert "assert dtype in (torch.float16, torch.bfloat16, torch.float32)" in source
-    assert "elif dtype == torch.bfloat16 and not SUPPORTS_BFLOAT16:" in source
+    assert "elif dtype == torch.bfloat16 and not SUPPORTS_BFLOAT16 and not xpu_keeps_explicit_bf16():" in source
     for preset, name, path, resolved in combos[0]:
         if path != "unsloth":
             continue

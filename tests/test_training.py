@@ -183,7 +183,8 @@ def test_effective_settings_are_read_back_from_the_trainer_as_plain_values(tmp_p
     used = effective["settings"]
     assert used["loss_type"] == "dr_grpo" and used["optim"] == "adamw_8bit" and used["lr_scheduler_type"] == "constant"
     assert used["reward_weights"] == [1.0] * 6 and effective["changed"] == {}
-    assert "loss_type=dr_grpo" in describe_effective(effective)
+    assert effective["trainer"] == "GRPOTrainer"  # the hf backend: TRL's own class, named in the log line
+    assert describe_effective(effective).startswith("GRPO as the trainer runs it: trainer=GRPOTrainer loss_type=dr_grpo ")
 
 
 def test_loss_variants_reach_trls_config(tmp_path):

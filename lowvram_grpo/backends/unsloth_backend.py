@@ -18,12 +18,33 @@ from .base import AdapterVersions, Completion, LoraRequest, ModelHandle, Samplin
 
 
 def prepare() -> None:
-    """Import unsloth before trl/transformers so its patches apply; patch TRL's GRPO where it can."""
+    """Import unsloth before trl/transformers so its patches apply, and patch TRL's GRPO into unsloth's
+    generated `UnslothGRPOTrainer` (PatchFastRL), on a GPU and, where unsloth's RL module imports, on a CPU.
+
+    On a CPU unsloth's package namespace is its CPU backend, which has no PatchFastRL; the RL module
+    (`unsloth.models.rl`) still imports where triton is installed (the GPU set) and patches TRL the same way,
+    so the unsloth backend trains with the class a GPU run gets. Where it does not import (the CPU set: no
+    triton), training uses stock TRL's GRPOTrainer; `patched_trainer_problem()` says why."""
     import unsloth  # noqa: F401  (first import patches transformers, peft and trl)
 
+    global _PATCH_PROBLEM
     patch = getattr(unsloth, "PatchFastRL", None)
-    if patch is not None:  # absent from unsloth's CPU backend
-        patch("GRPO", unsloth.FastLanguageModel)
+    if patch is None:  # unsloth's CPU backend: its RL module, if it imports here
+        try:
+            from unsloth.models.rl import PatchFastRL as patch
+        except ImportError as exc:
+            _PATCH_PROBLEM = f"unsloth's RL module does not import here ({type(exc).__name__}: {exc})"
+            return
+    patch("GRPO", unsloth.FastLanguageModel)
+    _PATCH_PROBLEM = None
+
+
+_PATCH_PROBLEM: Optional[str] = "prepare() has not run"
+
+
+def patched_trainer_problem() -> Optional[str]:
+    """None when prepare() patched TRL's GRPOTrainer into unsloth's; else why not."""
+    return _PATCH_PROBLEM
 
 
 def _checkpointing(resolved):
@@ -76,13 +97,26 @@ def loaded_dtype(model) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def mark_requested_float32(model, dtype) -> None:
+    """Record on the model whether float32 was asked for, as unsloth's GPU loader does
+    (`loader.py`: `_mark_requested_float32(model, _requested_float32(dtype))`) and its CPU loader does not.
+    Its GRPO trainer reads `model._unsloth_user_float32`: without it, a float32 run on a device it deems
+    without bf16 (a CPU, a T4) is switched to fp16 mixed precision (`UnslothGRPOTrainer.__init__`)."""
+    import torch
+
+    if getattr(model, "_unsloth_user_float32", None) is None:
+        model._unsloth_user_float32 = dtype is torch.float32
+
+
 def load_model(resolved, log=print) -> ModelHandle:
     from unsloth import FastLanguageModel
 
     from ..resolve import follow_loaded_dtype, without_vllm
 
     path = resolve_model_path(resolved.config.model.name)
-    model, tokenizer = FastLanguageModel.from_pretrained(**from_pretrained_kwargs(resolved, path))
+    kwargs = from_pretrained_kwargs(resolved, path)
+    model, tokenizer = FastLanguageModel.from_pretrained(**kwargs)
+    mark_requested_float32(model, kwargs["dtype"])
     checks.after_load(resolved.config, model)  # lengths and LoRA layers against the loaded model
     model = FastLanguageModel.get_peft_model(model, **get_peft_model_kwargs(resolved))
     if resolved.config.lora.init_adapter:  # its weights into the LoRA just made with its settings
