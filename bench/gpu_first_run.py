@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from lowvram_grpo.errors import whole_number_at_least
+from lowvram_grpo.commands import whole_number_at_least
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2 ** 30
@@ -414,7 +414,7 @@ def optimizer_info(optimizer) -> dict:
 
 def measure(job: dict) -> int:
     """A child process: one variant's run, measured per phase; writes job['part']."""
-    from lowvram_grpo.errors import guarded
+    from lowvram_grpo.commands import guarded
 
     return guarded(lambda: _measure(job))
 
@@ -692,7 +692,7 @@ def _variants(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lowvram_grpo.errors import ArgumentParser
+    from lowvram_grpo.commands import ArgumentParser
 
     p = ArgumentParser(prog="python -m bench.gpu_first_run", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", required=True, help="the preset whose model shape and settings are measured")
@@ -707,7 +707,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from lowvram_grpo.errors import TrainingStopped, guarded
+    from lowvram_grpo.commands import guarded
+    from lowvram_grpo.errors import TrainingStopped
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from . import stops
 from .errors import RunDirError
 from .evaluation import METRICS, WITH_INTERVAL, cell, intervals_overlap
 from .run_dir import RunDir
@@ -94,7 +95,13 @@ def run_baseline(run_dir: Path, steps: Optional[int] = None, backend: str = "aut
     adapter = handle.save_lora(out.adapter_dir)
     log(f"measuring the prime-only adapter ({priming['steps']} steps, {priming['seconds']} s) ...")
     eval_rows = to_prompt_rows(eval_questions, config.data.system_prompt)
-    numbers, texts = evaluate(handle, eval_rows, config, lora_request=handle.load_lora(adapter))
+    try:
+        with stops.deferred("after this batch of answers"):  # a signal stops between batches (stops.py)
+            numbers, texts = evaluate(handle, eval_rows, config, lora_request=handle.load_lora(adapter))
+    except stops.StopRequested as exc:
+        raise stops.StopRequested(exc.signum, f"stopped by {stops.name(exc.signum)} while measuring the prime-only "
+                                              f"adapter: {adapter} is written, its numbers are not; run it again: "
+                                              f"{stops.same_command()}") from None
     result = {"run_dir": str(run_dir), "budget_seconds": round(budget, 1), "priming": priming,
               "prime_only": numbers, "samples": texts[:2]}
     out.write_summary(result)
@@ -103,7 +110,8 @@ def run_baseline(run_dir: Path, steps: Optional[int] = None, backend: str = "aut
 
 
 def main(argv=None) -> int:
-    from .errors import ArgumentParser, ConfigError, guarded
+    from .commands import ArgumentParser, guarded
+    from .errors import ConfigError
 
     parser = ArgumentParser(prog="python -m lowvram_grpo.baseline",
                      description="Priming alone for the same wall time as a finished GRPO run.")

@@ -323,9 +323,13 @@ class PrimeConfig:
     steps: int = _help("Supervised LoRA steps before GRPO; 0 = none. Gets a small model out of the all-zero-reward trap.", 0)
     learning_rate: float = _help("AdamW learning rate of the priming steps.", 2e-4)
     batch_size: int = _help("Examples per priming step. Memory grows linearly with it.", 8)
+    save_steps: int = _help(
+        "A priming checkpoint (prime-checkpoint-N: LoRA weights, optimizer, RNG) every this many steps, which --resume "
+        "continues from; 0 = only when priming ends or a signal stops it.", 50)
 
     def __post_init__(self):
         _check(self.steps >= 0, f"prime.steps must be >= 0 (0 = no priming); got {self.steps}")
+        _check(self.save_steps >= 0, f"prime.save_steps must be >= 0 (0 = only at the end and at a stop); got {self.save_steps}")
         _check(self.learning_rate > 0, f"prime.learning_rate must be > 0 (e.g. 2e-4); got {self.learning_rate}")
         _check(self.batch_size >= 1, f"prime.batch_size must be >= 1; got {self.batch_size}")
 
@@ -615,10 +619,3 @@ def _carry_reward_weights(preset: dict, now: dict) -> None:
         return
     by_name = dict(zip(names, weights))
     now["weights"] = [by_name.get(name, 1.0) if isinstance(name, str) else 1.0 for name in now["names"]]
-
-
-def field_help(section: str, key: str) -> str:
-    for f in dataclasses.fields(SECTIONS[section]):
-        if f.name == key:
-            return f.metadata.get("help", "")
-    raise KeyError(f"{section}.{key}")

@@ -13,17 +13,14 @@ are one line and say what to do next.
   a failing reward), AdapterError (an adapter that is incomplete or made for another model),
   OutOfMemory (CUDA ran out during training), EngineStopped (the vLLM engine could not start or died),
   RewardError (a reward function failed).
-- 128 + signal: Interrupted (Ctrl-C 130, SIGTERM 143), after writing a checkpoint.
+- 128 + signal: Interrupted (Ctrl-C 130, SIGTERM 143, SIGHUP 129): a run stopped at its next safe point
+  (stops.py), saying what is kept and the command that goes on.
 
-`guarded(body)` is the one place these become exit codes, for every command of the package (run, doctor,
-eval, report, baseline); `ArgumentParser` gives their bad arguments the same one line and exit 2.
-Nothing here imports anything heavy.
+commands.py turns them into exit codes (`guarded`, for every command of the package) and gives bad
+arguments the same one line (`ArgumentParser`). Nothing here imports anything heavy.
 """
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 
 
 class LowvramError(Exception):
@@ -111,53 +108,7 @@ class TrainingStopped(LowvramError, RuntimeError):
 
 
 class Interrupted(TrainingStopped):
-    """Stopped by SIGINT/SIGTERM after writing a checkpoint and the adapter (exit 130 / 143)."""
+    """Stopped by SIGINT/SIGTERM/SIGHUP at a safe point (exit 130 / 143 / 129); the message says what is kept."""
 
     def __init__(self, message: str, signum: int):
         super().__init__(message, exit_code=128 + signum)  # the shell's convention
-
-
-# --------------------------------------------------------------------------- the one mapping to exit codes
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse for the package's commands: a bad argument is one `error: ...` line and exit 2, no usage dump."""
-
-    def error(self, message):
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
-def whole_number_at_least(minimum: int, why: str = ""):
-    """An argparse `type` for a whole number >= `minimum`; `why` explains the floor in the error line."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}{why}, got {value}")
-        return value
-    return parse
-
-
-positive_int = whole_number_at_least(1)
-
-
-def guarded(body, debug: bool = False) -> int:
-    """Run a command's body; the one place errors become exit codes: a LowvramError prints its one line
-    and exits with its code, Ctrl-C exits 130, anything else is one line and exit 1 (the traceback with
-    --debug or LOWVRAM_GRPO_DEBUG=1)."""
-    try:
-        return body()
-    except LowvramError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:  # an unexpected failure: one line unless --debug
-        if debug or os.environ.get("LOWVRAM_GRPO_DEBUG"):
-            raise
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        print(f"error: {type(exc).__name__}: {message[:500]} (rerun with --debug for the traceback)", file=sys.stderr)
-        return 1

@@ -30,7 +30,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from .errors import AdapterError, ArgumentParser, ConfigError, guarded, positive_int
+from . import stops
+from .commands import ArgumentParser, guarded, positive_int
+from .errors import AdapterError, ConfigError
 
 PROG = "lowvram-grpo eval"
 
@@ -217,18 +219,24 @@ def score_columns(args) -> int:
 
     say(f"{config.model.name} on {len(rows)} questions from {where}; {protocol_label(protocol(config))}")
     named = []
-    for column in [Column("base", None), *columns]:
-        say(f"measuring {column.name} ...")
-        request = None
-        if column.adapter is not None:
-            try:
-                request = handle.load_lora(column.adapter)
-            except AdapterError as exc:
-                raise AdapterError(str(exc), exit_code=2) from None
-        numbers, _ = evaluate(handle, rows, config, lora_request=request)
-        if request is not None:  # one adapter in memory at a time, however many columns
-            handle.release_lora(request)
-        named.append((column.name, numbers))
+    column = None
+    try:
+        with stops.deferred("after this batch of answers"):  # a signal stops between batches (stops.py)
+            for column in [Column("base", None), *columns]:
+                say(f"measuring {column.name} ...")
+                request = None
+                if column.adapter is not None:
+                    try:
+                        request = handle.load_lora(column.adapter)
+                    except AdapterError as exc:
+                        raise AdapterError(str(exc), exit_code=2) from None
+                numbers, _ = evaluate(handle, rows, config, lora_request=request)
+                if request is not None:  # one adapter in memory at a time, however many columns
+                    handle.release_lora(request)
+                named.append((column.name, numbers))
+    except stops.StopRequested as exc:
+        raise stops.StopRequested(exc.signum, f"stopped by {stops.name(exc.signum)} while measuring {column.name}: "
+                                              f"eval writes nothing; run it again: {stops.same_command()}") from None
     if args.json:
         print(json.dumps(as_json(config, where, named, [None, *[c.adapter for c in columns]]), indent=1))
     else:

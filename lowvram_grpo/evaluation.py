@@ -18,7 +18,9 @@ Reported per column:
   there is one, else a \\boxed{...}, else the last number), so a base model that answers in prose is not
   scored 0 and a format-only gain shows as strict going up while lenient does not;
   both judged by `answers.is_correct` (exact decimals; math-verify for fractions, LaTeX, percentages),
-  each with its 95% Wilson interval (`accuracy_strict_ci`, `accuracy_lenient_ci`);
+  each with its 95% Wilson interval (`accuracy_strict_ci`, `accuracy_lenient_ci`); an answer the checker
+  failed on (answers.CheckerError) counts as not right and is counted in `checker_failures` (present when
+  not 0: verdicts the accuracies hold that are unchecked, not wrong);
 - `format_rate`: a reasoning block followed by an answer block;
 - `mean_completion_tokens`;
 - `n` and the per-question verdicts (`strict_correct`, `lenient_correct`: 0/1 in question order, for
@@ -34,7 +36,7 @@ import math
 import types
 from typing import Optional
 
-from . import host_memory
+from . import host_memory, stops
 from . import answers
 from .backends.base import Completion, LoraRequest, ModelHandle, SamplingParams
 from .rewards import call_reward, completion_text, format_ok, reward_functions
@@ -118,6 +120,7 @@ def generate_answers(handle: ModelHandle, rows: list[dict], config, lora_request
     temperature = ev.temperature if temperature is None else temperature
     texts: list[Completion] = []
     for start in range(0, len(rows), ev.batch_size):
+        stops.check()  # a safe point between batches: a signal stops the measuring here (stops.py)
         batch = rows[start:start + ev.batch_size]
         params = SamplingParams(
             temperature=temperature, top_p=ev.top_p if temperature > 0 else 1.0,
@@ -168,7 +171,8 @@ def score(rows: list[dict], generated: list[Completion], config, reward_funcs=No
     graded = [(r, t) for r, t in zip(rows, texts) if r.get("answer") is not None]
     if not graded:  # data without gold answers: no accuracy to measure
         return numbers
-    strict, lenient = verdicts([r for r, _ in graded], [t for _, t in graded])
+    failures: list[str] = []
+    strict, lenient = verdicts([r for r, _ in graded], [t for _, t in graded], failures)
     k = len(graded)
     return {
         **numbers,
@@ -179,14 +183,25 @@ def score(rows: list[dict], generated: list[Completion], config, reward_funcs=No
         "strict_correct": strict,
         "lenient_correct": lenient,
         **({"n_graded": k} if k != n else {}),
+        **({"checker_failures": len(failures)} if failures else {}),
     }
 
 
-def verdicts(rows: list[dict], texts: list[str]) -> tuple[list[int], list[int]]:
-    """Per question: is the strict answer right, is the lenient answer right (0/1 each)."""
+def _right(stated, gold, failures: Optional[list]) -> int:
+    try:
+        return int(answers.is_correct(stated, gold))
+    except answers.CheckerError as exc:  # unchecked: not right, and said so
+        if failures is not None:
+            failures.append(str(exc))
+        return 0
+
+
+def verdicts(rows: list[dict], texts: list[str], failures: Optional[list] = None) -> tuple[list[int], list[int]]:
+    """Per question: is the strict answer right, is the lenient answer right (0/1 each). A verdict the
+    checker failed on is 0, and its message is appended to `failures` (one per failed verdict)."""
     golds = [r["answer"] for r in rows]
-    strict = [int(answers.is_correct(answers.strict_answer(t), g)) for t, g in zip(texts, golds)]
-    lenient = [int(answers.is_correct(answers.lenient_answer(t), g)) for t, g in zip(texts, golds)]
+    strict = [_right(answers.strict_answer(t), g, failures) for t, g in zip(texts, golds)]
+    lenient = [_right(answers.lenient_answer(t), g, failures) for t, g in zip(texts, golds)]
     return strict, lenient
 
 

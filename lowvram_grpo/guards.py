@@ -4,9 +4,9 @@
   gradients are dropped just before the optimizer step, so no weight and no optimizer state moves.
   Skipped steps are counted in metrics.jsonl (`skipped_nonfinite`); `train.max_nonfinite_steps` in
   a row stop the run with a message.
-- `StopOnSignal`: the first SIGINT (Ctrl-C) or SIGTERM asks the trainer to stop at the end of the
-  current step and write a checkpoint; the pipeline then writes the adapter and raises `Interrupted`
-  (exit 130 / 143) with the `--resume` command. A second Ctrl-C stops at once.
+- `StopOnSignal`: the first SIGINT (Ctrl-C), SIGTERM or SIGHUP (stops.py, process-wide) asks the trainer
+  to stop at the end of the current step and write a checkpoint; the pipeline then writes the adapter and
+  raises `Interrupted` (exit 130 / 143 / 129) with the `--resume` command. A second Ctrl-C stops at once.
 
 Both raise `errors.TrainingStopped` (or its `Interrupted`), which the CLI prints as one `error:`
 line with its exit code. This module imports transformers: only training.py imports it.
@@ -16,12 +16,11 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
-import sys
-import threading
 from pathlib import Path
 
 from transformers import TrainerCallback
 
+from . import stops
 from .errors import Interrupted, TrainingStopped
 from .run_dir import resume_command
 
@@ -88,32 +87,22 @@ class NonFiniteGuard(TrainerCallback):
 
 
 class StopOnSignal(TrainerCallback):
-    """Turns the first SIGINT/SIGTERM during training into a stop at the next step boundary, with a checkpoint."""
+    """Turns the first SIGINT/SIGTERM/SIGHUP during training into a stop at the next step boundary, with a
+    checkpoint. The signals are the process-wide ones of stops.py: one received before training started
+    (while the trainer was built) stops after the first step."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = stops.SIGNALS
 
-    def __init__(self):
-        self.received = None
+    @property
+    def received(self):
+        return stops.received()
 
     @contextlib.contextmanager
     def installed(self):
-        """Our handlers while the block runs (main thread only: Python allows handlers nowhere else)."""
-        if threading.current_thread() is not threading.main_thread():
+        """The handlers (stops.handled: re-entrant, main thread only) while the block runs; a signal is
+        recorded, announced, and acted on at the step's end (the pipeline raises after the adapter is saved)."""
+        with stops.handled(), stops.deferred("after this step, with a checkpoint", check_at_exit=False):
             yield
-            return
-        previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def _handle(self, signum, frame):
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without a checkpoint
-        self.received = signum
-        print(f"\n{signal.Signals(signum).name}: stopping after this step and writing a checkpoint "
-              f"(Ctrl-C again stops at once)", file=sys.stderr, flush=True)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.received is not None:

@@ -12,7 +12,13 @@
     result = grpo.finish()             # summary.json + report.md and plots (report.py)
 
 The notebook calls the same steps, one per cell. `resume()` continues a killed run from its newest
-checkpoint: the numbers measured before GRPO come back from summary.json instead of being measured again.
+checkpoint: the numbers measured before GRPO come back from summary.json instead of being measured again;
+a run stopped in priming continues its priming from prime-checkpoint-N.
+
+Stops (stops.py): SIGINT, SIGTERM and SIGHUP stop `run()` at the next safe point of the phase it is in
+(while loading: at once, nothing is written yet; between measuring batches; between priming steps, with
+a priming checkpoint; at a GRPO step's end, with a checkpoint; after a save, an export or the report), as
+one `Interrupted` line naming what is kept and the command that goes on (exit 128 + signal).
 
 Where things happen: data enters in data.py, settings are decided in resolve.py, the model is built
 in backends/, rewards are computed in rewards.py, every file of the run is written through
@@ -23,22 +29,24 @@ GRPO step data-parallel); only the main process writes files.
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from . import allocator, checks
+from . import allocator, checks, stops
 from .backends import check_export, export_model, load_model, prepare_backend
 from .config import RunConfig, check_trackers_installed
 from .data import drop_long_prompts, load_questions, prompt_text, to_prompt_rows
-from .errors import ConfigError, DataError, EngineStopped, RewardError, TrainingStopped
+from .errors import ConfigError, DataError, EngineStopped, Interrupted, LowvramError, RewardError, TrainingStopped
 from .hardware import detect
 from .memory import OOM_PHASES
 from .resolve import resolve as resolve_settings
 from .rewards import check_rewards, load_reward_models
 from .run_dir import RunDir, resume_command
+from .stops import StopRequested
 
 STAGES = ("before", "primed", "after")
 
@@ -90,6 +98,8 @@ class GRPORun:
             self.warn(warning)
         self.run_dir.lock()  # a second process writing this folder is refused from here on, until release()
         self.locked = self.run_dir.writer
+        self.phase = "loading"  # where a stop lands (stopped()); each step names its own
+        self.written = existing == "resume"  # does the folder hold this run's files (start() writes the first)
         self.handle = None
         self.rollouts = None  # model.generation=vllm: rollouts (and evaluation) from our vLLM engine
         self.trainer = None
@@ -136,7 +146,8 @@ class GRPORun:
         if self.resolved.generation == "vllm":
             from .backends.vllm import start_for_run
 
-            self.rollouts = start_for_run(self.handle, self.log)  # also the handle's engine for evaluation
+            with stops.deferred("once the vLLM engine has started"):  # then it is closed, not left behind
+                self.rollouts = start_for_run(self.handle, self.log)  # also the handle's engine for evaluation
         limit = self.config.train.max_prompt_length
         self.train_rows, dropped = drop_long_prompts(
             to_prompt_rows(self.train_questions, self.config.data.system_prompt), self.handle.tokenizer, limit)
@@ -166,8 +177,10 @@ class GRPORun:
     def start(self) -> None:
         """The first write: the output dir, config.yaml, a fresh metrics.jsonl, the start summary (with
         `existing='overwrite'`, the run that was there is deleted first)."""
+        self._enter("starting")
         if self.overwrite:
             self.run_dir.clear_run()
+        self.written = True
         self.run_dir.create()
         self.run_dir.write_config(self.config)
         self.run_dir.reset_metrics()  # a rerun into the same dir starts its log afresh
@@ -202,6 +215,62 @@ class GRPORun:
                         if checkpoint else f"no checkpoint was written yet: {resume_command(self.run_dir.path)} starts it again")
                 raise EngineStopped(f"the vLLM engine stopped {where}: {cause}; {kept}") from None
 
+    # ------------------------------------------------------------------ stops
+    _PHASES = {"loading": "while loading the model", "starting": "while starting the run",
+               "measuring before": "while measuring before training", "priming": "during priming",
+               "measuring primed": "while measuring the primed adapter", "training": "during GRPO",
+               "saving": "while saving the adapter", "measuring after": "while measuring the trained adapter",
+               "exporting": "while exporting", "report": "while writing the report"}
+    _WHERE = {"measuring before": "after this batch of answers", "measuring primed": "after this batch of answers",
+              "measuring after": "after this batch of answers", "starting": "once the run's files are written",
+              "saving": "once the adapter is saved", "exporting": "once the export is written",
+              "report": "once the report is written", "priming": "after this priming step, with a checkpoint",
+              "training": "after this step, with a checkpoint"}
+
+    def _enter(self, phase: str) -> None:
+        """A safe point between two steps (a signal that came in the last one stops the run here), then `phase`."""
+        stops.check()
+        self.phase = phase
+        stops.set_where(self._WHERE.get(phase, "at the next safe point"))
+
+    def stopped(self, exc: BaseException) -> Interrupted:
+        """The one line for a stop (a StopRequested or a KeyboardInterrupt) in the current phase: what is kept
+        and the exact command that goes on."""
+        signum = getattr(exc, "signum", None) or stops.received() or signal.SIGINT
+        said = f"stopped by {stops.name(signum)} {self._PHASES.get(self.phase, 'during ' + self.phase)}"
+        path = self.run_dir.path
+        if not self.written:
+            return Interrupted(f"{said}: nothing was written; start it again with: {stops.same_command()}", signum)
+        if (self.run_dir.read_summary() or {}).get("status") == "complete":
+            return Interrupted(f"{said}: the run is complete (adapter {self.run_dir.adapter_dir}, summary.json); "
+                               f"write its report with: python -m lowvram_grpo.report {path}", signum)
+        return Interrupted(f"{said}; kept: {self._kept()}. Continue with: {resume_command(path)}", signum)
+
+    def _kept(self) -> str:
+        parts = []
+        checkpoint = self.run_dir.latest_checkpoint()
+        primed = self.run_dir.latest_prime_checkpoint()
+        if checkpoint is not None:
+            parts.append(f"checkpoint {checkpoint} (GRPO step {checkpoint.name.split('-')[-1]} of "
+                         f"{self.config.train.max_steps})")
+        elif primed is not None:
+            parts.append(f"priming checkpoint {primed} (step {primed.name.split('-')[-1]} of {self.config.prime.steps})")
+        if self.adapter_dir is not None and self.adapter_dir.is_dir():
+            parts.append(f"adapter {self.adapter_dir}")
+        elif checkpoint is None and self.run_dir.primed_adapter_dir.is_dir():
+            parts.append(f"primed adapter {self.run_dir.primed_adapter_dir}")
+        if not parts:
+            return f"config.yaml and summary.json in {self.run_dir.path}, no checkpoint yet (--resume starts the run again)"
+        return ", ".join(parts)
+
+    def restore_priming(self, checkpoint: Path) -> None:
+        """A run resumed in its priming: its settings and the numbers measured before it (priming goes on in prime())."""
+        self.run_dir.write_config(self.config)
+        self.run_dir.reset_metrics()
+        start = self.run_dir.read_summary() or {}
+        self.measured["before"] = start.get("before")
+        self.texts["before"] = start.get("before_texts", [])
+
     def restore(self, checkpoint: Path) -> None:
         """A resumed run: the log as it was at `checkpoint`, and the numbers measured before GRPO."""
         self.run_dir.restore_metrics(checkpoint)
@@ -219,6 +288,7 @@ class GRPORun:
         started from an adapter (lora.init_adapter) measures "before" on that adapter: where GRPO starts."""
         if not self.config.eval.enabled:
             return None
+        self._enter(f"measuring {stage}")
         if stage == "before" and adapter is None and self.config.lora.init_adapter:
             adapter = Path(self.config.lora.init_adapter)
         from .evaluation import evaluate, protocol, protocol_label
@@ -235,17 +305,21 @@ class GRPORun:
                 self.handle.release_lora(request)
         return self.measured[stage]
 
-    def prime(self) -> Optional[dict]:
+    def prime(self, resume_from: Optional[Path] = None) -> Optional[dict]:
         """Supervised priming (priming.py says why: so GRPO's groups have rewards that differ), saved to
-        primed_adapter/ and measured; then the start summary, which a resumed run reuses."""
+        primed_adapter/ and measured; then the start summary, which a resumed run reuses. Priming writes
+        prime-checkpoint-N (prime.save_steps, at a stop, at its end); `resume_from`: one to continue from."""
         if self.config.lora.init_adapter and self.config.prime.steps == 0:
             self.log(f"no priming: the run starts from the adapter in {self.config.lora.init_adapter} "
                      "(--set prime.steps=N primes it further)")
         if self.config.prime.steps > 0:
             from .priming import prime
 
+            self._enter("priming")
+            self.run_dir.write_summary(self._start_summary())  # the numbers measured before: a resumed priming reuses them
             with self._failures_reported("priming"):
-                self.priming = prime(self.handle, self.train_questions, self.config, self.log)
+                self.priming = prime(self.handle, self.train_questions, self.config, self.log,
+                                     checkpoints=self.run_dir if self.run_dir.writer else None, resume_from=resume_from)
             primed_dir = self.handle.save_lora(self.run_dir.primed_adapter_dir) if self.run_dir.writer else None
             if primed_dir is not None:
                 self.measure("primed", primed_dir)
@@ -257,6 +331,7 @@ class GRPORun:
         """GRPO with TRL's trainer (training.py); Ctrl-C / SIGTERM stop at a step's end with a checkpoint."""
         from .training import build_trainer, describe_effective
 
+        self._enter("training")
         self.trainer = trainer = build_trainer(self.handle, self.train_rows, self.run_dir, rollouts=self.rollouts)
         self.log(describe_effective(trainer.effective_settings))
         if resume_from is not None:
@@ -277,6 +352,8 @@ class GRPORun:
 
     def save(self) -> Path:
         """adapter/ (PEFT format + tokenizer, atomically); a run stopped by a signal then ends with --resume's hint."""
+        self.phase = "saving"  # no safe point before it: a signal in GRPO's last step is answered after the save
+        stops.set_where(self._WHERE["saving"])
         if self.run_dir.writer:
             self.adapter_dir = self.handle.save_lora(self.run_dir.adapter_dir)
         self.trainer.accelerator.wait_for_everyone()
@@ -289,6 +366,7 @@ class GRPORun:
         kind = kind or self.export_kind
         if not kind or not self.run_dir.writer:
             return None
+        self._enter("exporting")
         written = export_model(self.handle, self.adapter_dir, self.run_dir.export_dir(kind), kind)
         self.log(f"exported ({kind}): {written}")
         return written
@@ -297,6 +375,7 @@ class GRPORun:
         """summary.json (status complete), the before/after table, report.md and the plots."""
         from .evaluation import format_table
 
+        stops.check()  # a signal in the last step before: the run is not marked complete
         trainer, measured = self.trainer, self.measured
         summary = {
             "status": "complete",
@@ -331,6 +410,7 @@ class GRPORun:
                 self.log(f"--- base ---\n{sample['base'].strip()}\n--- trained ---\n{sample['trained'].strip()}")
         from .report import write_report
 
+        self._enter("report")
         report = write_report(self.run_dir.path)  # report.md + plots from metrics.jsonl and summary.json
         self.log(f"\nadapter: {self.adapter_dir}\nsummary: {self.run_dir.file('summary.json')}\nreport:  {report}")
         self.release()
@@ -350,38 +430,55 @@ def _num_processes() -> int:
 
 
 def run(config: RunConfig, output_dir, backend: str = "auto", log=print, handle=None,
-        resume_from: Optional[Path] = None, export: Optional[str] = None, existing: str = "refuse") -> RunResult:
+        resume_from: Optional[Path] = None, export: Optional[str] = None, existing: str = "refuse",
+        prime_from: Optional[Path] = None) -> RunResult:
     """A whole run. `handle`: a model already loaded for this config (the notebook's); `resume_from`: a
     checkpoint in `output_dir` to continue from (see `resume`); `export`: merged16 or gguf after training;
     `existing`: a run already in `output_dir` is refused ('refuse'), replaced ('overwrite') or continued ('resume').
     A vLLM engine started for the run ends when the run raises (an error, a stop, Ctrl-C); after a normal
-    return it stays with the handle (the notebook generates with it) and ends at exit."""
+    return it stays with the handle (the notebook generates with it) and ends at exit. `prime_from`: a
+    prime-checkpoint-N in `output_dir` to continue the priming from (with `resume_from` None).
+    SIGINT/SIGTERM/SIGHUP stop it at the next safe point (stops.py) with one `Interrupted` line."""
     from .backends.vllm import closes_engines_on_error
 
-    return closes_engines_on_error(_run)(config, output_dir, backend, log, handle, resume_from, export, existing)
+    with stops.handled():
+        return closes_engines_on_error(_run)(config, output_dir, backend, log, handle, resume_from, export, existing,
+                                             prime_from)
 
 
-def _run(config, output_dir, backend, log, handle, resume_from, export, existing="refuse") -> RunResult:
+def _run(config, output_dir, backend, log, handle, resume_from, export, existing="refuse", prime_from=None) -> RunResult:
     grpo = GRPORun(config, output_dir, backend, log, export=export, existing=existing)
     try:
-        return _steps(grpo, handle, resume_from)
+        return _steps(grpo, handle, resume_from, prime_from)
+    except (StopRequested, KeyboardInterrupt) as exc:
+        raise grpo.stopped(exc) from None
+    except LowvramError:  # GRPO's own stop line (guards.StopOnSignal), or an error that says how to go on
+        raise
+    except Exception:
+        if stops.received() is None:
+            raise
+        raise grpo.stopped(StopRequested(stops.received())) from None  # a library turned the stop into its own error
     finally:
         grpo.release()
 
 
-def _steps(grpo: "GRPORun", handle, resume_from) -> RunResult:
-    grpo.load(handle)
-    if resume_from is None:
-        grpo.start()
-        grpo.measure("before")
-        grpo.prime()
-    else:
-        grpo.restore(resume_from)
-    grpo.train(resume_from)
-    grpo.save()
-    grpo.measure("after", grpo.adapter_dir)
-    grpo.export()
-    return grpo.finish()
+def _steps(grpo: "GRPORun", handle, resume_from, prime_from=None) -> RunResult:
+    grpo.load(handle)  # a signal here stops at once: nothing is written yet
+    with stops.deferred():  # from here on, a signal stops the run at the next safe point
+        if resume_from is None:
+            if prime_from is None:
+                grpo.start()
+                grpo.measure("before")
+            else:
+                grpo.restore_priming(prime_from)
+            grpo.prime(prime_from)
+        else:
+            grpo.restore(resume_from)
+        grpo.train(resume_from)
+        grpo.save()
+        grpo.measure("after", grpo.adapter_dir)
+        grpo.export()
+        return grpo.finish()
 
 
 def resume(output_dir, backend: str = "auto", log=print, overrides: Optional[list[str]] = None,
@@ -401,10 +498,13 @@ def resume(output_dir, backend: str = "auto", log=print, overrides: Optional[lis
     try:
         run_dir.remove_leftovers()
         checkpoint = run_dir.latest_checkpoint()
-        if checkpoint is None:
+        primed = run_dir.latest_prime_checkpoint() if checkpoint is None else None
+        if primed is not None:
+            log(f"no GRPO checkpoint in {run_dir} yet: continuing its priming from {primed}")
+        elif checkpoint is None:
             log(f"no complete checkpoint in {run_dir} yet: running it again from the start")
         return run(config, run_dir.path, backend, log, resume_from=checkpoint, existing="resume",
-                   export=export or run_dir.started_export())
+                   export=export or run_dir.started_export(), prime_from=primed)
     finally:
         run_dir.unlock()
 

@@ -9,15 +9,24 @@ GRPO step. The run reports base -> primed -> after GRPO, so GRPO's own gain is v
 
 The loss is the usual next-token cross-entropy on the completion tokens only (prompt masked), on the
 same LoRA parameters GRPO then trains, with a plain AdamW of its own.
+
+In a run (`checkpoints`: its RunDir) priming writes prime-checkpoint-N every `prime.save_steps` steps, at
+its last step, and when a signal stops it (stops.py: the stop comes between two steps); `resume_from`
+continues from one. A checkpoint holds the trainable weights, the optimizer, the RNG states, and the losses
+and seconds so far, so a priming stopped and continued ends with the same adapter as an unbroken one.
 """
 from __future__ import annotations
 
+import random
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
-from . import host_memory
+from . import host_memory, stops
 from .data import Question, prompt_of
+from .errors import RunDirError
 from .rewards import xml_formatted
+from .run_dir import PRIME_STATE
 
 
 def _batch(tokenizer, prompts: list[str], targets: list[str], max_length: int):
@@ -57,13 +66,63 @@ def completion_loss(model, input_ids, attention_mask, labels):
     return -log_probs.float().mean()
 
 
+def save_state(folder, model, optimizer, progress: dict) -> None:
+    """One priming checkpoint's files in `folder` (run_dir.PRIME_REQUIRED_FILES)."""
+    import json
+
+    import torch
+
+    folder = Path(folder)
+    weights = {name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.requires_grad}
+    torch.save(weights, folder / "priming_weights.pt")
+    torch.save(optimizer.state_dict(), folder / "priming_optimizer.pt")
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(rng, folder / "priming_rng.pt")
+    (folder / PRIME_STATE).write_text(json.dumps(progress, indent=2) + "\n")
+
+
+def load_state(folder, model, optimizer) -> dict:
+    """Put a priming checkpoint back into `model` and `optimizer` (and the RNGs); its progress dict."""
+    import json
+
+    import torch
+
+    folder = Path(folder)
+    try:
+        progress = json.loads((folder / PRIME_STATE).read_text())
+        weights = torch.load(folder / "priming_weights.pt", map_location="cpu")
+        optimizer_state = torch.load(folder / "priming_optimizer.pt", map_location="cpu", weights_only=False)
+        rng = torch.load(folder / "priming_rng.pt", weights_only=False)
+    except Exception as exc:  # a damaged checkpoint: say which
+        raise RunDirError(f"{folder} cannot be read ({type(exc).__name__}: {exc}): the priming checkpoint is damaged; "
+                          "delete it to continue from the one before") from None
+    params = dict(model.named_parameters())
+    missing = [name for name in weights if name not in params]
+    if missing:
+        raise RunDirError(f"{folder} holds weights this model does not have ({missing[0]}): not this run's checkpoint")
+    with torch.no_grad():
+        for name, value in weights.items():
+            params[name].copy_(value.to(params[name].device))
+    optimizer.load_state_dict(optimizer_state)
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return progress
+
+
 def prime(handle, questions: list[Question], config, log=print, max_seconds: Optional[float] = None,
-          on_step: Optional[Callable[[int, float], None]] = None) -> dict:
+          on_step: Optional[Callable[[int, float], None]] = None, checkpoints=None,
+          resume_from: Optional[Path] = None) -> dict:
     """Run `config.prime.steps` supervised steps on `questions` that have worked solutions (cycling through
     them); with `max_seconds`, no step starts once that much wall time has passed (the prime-only
     baseline's equal-time budget, baseline.py). `on_step(steps_done, seconds_training_so_far)` runs after each step (bench/plateau.py
     saves and measures checkpoints of one priming there; the time it takes is not counted against `max_seconds`
-    nor in the returned seconds)."""
+    nor in the returned seconds). `checkpoints`: the run's RunDir, for prime-checkpoint-N; `resume_from`: one
+    to continue from. A signal (stops.py) stops priming after the step it arrived in: StopRequested, after
+    a checkpoint when there is `checkpoints`."""
     import torch
 
     settings = config.prime
@@ -75,35 +134,67 @@ def prime(handle, questions: list[Question], config, log=print, max_seconds: Opt
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
     model.train()
-    started, losses, outside = time.time(), [], 0.0  # outside: seconds spent in on_step
+    started, losses, outside = time.time(), [], 0.0  # outside: seconds spent in on_step and writing checkpoints
+    earlier_seconds, first = 0.0, 0
+    if resume_from is not None:
+        progress = load_state(resume_from, model, optimizer)
+        first, losses, earlier_seconds = int(progress["steps"]), list(progress["losses"]), float(progress["seconds"])
+        log(f"resuming priming from {resume_from} (step {first} of {settings.steps})")
     from tqdm.auto import tqdm
 
     if max_seconds is None:
-        bar = tqdm(total=settings.steps, desc="priming", unit="step", dynamic_ncols=True)
+        bar = tqdm(total=settings.steps, initial=first, desc="priming", unit="step", dynamic_ncols=True)
     else:  # a time budget: the bar counts seconds, not the (open-ended) steps
         bar = tqdm(total=round(max_seconds), desc="priming (time budget)", unit="s", dynamic_ncols=True)
-    for step in range(settings.steps):
-        if max_seconds is not None and time.time() - started - outside >= max_seconds:
-            break
-        chunk = [examples[(step * settings.batch_size + i) % len(examples)] for i in range(settings.batch_size)]
-        prompts = [handle.apply_chat_template(prompt_of(q, config.data.system_prompt)) for q in chunk]
-        targets = [xml_formatted(q.solution, q.answer) for q in chunk]
-        input_ids, attention, labels = _batch(tokenizer, prompts, targets, config.model.max_seq_length)
-        device = next(model.parameters()).device
-        loss = completion_loss(model, input_ids.to(device), attention.to(device), labels.to(device))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        host_memory.release()  # freed activations back to the OS: RSS stays flat (host_memory.py)
-        bar.update(1 if max_seconds is None else min(round(time.time() - started), bar.total) - bar.n)
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", **({} if max_seconds is None else {"steps": len(losses)}))
-        if on_step is not None:
-            before = time.time()
-            on_step(len(losses), before - started - outside)
-            model.train()
-            outside += time.time() - before
+
+    def seconds() -> float:  # training seconds: earlier ones (a resumed priming) + this call's, less `outside`
+        return earlier_seconds + time.time() - started - outside
+
+    def save(steps_done: int) -> None:
+        nonlocal outside
+        before = time.time()
+        progress = {"steps": steps_done, "of": settings.steps, "losses": losses, "seconds": round(seconds(), 3)}
+        checkpoints.save_prime_checkpoint(steps_done, lambda folder: save_state(folder, model, optimizer, progress),
+                                          keep=config.train.keep_checkpoints)
+        outside += time.time() - before
+
+    where = f"after this priming step{', with a checkpoint' if checkpoints is not None else ''}"
+    with stops.deferred(where, check_at_exit=False):  # a signal after the last step: checked below, after its save
+        for step in range(first, settings.steps):
+            if max_seconds is not None and seconds() >= max_seconds:
+                break
+            chunk = [examples[(step * settings.batch_size + i) % len(examples)] for i in range(settings.batch_size)]
+            prompts = [handle.apply_chat_template(prompt_of(q, config.data.system_prompt)) for q in chunk]
+            targets = [xml_formatted(q.solution, q.answer) for q in chunk]
+            input_ids, attention, labels = _batch(tokenizer, prompts, targets, config.model.max_seq_length)
+            device = next(model.parameters()).device
+            loss = completion_loss(model, input_ids.to(device), attention.to(device), labels.to(device))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            host_memory.release()  # freed activations back to the OS: RSS stays flat (host_memory.py)
+            bar.update(1 if max_seconds is None else min(round(time.time() - started), bar.total) - bar.n)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", **({} if max_seconds is None else {"steps": len(losses)}))
+            if on_step is not None:
+                before = time.time()
+                on_step(len(losses), seconds())
+                model.train()
+                outside += time.time() - before
+            stopping = stops.received() is not None  # a signal came during this step: stop after it
+            if checkpoints is not None and (stopping or (settings.save_steps and len(losses) % settings.save_steps == 0)):
+                save(len(losses))
+            if stopping:
+                bar.close()
+                stops.check()
     bar.close()
+    if checkpoints is not None and losses:
+        if [step for step, _ in checkpoints.prime_checkpoint_dirs()][-1:] != [len(losses)]:
+            save(len(losses))  # the end of priming: a --resume after it goes on from here
+        checkpoints.prune_prime_checkpoints(1)
+    stops.check()
+    if not losses:
+        return {"steps": 0}
     return {"steps": len(losses), "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
-            "seconds": round(time.time() - started - outside, 1)}
+            "seconds": round(seconds(), 1)}

@@ -218,7 +218,7 @@ def write_report(run_dir) -> Path:
 
 
 def main(argv=None) -> int:
-    from .errors import ArgumentParser, guarded
+    from .commands import ArgumentParser, guarded
 
     parser = ArgumentParser(prog="python -m lowvram_grpo.report",
                      description="Rebuild report.md and the PNG plots of a run from its files.")

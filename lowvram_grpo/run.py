@@ -10,7 +10,7 @@ import importlib
 import sys
 from pathlib import Path
 
-from .errors import ArgumentParser, guarded, positive_int
+from .commands import ArgumentParser, guarded, positive_int
 
 
 def _positive_float(text: str) -> float:

@@ -15,6 +15,8 @@ A run folder holds:
   trainer_state.json) plus our `run_state.json` (data position, the NaN guard's counters) and
   `metrics.jsonl` as it was at that step. Built under a hidden staging name and renamed into place
   (lora_io.atomic_replace_dir), so a checkpoint that exists is complete; the newest `keep` are kept;
+- `prime-checkpoint-N/`: the priming after N steps (priming.py: LoRA weights, optimizer, RNG, losses), every
+  `prime.save_steps`, at a stop and at its end, written the same atomic way; --resume continues priming from it;
 - `adapter/`, `primed_adapter/`, `export-KIND/`, `report.md` and the plots.
 
 Every file is written atomically (a temporary name, then a rename). Every read has one policy: a file
@@ -61,6 +63,10 @@ STAGING_PREFIX = ".checkpoint-staging-"
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 # what a checkpoint needs to be resumed from (transformers' files + ours)
 REQUIRED_FILES = ("trainer_state.json", "optimizer.pt", "scheduler.pt", RUN_STATE)
+_PRIME_CHECKPOINT = re.compile(r"prime-checkpoint-(\d+)")
+PRIME_STATE = "priming_state.json"
+# what a priming checkpoint needs (priming.save_state writes them)
+PRIME_REQUIRED_FILES = ("priming_weights.pt", "priming_optimizer.pt", "priming_rng.pt", PRIME_STATE)
 
 
 def resume_command(path: Path) -> str:
@@ -168,7 +174,7 @@ class RunDir:
         if not self.writer or not self.path.is_dir():
             return
         doomed = [self.path / name for name in (CONFIG, SUMMARY, METRICS, REPORT, ADAPTER, PRIMED_ADAPTER, "runs", *PLOT_FILES)]
-        doomed += [p for _, p in self.checkpoint_dirs()] + list(self.path.glob("export-*"))
+        doomed += [p for _, p in self.checkpoint_dirs() + self.prime_checkpoint_dirs()] + list(self.path.glob("export-*"))
         doomed += list(self.path.glob(f"{STAGING_PREFIX}*")) + list(self.path.glob(".adapter.*")) + list(self.path.glob(".primed_adapter.*"))
         for path in doomed:
             if path.is_dir() and not path.is_symlink():
@@ -417,6 +423,45 @@ class RunDir:
         """Delete all but the `keep` newest checkpoints. Each is renamed to a hidden name first, so a kill
         mid-delete never leaves a half-deleted folder under a checkpoint name."""
         for _, path in self.checkpoint_dirs()[:-keep]:
+            doomed = path.with_name(f"{STAGING_PREFIX}{os.getpid()}-deleting-{path.name}")
+            os.rename(path, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    # ------------------------------------------------------------------ priming checkpoints
+    def prime_checkpoint_dirs(self) -> list[tuple[int, Path]]:
+        """(step, path) of every prime-checkpoint-N folder, oldest first."""
+        found = []
+        for path in self.path.glob("prime-checkpoint-*"):
+            match = _PRIME_CHECKPOINT.fullmatch(path.name)
+            if match and path.is_dir():
+                found.append((int(match.group(1)), path))
+        return sorted(found)
+
+    def latest_prime_checkpoint(self) -> Optional[Path]:
+        """The newest complete priming checkpoint, or None."""
+        for _, path in reversed(self.prime_checkpoint_dirs()):
+            if all((path / name).is_file() for name in PRIME_REQUIRED_FILES):
+                return path
+        return None
+
+    def save_prime_checkpoint(self, step: int, write_files: Callable[[Path], None], keep: int) -> Optional[Path]:
+        """prime-checkpoint-`step`, complete or absent: `write_files(folder)` fills a hidden staging folder,
+        which is renamed into place; priming checkpoints beyond the `keep` newest are deleted."""
+        if not self.writer:
+            return None
+        target = self.path / f"prime-checkpoint-{step}"
+        root = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=self.path))
+        try:
+            (root / target.name).mkdir()
+            write_files(root / target.name)
+            atomic_replace_dir(root / target.name, target)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        self.prune_prime_checkpoints(keep)
+        return target
+
+    def prune_prime_checkpoints(self, keep: int) -> None:
+        for _, path in self.prime_checkpoint_dirs()[:-keep]:
             doomed = path.with_name(f"{STAGING_PREFIX}{os.getpid()}-deleting-{path.name}")
             os.rename(path, doomed)
             shutil.rmtree(doomed, ignore_errors=True)

@@ -5,11 +5,12 @@
     problems = check_keywords("FastLanguageModel.from_pretrained", func, kwargs, origin="...")
 
 Fetching: `pip download --no-deps --only-binary=:all:` for CPython 3.11 on manylinux x86_64 (what
-requirements.txt targets, whatever machine runs this), from PyPI (`pip --isolated`: a local mirror or
-find-links in pip's config cannot stand in for the registry), into a cache directory
-(`LOWVRAM_GRPO_WHEEL_CACHE`, default `~/.cache/lowvram_grpo/wheels`); a cached wheel is reused. A
-registry that cannot be reached raises `RegistryUnreachable` (the tests skip); a version or wheel the
-registry does not have raises `WheelNotFound` (the tests fail).
+requirements.txt targets, whatever machine runs this), from the index pip is configured with (its
+index-url, extra-index-url, find-links, cert: pip's own configuration, as `pip install -r requirements.txt`
+would use it; an explicit `index_url` asks that index alone), into a cache directory
+(`LOWVRAM_GRPO_WHEEL_CACHE`, default `~/.cache/lowvram_grpo/wheels`); a cached wheel is reused. An index
+that cannot be reached raises `RegistryUnreachable` (the tests skip, or fail in CI: `registry_required`); a
+version or wheel the index does not have raises `WheelNotFound` (the tests fail).
 
 Reading: members are read straight out of the zip and parsed with `ast`. A keyword counts as accepted
 only when it is an explicit named parameter (or dataclass / msgspec field): a `**kwargs` that would
@@ -21,13 +22,10 @@ import ast
 import os
 import re
 import shutil
-import ssl
 import subprocess
 import sys
 import tempfile
 import textwrap
-import urllib.error
-import urllib.request
 import zipfile
 from dataclasses import dataclass
 from functools import cached_property
@@ -37,7 +35,7 @@ from typing import Iterable, Mapping, Optional
 REPO = Path(__file__).resolve().parent.parent
 REQUIREMENTS = REPO / "requirements.txt"
 CACHE_ENV = "LOWVRAM_GRPO_WHEEL_CACHE"
-INDEX_URL = "https://pypi.org/simple"
+CI_ENV = "LOWVRAM_GRPO_CI"  # set by .ci/run: what must run there fails instead of skipping
 # What requirements.txt is for: CPython 3.11 on Linux x86_64 (vllm's wheel is cp38-abi3-manylinux_2_28_x86_64).
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 PYTHON_VERSION = "3.11"
@@ -52,6 +50,18 @@ class RegistryUnreachable(Exception):
 
 class WheelNotFound(Exception):
     """The registry answered and has no such wheel: the pin itself is wrong (fail)."""
+
+
+def registry_required() -> bool:
+    """In CI (`LOWVRAM_GRPO_CI=1`, set by .ci/run, or a CI service's `CI=true`) an unreachable index is a
+    failure, not a skip: a green run must have checked the pins."""
+    return os.environ.get(CI_ENV) == "1" or os.environ.get("CI", "").lower() in ("1", "true")
+
+
+# What pip prints when an index cannot be reached (after its retries), as opposed to "no such version".
+_UNREACHABLE = re.compile(r"NewConnectionError|Failed to establish a new connection|Could not fetch URL|"
+                          r"ConnectTimeoutError|ReadTimeoutError|Max retries exceeded|ProxyError|SSLError|"
+                          r"connection broken by|Temporary failure in name resolution")
 
 
 def normalize(name: str) -> str:
@@ -87,51 +97,34 @@ def cached_wheel(name: str, version: str, cache: Path) -> Optional[Path]:
     return None
 
 
-def _ssl_context() -> ssl.SSLContext:
-    cert = os.environ.get("PIP_CERT")
-    return ssl.create_default_context(cafile=cert) if cert and Path(cert).is_file() else ssl.create_default_context()
-
-
-def _registry_answers(name: str, index_url: str, timeout: float = 30) -> bool:
-    """True if the index serves a page for `name`, False if it says there is no such project;
-    RegistryUnreachable if it cannot be reached at all."""
-    url = f"{index_url.rstrip('/')}/{normalize(name)}/"
-    try:
-        with urllib.request.urlopen(url, timeout=timeout, context=_ssl_context()) as response:
-            return response.status == 200
-    except urllib.error.HTTPError as exc:  # the registry answered
-        if exc.code == 404:
-            return False
-        raise RegistryUnreachable(f"{url} answered HTTP {exc.code}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise RegistryUnreachable(f"{url} cannot be reached: {getattr(exc, 'reason', exc)}") from None
-
-
-def fetch(name: str, version: str, cache: Optional[Path] = None, index_url: str = INDEX_URL) -> Path:
-    """The wheel of `name==version` for the GPU target, from the cache or downloaded into it."""
+def fetch(name: str, version: str, cache: Optional[Path] = None, index_url: Optional[str] = None) -> Path:
+    """The wheel of `name==version` for the GPU target, from the cache or downloaded into it: from pip's
+    configured index (None), or from `index_url` alone (`pip --isolated --index-url`)."""
     cache = Path(cache) if cache is not None else cache_dir()
     found = cached_wheel(name, version, cache)
     if found is not None:
         return found
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=cache))
+    where = index_url or "the configured index (pip config list)"
     try:
         cert = os.environ.get("PIP_CERT")
-        command = [sys.executable, "-m", "pip", "--isolated", "--disable-pip-version-check",
+        command = [sys.executable, "-m", "pip", *(["--isolated"] if index_url else []), "--disable-pip-version-check",
                    *(["--cert", cert] if cert else []),
                    "download", "--no-deps", "--only-binary=:all:",
                    *[arg for platform in PLATFORMS for arg in ("--platform", platform)],
                    "--python-version", PYTHON_VERSION, "--implementation", "cp",
-                   "--index-url", index_url, "--timeout", "30", "--retries", "2", "--progress-bar", "off",
+                   *(["--index-url", index_url] if index_url else []),
+                   "--timeout", "30", "--retries", "2", "--progress-bar", "off",
                    "-d", str(tmp), f"{name}=={version}"]
         proc = subprocess.run(command, capture_output=True, text=True, timeout=900)
         wheels = list(tmp.glob("*.whl"))
         if proc.returncode != 0 or len(wheels) != 1:
             output = (proc.stdout + proc.stderr).strip()
-            if not _registry_answers(name, index_url):
-                raise WheelNotFound(f"{index_url} has no project {name!r} (pinned {name}=={version} in requirements.txt)")
             tail = "\n".join(output.splitlines()[-6:])
-            raise WheelNotFound(f"{index_url} answers but pip found no CPython {PYTHON_VERSION} manylinux x86_64 wheel "
+            if _UNREACHABLE.search(output):
+                raise RegistryUnreachable(f"{where} cannot be reached (pip download {name}=={version}):\n{tail}")
+            raise WheelNotFound(f"{where} answers but pip found no CPython {PYTHON_VERSION} manylinux x86_64 wheel "
                                 f"of {name}=={version} (the pin in requirements.txt):\n{tail}")
         target = cache / wheels[0].name
         os.replace(wheels[0], target)  # same directory tree: a complete file or none under the final name

@@ -217,6 +217,7 @@ CONFIG_CASES = [
     ("prime.steps", "-1", "prime.steps must be >= 0"),
     ("prime.learning_rate", "0", "prime.learning_rate must be > 0"),
     ("prime.batch_size", "0", "prime.batch_size must be >= 1"),
+    ("prime.save_steps", "-1", "prime.save_steps must be >= 0"),
     ("eval.temperature", "-1", "eval.temperature must be >= 0"),
     ("eval.top_p", "2", "eval.top_p must be in (0, 1]"),
     ("eval.seed", "x", "eval.seed must be int"),

@@ -16,8 +16,9 @@ TrainingArguments (GRPOConfig's base) is read from the transformers wheel at req
 installed trl/transformers when those are at the same pins.
 
 First run downloads ~367 MB (vllm's wheel is 320 MB) into LOWVRAM_GRPO_WHEEL_CACHE (default
-~/.cache/lowvram_grpo/wheels); later runs read the cache. Without the registry (and no cached wheels)
-the module skips; a pin the registry does not have fails.
+~/.cache/lowvram_grpo/wheels) from the index pip is configured with; later runs read the cache. Without
+the index (and no cached wheels) the module skips, and fails in CI (LOWVRAM_GRPO_CI=1, set by .ci/run, or
+CI=true); a pin the index does not have fails.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import pytest
 
 from conftest import REPO
 from pinned_wheels import (Found, PinnedWheels, RegistryUnreachable, WheelNotFound, check_keywords, fetch,
-                           read_pins)
+                           read_pins, registry_required)
 
 from lowvram_grpo import training
 from lowvram_grpo.backends import unsloth_backend
@@ -55,7 +56,14 @@ def wheels() -> PinnedWheels:
     try:
         return PinnedWheels.fetch(PACKAGES)
     except RegistryUnreachable as exc:
-        pytest.skip(f"the package registry is unreachable, so the pinned GPU wheels cannot be fetched: {exc}")
+        unreachable(f"the package index is unreachable, so the pinned GPU wheels cannot be fetched: {exc}")
+
+
+def unreachable(reason: str):
+    """Skip, or in CI fail: there a green run must have checked the pins against the wheels."""
+    if registry_required():
+        pytest.fail(f"{reason} (in CI this fails rather than skips)", pytrace=False)
+    pytest.skip(reason)
 
 
 def resolved_all(backend: str):
@@ -144,16 +152,59 @@ def test_pins_come_from_requirements_txt(wheels):
 
 
 def test_a_version_the_registry_lacks_fails_and_an_unreachable_registry_skips(tmp_path, wheels):
+    """An index that does not answer is RegistryUnreachable (an explicit index is asked alone, not pip's
+    configured ones); a version the configured index lacks is WheelNotFound."""
     with pytest.raises(RegistryUnreachable):
         fetch("trl", read_pins()["trl"], cache=tmp_path, index_url="http://127.0.0.1:9/simple")
     try:
         fetch("unsloth", "0.0.0.999", cache=tmp_path)
     except RegistryUnreachable:  # a cached run, offline: nothing to learn here
-        pytest.skip("registry unreachable")
+        unreachable("registry unreachable")
     except WheelNotFound as exc:
         assert "unsloth==0.0.0.999" in str(exc)
     else:
         pytest.fail("fetching unsloth==0.0.0.999 did not fail")
+
+
+def _fake_wheel(folder: Path, name: str, version: str) -> Path:
+    import zipfile
+
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(path, "w") as whl:
+        whl.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        whl.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        whl.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def test_fetch_uses_the_index_pip_is_configured_with(tmp_path, monkeypatch):
+    """pip's configuration (here its environment: PIP_NO_INDEX + PIP_FIND_LINKS, a local folder) is where the
+    wheels come from, not a hard-wired PyPI (`pip --isolated` ignored it: failed before). No network."""
+    links = tmp_path / "links"
+    links.mkdir()
+    _fake_wheel(links, "lowvram_grpo_fake_pin", "1.0")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    got = fetch("lowvram_grpo_fake_pin", "1.0", cache=tmp_path / "cache")
+    assert got.name == "lowvram_grpo_fake_pin-1.0-py3-none-any.whl" and got.parent == tmp_path / "cache"
+    with pytest.raises(WheelNotFound, match="lowvram_grpo_fake_pin==2.0"):  # the index answered: not there
+        fetch("lowvram_grpo_fake_pin", "2.0", cache=tmp_path / "cache")
+
+
+def test_an_unreachable_index_fails_in_ci(monkeypatch):
+    """.ci/run sets LOWVRAM_GRPO_CI=1: there the registry is required (a skip would pass CI unchecked)."""
+    for env in ({"LOWVRAM_GRPO_CI": "1"}, {"CI": "true"}):
+        monkeypatch.delenv("CI", raising=False)
+        monkeypatch.delenv("LOWVRAM_GRPO_CI", raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        with pytest.raises(pytest.fail.Exception, match="fails rather than skips"):
+            unreachable("the package index is unreachable")
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("LOWVRAM_GRPO_CI", raising=False)
+    with pytest.raises(pytest.skip.Exception):
+        unreachable("the package index is unreachable")
 
 
 # --------------------------------------------------------------------------- the checker itself

@@ -20,8 +20,9 @@ def allowed_cpus() -> list[int]:
 
 @contextlib.contextmanager
 def sigint_blocked():
-    """Block SIGINT in this thread while vLLM spawns its processes: they inherit the mask (fork and
-    exec keep it), so a terminal's Ctrl-C never reaches them. A Ctrl-C meanwhile waits until the end."""
+    """Block SIGINT (and SIGHUP) in this thread while vLLM spawns its processes: they inherit the mask (fork
+    and exec keep it), so a terminal's Ctrl-C, or its hangup when it closes, never reaches them: the trainer
+    stops at its next safe point and ends them (stops.py). A Ctrl-C meanwhile waits until the end."""
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
@@ -30,7 +31,7 @@ def sigint_blocked():
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *([signal.SIGHUP] if hasattr(signal, 'SIGHUP') else [])})
     try:
         yield
     finally:
