@@ -22,8 +22,11 @@ memory.plan. What it checks:
   and total memory (`CudaFacts`: the GPU-only readings, from torch and NVML, in one place; tests describe
   cards with it on CPU);
 - the run: the resolved settings, the memory plan against the card's *free* memory (a display or another
-  process takes some) with the settings that fit when it does not, vLLM's start-up demand
-  (gpu_memory_utilization x the card's total must be free), disk for the model download and checkpoints.
+  process takes some) with the settings that fit when it does not, what vLLM starts with on the unsloth
+  backend (unsloth_zoo gives it gpu_memory_utilization x the *free* memory, and a max_model_len that may be
+  below prompt + completion: a warning), the build tools Triton and FlashInfer compile with on first use
+  (toolchain.py), the hf backend's vLLM engine with a 4-bit base on a card without native bf16 (refused),
+  disk for the model download and checkpoints.
 
 `log_lines(resolved)` is the part that costs nothing (versions, find_spec, CUDA, free memory): the first
 lines of every GPU run's log (pipeline.GRPORun.load).
@@ -44,7 +47,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .errors import ArgumentParser, ConfigError, NotReady, guarded
+from .commands import ArgumentParser, guarded
+from .errors import ConfigError, NotReady
+from .hardware import gpu_bf16_native
 from .install import CPU_COMMANDS, CPU_MODULES, GPU_COMMANDS, GPU_MODULES
 from .resolve import VLLM_MIN_COMPUTE_CAPABILITY
 
@@ -497,7 +502,7 @@ def cuda_lines(facts: CudaFacts, uses_vllm: bool) -> list[Line]:
                                 "update the driver, or generate without vLLM: --set model.fast_inference=false "
                                 "(unsloth) / model.generation=transformers (hf)"))
     for card in facts.cards:
-        bf16 = "native bf16" if card.compute_capability >= (8, 0) else "no native bf16 (fp16 is used)"
+        bf16 = "native bf16" if gpu_bf16_native(card.compute_capability) else "no native bf16 (fp16 is used)"
         lines.append(_ok(f"GPU {card.index}: {card.name}, {card.sm}, {bf16}; {card.free_bytes / GIB:.1f} of "
                          f"{card.total_bytes / GIB:.1f} GiB free"))
         if not torch_has_kernels(card.compute_capability, facts.arch_list):
@@ -522,21 +527,20 @@ def cuda_lines(facts: CudaFacts, uses_vllm: bool) -> list[Line]:
 
 def plan_lines(resolved, facts: CudaFacts) -> list[Line]:
     """The memory plan against GPU 0's free memory (memory.plan for a card of that size), the settings that
-    fit when it does not, and vLLM's start-up demand. vLLM takes gpu_memory_utilization of the card's
-    *total* and refuses to start unless that much is free, so its share is planned as the same GiB: as a
-    share of the free memory it is utilization x total / free (and a suggested one is turned back)."""
+    fit when it does not, and what vLLM will start with. unsloth_zoo's load_vllm gives vLLM
+    gpu_memory_utilization x the memory *free at load* (and passes vLLM that share / the total, so vLLM's
+    own start-up check passes), so the plan for a card of the free size is unsloth's own arithmetic; the
+    max_model_len it starts vLLM with comes from the free and total memory (unsloth_sizing.vllm_budget)."""
     from .errors import PlanError
     from .hardware import with_memory
     from .memory import format_plan, plan, with_settings
     from .resolve import resolve
 
     card = facts.cards[0]
-    free, scale = card.free_bytes / GIB, card.total_bytes / card.free_bytes
+    free = card.free_bytes / GIB
     config = with_settings(resolved.config, {"memory.vram_gb": None})
     util = config.memory.gpu_memory_utilization
     vllm = resolved.generation == "unsloth_vllm"  # our own engine (generation vllm) sizes itself: memory.engine_*
-    if vllm:
-        config = with_settings(config, {"memory.gpu_memory_utilization": round(min(util * scale, 0.95), 3)})
     planned = resolve(config, with_memory(resolved.hardware, round(free, 2)), resolved.requested_backend,
                       resolved.num_processes)
     try:
@@ -544,8 +548,8 @@ def plan_lines(resolved, facts: CudaFacts) -> list[Line]:
     except PlanError as exc:
         return [_warn(f"no memory plan: {exc}", "the run may still fit; watch the first steps")]
     table = format_plan(p, title=f"memory plan against the {free:.1f} GiB free on GPU 0 ({config.model.name}, "
-                                 f"{planned.backend} backend" + (f"; vLLM's {util:g} of the card is {util * scale:.2f} "
-                                                                  "of the free memory" if vllm else "") + "):")
+                                 f"{planned.backend} backend" + (f"; unsloth gives vLLM {util:g} of the free memory, "
+                                                                  f"{util * free:.1f} GiB" if vllm else "") + "):")
     rows = table.splitlines()
     rows = rows[:next(i for i, row in enumerate(rows) if row.lstrip().startswith("total")) + 1]  # the verdict follows
     lines = [Line("note" if i == 0 else "", row) for i, row in enumerate(rows)]
@@ -553,8 +557,7 @@ def plan_lines(resolved, facts: CudaFacts) -> list[Line]:
         lines.append(_ok(f"the plan ({p.total_gb:.1f} GiB) fits the {free:.1f} GiB free on GPU 0, "
                          f"{free - p.total_gb:.1f} GiB to spare"))
     else:
-        changes = [(s.key, round(s.value / scale, 2) if s.key == "memory.gpu_memory_utilization" and vllm else s.value)
-                   for s in p.suggestions]
+        changes = [(s.key, s.value) for s in p.suggestions]
         sets = " ".join(f"--set {key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in changes)
         if not p.suggestions:
             fix = f"no settings of this preset fit ({p.no_fit_reason}): pick a smaller model"
@@ -563,10 +566,8 @@ def plan_lines(resolved, facts: CudaFacts) -> list[Line]:
         else:
             fix = f"run with --vram {free:.1f} --auto-fit, or add {sets} (planned {p.suggested_total_gb:.1f} GiB)"
         lines.append(_block(f"the plan ({p.total_gb:.1f} GiB) does not fit the {free:.1f} GiB free on GPU 0", fix))
-    if vllm and util * card.total_bytes > card.free_bytes:
-        lines.append(_block(f"vLLM asks for gpu_memory_utilization {util:g} x {card.total_bytes / GIB:.1f} GiB at start "
-                            f"and refuses with {free:.1f} GiB free",
-                            f"set memory.gpu_memory_utilization below {card.free_bytes / card.total_bytes:.2f}, or free the GPU"))
+    if vllm:
+        lines.extend(vllm_length_lines(planned, p.shape, card))
     if resolved.generation == "vllm":  # our engine starts after the trainer loaded and asks for its own share
         from .memory import engine_gpu_memory_utilization
 
@@ -578,6 +579,26 @@ def plan_lines(resolved, facts: CudaFacts) -> list[Line]:
                                 "lower memory.vllm_kv_cache_gb or eval.batch_size, set model.generation=transformers, "
                                 "or free the GPU"))
     return lines
+
+
+def vllm_length_lines(resolved, shape, card: Card) -> list[Line]:
+    """The max_model_len unsloth_zoo's load_vllm will start vLLM with on this card (its KV-cache estimate in
+    gpu_memory_utilization x the free memory), and a warning when it is below prompt + completion."""
+    from .unsloth_sizing import vllm_budget
+
+    config = resolved.config
+    budget = vllm_budget(shape, config.memory.gpu_memory_utilization, card.free_bytes, card.total_bytes,
+                         config.model.max_seq_length, resolved.vllm_max_lora_rank or config.lora.r, resolved.load_in_4bit)
+    need = config.train.max_prompt_length + config.train.max_completion_length
+    text = (f"vLLM starts with gpu_memory_utilization {budget.utilization:.3f} ({budget.share_bytes / GIB:.1f} GiB) and "
+            f"max_model_len {budget.max_model_len} (unsloth_zoo's KV-cache estimate holds {budget.kv_tokens} tokens)")
+    if budget.max_model_len >= need:
+        return [_ok(text)]
+    return [_warn(f"{text}: below train.max_prompt_length + train.max_completion_length = {need}, so longer rollouts "
+                  f"are cut at {budget.max_model_len} tokens and a longer prompt is refused",
+                  "raise memory.gpu_memory_utilization or free the GPU" + (
+                      f", or lower train.max_completion_length to {budget.max_model_len - config.train.max_prompt_length}"
+                      if budget.max_model_len > config.train.max_prompt_length else ""))]
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -737,6 +758,16 @@ def diagnose(preset: Optional[str], overrides: list[str], backend: str = "auto",
     else:
         say(_note("no GPU memory plan: this run is on the CPU"))
     if runnable_here:
+        from .toolchain import toolchain_lines
+
+        say(*(Line(*finding) for finding in toolchain_lines(resolved)))
+        if resolved.generation == "vllm":
+            from .backends.vllm.settings import bf16_matmul_problem
+
+            problem = bf16_matmul_problem(resolved)
+            if problem:
+                text, _, fix = problem.partition("; set ")
+                say(_block(text, "set " + fix))
         say(*disk_lines(resolved, output_dir or Path("outputs")))
     blockers = [line for line in lines if line.status == "BLOCK"]
     if blockers:

@@ -43,7 +43,7 @@ class Hardware:
         """bf16 in hardware: Ampere (sm80) and newer. torch.cuda.is_bf16_supported() also says yes on a T4
         (sm75) because it counts emulation, and unsloth then loads fp16 there: never ask torch this."""
         if self.cuda:
-            return self.compute_capability is not None and self.compute_capability >= (8, 0)
+            return gpu_bf16_native(self.compute_capability)
         return self.cpu_bf16
 
     @property
@@ -56,6 +56,14 @@ class Hardware:
         size = f"{self.total_gib:.1f} GiB" if self.total_gib is not None else "size not given"
         return (f"{self.name}: {self.gpu_name} ({self.sm}, {size}"
                 f"{', ' + str(self.gpu_count) + ' GPUs' if self.gpu_count > 1 else ''})")
+
+
+BF16_MIN_COMPUTE_CAPABILITY = (8, 0)  # Ampere: the first NVIDIA cards that compute bf16 in hardware
+
+
+def gpu_bf16_native(compute_capability: Optional[tuple[int, int]]) -> bool:
+    """A card of this compute capability computes bf16 natively (the one rule: resolve's dtype, the doctor's line)."""
+    return compute_capability is not None and tuple(compute_capability) >= BF16_MIN_COMPUTE_CAPABILITY
 
 
 def _gpu(name: str, gpu_name: str, cc: tuple[int, int], total_gib: float) -> Hardware:

@@ -20,9 +20,15 @@ The terms (GiB = 2**30 bytes; a "16 GB" card has about 15-16 GiB):
   take 4 bytes/element in 16-bit (Unsloth's published TRL+FA2 figure, 78.3 GB for Llama-3.1-8B at
   8 x 20K tokens, is 3.8 bytes/element): the term that killed most GRPO runs. TRL 1.15 (pinned here)
   never holds them whole: its fused LM head scores [4096 x 32768] fp32 tiles, so the term is two
-  tiles (<= 1 GiB) and the whole size is shown in its detail. Unsloth's GRPO loss chunks them too.
-- vLLM (model.fast_inference): vLLM takes gpu_memory_utilization x the card for the weights (shared
-  with training) and its KV cache; training must fit in the rest.
+  tiles (<= 1 GiB) and the whole size is shown in its detail. On the unsloth backend unsloth replaces
+  that computation with its own fused LM head: two chunks of unsloth_zoo's `fused_linear_rows` rows x the
+  whole vocabulary in fp32 (unsloth_sizing.py).
+- vLLM (model.fast_inference): unsloth_zoo's load_vllm gives vLLM gpu_memory_utilization x the memory
+  FREE when it loads (the card planned for: its total on a profile, its free memory in the doctor) for the
+  weights (shared with training) and its KV cache; training must fit in the rest. It also starts vLLM with
+  a max_model_len its own KV-cache estimate holds (`vllm_max_model_len`, below model.max_seq_length when
+  that estimate is small): settings where that is below prompt + completion do not fit, and the
+  suggestions avoid them (unsloth_sizing.py).
 - vLLM on the hf backend (model.generation=vllm): a separate engine with its own copy of the weights
   (16-bit, or NF4 through bitsandbytes with load_in_4bit), a LoRA slot, its own CUDA context and
   exactly the KV cache it asks vLLM for (`kv_cache_memory_bytes`: max(rollout batch, eval batch)
@@ -51,6 +57,7 @@ from typing import Any, Optional
 
 from .config import RESUME_SETTABLE, RunConfig, config_from_dict
 from .errors import ConfigError, OutOfMemory, PlanError
+from .unsloth_sizing import vllm_budget
 
 GIB = 2 ** 30
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes + 8-bit absmax per 64 + fp32 per 256 blocks
@@ -244,6 +251,7 @@ class MemoryPlan:
     kv_needed_bytes: Optional[int] = None  # KV cache for one generation batch at full length
     vllm_min_share_bytes: Optional[int] = None  # what vLLM's gpu_memory_utilization share must hold at least
     vllm_outside_bytes: Optional[int] = None    # what must fit on the card beside vLLM's share
+    vllm_max_model_len: Optional[int] = None    # the max_model_len unsloth_zoo starts vLLM with (unsloth_sizing.vllm_budget)
     suggestions: list[Suggestion] = field(default_factory=list)
     suggested_total_gb: Optional[float] = None  # the plan's total once the suggestions are applied
     no_fit_reason: str = ""           # set when no settings of this preset fit the card
@@ -274,7 +282,25 @@ class MemoryPlan:
         if self.vram_gb is None:
             return None
         kv_ok = self.kv_cache_bytes is None or self.kv_cache_bytes >= self.kv_needed_bytes
-        return self.total_gb <= self.vram_gb + 1e-9 and kv_ok
+        length_ok = self.vllm_max_model_len is None or self.vllm_max_model_len >= self.rollout_tokens
+        return self.total_gb <= self.vram_gb + 1e-9 and kv_ok and length_ok
+
+    @property
+    def rollout_tokens(self) -> int:
+        """Prompt + completion tokens a rollout may take."""
+        t = self.config.train
+        return t.max_prompt_length + t.max_completion_length
+
+    def short_max_model_len(self) -> Optional[str]:
+        """A warning when unsloth_zoo starts vLLM with a max_model_len below prompt + completion, else None."""
+        length, need = self.vllm_max_model_len, self.rollout_tokens
+        if length is None or length >= need:
+            return None
+        return (f"unsloth_zoo starts vLLM with max_model_len {length} (what its KV-cache estimate in vLLM's share holds), "
+                f"below train.max_prompt_length + train.max_completion_length = {need}: longer rollouts are cut at {length} "
+                f"tokens and a longer prompt is refused: raise memory.gpu_memory_utilization" + (
+                    f", or lower train.max_completion_length to {length - self.config.train.max_prompt_length}"
+                    if length > self.config.train.max_prompt_length else ""))
 
     def largest(self, n: int = 3) -> list[Term]:
         return sorted(self.terms.values(), key=lambda t: t.bytes, reverse=True)[:n]
@@ -352,15 +378,26 @@ def logits_bytes_held_whole(shape: ModelShape, completions: int, tokens: int, co
     return completions * tokens * shape.vocab * 2 * compute_bytes
 
 
-def _logits_term(shape: ModelShape, s: _Sizes) -> Term:
-    """TRL 1.15 never holds the whole completions x tokens x vocab logits: its fused LM head
-    (trl.kernels.chunked_logprob) projects [4096 tokens, 32768 vocab] fp32 tiles, one at a time,
-    in the forward and again in the backward. The term is those two tiles; the detail gives the size
-    the logits (+ a log_softmax copy) would take held whole, as older TRL versions held them."""
+def _logits_term(shape: ModelShape, s: _Sizes, backend: str = "hf") -> Term:
+    """The per-token log-probs never hold the whole completions x tokens x vocab logits. TRL 1.15 (the hf
+    backend): its fused LM head (trl.kernels.chunked_logprob) projects [4096 tokens, 32768 vocab] fp32 tiles,
+    one at a time, in the forward and again in the backward. The unsloth backend replaces that computation with
+    unsloth_zoo's fused LM head (chunked_hidden_states_selective_log_softmax -> fused_linear_logprobs): chunks of
+    `fused_linear_rows` rows x the whole vocabulary in fp32 (unsloth_sizing.py). The term is two such tiles or
+    chunks; the detail gives the size the logits (+ a log_softmax copy) would take held whole, as older TRL held them."""
+    whole = logits_bytes_held_whole(shape, s.batch, s.completion, s.compute_bytes)
+    label = f"logits {s.batch} x {s.completion} x {shape.vocab}"
+    if backend == "unsloth":
+        from .unsloth_sizing import FUSED_BYTES_PER_LOGIT, fused_linear_rows
+
+        rows = fused_linear_rows(s.batch * s.completion, shape.hidden, shape.vocab)
+        return Term("logits", f"{label}, in unsloth's fp32 chunks", 2 * rows * shape.vocab * FUSED_BYTES_PER_LOGIT,
+                    f"2 chunks of {rows} x {shape.vocab} x {FUSED_BYTES_PER_LOGIT} B (unsloth_zoo fused_linear_rows); "
+                    f"held whole with a log_softmax copy they would be {whole / GIB:.2f} GiB",
+                    "train.num_generations, train.max_completion_length")
     rows = min(s.batch * s.seq_len, TRL_TOKEN_CHUNK)
     size = 2 * rows * min(shape.vocab, TRL_VOCAB_CHUNK) * 4
-    whole = logits_bytes_held_whole(shape, s.batch, s.completion, s.compute_bytes)
-    return Term("logits", f"logits {s.batch} x {s.completion} x {shape.vocab}, in fp32 tiles", size,
+    return Term("logits", f"{label}, in fp32 tiles", size,
                 f"2 tiles of {rows} x {min(shape.vocab, TRL_VOCAB_CHUNK)} x 4 B; held whole with a log_softmax "
                 f"copy they would be {whole / GIB:.2f} GiB",
                 "train.num_generations, train.max_completion_length")
@@ -379,7 +416,7 @@ def _training_terms(shape: ModelShape, resolved) -> dict[str, Term]:
         "optimizer": Term("optimizer", f"optimizer state, {resolved.optim}", lora * optim_bytes,
                           f"{lora / 1e6:.1f}M params x {optim_bytes} B", "train.optim"),
         "activations": _activation_term(shape, resolved, s),
-        "logits": _logits_term(shape, s),
+        "logits": _logits_term(shape, s, resolved.backend),
     }
 
 
@@ -459,16 +496,21 @@ def _estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
     in_share, outside = weights + VLLM_RUNTIME_BYTES, outside_vllm
     min_vram = max((in_share + kv_needed) / util, outside / (1 - util)) / GIB
     card = vram_gb if vram_gb is not None else min_vram
-    reserved = int(util * card * GIB)
+    # unsloth_zoo's load_vllm: util x the memory free at load (the card planned for), its max_model_len
+    budget = vllm_budget(shape, util, card * GIB, card * GIB, config.model.max_seq_length,
+                         resolved.vllm_max_lora_rank or config.lora.r, resolved.load_in_4bit)
+    reserved = int(budget.share_bytes)
     kv_cache = reserved - in_share
     terms["vllm"] = Term(
-        "vllm", f"vLLM KV cache + runtime ({util:g} x {card:.1f} GiB - weights)", max(reserved - weights, 0),
-        f"gpu_memory_utilization {util:g} of the card, less the shared weights; KV cache {kv_cache / GIB:.2f} GiB, "
-        f"{kv_needed / GIB:.2f} GiB holds {s.generation_batch} sequences x {s.seq_len} tokens",
+        "vllm", f"vLLM KV cache + runtime ({budget.utilization:.3g} x {card:.1f} GiB - weights)", max(reserved - weights, 0),
+        f"unsloth_zoo gives vLLM gpu_memory_utilization {util:g} of the memory free at load, less the shared weights; "
+        f"KV cache {kv_cache / GIB:.2f} GiB, {kv_needed / GIB:.2f} GiB holds {s.generation_batch} sequences x "
+        f"{s.seq_len} tokens; max_model_len {budget.max_model_len}",
         "memory.gpu_memory_utilization")
     terms["cuda"] = cuda
     return MemoryPlan(resolved, shape, terms, vram_gb, min_vram, kv_cache_bytes=kv_cache, kv_needed_bytes=kv_needed,
-                      vllm_min_share_bytes=in_share + kv_needed, vllm_outside_bytes=outside)
+                      vllm_min_share_bytes=in_share + kv_needed, vllm_outside_bytes=outside,
+                      vllm_max_model_len=budget.max_model_len)
 
 
 def plan(resolved) -> MemoryPlan:
@@ -676,15 +718,20 @@ def plan_text(resolved) -> str:
 
 
 def _verdict(p: MemoryPlan) -> str:
+    short = p.short_max_model_len()
+    warning = f"\nwarning: {short}" if short else ""
     if p.fits is None:
         return (f"needs a card of at least {p.min_vram_gb:.1f} GiB (estimate); "
-                "plan for a given card with --vram GB")
+                "plan for a given card with --vram GB") + warning
     if p.fits:
-        return f"fits a {p.vram_gb:g} GiB card: {p.total_gb:.1f} GiB planned, {p.vram_gb - p.total_gb:.1f} GiB to spare"
+        return f"fits a {p.vram_gb:g} GiB card: {p.total_gb:.1f} GiB planned, {p.vram_gb - p.total_gb:.1f} GiB to spare" + warning
     why = f"does NOT fit a {p.vram_gb:g} GiB card: {p.total_gb:.1f} GiB planned"
     if p.kv_cache_bytes is not None and p.kv_cache_bytes < p.kv_needed_bytes:
         why += (f" and vLLM's KV cache at gpu_memory_utilization={p.config.memory.gpu_memory_utilization:g} "
                 f"({max(p.kv_cache_bytes, 0) / GIB:.2f} GiB) is below the {p.kv_needed_bytes / GIB:.2f} GiB one generation batch needs")
+    if short:
+        why += (f" and unsloth_zoo would start vLLM with max_model_len {p.vllm_max_model_len}, below prompt + completion "
+                f"({p.rollout_tokens})")
     if p.suggestions:
         sets = " ".join(f"--set {s.as_override()}" for s in p.suggestions)
         return (f"{why}\nto fit, change: {', '.join(map(str, p.suggestions))} -> {p.suggested_total_gb:.1f} GiB planned\n"
@@ -702,8 +749,12 @@ OOM_PHASES = {
     "evaluation": "in the held-out evaluation",
     "priming": "in a priming step",
 }
-# Frames of TRL 1.15's GRPOTrainer (and of our vLLM rollouts) that are the rollout, not the training step.
-_ROLLOUT_FRAMES = {"_generate_and_score_completions", "_generate", "_generate_single_turn", "rollout_func"}
+# TRL 1.15's private GRPOTrainer methods that generate and score the rollouts: an out-of-memory raised inside one
+# of them is the rollout's, not the training step's. trl_compat.check_versions checks that trl.GRPOTrainer has
+# them (a TRL that renamed them is refused there); tests/test_memory.py raises inside the real methods.
+TRL_ROLLOUT_METHODS = ("_generate_and_score_completions", "_generate", "_generate_single_turn")
+# + our engine's TRL hook (backends/vllm/rollouts.TRLRollouts.rollout_func)
+_ROLLOUT_FRAMES = frozenset(TRL_ROLLOUT_METHODS + ("rollout_func",))
 
 
 def oom_phase(exc: BaseException, default: str) -> str:

@@ -13,13 +13,16 @@ Decisions, and why:
   measured ~60x slower per training step on an AVX2-only EPYC). torch's `is_bf16_supported()` counts emulation and says yes
   on a T4, where unsloth loads fp16: a GRPOConfig with bf16=True then dies in unsloth's trainer
   ("Model is in float16 precision but you want to use bfloat16"). bf16 asked for on such a card is refused.
-- mixed precision: GRPOConfig's bf16/fp16 follow the compute dtype (CPU: neither). On the unsloth
-  backend `follow_loaded_dtype` re-decides them from the dtype unsloth actually loaded.
+- mixed precision: GRPOConfig's bf16/fp16 follow the compute dtype (CPU: neither), one rule
+  (`mixed_precision`). On the unsloth backend `follow_loaded_dtype` re-applies it to the dtype unsloth
+  actually loaded.
 - gradient checkpointing: 'unsloth' (offload to CPU RAM) exists only on the unsloth backend; on hf it
   is plain checkpointing ('true').
 - generation: unsloth's `fast_inference` (vLLM sharing the 4-bit weights) only on the unsloth backend
   on CUDA with vLLM installed (unsloth's from_pretrained raises ImportError without it) and compute
-  capability >= 7.0 (below, unsloth silently turns vLLM off). TRL's `use_vllm` is on exactly then: TRL
+  capability >= 7.0 (below, unsloth silently turns vLLM off). One decision, `generation`:
+  `fast_inference` and TRL's `use_vllm` are read from it (generation == 'unsloth_vllm'), so they cannot
+  disagree. TRL's `use_vllm` is on exactly then: TRL
   never starts an engine of its own, which would load a second copy of the weights with the model's full
   context length beside the trained model. After loading, `without_vllm` turns it off again if the model
   came back without a `vllm_engine` (unsloth's other silent cases), since unsloth's trainer would then
@@ -34,6 +37,8 @@ Decisions, and why:
   unsloth_vllm where fast_inference runs. On CPU a 4-bit base is refused (vLLM's CPU build would
   serve 16-bit weights, so the sampler would not be the policy being trained).
 - vLLM's max model length: model.max_seq_length (prompt + completion), never the model's own 128K.
+- reward models (a hub id or folder in rewards.names): on the run's device (`reward_model_device`), as TRL
+  places one beside the policy; not re-decided from torch where it is loaded.
 - optimizer: paged_adamw_8bit pages its state to CPU RAM under CUDA memory pressure; on a CPU there is
   nothing to page, so it is plain adamw_8bit there (bitsandbytes would say it falls back anyway).
 - host allocator: `auto` is mimalloc on a CPU run where the cmeel-mimalloc wheel is installed (Linux): on
@@ -81,9 +86,7 @@ class Resolved:
     load_in_4bit: bool
     gradient_checkpointing: str       # 'unsloth' (offload, unsloth only) | 'true' | 'false'
     optim: str                        # GRPOConfig(optim=...)
-    fast_inference: bool              # unsloth loads vLLM sharing the weights
     generation: str                   # 'unsloth_vllm' | 'vllm' (our engine, hf backend) | 'transformers'
-    use_vllm: bool                    # GRPOConfig(use_vllm=...): only the shared unsloth engine
     vllm_max_model_len: Optional[int]
     vllm_max_lora_rank: Optional[int]  # lora.r rounded up to a rank vLLM accepts (VLLM_LORA_RANKS); None without vLLM
     gpu_memory_utilization: Optional[float]  # unsloth's shared engine; our own engine derives its own (memory.py)
@@ -100,6 +103,21 @@ class Resolved:
         return self.device == "cuda"
 
     @property
+    def fast_inference(self) -> bool:
+        """unsloth loads vLLM sharing the weights: exactly when its shared engine generates."""
+        return self.generation == "unsloth_vllm"
+
+    @property
+    def use_vllm(self) -> bool:
+        """GRPOConfig(use_vllm=...): only unsloth's shared engine (TRL never starts one of its own)."""
+        return self.generation == "unsloth_vllm"
+
+    @property
+    def reward_model_device(self) -> str:
+        """Where a reward model named in rewards.names runs: the run's device."""
+        return self.device
+
+    @property
     def compute_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
@@ -110,6 +128,7 @@ class Resolved:
     def summary(self) -> dict:
         """The decided values, for --dry-run, the run log and summary.json."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("config", "hardware", "notes")}
+        out.update(fast_inference=self.fast_inference, use_vllm=self.use_vllm)
         out["hardware"] = self.hardware.describe()
         out["notes"] = list(self.notes)
         return out
@@ -184,6 +203,11 @@ def choose_host_allocator(asked: str, hardware: Hardware) -> str:
     return asked
 
 
+def mixed_precision(dtype: str, cuda: bool) -> tuple[bool, bool]:
+    """GRPOConfig's (bf16, fp16) for a compute dtype: the dtype's own on CUDA, neither on a CPU."""
+    return cuda and dtype == "bfloat16", cuda and dtype == "float16"
+
+
 def _dtype(config: RunConfig, hardware: Hardware) -> str:
     asked = config.model.dtype
     if not hardware.cuda:
@@ -213,8 +237,7 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         has = "this CPU" if not hardware.cuda else hardware.sm
         why = "native bf16" if dtype == "bfloat16" else f"{has} has no native bf16"
         notes.append(f"model.dtype auto -> {dtype} ({why})")
-    bf16 = hardware.cuda and dtype == "bfloat16"
-    fp16 = hardware.cuda and dtype == "float16"
+    bf16, fp16 = mixed_precision(dtype, hardware.cuda)
 
     checkpointing = config.memory.gradient_checkpointing
     if checkpointing == "unsloth" and chosen != "unsloth":
@@ -254,7 +277,7 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         notes.append(f"vLLM takes LoRA ranks {', '.join(map(str, VLLM_LORA_RANKS))}: its max_lora_rank is {lora_rank} "
                      f"for lora.r={config.lora.r} (the adapter keeps rank {config.lora.r})")
     if generation == "unsloth_vllm":
-        notes.append("unsloth 2026.10.7's GRPO trainer turns TRL's vLLM importance-sampling correction off "
+        notes.append("unsloth 2026.10.9's GRPO trainer turns TRL's vLLM importance-sampling correction off "
                      "(vllm_importance_sampling_correction=False; docs/unsloth_grpo_changes.md)")
     if generation == "vllm" and hardware.cuda:
         notes.append("model.generation=vllm: the engine asks vLLM for its KV cache in bytes (kv_cache_memory_bytes) and "
@@ -265,8 +288,7 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
     return Resolved(
         config=config, hardware=hardware, requested_backend=backend, backend=chosen, device=hardware.device,
         dtype=dtype, bf16=bf16, fp16=fp16, load_in_4bit=config.memory.load_in_4bit,
-        gradient_checkpointing=checkpointing, optim=optim, fast_inference=fast,
-        generation=generation, use_vllm=fast,
+        gradient_checkpointing=checkpointing, optim=optim, generation=generation,
         vllm_max_model_len=config.model.max_seq_length if own_vllm else None, vllm_max_lora_rank=lora_rank,
         gpu_memory_utilization=config.memory.gpu_memory_utilization if generation == "unsloth_vllm" else None,
         vram_gib=vram if hardware.cuda else None,
@@ -283,14 +305,26 @@ def follow_loaded_dtype(resolved: Resolved, loaded: str) -> Resolved:
     if loaded == resolved.dtype or loaded not in DTYPE_BYTES:
         return resolved
     note = f"unsloth loaded the model in {loaded} (asked {resolved.dtype}): mixed precision follows it"
-    cuda = resolved.cuda
-    return dataclasses.replace(resolved, dtype=loaded, bf16=cuda and loaded == "bfloat16",
-                               fp16=cuda and loaded == "float16", notes=resolved.notes + (note,))
+    bf16, fp16 = mixed_precision(loaded, resolved.cuda)
+    return dataclasses.replace(resolved, dtype=loaded, bf16=bf16, fp16=fp16, notes=resolved.notes + (note,))
+
+
+def for_unsloth_trainer(resolved: Resolved) -> Resolved:
+    """The settings for unsloth's patched GRPO trainer (UnslothGRPOTrainer, on a GPU and, in the GPU set, on a
+    CPU). Its __init__ turns bf16=False, fp16=False into fp16 autocast on a device it deems without bf16 (a CPU:
+    unsloth_zoo's device_is_bf16_supported answers False there) unless the model is float32 and marked so
+    (unsloth_backend.mark_requested_float32). For a bfloat16 model on a CPU that would mean fp16 autocast over
+    bf16 weights: ask for bf16 mixed precision instead, what the trainer picks for a bf16 model on a bf16 GPU."""
+    if resolved.cuda or resolved.dtype != "bfloat16" or resolved.bf16:
+        return resolved
+    note = ("unsloth's patched GRPO trainer would run a bfloat16 model under fp16 autocast on a CPU: bf16 mixed "
+            "precision asked for instead")
+    return dataclasses.replace(resolved, bf16=True, fp16=False, notes=resolved.notes + (note,))
 
 
 def without_vllm(resolved: Resolved, why: str) -> Resolved:
     """The settings with vLLM off: unsloth loaded the model without a `vllm_engine`, so GRPOConfig must
     not say use_vllm (unsloth's trainer would start TRL's own engine, a second copy of the weights)."""
-    return dataclasses.replace(resolved, fast_inference=False, use_vllm=False, generation="transformers",
+    return dataclasses.replace(resolved, generation="transformers",
                                vllm_max_model_len=None, vllm_max_lora_rank=None, gpu_memory_utilization=None,
                                notes=resolved.notes + (why,))

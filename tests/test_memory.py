@@ -123,8 +123,50 @@ def test_logits_are_counted_as_trl_computes_them():
     figure Unsloth published for 'TRL + FA2': 78.3 GB for Llama-3.1-8B, 8 generations x 20K tokens."""
     shape = model_shape("meta-llama/meta-Llama-3.1-8B-Instruct")
     assert logits_bytes_held_whole(shape, 8, 20_000) / 1e9 == pytest.approx(78.3, rel=0.06)
-    tiles = planned(load_config("llama8b_4bit")).terms["logits"]
+    tiles = planned(load_config("llama8b_4bit"), backend="hf").terms["logits"]
     assert tiles.bytes == 2 * 4096 * 32768 * 4 and "2.20 GiB" in tiles.detail
+
+
+def test_logits_on_the_unsloth_backend_are_counted_in_unsloths_own_chunks():
+    """On the unsloth backend unsloth replaces TRL's per-token log-probs with its fused LM head: chunks of
+    unsloth_zoo's fused_linear_rows (a power of two near rows x hidden / vocab, >= 512 x 151936 logits' worth,
+    <= 4096 rows, <= 2 GiB) x the whole vocabulary in fp32, not TRL's [4096 x 32768] tiles
+    (tests/test_gpu_wheels.py runs unsloth_zoo's own fused_linear_rows against ours)."""
+    from lowvram_grpo.unsloth_sizing import fused_linear_rows
+
+    llama = planned(load_config("llama8b_4bit"))  # 6 sequences x 768 completion tokens, vocab 128256
+    assert llama.backend == "unsloth"
+    assert fused_linear_rows(6 * 768, 4096, 128256) == 512
+    assert llama.terms["logits"].bytes == 2 * 512 * 128256 * 4
+    assert "2 chunks of 512 x 128256 x 4 B (unsloth_zoo fused_linear_rows)" in llama.terms["logits"].detail
+    qwen = planned(load_config("qwen1_5b_4bit"))  # vocab 151936: 512 rows at least
+    assert qwen.terms["logits"].bytes == 2 * 512 * 151936 * 4
+    assert fused_linear_rows(64 * 4096, 4096, 32768) == 4096  # many rows: capped at 4096
+    assert fused_linear_rows(64 * 4096, 4096, 262144) == 2048  # a 2 GiB chunk of a 262144 vocabulary
+
+
+def test_the_plan_gives_the_max_model_len_unsloth_starts_vllm_with_and_refuses_one_below_prompt_plus_completion():
+    """unsloth_zoo's load_vllm gives vLLM gpu_memory_utilization x the memory free at load, and shrinks
+    max_model_len to what its KV-cache estimate in that share holds (unsloth_sizing.vllm_budget, run against
+    unsloth_zoo's own code in tests/test_gpu_wheels.py); the plan says the length, and settings whose rollouts it
+    would cut do not fit: the suggestions give the whole prompt + completion."""
+    from lowvram_grpo.unsloth_sizing import vllm_budget
+
+    p = plan(resolve(load_config("llama8b_4bit"), profile("t4")))
+    assert p.vllm_max_model_len == 1024 and p.short_max_model_len() is None
+    assert "max_model_len 1024" in p.terms["vllm"].detail
+    budget = vllm_budget(p.shape, 0.6, 14.7 * GIB, 14.7 * GIB, 1024, 32, True)
+    assert p.terms["vllm"].bytes == int(budget.share_bytes) - p.terms["weights"].bytes
+    long = plan(resolve(load_config("llama8b_4bit", ["memory.gpu_memory_utilization=0.45", "model.max_seq_length=4096",
+                                                     "train.max_completion_length=3072"]), profile("t4")))
+    assert long.vllm_max_model_len < 3328 and long.fits is False  # a plan whose rollouts vLLM would cut does not fit
+    assert (f"and unsloth_zoo would start vLLM with max_model_len {long.vllm_max_model_len}, below prompt + completion "
+            "(3328)") in format_plan(long)
+    fitted = plan(resolve(apply_suggestions(long.config, long.suggestions), profile("t4")))
+    assert fitted.fits and fitted.vllm_max_model_len >= fitted.rollout_tokens  # the suggestions give the whole length
+    unsized = planned(long.config)  # no card: the smallest that fits, and the warning where vLLM's length is short
+    assert unsized.short_max_model_len() is None or f"warning: {unsized.short_max_model_len()}" in format_plan(unsized)
+    assert planned(load_config("llama8b_4bit", ["model.fast_inference=false"]), 16).vllm_max_model_len is None
 
 
 def test_the_notebook_settings_fit_the_card_unsloth_names():
@@ -226,15 +268,32 @@ def test_an_out_of_memory_in_evaluation_advises_a_smaller_eval_batch_that_resume
 
 
 def test_an_out_of_memory_while_generating_is_told_apart_from_the_training_step():
-    from lowvram_grpo.memory import oom_phase
+    """oom_phase reads the rollout from the traceback's frames: the out-of-memory is raised inside the installed
+    TRL's own GRPOTrainer methods (memory.TRL_ROLLOUT_METHODS, each looked up on trl.GRPOTrainer: a TRL that
+    renamed one fails here), and inside our engine's rollout_func."""
+    import trl
 
-    def _generate():  # the name of TRL 1.15's GRPOTrainer._generate
-        raise MemoryError("stand-in")
+    from lowvram_grpo.backends.vllm.rollouts import TRLRollouts
+    from lowvram_grpo.memory import TRL_ROLLOUT_METHODS, oom_phase
 
-    try:
-        _generate()
-    except MemoryError as exc:
-        assert oom_phase(exc, "training") == "rollout"
+    class OutOfMemoryOnUse:
+        """A trainer whose every attribute raises, so the error comes from inside TRL's own method."""
+
+        def __getattr__(self, name):
+            raise MemoryError(f"stand-in for torch.cuda.OutOfMemoryError at self.{name}")
+
+    args = {"_generate_and_score_completions": ([{"prompt": "x"}],), "_generate": (["x"],),
+            "_generate_single_turn": ([[1, 2]], None, None, 2)}
+    assert set(args) == set(TRL_ROLLOUT_METHODS)
+    for name in TRL_ROLLOUT_METHODS:
+        method = getattr(trl.GRPOTrainer, name)  # AttributeError when TRL renamed it
+        with pytest.raises(MemoryError) as caught:
+            method(OutOfMemoryOnUse(), *args[name])
+        assert oom_phase(caught.value, "training") == "rollout", name
+    assert callable(TRLRollouts.rollout_func)
+    with pytest.raises(MemoryError) as caught:
+        TRLRollouts.rollout_func(OutOfMemoryOnUse(), ["x"], OutOfMemoryOnUse())
+    assert oom_phase(caught.value, "training") == "rollout"
     try:
         raise MemoryError("in a loss")
     except MemoryError as exc:

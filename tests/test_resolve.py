@@ -11,6 +11,8 @@ from lowvram_grpo.hardware import ANY_GPU, PROFILES, Hardware, UnknownProfile, p
 from lowvram_grpo.resolve import ResolveError, follow_loaded_dtype, resolve
 
 GPU_PROFILES = [name for name, hw in PROFILES.items() if hw.cuda]
+# GRPOConfig's (bf16, fp16) for each compute dtype on a CUDA card, written out (on a CPU: neither)
+CUDA_PRECISION = {"bfloat16": (True, False), "float16": (False, True), "float32": (False, False)}
 
 
 @pytest.mark.parametrize("hw_name", list(PROFILES))
@@ -31,9 +33,7 @@ def test_every_preset_resolves_on_every_profile(preset, hw_name):
         return
     r = resolve(config, hw)
     # one precision, matching the dtype; bf16 only where the card computes it natively
-    assert not (r.bf16 and r.fp16)
-    assert r.bf16 == (hw.cuda and r.dtype == "bfloat16")
-    assert r.fp16 == (hw.cuda and r.dtype == "float16")
+    assert (r.bf16, r.fp16) == (CUDA_PRECISION[r.dtype] if hw.cuda else (False, False))
     if r.bf16:
         assert hw.compute_capability >= (8, 0)
     if hw.cuda and config.model.dtype == "auto":
@@ -164,3 +164,28 @@ def test_without_a_preset_the_largest_that_fits_the_card_runs(hw, preset):
 def test_paged_optimizer_is_plain_8bit_on_a_cpu():
     assert resolve(load_config("smollm2_cpu"), profile("cpu")).optim == "adamw_8bit"
     assert resolve(load_config("llama8b_4bit"), profile("t4")).optim == "paged_adamw_8bit"
+
+
+def test_vllm_flags_are_read_from_the_one_generation_decision():
+    """fast_inference and TRL's use_vllm are not decisions of their own: a Resolved whose generation is
+    anything but unsloth's shared engine has both off (before, each was a field set beside generation, and
+    a Resolved could say generation 'transformers' with use_vllm on)."""
+    t4 = resolve(load_config("llama8b_4bit"), profile("t4"))
+    assert (t4.generation, t4.fast_inference, t4.use_vllm) == ("unsloth_vllm", True, True)
+    changed = dataclasses.replace(t4, generation="transformers")
+    assert (changed.fast_inference, changed.use_vllm) == (False, False)
+    summary = t4.summary()
+    assert (summary["fast_inference"], summary["use_vllm"], summary["generation"]) == (True, True, "unsloth_vllm")
+
+
+def test_mixed_precision_after_loading_follows_the_same_rule():
+    """follow_loaded_dtype re-applies resolve()'s one rule to the dtype unsloth loaded."""
+    t4 = resolve(load_config("llama8b_4bit"), profile("t4"))
+    for loaded, expected in CUDA_PRECISION.items():
+        followed = follow_loaded_dtype(t4, loaded)
+        assert (followed.dtype, followed.bf16, followed.fp16) == (loaded, *expected)
+
+
+def test_a_reward_model_runs_on_the_runs_device():
+    assert resolve(load_config("llama8b_4bit"), profile("t4")).reward_model_device == "cuda"
+    assert resolve(load_config("tiny"), profile("cpu")).reward_model_device == "cpu"

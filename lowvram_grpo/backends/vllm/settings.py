@@ -119,10 +119,32 @@ def rollout_sampling_kwargs(n: int, *, temperature: float, max_tokens: int, top_
                 stop_token_ids=list(stop_token_ids), seed=seed, detokenize=False)
 
 
+def bf16_matmul_problem(resolved) -> Optional[str]:
+    """Why this engine cannot serve the run's 4-bit base on this card, or None. vllm-bnb-plugin 0.0.3 computes
+    every 4-bit matmul in bfloat16 (quantization/linear.py `_apply_4bit_weight`: `x.to(torch.bfloat16)`, a bf16
+    output), whatever the model's dtype; unsloth patches that (unsloth_zoo's patch_vllm_compute_dtype) for its
+    own engine, ours does not. On a card without native bf16 (a T4, sm75) those matmuls are emulated or fail,
+    so the engine is refused there (hardware.Hardware.bf16_native, the one rule)."""
+    hardware = resolved.hardware
+    if resolved.device != "cuda" or not resolved.load_in_4bit or hardware.bf16_native:
+        return None
+    return (f"model.generation=vllm with a 4-bit base on {hardware.gpu_name} ({hardware.sm}, no native bf16): "
+            "vllm-bnb-plugin computes the 4-bit matmuls in bfloat16, which this card does not have; set "
+            "model.generation=transformers, or memory.load_in_4bit=false (vLLM then serves the 16-bit base in "
+            "float16), or use the unsloth backend (--backend unsloth with model.fast_inference=true: unsloth "
+            "patches the plugin's compute dtype)")
+
+
 def check_run_servable(resolved) -> None:
     """For a run resolved to generation 'vllm': refuse, before anything heavy starts, a model vLLM's CPU
-    build cannot serve (BackendError, exit 2). On CUDA every head size has kernels."""
+    build cannot serve, or a 4-bit base on a card without native bf16 (bf16_matmul_problem) (BackendError,
+    exit 2). On CUDA every head size has kernels."""
     if resolved.device != "cpu":
+        problem = bf16_matmul_problem(resolved)
+        if problem:
+            from ...errors import BackendError
+
+            raise BackendError(problem)
         return
     from ...builtin_models import resolve_model_path
     from ...errors import BackendError
