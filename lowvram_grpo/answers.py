@@ -8,6 +8,9 @@ Two steps, one verdict:
   the verifier Open-R1 uses (`math_verify.parse` + `math_verify.verify`, latex2sympy2 under it), which
   also accepts 3/4 = 0.75 = \\frac{3}{4} and 50% = 0.5 (and 50% = 50).
 On plain numbers the two steps agree (tests/test_answers.py checks it on the GSM8K gold answers).
+A checker that fails (math-verify raising on an answer it cannot handle, or timing out) is not a wrong
+answer: `is_correct` raises `CheckerError`, and each caller says what it counts it as (the `correctness`
+reward: None, "does not apply"; the held-out accuracy: not right, counted in `checker_failures`).
 
 What counts as the stated answer:
 - strict (`strict_answer`): the text inside a closed <answer>...</answer> block (the last one);
@@ -16,6 +19,10 @@ What counts as the stated answer:
 and inside that text `final_answer` takes the whole of it when it is one answer, else its last number
 (a fraction, a LaTeX \\frac, a \\boxed{...} or a number with $, commas, % around it): 'The total is 72
 clips.' states 72. So a lenient verdict is never stricter than the strict one.
+
+One reading for the rewards (`answer_block`): the last closed <answer> block, else a block cut off before
+</answer>, else the whole completion. The `correctness` reward reads `stated_answer` from it and the `int`
+reward `bare_integer`, so the two never read different answers from one completion.
 """
 from __future__ import annotations
 
@@ -38,6 +45,10 @@ _PIECE = re.compile(
 )
 _ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED = re.compile(r"\\boxed" + _BRACED)
+
+
+class CheckerError(Exception):
+    """The checker (math-verify) failed on a pair of answers: neither right nor wrong, unchecked."""
 
 
 def plain_number(text: str) -> Optional[Decimal]:
@@ -80,17 +91,40 @@ def strict_answer(text: str) -> Optional[str]:
 def lenient_answer(text: str) -> Optional[str]:
     """The answer stated anywhere, any format: the <answer> block's (closed, else cut off) when there is
     one, else the last \\boxed{...}, else the last number of the whole text."""
-    blocks = _ANSWER_BLOCK.findall(text)
-    if blocks:  # the strict reading, so lenient is never stricter
-        return final_answer(blocks[-1])
-    if "<answer>" in text:  # cut off before </answer>
-        return final_answer(text.split("<answer>")[-1])
+    if "<answer>" in text:  # the strict reading when a block is closed (so lenient is never stricter), else the cut-off one
+        return final_answer(answer_block(text))
     boxed = _BOXED.findall(text)
     return boxed[-1] if boxed else final_answer(text)
 
 
+def answer_block(text: str) -> str:
+    """The text a completion gives as its answer: the last closed <answer>...</answer> block, else a block cut
+    off before </answer>, else the whole completion. The one reading of the `correctness` and `int` rewards."""
+    blocks = _ANSWER_BLOCK.findall(text)
+    if blocks:
+        return blocks[-1]
+    return text.split("<answer>")[-1] if "<answer>" in text else text
+
+
+def stated_answer(text: str) -> Optional[str]:
+    """The answer the `correctness` reward reads: in an <answer> block its final answer ('The total is 72.'
+    states 72); without tags the whole completion, only when it is just one answer (the notebook's rule)."""
+    return final_answer(answer_block(text)) if "<answer>" in text else whole_answer(text)
+
+
+_INTEGER = re.compile(r"-?\d{1,3}(?:,\d{3})+|-?\d+")
+
+
+def bare_integer(text: str) -> Optional[str]:
+    """The integer a completion's answer block is, when the block is just one ('42', '-3', '1,000', '$72',
+    '72.'); else None. What the `int` reward reads: when it is not None it is `stated_answer(text)`."""
+    whole = whole_answer(answer_block(text))
+    return whole if whole is not None and _INTEGER.fullmatch(whole) else None
+
+
 def is_correct(stated: Optional[str], gold) -> bool:
-    """`stated` (an extracted answer, e.g. from `strict_answer`) equals the gold answer."""
+    """`stated` (an extracted answer, e.g. from `strict_answer`) equals the gold answer. CheckerError when
+    math-verify fails on the pair (an error or a timeout): unchecked, not wrong."""
     if stated is None or gold is None:
         return False
     gold = str(gold).strip()
@@ -114,18 +148,34 @@ def _timeout() -> Optional[int]:
 
 @functools.lru_cache(maxsize=4096)
 def _parsed(text: str) -> tuple:
-    from math_verify import parse
+    import math_verify
+    from math_verify.errors import TimeoutException  # a BaseException
 
-    return tuple(parse(_latex_delimited(text), parsing_timeout=_timeout()))
+    try:  # nothing found is [] (not an answer: wrong); an error or a timeout while parsing is the checker's failure
+        return tuple(math_verify.parse(_latex_delimited(text), parsing_timeout=_timeout(), raise_on_error=True))
+    except (Exception, TimeoutException) as exc:
+        raise CheckerError(f"math-verify could not parse {text[:80]!r}: {type(exc).__name__}: {exc}"[:300]) from None
 
 
 def _math_verify(stated: str, gold: str) -> bool:
-    from math_verify import verify
+    """Any extraction of `stated` equal to any of `gold` (math-verify's own rule, pair by pair): True as soon
+    as one pair is equal; False when every pair was compared and none is; CheckerError when none is equal and
+    math-verify failed on a pair (before, such a failure read as a wrong answer)."""
+    import math_verify
+    from math_verify.errors import TimeoutException  # a BaseException
 
     gold_parsed, stated_parsed = _parsed(gold), _parsed(stated)
     if not gold_parsed or not stated_parsed:
         return False
-    try:
-        return bool(verify(list(gold_parsed), list(stated_parsed), timeout_seconds=_timeout()))
-    except Exception:  # math-verify raises on odd sympy objects; an answer it cannot compare is not right
-        return False
+    failure = None
+    for g in gold_parsed:
+        for t in stated_parsed:
+            try:
+                if math_verify.verify(g, t, timeout_seconds=_timeout(), raise_on_error=True):
+                    return True
+            except (Exception, TimeoutException) as exc:  # odd sympy objects, a timeout
+                failure = failure or exc
+    if failure is not None:
+        raise CheckerError(f"math-verify failed comparing {stated[:80]!r} with {gold[:80]!r}: "
+                           f"{type(failure).__name__}: {failure}"[:300])
+    return False

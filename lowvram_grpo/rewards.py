@@ -5,11 +5,13 @@ per completion. Completions may be plain strings or conversational (a list of `{
 messages); `answer` (the gold final answer, one per completion) arrives as a keyword from the
 dataset column of that name.
 
-The five are the Unsloth Llama-3.1-8B GRPO notebook's, with two deliberate fixes:
+The five are the Unsloth Llama-3.1-8B GRPO notebook's, with three deliberate fixes:
 - the format regexes match across lines (`re.DOTALL`): the notebook's `.*?` without it never matches a
   reasoning of more than one line, so its strict/soft rewards miss most well-formed answers;
 - `correctness` compares answers, not strings (answers.py): "1,000", "$1000.00" and "1000" all equal a
-  gold "1,000", and "3/4", "\\frac{3}{4}" and "75%" a gold "0.75", as a careful human grader would score them.
+  gold "1,000", and "3/4", "\\frac{3}{4}" and "75%" a gold "0.75", as a careful human grader would score them;
+- `int` and `correctness` read one answer (answers.answer_block): the notebook's `int` read the text after
+  the last "<answer>", `correctness` the last closed block, so the two could judge different answers.
 
 `REWARD_MAX` gives each function's best score, used by tests and the report.
 
@@ -38,7 +40,6 @@ import math
 import re
 import sys
 import types
-from decimal import Decimal
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -91,33 +92,11 @@ def completion_text(completion) -> str:
     return str(completion)
 
 
-def extract_xml_answer(text: str) -> str:
-    """The text inside the last <answer>...</answer> (the notebook's rule: without tags, the whole text)."""
-    answer = text.split("<answer>")[-1]
-    answer = answer.split("</answer>")[0]
-    return answer.strip()
-
-
 def extract_hash_answer(text: str) -> Optional[str]:
     """GSM8K's gold answer: what follows '####' (None when the marker is missing)."""
     if "####" not in text:
         return None
     return text.split("####")[-1].strip()
-
-
-_PLAIN_INTEGER = re.compile(r"-?\d{1,3}(?:,\d{3})+|-?\d+")
-
-
-def parse_number(text: str) -> Optional[Decimal]:
-    """A number written any usual way ('1,000', '$18.00', '-3', '.5') -> Decimal; None if there is none."""
-    return answers.plain_number(text)
-
-
-def answer_number(answer_text: str) -> Optional[Decimal]:
-    """The plain number a final answer states ('The total is 72 clips.' -> 72); None when it states none
-    or a fraction/LaTeX answer (those are compared by `answers.is_correct`)."""
-    stated = answers.final_answer(answer_text)
-    return answers.plain_number(stated) if stated is not None else None
 
 
 def _gold_list(answer, n: int) -> list:
@@ -134,30 +113,31 @@ def _gold_list(answer, n: int) -> list:
 def correctness_reward(prompts, completions, answer=None, **kwargs) -> list:
     """2.0 when the stated answer equals the gold answer (answers.is_correct: exact for plain numbers,
     math-verify for fractions, LaTeX, percentages); 0.0 otherwise; None (TRL: does not apply) for a
-    row without a gold answer.
+    row without a gold answer, and for one the checker failed on (answers.CheckerError: unchecked, not wrong).
 
-    With <answer> tags the stated answer is the tagged text (its last number if it has words around
-    it; a block cut off before </answer> counts); without tags the whole completion must be just the
-    answer, as in the notebook."""
+    The stated answer is `answers.stated_answer`: with <answer> tags the tagged text of the last closed
+    block (its last number if it has words around it; a block cut off before </answer> counts); without
+    tags the whole completion must be just the answer, as in the notebook."""
     golds = _gold_list(answer, len(completions))
     scores = []
     for completion, gold in zip(completions, golds):
         if gold is None:
             scores.append(None)
             continue
-        text = completion_text(completion)
-        if "<answer>" in text:
-            stated = answers.lenient_answer(text)
-        else:
-            stated = answers.whole_answer(text)
-        scores.append(2.0 if answers.is_correct(stated, gold) else 0.0)
+        try:
+            right = answers.is_correct(answers.stated_answer(completion_text(completion)), gold)
+        except answers.CheckerError:
+            scores.append(None)
+            continue
+        scores.append(2.0 if right else 0.0)
     return scores
 
 
 @register("int", 0.5)
 def int_reward(prompts, completions, **kwargs) -> list[float]:
-    """0.5 when the tagged answer is a plain integer ('42', '-3', '1,000'): nudges towards a bare number."""
-    return [0.5 if _PLAIN_INTEGER.fullmatch(extract_xml_answer(completion_text(c))) else 0.0 for c in completions]
+    """0.5 when the answer block (the one `correctness` reads) is just an integer ('42', '-3', '1,000'):
+    nudges towards a bare number."""
+    return [0.5 if answers.bare_integer(completion_text(c)) is not None else 0.0 for c in completions]
 
 
 _STRICT = re.compile(r"^<reasoning>\n.*?\n</reasoning>\n<answer>\n.*?\n</answer>\n?$", re.DOTALL)
@@ -399,7 +379,9 @@ class RewardModel:
     (GRPOTrainer: `AutoModelForSequenceClassification.from_pretrained(name, num_labels=1)` with its own
     tokenizer, pad token = eos when it has none; prompt + completion through the chat template when
     conversational, else concatenated; right padding, no special tokens added; the first logit). Loaded
-    once per process (`load()`, before anything is written), shared by training and evaluation."""
+    once per process (`load(device)`, before anything is written), shared by training and evaluation. The
+    device is resolve()'s (`Resolved.reward_model_device`); only a caller outside a run that names none
+    (a notebook scoring by hand) gets torch's guess."""
 
     _loaded: dict[str, tuple] = {}
 
@@ -407,7 +389,7 @@ class RewardModel:
         self.name = name
         self.__name__ = logged_name(name)
 
-    def load(self) -> tuple:
+    def load(self, device: Optional[str] = None) -> tuple:
         if self.name not in self._loaded:
             from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -422,7 +404,9 @@ class RewardModel:
             model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
             import torch
 
-            model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+            if device is None:  # outside a run (no Resolved): where torch finds a card
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            model.to(device).eval()
             self._loaded[self.name] = (model, tokenizer)
         return self._loaded[self.name]
 
@@ -490,12 +474,13 @@ def _check_rewards(rewards_config, rows: list[dict], source: str) -> None:
             probe_reward(fn, name, rows[0])
 
 
-def load_reward_models(rewards_config) -> None:
-    """Load the reward models named in rewards.names (after the policy model, before anything is written)."""
+def load_reward_models(rewards_config, device: Optional[str] = None) -> None:
+    """Load the reward models named in rewards.names (after the policy model, before anything is written) on
+    `device`: the run's `Resolved.reward_model_device`."""
     for name in rewards_config.names:
         if is_reward_model(name):
             try:
-                RewardModel(name).load()
+                RewardModel(name).load(device)
             except RewardError as exc:
                 raise ConfigError(str(exc)) from None
 

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from lowvram_grpo.answers import (
-    _math_verify, final_answer, is_correct, lenient_answer, plain_number, strict_answer, whole_answer,
+    CheckerError, _math_verify, final_answer, is_correct, lenient_answer, plain_number, strict_answer, whole_answer,
 )
 from lowvram_grpo.rewards import REWARDS, extract_hash_answer, xml_formatted
 
@@ -89,3 +89,29 @@ def test_fast_path_agrees_with_math_verify_on_every_gsm8k_gold(gsm8k_path):
             if is_correct(stated, gold) != _math_verify(stated, gold):
                 disagreements.append((stated, gold))
     assert disagreements == []
+
+
+def test_a_checker_failure_is_not_a_wrong_answer(monkeypatch):
+    """math-verify failing on a pair (here made to raise, as it does on odd sympy objects or a timeout) is
+    CheckerError, not a wrong answer: the correctness reward says None (does not apply) and the held-out
+    accuracy counts it in checker_failures (before: False, 0.0, silently a wrong answer)."""
+    import math_verify
+
+    from lowvram_grpo import evaluation
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("sympy could not compare")
+
+    monkeypatch.setattr(math_verify, "verify", broken)
+    with pytest.raises(CheckerError, match="sympy could not compare"):
+        is_correct("5/8", "0.625")
+    assert is_correct("72", "72") and not is_correct("73", "72")  # plain numbers never reach math-verify
+    completions = [xml_formatted("x", "5/8"), xml_formatted("x", "73")]
+    assert REWARDS["correctness"]([None, None], completions, answer=["0.625", "72"]) == [None, 0.0]
+    failures = []
+    strict, lenient = evaluation.verdicts([{"answer": "0.625"}, {"answer": "72"}], completions, failures)
+    assert (strict, lenient) == ([0, 0], [0, 0]) and len(failures) == 2 and "sympy could not compare" in failures[0]
+    # a parse that fails is the checker's failure too; one that finds nothing is a wrong answer
+    monkeypatch.setattr(math_verify, "parse", broken)
+    with pytest.raises(CheckerError, match="could not parse"):
+        is_correct("\\frac{7}{9}", "0.7777")

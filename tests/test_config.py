@@ -5,8 +5,29 @@ import pytest
 from lowvram_grpo.config import SECTIONS, ConfigError, RunConfig, list_presets, load_config, read_preset
 
 
-def test_the_three_presets_exist():
-    assert {"tiny", "smollm2_cpu", "llama8b_4bit"} <= set(list_presets())
+def test_the_presets_are_the_readmes_and_run_where_it_says():
+    """The README's preset table lists exactly the shipped presets, and each resolves on the hardware its
+    'runs on' column names: a CPU preset on a CPU, a GPU one refused there and resolved on a T4 (before: only
+    that three names existed)."""
+    import re
+
+    from conftest import REPO
+    from lowvram_grpo.hardware import profile
+    from lowvram_grpo.resolve import ResolveError, resolve
+
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("## Presets"):text.index("\n## ", text.index("## Presets") + 4)]
+    rows = dict(re.findall(r"^\| `(\w+)` \| [^|]+ \| ([^|]+) \|$", table, re.MULTILINE))
+    assert set(rows) == set(list_presets())
+    for name, runs_on in rows.items():
+        config = load_config(name)
+        assert config.requires_cuda == runs_on.strip().startswith("NVIDIA GPU"), name
+        if config.requires_cuda:
+            with pytest.raises(ResolveError, match="needs an NVIDIA GPU"):
+                resolve(config, profile("cpu"))
+            assert resolve(config, profile("t4")).device == "cuda"
+        else:
+            assert resolve(config, profile("cpu")).device == "cpu"
 
 
 @pytest.mark.parametrize("name", list_presets())

@@ -9,8 +9,8 @@ import pytest
 
 from lowvram_grpo.errors import ConfigError, RewardError
 from lowvram_grpo.rewards import (
-    REWARD_MAX, REWARDS, answer_number, call_reward, callable_name, check_rewards, count_xml, extract_hash_answer, guarded,
-    is_async_callable, parse_number, xml_formatted,
+    REWARD_MAX, REWARDS, call_reward, callable_name, check_rewards, count_xml, extract_hash_answer, guarded,
+    is_async_callable, xml_formatted,
 )
 
 NOTEBOOK_FIVE = ["xmlcount", "soft_format", "strict_format", "int", "correctness"]
@@ -75,6 +75,31 @@ def test_int_reward():
     assert score("int", "<answer>\n1,000\n</answer>") == 0.5
     assert score("int", "<answer>\n4.5\n</answer>") == 0.0
     assert score("int", "<answer>\nforty\n</answer>") == 0.0
+    assert score("int", "<answer>\nThe total is 72.\n</answer>") == 0.0  # not a bare number: no nudge
+
+
+# (completion, the answer it states as its answer block's reading, by hand)
+ONE_READING = [
+    ("<answer>\n42\n</answer>", "42"),
+    ("42", "42"),                                                      # no tags: the whole completion
+    ("<answer>\n72.\n</answer>", "72"),                              # a full stop after it
+    ("<answer>\n$1,000\n</answer>", "1000"),
+    ("<answer>\n5\n</answer>\nor maybe\n<answer>\n7", "5"),          # the last closed block, not a cut-off one after it
+    ("<answer>\nabout 3.5\n</answer>\n<answer>\n7", "3.5"),
+    ("<answer>\n4.5\n</answer>", "4.5"),
+    ("<reasoning>\n9\n</reasoning>\n<answer>\n17", "17"),              # cut off before </answer>
+]
+
+
+@pytest.mark.parametrize("text,stated", ONE_READING)
+def test_int_and_correctness_read_the_same_answer(text, stated):
+    """`int` pays for a bare integer exactly when the answer `correctness` reads is that integer (before,
+    `int` read the text after the last "<answer>" and `correctness` the last closed block, and `int` missed
+    '72.' and '$1,000', which `correctness` reads as 72 and 1000)."""
+    assert score("correctness", text, answer=stated) == 2.0
+    assert score("correctness", text, answer=str(Decimal(stated) + 1)) == 0.0
+    is_integer = Decimal(stated) == Decimal(stated).to_integral_value()
+    assert score("int", text) == (0.5 if is_integer else 0.0)
 
 
 def test_xmlcount_partial_credit_and_trailing_penalty():
@@ -91,10 +116,7 @@ def test_brevity_prefers_shorter_text():
     assert REWARDS["brevity"]([None], ["a" * 5000]) == [0.0]
 
 
-def test_number_helpers():
-    assert parse_number("1,234.5") == Decimal("1234.5")
-    assert parse_number("abc") is None
-    assert answer_number("total: 3 boxes of 4 = 12") == Decimal(12)
+def test_gsm8k_gold_answer():
     assert extract_hash_answer("work\n#### 72") == "72"
     assert extract_hash_answer("no marker") is None
 
@@ -109,7 +131,7 @@ def test_correctness_scores_every_real_gsm8k_gold_answer_the_maximum(gsm8k_path)
     failures = [(g, s) for g, s in zip(golds, scores) if s != REWARD_MAX["correctness"]]
     assert failures == []
     # and a wrong number never scores
-    wrong = [xml_formatted("x", str(parse_number(g) + 1)) for g in golds[:200]]
+    wrong = [xml_formatted("x", str(Decimal(g.replace(",", "")) + 1)) for g in golds[:200]]
     assert set(REWARDS["correctness"]([None] * 200, wrong, answer=golds[:200])) == {0.0}
 
 
