@@ -8,7 +8,10 @@ budget (the tiny run takes about 10 s). That the notebook picks smollm2_cpu on a
 checked by running its cells up to the parameter cell without the override.
 Any cell that raises fails the test (nbclient's CellExecutionError, nothing caught). The executed
 copy lives in memory only; the repository's notebook is not rewritten."""
+import os
+
 import nbclient  # requirements-cpu.txt: a missing one fails here, it is not skipped
+import nbclient.exceptions
 import nbformat
 import pytest
 
@@ -123,3 +126,41 @@ def test_the_repository_notebook_is_stored_without_outputs():
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     nbformat.validate(notebook)
     assert all(not c.get("outputs") and not c.get("execution_count") for c in notebook.cells if c.cell_type == "code")
+
+
+# What a machine with an NVIDIA card shows when torch cannot use it (issue 31 §3.4's Colab case: the notebook
+# installs torch 2.13 built for CUDA 13, the driver is older): nvidia-smi answers, torch sees no CUDA device.
+# A stand-in for the driver's own tool, on PATH: the GPU-only reading the doctor takes when NVML is not there.
+FAKE_NVIDIA_SMI = """#!/bin/sh
+case "$1" in
+  --query-gpu=*) echo "Tesla T4, 550.54.15" ;;
+  *) echo "| NVIDIA-SMI 550.54.15      Driver Version: 550.54.15      CUDA Version: 12.4 |" ;;
+esac
+"""
+
+
+def test_on_a_gpu_machine_torch_cannot_use_the_notebook_stops_at_the_doctor(kernel_here, tmp_path):
+    """The notebook chooses the GPU preset on a machine with an NVIDIA card even when torch sees none, the doctor
+    blocks it with its line and fix, and the doctor's cell raises: no later cell runs, nothing is trained in its
+    place (before: the doctor's cell printed a line and went on, and the parameter cell picked smollm2_cpu)."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (tools / "nvidia-smi").chmod(0o755)
+    out = tmp_path / "run"
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    doctor_cell = next(i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and "doctor([" in c.source)
+    with pytest.MonkeyPatch.context() as mp:
+        for key in CI_SETTINGS:
+            mp.delenv(key, raising=False)
+        mp.setenv("LOWVRAM_GRPO_NOTEBOOK_OUTPUT", str(out))
+        mp.setenv("PATH", f"{tools}:{os.environ['PATH']}")
+        with pytest.raises(nbclient.exceptions.CellExecutionError) as stopped:
+            execute(notebook, kernel_here)
+    assert stopped.value.ename == "NotReady" and "stops llama8b_4bit on this machine" in stopped.value.evalue
+    text = text_of(notebook)
+    assert "preset llama8b_4bit on CPU" in text and "preset smollm2_cpu on" not in text  # the GPU preset, not the CPU one
+    assert "BLOCK" in text and "Tesla T4" in text  # the doctor's blocker, with its fix
+    ran = [i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and c.get("execution_count")]
+    assert max(ran) == doctor_cell, ran  # nothing after the doctor ran
+    assert not out.exists()
