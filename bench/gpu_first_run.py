@@ -412,6 +412,11 @@ def optimizer_info(optimizer) -> dict:
             "is_paged": getattr(inner, "is_paged", None), "state_gib": round(state / GIB, 5)}
 
 
+def peak_vs_plan(peak_gib: dict, plan_total_gib: float) -> dict:
+    """Each measured peak (GiB) as a share of the plan's total, to 3 decimals: above 1, the plan fell short."""
+    return {k: round(v / plan_total_gib, 3) for k, v in peak_gib.items()}
+
+
 def measure(job: dict) -> int:
     """A child process: one variant's run, measured per phase; writes job['part']."""
     from lowvram_grpo.commands import guarded
@@ -479,7 +484,7 @@ def _measure(job: dict) -> int:
         result["step_adds_gib"] = round(max(step_peak - result["step_held_gib"], 0.0), 4)
     total = result["plan"].get("total_gib")
     if total:
-        result["peak_vs_plan"] = {k: round(v / total, 3) for k, v in peak.items()}
+        result["peak_vs_plan"] = peak_vs_plan(peak, total)
     Path(job["part"]).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

@@ -749,20 +749,23 @@ OOM_PHASES = {
     "evaluation": "in the held-out evaluation",
     "priming": "in a priming step",
 }
-# TRL 1.15's private GRPOTrainer methods that generate and score the rollouts: an out-of-memory raised inside one
-# of them is the rollout's, not the training step's. trl_compat.check_versions checks that trl.GRPOTrainer has
-# them (a TRL that renamed them is refused there); tests/test_memory.py raises inside the real methods.
-TRL_ROLLOUT_METHODS = ("_generate_and_score_completions", "_generate", "_generate_single_turn")
-# + our engine's TRL hook (backends/vllm/rollouts.TRLRollouts.rollout_func)
-_ROLLOUT_FRAMES = frozenset(TRL_ROLLOUT_METHODS + ("rollout_func",))
+# The frames of a rollout: TRL's private GRPOTrainer methods that generate and score the rollouts
+# (trl_compat.TRL_ROLLOUT_METHODS, checked there against the installed TRL) + our engine's TRL hook
+# (backends/vllm/rollouts.TRLRollouts.rollout_func, TRL's public name).
+OUR_ROLLOUT_FRAMES = ("rollout_func",)
 
 
 def oom_phase(exc: BaseException, default: str) -> str:
     """'rollout' when the out-of-memory was raised while TRL generated or scored the rollouts (read from
     the traceback), else `default`."""
+    # Imported here, not at the top: trl_compat imports trl, and the memory plan (--dry-run, doctor) must not.
+    # An out-of-memory in training comes after training.py imported trl_compat, so this costs nothing then.
+    from .trl_compat import TRL_ROLLOUT_METHODS
+
+    rollout_frames = frozenset(TRL_ROLLOUT_METHODS + OUR_ROLLOUT_FRAMES)
     tb = exc.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code.co_name in _ROLLOUT_FRAMES:
+        if tb.tb_frame.f_code.co_name in rollout_frames:
             return "rollout"
         tb = tb.tb_next
     return default

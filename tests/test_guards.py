@@ -81,13 +81,51 @@ def user_rewards(tmp_path):
     return path
 
 
-def test_a_users_reward_file_is_loaded_probed_and_selectable_by_name(user_rewards, tmp_path):
+def test_a_users_reward_file_is_loaded_probed_and_selectable_by_name(user_rewards, tmp_path, monkeypatch):
+    from lowvram_grpo.data import load_questions, to_prompt_rows
+    from lowvram_grpo.errors import ConfigError
+    from lowvram_grpo.rewards import check_rewards, load_reward_module, reward_functions
+
     config = load_config("tiny", [f"rewards.module={user_rewards}", "rewards.names=[says_four, brevity]"])
     assert config.rewards.module == str(user_rewards)
     # a relative path in a preset file is found beside the preset, and stored absolute in config.yaml
     preset = tmp_path / "mine.yaml"
     preset.write_text("model: {name: builtin:tiny}\nrewards: {module: my_rewards.py, names: [says_four]}\n")
     assert load_config(str(preset)).rewards.module == str(user_rewards)
+
+    # probed: the run's check (rewards.check_rewards, in GRPORun's constructor) calls the user's function once,
+    # on the first training row, with TRL's keywords
+    rows = to_prompt_rows(load_questions(config.data)[0], config.data.system_prompt)
+    module = load_reward_module(config.rewards.module)
+    calls = []
+
+    def says_four(prompts, completions, **kwargs):
+        calls.append((prompts, completions, kwargs))
+        return module_says_four(prompts, completions, **kwargs)
+
+    module_says_four = module.says_four
+    monkeypatch.setattr(module, "says_four", says_four)
+    check_rewards(config.rewards, rows, "built-in problems")
+    assert len(calls) == 1
+    prompts, completions, kwargs = calls[0]
+    assert prompts == [rows[0]["prompt"]] and len(completions) == 1 and completions[0][0]["role"] == "assistant"
+    assert kwargs["answer"] == [rows[0]["answer"]] and kwargs["trainer_state"].global_step == 0
+    assert {"completion_ids", "log_metric", "log_extra"} <= set(kwargs)
+    monkeypatch.undo()
+
+    # selectable by name: what TRL is handed, in order, under the names it logs, scoring as the file says
+    says, brevity = reward_functions(config.rewards)
+    assert (says.__name__, brevity.__name__) == ("says_four", "brevity")
+    chat = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+    assert says(prompts=["p", "p"], completions=[chat("<answer>4</answer>"), chat("<answer>5</answer>")]) == [1.0, 0.0]
+
+    # a function the probe finds broken stops the run before anything heavy, with its name
+    broken = tmp_path / "broken_rewards.py"
+    broken.write_text("def says_four(prompts, completions, **kwargs):\n    return []\n")
+    config = load_config("tiny", [f"rewards.module={broken}", "rewards.names=[says_four]"])
+    with pytest.raises(ConfigError, match=r"reward 'says_four' returned 0 scores for 1 completion.*"
+                                          r"called once on the first training row"):
+        check_rewards(config.rewards, rows, "built-in problems")
 
 
 def _tiny(tmp_path, *overrides):

@@ -74,12 +74,24 @@ def test_off_turns_both_off(monkeypatch, tiny_model_dir):
     assert host_memory.enabled("trim") and not host_memory.enabled("head")
 
 
-def test_the_trainer_releases_after_each_step(tmp_path, tiny_model_dir):
+def test_the_trainer_releases_after_each_step(tmp_path, tiny_model_dir, monkeypatch):
+    """A real 2-step GRPO training on the tiny model: host_memory.release runs once at the end of each step,
+    after that step's optimizer update (the trainer's global_step already counts it)."""
     from lowvram_grpo.data import load_questions, to_prompt_rows
     from lowvram_grpo.training import build_trainer
 
-    config = load_config("tiny", ["train.max_steps=1", "eval.enabled=false"])
+    config = load_config("tiny", ["train.max_steps=2", "eval.enabled=false", "train.save_steps=1000"])
     handle = load_model(resolve(config, detect(), "hf"))
     train_q, _ = load_questions(config.data)
     trainer = build_trainer(handle, to_prompt_rows(train_q, config.data.system_prompt), tmp_path)
-    assert any(isinstance(c, host_memory.ReleaseHostMemory) for c in trainer.callback_handler.callbacks)
+    released_at = []
+    real_release = host_memory.release
+
+    def release():
+        released_at.append(trainer.state.global_step)
+        return real_release()
+
+    monkeypatch.setattr(host_memory, "release", release)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert released_at == [1, 2]

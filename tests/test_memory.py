@@ -267,37 +267,69 @@ def test_an_out_of_memory_in_evaluation_advises_a_smaller_eval_batch_that_resume
     assert message.endswith(f"then continue with: python -m lowvram_grpo.run --resume {tmp_path} --set eval.batch_size=8")
 
 
-def test_an_out_of_memory_while_generating_is_told_apart_from_the_training_step():
-    """oom_phase reads the rollout from the traceback's frames: the out-of-memory is raised inside the installed
-    TRL's own GRPOTrainer methods (memory.TRL_ROLLOUT_METHODS, each looked up on trl.GRPOTrainer: a TRL that
-    renamed one fails here), and inside our engine's rollout_func."""
+def test_an_out_of_memory_while_generating_is_told_apart_from_the_training_step(tmp_path):
+    """oom_phase reads the rollout from the traceback's frames. A torch out-of-memory error is raised inside the
+    installed TRL's own GRPOTrainer methods (trl_compat.TRL_ROLLOUT_METHODS, each looked up on trl.GRPOTrainer:
+    a TRL that renamed one fails here) and inside our engine's rollout_func: 'rollout'. Raised inside TRL's
+    loss (the training step) or outside TRL: the phase given. Then through the run's own context manager."""
+    import types
+
+    import torch
     import trl
 
     from lowvram_grpo.backends.vllm.rollouts import TRLRollouts
-    from lowvram_grpo.memory import TRL_ROLLOUT_METHODS, oom_phase
+    from lowvram_grpo.errors import OutOfMemory
+    from lowvram_grpo.memory import OOM_PHASES, oom_phase, out_of_memory_reported
+    from lowvram_grpo.trl_compat import TRL_ROLLOUT_METHODS
 
     class OutOfMemoryOnUse:
-        """A trainer whose every attribute raises, so the error comes from inside TRL's own method."""
+        """A trainer (or batch) whose every use raises, so the error comes from inside TRL's own method."""
 
         def __getattr__(self, name):
-            raise MemoryError(f"stand-in for torch.cuda.OutOfMemoryError at self.{name}")
+            raise torch.OutOfMemoryError(f"CUDA out of memory (stand-in) at self.{name}")
+
+        def __getitem__(self, key):
+            raise torch.OutOfMemoryError(f"CUDA out of memory (stand-in) at [{key!r}]")
+
+    def raised_in(method, *args) -> torch.OutOfMemoryError:
+        with pytest.raises(torch.OutOfMemoryError) as caught:
+            method(*args)
+        frames, tb = [], caught.value.__traceback__
+        while tb is not None:
+            frames.append(tb.tb_frame.f_code)
+            tb = tb.tb_next
+        assert method.__code__ in frames  # the real function's own frame is in the traceback
+        return caught.value
 
     args = {"_generate_and_score_completions": ([{"prompt": "x"}],), "_generate": (["x"],),
             "_generate_single_turn": ([[1, 2]], None, None, 2)}
     assert set(args) == set(TRL_ROLLOUT_METHODS)
     for name in TRL_ROLLOUT_METHODS:
-        method = getattr(trl.GRPOTrainer, name)  # AttributeError when TRL renamed it
-        with pytest.raises(MemoryError) as caught:
-            method(OutOfMemoryOnUse(), *args[name])
-        assert oom_phase(caught.value, "training") == "rollout", name
-    assert callable(TRLRollouts.rollout_func)
-    with pytest.raises(MemoryError) as caught:
-        TRLRollouts.rollout_func(OutOfMemoryOnUse(), ["x"], OutOfMemoryOnUse())
-    assert oom_phase(caught.value, "training") == "rollout"
+        assert name in vars(trl.GRPOTrainer), f"trl.GRPOTrainer has no {name} of its own"  # a TRL rename fails here
+        method = getattr(trl.GRPOTrainer, name)
+        assert method.__module__ == "trl.trainer.grpo_trainer"
+        assert oom_phase(raised_in(method, OutOfMemoryOnUse(), *args[name]), "training") == "rollout", name
+    rollout = raised_in(TRLRollouts.rollout_func, OutOfMemoryOnUse(), ["x"], OutOfMemoryOnUse())
+    assert oom_phase(rollout, "training") == "rollout"
+    # the training step's own TRL code (the loss, on a batch) is not a rollout
+    in_loss = raised_in(trl.GRPOTrainer._compute_loss, OutOfMemoryOnUse(), None, OutOfMemoryOnUse())
+    assert oom_phase(in_loss, "training") == "training"
     try:
-        raise MemoryError("in a loss")
-    except MemoryError as exc:
+        raise torch.OutOfMemoryError("in our own code")
+    except torch.OutOfMemoryError as exc:
         assert oom_phase(exc, "training") == "training"
+
+    # what a run prints: the context manager around training names the phase read from the traceback
+    config = load_config("tiny")
+    run_dir = types.SimpleNamespace(path=tmp_path, latest_checkpoint=lambda: None)
+    with pytest.raises(OutOfMemory) as reported:
+        with out_of_memory_reported(None, config, run_dir):
+            trl.GRPOTrainer._generate(OutOfMemoryOnUse(), ["x"])
+    assert OOM_PHASES["rollout"] in str(reported.value)
+    with pytest.raises(OutOfMemory) as reported:
+        with out_of_memory_reported(None, config, run_dir):
+            trl.GRPOTrainer._compute_loss(OutOfMemoryOnUse(), None, OutOfMemoryOnUse())
+    assert OOM_PHASES["training"] in str(reported.value) and OOM_PHASES["rollout"] not in str(reported.value)
 
 
 # --------------------------------------------------------------------------- CLI

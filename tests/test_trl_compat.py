@@ -31,13 +31,30 @@ def test_a_changed_hook_signature_is_an_error(monkeypatch):
 
 
 def test_private_reaches_live_only_here():
-    """No other module overrides a private Trainer method or swaps TRL's log-prob kernel."""
+    """No other module overrides a private Trainer method, swaps TRL's log-prob kernel or names one of
+    GRPOTrainer's private rollout methods."""
     import re
     from pathlib import Path
 
     package = Path(trl_compat.__file__).parent
     pattern = re.compile(r"def (_save_checkpoint|_get_output_dir|_get_grad_norm|_load_from_checkpoint)\b|_ChunkedLogProbFunction\s*="
-                         r"|\.(use_vllm|vllm_generation|_last_loaded_step)\s*=[^=]")
+                         r"|\.(use_vllm|vllm_generation|_last_loaded_step)\s*=[^=]"
+                         r"|[\"'](_generate_and_score_completions|_generate|_generate_single_turn)[\"']")
     offenders = sorted(p.relative_to(package).as_posix() for p in package.rglob("*.py")
                        if p.name != "trl_compat.py" and pattern.search(p.read_text()))
     assert offenders == []
+
+
+def test_the_rollout_methods_oom_phase_names_are_trls_own(monkeypatch):
+    """memory.oom_phase tells a rollout's out-of-memory by these names (tests/test_memory.py raises inside
+    them): each is a method TRL's GRPOTrainer defines, and a TRL without one is refused with the fix."""
+    import trl
+
+    assert trl_compat.TRL_ROLLOUT_METHODS == ("_generate_and_score_completions", "_generate", "_generate_single_turn")
+    for name in trl_compat.TRL_ROLLOUT_METHODS:
+        assert callable(vars(trl.GRPOTrainer).get(name)), name
+    assert trl_compat.missing_rollout_methods(trl.GRPOTrainer) == []
+    monkeypatch.delattr(trl.GRPOTrainer, "_generate_single_turn")  # as a TRL that renamed it
+    assert trl_compat.missing_rollout_methods(trl.GRPOTrainer) == ["GRPOTrainer._generate_single_turn"]
+    with pytest.raises(BackendError, match=r"GRPOTrainer\._generate_single_turn.*pip install trl==1\.15\.0"):
+        trl_compat.check_versions()
