@@ -1,5 +1,24 @@
-"""Shared test helpers. Tests run real components (transformers, peft, trl, bitsandbytes, unsloth's
-CPU backend) on the locally built tiny Llama; nothing is mocked."""
+"""Shared test helpers. Tests run real components (transformers, peft, trl, bitsandbytes, unsloth's CPU
+backend; in the GPU install set unsloth's patched UnslothGRPOTrainer; vLLM's CPU build) on the locally built
+tiny Llama and SmolLM2. None of those is replaced. What stands in for what, precisely:
+
+- a GPU that is not here: named card profiles (hardware.profile: t4, rtx4090, ...) and doctor.CudaFacts
+  describe a card to resolve(), the memory plan and the doctor; a stand-in `nvidia-smi` on PATH
+  (test_notebook) or `shutil.which` answering for it (test_gpu_path's install cell) is a driver that
+  answers; transformers' `is_torch_bf16_gpu_available` says yes for GRPOConfig's bf16 check (test_gpu_set);
+  hardware.BF16_MIN_COMPUTE_CAPABILITY is raised to show the doctor reads the one rule (test_doctor);
+- GPU-only failures: tests/inject_failures.py raises CUDA's own out-of-memory error from inside a real
+  forward or generate (nothing of the package patched); test_memory raises it inside TRL's real methods;
+- failures of real libraries, injected where they happen: math-verify's parse/verify raising
+  (test_answers), another TRL version string or a missing Trainer method (test_trl_compat), a missing wheel
+  (find_spec, test_smollm2), a filesystem without renameat2 (lora_io._exchange_paths, test_resume), a package
+  index given through pip's own configuration (test_gpu_contracts);
+- observers that leave the behaviour as it is: host_memory.release counted (test_host_memory), a model
+  load that must not happen on bad input (test_bad_inputs), a call of a phase paused so a signal lands in
+  it (test_stops' driver);
+- size knobs shrunk so a small run shows the large case: gpu_first_run.SHARD_BYTES, the log-prob
+  fallback's CHUNK_ELEMENTS.
+"""
 from __future__ import annotations
 
 import os
