@@ -49,6 +49,8 @@ from typing import Optional
 
 from .commands import ArgumentParser, guarded
 from .errors import ConfigError, NotReady
+from .findings import Line
+from .findings import block as _block, note as _note, ok as _ok, warn as _warn
 from .hardware import gpu_bf16_native
 from .install import CPU_COMMANDS, CPU_MODULES, GPU_COMMANDS, GPU_MODULES
 from .resolve import VLLM_MIN_COMPUTE_CAPABILITY
@@ -77,32 +79,7 @@ VLLM_BNB_PROBE = "+vllm-bitsandbytes"  # a probe step, not a module: vLLM's plug
 
 # --------------------------------------------------------------------------- report lines
 
-@dataclass(frozen=True)
-class Line:
-    """One check: `status` ok | note | warn | BLOCK (the run cannot start), what was found, what to do."""
-
-    status: str       # '' continues the line above (a table)
-    text: str
-    fix: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.status:<5} {self.text}" + (f" -> {self.fix}" if self.fix else "")
-
-
-def _ok(text: str) -> Line:
-    return Line("ok", text)
-
-
-def _note(text: str) -> Line:
-    return Line("note", text)
-
-
-def _warn(text: str, fix: str) -> Line:
-    return Line("warn", text, fix)
-
-
-def _block(text: str, fix: str) -> Line:
-    return Line("BLOCK", text, fix)
+# Line and its constructors: findings.py (toolchain.py writes them too)
 
 
 # --------------------------------------------------------------------------- pins and installed versions
@@ -760,7 +737,7 @@ def diagnose(preset: Optional[str], overrides: list[str], backend: str = "auto",
     if runnable_here:
         from .toolchain import toolchain_lines
 
-        say(*(Line(*finding) for finding in toolchain_lines(resolved)))
+        say(*toolchain_lines(resolved))
         if resolved.generation == "vllm":
             from .backends.vllm.settings import bf16_matmul_problem
 

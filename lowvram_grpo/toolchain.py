@@ -19,31 +19,9 @@ import os
 import shutil
 import sysconfig
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Optional
 
-
-class Finding(NamedTuple):
-    """One doctor line (doctor.Line's fields): status ok | note | warn | BLOCK, what was found, what to do."""
-
-    status: str
-    text: str
-    fix: str = ""
-
-
-def _ok(text: str) -> Finding:
-    return Finding("ok", text)
-
-
-def _note(text: str) -> Finding:
-    return Finding("note", text)
-
-
-def _warn(text: str, fix: str) -> Finding:
-    return Finding("warn", text, fix)
-
-
-def _block(text: str, fix: str) -> Finding:
-    return Finding("BLOCK", text, fix)
+from .findings import block as _block, note as _note, ok as _ok, warn as _warn
 
 
 def c_compiler(environ=None) -> Optional[str]:
@@ -74,7 +52,7 @@ def _has_nvcc(environ) -> bool:
 
 
 def toolchain_lines(resolved, environ=None, include_dir: Optional[Path] = None):
-    """The doctor's findings for the build tools a GPU run of `resolved` needs; none for a CPU run."""
+    """The doctor's lines (findings.Line) for the build tools a GPU run of `resolved` needs; none for a CPU run."""
     if not resolved.cuda:
         return []
     environ = os.environ if environ is None else environ

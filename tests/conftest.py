@@ -66,6 +66,43 @@ def pytest_runtest_makereport(item, call):
         _fail_skip(report, item.nodeid)
 
 
+def requirements_pins() -> dict[str, str]:
+    """requirements.txt's pins (the GPU install set): {name: version}."""
+    pins = {}
+    for line in (REPO / "requirements.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            pins[name] = version
+    return pins
+
+
+def installed_version(name: str):
+    """The installed distribution's version, or None."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+GPU_SET_MARKERS = ("vllm", "vllm-bnb-plugin", "unsloth", "unsloth_zoo")
+
+
+def require_gpu_set() -> dict[str, str]:
+    """For a module that runs only in the GPU install set (requirements.txt): its pins when this venv is that set;
+    else the module is skipped, or, with LOWVRAM_GRPO_GPU_SET=1 (CI's GPU-set stage), the collection fails."""
+    pins = requirements_pins()
+    if all(installed_version(n) == pins[n] for n in GPU_SET_MARKERS):
+        return pins
+    if os.environ.get("LOWVRAM_GRPO_GPU_SET") == "1":
+        raise RuntimeError("LOWVRAM_GRPO_GPU_SET=1 but this venv is not requirements.txt's set: "
+                           + ", ".join(f"{n} {installed_version(n)} (pinned {pins[n]})" for n in GPU_SET_MARKERS))
+    pytest.skip("not the GPU install set (requirements.txt); .ci/run runs this module in a venv of its own",
+                allow_module_level=True)
+
+
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m lowvram_grpo.run ARGS` in a fresh process, from the repo root."""
     full_env = {**os.environ, **(env or {})}

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import importlib.metadata
 import os
 import re
 import subprocess
@@ -31,39 +30,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, installed_version, require_gpu_set
 
 pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
 
 GPU_PRESETS = ("llama8b_4bit", "qwen3b_4bit", "qwen1_5b_4bit")
 
 
-def _pins() -> dict[str, str]:
-    pins = {}
-    for line in (REPO / "requirements.txt").read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            name, _, version = line.partition("==")
-            pins[name] = version
-    return pins
-
-
-def _installed(name: str):
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-PINS = _pins()
-IN_GPU_SET = all(_installed(n) == PINS[n] for n in ("vllm", "vllm-bnb-plugin", "unsloth", "unsloth_zoo"))
-if not IN_GPU_SET:
-    if os.environ.get("LOWVRAM_GRPO_GPU_SET") == "1":
-        raise RuntimeError("LOWVRAM_GRPO_GPU_SET=1 but this venv is not requirements.txt's set: "
-                           + ", ".join(f"{n} {_installed(n)} (pinned {PINS[n]})" for n in ("vllm", "vllm-bnb-plugin",
-                                                                                             "unsloth", "unsloth_zoo")))
-    pytest.skip("not the GPU install set (requirements.txt); .ci/run runs this module in a venv of its own",
-                allow_module_level=True)
+PINS = require_gpu_set()  # conftest: skips outside the GPU install set, fails there under LOWVRAM_GRPO_GPU_SET=1
 
 SITE = Path(importlib.util.find_spec("vllm").origin).parent.parent
 
@@ -75,12 +49,12 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 
 # --------------------------------------------------------------------------- the set itself
 
-def test_every_pin_of_requirements_txt_is_what_is_installed():
+def test_every_pin_of_requirements_txt_is_what_isinstalled_version():
     from packaging.version import Version
 
     # torch 2.13.0 is the CPU build here (2.13.0+cpu): the local label is where it differs from a card's wheel
-    wrong = {name: (version, _installed(name)) for name, version in PINS.items()
-             if _installed(name) is None or Version(_installed(name)).public != version}
+    wrong = {name: (version, installed_version(name)) for name, version in PINS.items()
+             if installed_version(name) is None or Version(installed_version(name)).public != version}
     assert not wrong, f"pinned vs installed: {wrong}"
 
 

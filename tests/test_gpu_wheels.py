@@ -11,46 +11,18 @@ is set but the set is not installed (the guard of tests/test_gpu_set.py).
 from __future__ import annotations
 
 import ast
-import importlib.metadata
 import importlib.util
 import math
-import os
-import re
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, installed_version, require_gpu_set
 
 pytestmark = pytest.mark.slow
 
 
-def _pins() -> dict[str, str]:
-    pins = {}
-    for line in (REPO / "requirements.txt").read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            name, _, version = line.partition("==")
-            pins[name] = version
-    return pins
-
-
-def _installed(name: str):
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-PINS = _pins()
-IN_GPU_SET = all(_installed(n) == PINS[n] for n in ("vllm", "vllm-bnb-plugin", "unsloth", "unsloth_zoo"))
-if not IN_GPU_SET:
-    if os.environ.get("LOWVRAM_GRPO_GPU_SET") == "1":
-        raise RuntimeError("LOWVRAM_GRPO_GPU_SET=1 but this venv is not requirements.txt's set: "
-                           + ", ".join(f"{n} {_installed(n)} (pinned {PINS[n]})" for n in ("vllm", "vllm-bnb-plugin",
-                                                                                             "unsloth", "unsloth_zoo")))
-    pytest.skip("not the GPU install set (requirements.txt); .ci/run runs this module in a venv of its own",
-                allow_module_level=True)
+PINS = require_gpu_set()  # conftest: skips outside the GPU install set, fails there under LOWVRAM_GRPO_GPU_SET=1
 
 SITE = Path(importlib.util.find_spec("vllm").origin).parent.parent
 VLLM_UTILS = SITE / "unsloth_zoo" / "vllm_utils.py"
