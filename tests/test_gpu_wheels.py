@@ -13,11 +13,13 @@ from __future__ import annotations
 import ast
 import importlib.util
 import math
+import os
+import re
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, installed_version, require_gpu_set
+from conftest import REPO, require_gpu_set
 
 pytestmark = pytest.mark.slow
 
