@@ -109,10 +109,26 @@ def _our_calls(path: Path, function: str | None = None) -> list[ast.Call]:
     return [n for scope in scopes for n in ast.walk(scope) if isinstance(n, ast.Call)]
 
 
+def call_sites(path: Path, builder: str) -> list[ast.Call]:
+    """Every call in `path` that takes `**builder(...)`, or `**name` where `name = builder(...)` in the same function."""
+    def is_builder(node) -> bool:
+        return isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == builder
+
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for scope in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+        names = {t.id for n in ast.walk(scope) if isinstance(n, ast.Assign) and is_builder(n.value)
+                 for t in n.targets if isinstance(t, ast.Name)}  # `kwargs = builder(...)` in this function
+        found += [c for c in ast.walk(scope) if isinstance(c, ast.Call) for k in c.keywords
+                  if k.arg is None and (is_builder(k.value) or (isinstance(k.value, ast.Name) and k.value.id in names))]
+    found = list({id(c): c for c in found}.values())  # a nested function's call is walked from its parents too
+    assert found, f"{path.name}: no call takes **{builder}(...)"
+    return found
+
+
 def call_site(path: Path, builder: str) -> ast.Call:
-    """The one call in `path` that takes `**builder(...)`."""
-    found = [c for c in _our_calls(path) for k in c.keywords
-             if k.arg is None and isinstance(k.value, ast.Call) and ast.unparse(k.value.func).split(".")[-1] == builder]
+    """The one call in `path` that takes the output of `builder`."""
+    found = call_sites(path, builder)
     assert len(found) == 1, f"{path.name}: expected one call taking **{builder}(...), found {[ast.unparse(c) for c in found]}"
     return found[0]
 
@@ -129,7 +145,7 @@ def test_our_call_sites_use_the_builders():
     for builder, (func, positional) in expected.items():
         call = call_site(BACKEND, builder)
         assert ast.unparse(call.func).endswith(func) and len(call.args) == positional, ast.unparse(call)
-    assert ast.unparse(call_site(TRAINING, "grpo_config_kwargs").func) == "GRPOConfig"
+    assert {ast.unparse(c.func) for c in call_sites(TRAINING, "grpo_config_kwargs")} == {"GRPOConfig"}  # each site
     # vLLM's prompts are our token_prompts(...) (TokensPrompt dicts)
     assert ast.unparse(call_site(BACKEND, "vllm_generate_kwargs").args[0]).startswith("token_prompts(")
     # export(): saver(str(directory), tokenizer, **kwargs) with (method, kwargs) = EXPORTS[kind]
