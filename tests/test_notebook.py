@@ -8,8 +8,6 @@ budget (the tiny run takes about 10 s). That the notebook picks smollm2_cpu on a
 checked by running its cells up to the parameter cell without the override.
 Any cell that raises fails the test (nbclient's CellExecutionError, nothing caught). The executed
 copy lives in memory only; the repository's notebook is not rewritten."""
-import os
-
 import nbclient  # requirements-cpu.txt: a missing one fails here, it is not skipped
 import nbclient.exceptions
 import nbformat
@@ -149,15 +147,17 @@ def test_on_a_gpu_machine_torch_cannot_use_the_notebook_stops_at_the_doctor(kern
     (tools / "nvidia-smi").chmod(0o755)
     out = tmp_path / "run"
     notebook = nbformat.read(NOTEBOOK, as_version=4)
-    # Not the install cell: on what looks like a GPU machine it would install requirements.txt into this very
-    # interpreter (tests/test_gpu_path.py runs that cell with pip's calls recorded instead).
-    notebook.cells = [c for c in notebook.cells if not (c.cell_type == "code" and "install_plan(" in c.source)]
+    # The driver answers from the cell after the install cell on: the state after installing and restarting. Seen
+    # by the install cell, it would install requirements.txt into this very interpreter (that cell is tested with
+    # pip's calls recorded: tests/test_gpu_path.py).
+    install = next(i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and "install_plan(" in c.source)
+    notebook.cells.insert(install + 1, nbformat.v4.new_code_cell(
+        f"import os\nos.environ['PATH'] = {str(tools)!r} + os.pathsep + os.environ['PATH']"))
     doctor_cell = next(i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and "doctor([" in c.source)
     with pytest.MonkeyPatch.context() as mp:
         for key in CI_SETTINGS:
             mp.delenv(key, raising=False)
         mp.setenv("LOWVRAM_GRPO_NOTEBOOK_OUTPUT", str(out))
-        mp.setenv("PATH", f"{tools}:{os.environ['PATH']}")
         with pytest.raises(nbclient.exceptions.CellExecutionError) as stopped:
             execute(notebook, kernel_here)
     assert stopped.value.ename == "NotReady" and "stops llama8b_4bit on this machine" in stopped.value.evalue
