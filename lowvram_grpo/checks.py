@@ -8,7 +8,9 @@ and a value that works:
 - lengths: prompt + completion must fit `model.max_seq_length`, and that must fit the model's context;
 - LoRA: every `lora.target_modules` name must be a linear layer the model has, and `lora.r` must not
   exceed the smaller side of any layer it adapts (a rank above that adds parameters, never capacity);
-- data: `data.num_train` larger than the data can supply (after the held-out split) is a warning.
+- data: `data.num_train` larger than the data can supply (after the held-out split) is a warning;
+- tools: every `tools.names` entry a checked function with a JSON schema (before the model loads), the hf
+  backend with transformers generation, and a chat template that renders and parses tool calls (after).
 
 `before_load(config)` uses what is known without loading: the shape table or a local checkpoint's
 config.json (memory.model_shape) and the module names of the Llama/Qwen/Mistral family. `after_load`
@@ -130,9 +132,75 @@ def check_reward_names(config) -> None:
         raise ConfigError(str(exc)) from None
 
 
+def check_tools(config) -> None:
+    """tools.names against the tools (tools.py: the file imports, each name is a function of it or a built-in
+    tool, with a docstring and type hints, no two under one name), then each tool's JSON schema as transformers
+    builds it for the chat template (`get_json_schema`: a Google-style docstring whose Args: section describes
+    every parameter, types it can express), its error as one line. Imports the user's file (user code runs)."""
+    if not config.tools.names:
+        return
+    from . import tools
+
+    functions = tools.selected_tools(config.tools)
+    from transformers.utils.chat_template_utils import get_json_schema
+
+    for name, fn in zip(config.tools.names, functions):
+        try:
+            get_json_schema(tools.bounded(fn, config.tools.timeout_seconds))  # what TRL is handed: the same schema
+        except Exception as exc:  # DocstringParsingException, TypeHintParsingException, a bad (choices: ...) list
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"tool {name!r} cannot be shown to the model as a JSON schema (transformers' "
+                              f"get_json_schema: {message}): give it a docstring with an Args: section describing "
+                              "each parameter, and type hints of str, int, float, bool, list or dict") from None
+
+
+def check_tools_engine(resolved) -> None:
+    """Tools run in TRL's own multi-turn loop on transformers generation (the hf backend); anything else is
+    refused before the model loads."""
+    if not resolved.config.tools.names:
+        return
+    if resolved.backend != "hf":
+        raise ConfigError(f"tools.names needs the hf backend (TRL's tool loop with transformers generation); this run "
+                          f"uses the {resolved.backend} backend: add --backend hf, or drop tools.names")
+    if resolved.generation != "transformers":
+        raise ConfigError(f"tools.names needs model.generation=transformers (TRL's tool loop); model.generation="
+                          f"{resolved.config.model.generation} is not supported with tools yet")
+
+
+def check_tool_template(config, tokenizer) -> None:
+    """Right after the model loads, before anything is written: its chat template must render a tool-calling
+    conversation (TRL's supports_tool_calling), TRL must be able to parse its tool calls (a response template
+    on the tokenizer, or one TRL knows for the template), and the template must keep earlier turns' tokens when
+    turns follow (or TRL must have a training version of it)."""
+    if not config.tools.names:
+        return
+    from trl.chat_template_utils import (add_response_schema, get_training_chat_template,
+                                         is_chat_template_prefix_preserving, supports_tool_calling)
+
+    name = config.model.name
+    if not supports_tool_calling(tokenizer):
+        raise ConfigError(f"{name}'s chat template cannot render tool calls (TRL needs user -> assistant with "
+                          "tool_calls -> tool): choose a model whose template renders tools (builtin:tiny, "
+                          "builtin:smollm2, Qwen2.5/Qwen3, Llama 3.1), or drop tools.names")
+    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        try:
+            add_response_schema(tokenizer)  # what TRL does itself for the templates it knows
+        except ValueError:
+            raise ConfigError(f"TRL cannot parse {name}'s tool calls: its tokenizer has no response_template and TRL "
+                              "knows none for its chat template; set one on the model's tokenizer (transformers' "
+                              "response parsing), or drop tools.names") from None
+    if not is_chat_template_prefix_preserving(tokenizer):
+        try:
+            get_training_chat_template(tokenizer)
+        except ValueError:
+            raise ConfigError(f"{name}'s chat template renders earlier turns differently once a tool result follows, "
+                              "and TRL has no training version of it: multi-turn tool calling cannot train on it") from None
+
+
 def before_load(config) -> None:
     """What can be refused before the model loads (ConfigError)."""
     check_reward_names(config)
+    check_tools(config)
     check_init_adapter(config)
     check_lengths(config, _context_length(config.model.name))
     if _architecture(config.model.name) == "llama":

@@ -1,4 +1,4 @@
-"""Typed run configuration: sections `model`, `lora`, `train`, `data`, `rewards`, `prime`, `eval`, `memory`.
+"""Typed run configuration: sections `model`, `lora`, `train`, `data`, `rewards`, `tools`, `prime`, `eval`, `memory`.
 
 A preset is a YAML file in `presets/` whose top-level keys are these sections. `load_config` reads it,
 applies `--set section.key=value` overrides (values parsed as YAML), checks every key and type, and
@@ -142,6 +142,11 @@ def check_trackers_installed(train: "TrainConfig") -> None:
                               "(or --set train.report_to=none)")
 
 
+# The policy losses TRL 1.15 implements (GRPOConfig.loss_type; GRPOTrainer._compute_loss's branches):
+# tests/test_grpo_variants.py checks this list against the installed TRL.
+TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+
+
 @dataclass
 class TrainConfig:
     """GRPO and optimizer settings, passed to TRL's GRPOConfig."""
@@ -169,12 +174,38 @@ class TrainConfig:
     top_p: float = _help("Nucleus sampling of the rollouts.", 1.0)
     beta: float = _help("KL penalty against the base model. 0 = no reference forward pass (less time).", 0.04)
     epsilon: float = _help("PPO-style clipping range of the policy ratio.", 0.2)
-    loss_type: str = _help("GRPO loss normalisation: grpo, bnpo, dr_grpo or dapo (see TRL).", "grpo")
+    loss_type: str = _help(
+        "The policy loss, as TRL 1.15 implements it (GRPOConfig.loss_type): grpo (per-sequence mean of the token losses, "
+        "the paper's; favours short right answers and long wrong ones), dr_grpo (Dr. GRPO: divided by a constant, "
+        "max_completion_length: no length bias), dapo (DAPO: divided by the tokens of the whole accumulated batch), "
+        "bnpo (by the tokens of the local micro-batch), cispo (MiniMax-M1: clips the importance weight itself, "
+        "capped at train.epsilon_high), sapo (a smooth temperature gate instead of hard clipping), luspo (GSPO "
+        "scaled by sequence length; pair it with train.importance_sampling_level=sequence) or vespo (a smooth "
+        "Gamma weighting of sequence-level weights; keep importance_sampling_level=token).", "grpo")
     scale_rewards: str = _help(
         "Advantage scaling (TRL): group = divide by the group's reward std (GRPO), batch = by the whole batch's std, "
         "none = no scaling (Dr. GRPO: no question-difficulty bias).", "group")
     mask_truncated_completions: bool = _help(
         "Leave completions cut at max_completion_length out of the loss (DAPO), so an unfinished answer is not pushed down.", False)
+    # ---- the field's GRPO variants (TRL 1.15 GRPOConfig fields, and dynamic sampling in trl_compat.DynamicSampling)
+    importance_sampling_level: str = _help(
+        "Where the policy ratio is taken: token (one ratio per token, GRPO) or sequence (GSPO: one ratio per "
+        "completion, the mean of its token log-ratios; pair it with loss_type grpo as the GSPO paper does).", "token")
+    epsilon_high: Optional[float] = _help(
+        "Upper clipping range of the policy ratio (DAPO's clip-higher, 0.28 in the paper: lets unlikely tokens "
+        "that were right grow faster). null = the same as train.epsilon. With loss_type cispo: the cap of the "
+        "importance weight itself (ScaleRL: 5.0).", None)
+    top_entropy_quantile: float = _help(
+        "Train only on the highest-entropy share of the completion tokens (the 'forking' tokens, Beyond the 80/20 "
+        "Rule: 0.2); 1.0 = every token. In (0, 1].", 1.0)
+    dynamic_sampling: bool = _help(
+        "DAPO's dynamic sampling: a group whose completions all scored the same reward has zero advantage and "
+        "teaches nothing; drop it and sample new questions from the training data in its place until the batch has "
+        "signal, up to train.dynamic_sampling_max_draws extra rounds (their cost is logged as dynamic_sampling/* in "
+        "metrics.jsonl). hf backend, one process.", False)
+    dynamic_sampling_max_draws: int = _help(
+        "train.dynamic_sampling: extra rounds of sampling per generation batch at most; groups still without "
+        "signal after them are kept (and counted).", 3)
     max_grad_norm: float = _help("Gradient clipping norm (the notebook uses 0.1).", 0.1)
     max_steps: int = _help("Optimizer steps to train.", 250)
     save_steps: int = _help("Save a checkpoint (adapter, optimizer, RNG, data position, metrics) every this many steps; --resume continues from the newest.", 250)
@@ -212,7 +243,14 @@ class TrainConfig:
         _check(0 < self.top_p <= 1, f"train.top_p must be in (0, 1]; got {self.top_p}")
         _check(self.beta >= 0, f"train.beta must be >= 0; got {self.beta}")
         _check(self.epsilon > 0, f"train.epsilon must be > 0 (e.g. 0.2); got {self.epsilon}")
-        _one_of("train", "loss_type", self.loss_type, ("grpo", "bnpo", "dr_grpo", "dapo"))
+        _one_of("train", "loss_type", self.loss_type, TRL_LOSS_TYPES)
+        _one_of("train", "importance_sampling_level", self.importance_sampling_level, ("token", "sequence"))
+        _check(self.epsilon_high is None or self.epsilon_high > 0,
+               f"train.epsilon_high must be > 0 (DAPO: 0.28) or null (= train.epsilon); got {self.epsilon_high}")
+        _check(0 < self.top_entropy_quantile <= 1,
+               f"train.top_entropy_quantile must be in (0, 1] (1.0 = every token, 0.2 = the paper's); got {self.top_entropy_quantile}")
+        _check(self.dynamic_sampling_max_draws >= 1,
+               f"train.dynamic_sampling_max_draws must be >= 1 (e.g. 3); got {self.dynamic_sampling_max_draws}")
         _one_of("train", "scale_rewards", self.scale_rewards, ("group", "batch", "none"))
         _one_of("train", "lr_scheduler_type", self.lr_scheduler_type, ("cosine", "linear", "constant", "constant_with_warmup"))
         _one_of("train", "optim", self.optim, ("paged_adamw_8bit", "adamw_8bit", "adamw_torch", "paged_adamw_32bit"))
@@ -317,6 +355,38 @@ class RewardsConfig:
 
 
 @dataclass
+class ToolsConfig:
+    """Tools the model may call while it answers (multi-turn GRPO: TRL's own tool loop, transformers generation).
+    See lowvram_grpo/tools.py; none by default."""
+
+    names: list[str] = _help(
+        "Functions the model may call: built-in tools (calculator) or your tools.module's functions, each with type "
+        "hints and a docstring whose Args: section describes every parameter (the model sees them as a JSON schema). "
+        "[] = no tools.", factory=list)
+    module: Optional[str] = _help(
+        "A .py file of your own tool functions; name them in tools.names. Imported, and each named function checked, "
+        "before the model loads. A tool gets the model's arguments as keyword values and answers with text.", None)
+    max_turns: int = _help(
+        "Most tool-calling rounds per completion (TRL's max_tool_calling_iterations): each round runs every tool call "
+        "of the model's latest turn and lets it write on; calls made after the last round are not run.", 4)
+    timeout_seconds: float = _help(
+        "Longest a tool call may take: past it the model gets an error text as the result and the run goes on "
+        "(a runaway call keeps its thread until it ends).", 10.0)
+
+    def __post_init__(self):
+        _check(len(set(self.names)) == len(self.names), f"tools.names lists a tool twice: {self.names}")
+        _check(all(n.strip() for n in self.names), f"tools.names has an empty name: {self.names}")
+        _check(self.module is None or bool(self.names),
+               "tools.module is set but tools.names is empty: name the functions of it the model may call")
+        _check(self.max_turns >= 1, f"tools.max_turns must be >= 1 (tool-calling rounds per completion); got {self.max_turns}")
+        _check(self.timeout_seconds > 0, f"tools.timeout_seconds must be > 0 (e.g. 10); got {self.timeout_seconds}")
+        if self.module is not None:
+            self.module = str(Path(self.module).expanduser().resolve())  # config.yaml must work from any directory
+        # Building a config runs no user code: the tools file is imported and its functions checked by
+        # checks.before_load (checks.check_tools), before anything heavy starts.
+
+
+@dataclass
 class PrimeConfig:
     """Optional supervised priming on formatted worked solutions before GRPO (see priming.py)."""
 
@@ -406,6 +476,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "data": DataConfig,
     "rewards": RewardsConfig,
+    "tools": ToolsConfig,
     "prime": PrimeConfig,
     "eval": EvalConfig,
     "memory": MemoryConfig,
@@ -424,6 +495,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
     prime: PrimeConfig = field(default_factory=PrimeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -558,13 +630,14 @@ def read_preset(name_or_path: str) -> dict:
 
 
 def _module_beside_preset(raw: dict, preset: Path) -> None:
-    """A relative rewards.module that is not in the current directory is looked for beside the preset."""
-    rewards = raw.get("rewards")
-    module = rewards.get("module") if isinstance(rewards, dict) else None
-    if isinstance(module, str) and not Path(module).is_absolute() and not Path(module).exists():
-        beside = preset.parent / module
-        if beside.exists():
-            rewards["module"] = str(beside)
+    """A relative rewards.module or tools.module that is not in the current directory is looked for beside the preset."""
+    for section in ("rewards", "tools"):
+        settings = raw.get(section)
+        module = settings.get("module") if isinstance(settings, dict) else None
+        if isinstance(module, str) and not Path(module).is_absolute() and not Path(module).exists():
+            beside = preset.parent / module
+            if beside.exists():
+                settings["module"] = str(beside)
 
 
 def apply_override(raw: dict, assignment: str) -> None:

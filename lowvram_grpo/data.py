@@ -485,17 +485,19 @@ def to_prompt_rows(questions: list[Question], system_prompt: str) -> list[dict]:
     return rows
 
 
-def prompt_tokens(tokenizer, prompt) -> int:
-    """How many tokens the model is fed for `prompt`: the chat template's for messages, the text's own otherwise."""
+def prompt_tokens(tokenizer, prompt, tools=None) -> int:
+    """How many tokens the model is fed for `prompt`: the chat template's for messages (with the `tools`' schemas
+    in it when tools are given, as TRL renders them), the text's own otherwise."""
     if isinstance(prompt, str):
         return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(prompt, tools=tools or None, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
         ids = ids["input_ids"]
     return len(ids)
 
 
-def drop_long_prompts(rows: list[dict], tokenizer, max_prompt_length: int) -> tuple[list[dict], int]:
-    """Keep rows whose prompt fits `max_prompt_length` tokens (TRL 1.15 no longer truncates)."""
-    kept = [row for row in rows if prompt_tokens(tokenizer, row["prompt"]) <= max_prompt_length]
+def drop_long_prompts(rows: list[dict], tokenizer, max_prompt_length: int, tools=None) -> tuple[list[dict], int]:
+    """Keep rows whose prompt (with the `tools`' schemas, when given) fits `max_prompt_length` tokens (TRL 1.15
+    no longer truncates)."""
+    kept = [row for row in rows if prompt_tokens(tokenizer, row["prompt"], tools) <= max_prompt_length]
     return kept, len(rows) - len(kept)

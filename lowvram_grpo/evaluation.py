@@ -309,6 +309,43 @@ def pair_notes(pairs: list[tuple[str, dict, str, dict]]) -> list[str]:
     return notes
 
 
+def paired_against(control: dict, after: dict) -> dict:
+    """{accuracy key: after's change over `control`, the paired counts and McNemar p, n} on the same questions
+    (a control or baseline column against the run's after column, as summary.json stores it)."""
+    out = {}
+    for key in WITH_INTERVAL:
+        if key not in after or key not in control:
+            continue
+        entry = {"after_minus_control": after[key] - control[key], "n": after.get("n_graded", after.get("n"))}
+        paired = paired_change(control, after, key)
+        if paired is not None:
+            entry.update(newly_right=paired[0], newly_wrong=paired[1], mcnemar_p=paired[2])
+        out[key] = entry
+    return out
+
+
+def beyond_line(headline: str, control: dict, after: dict) -> str:
+    """One sentence: what the after column has over a control column on the same questions (each accuracy's change,
+    paired: newly right / newly wrong, McNemar p; the held-out reward_mean's change) and whether that is more than
+    chance at this n."""
+    parts, ps = [], []
+    for key, entry in paired_against(control, after).items():
+        text = f"{key} {entry['after_minus_control']:+.3f}"
+        if "mcnemar_p" in entry:
+            p = entry["mcnemar_p"]
+            ps.append(p)
+            text += (f" ({entry['newly_right']} newly right, {entry['newly_wrong']} newly wrong of {entry['n']} questions, "
+                     f"McNemar p {'< 0.001' if p < 0.001 else f'= {p:.3f}'})")
+        parts.append(text)
+    if "reward_mean" in after and "reward_mean" in control:
+        parts.append(f"held-out reward_mean {after['reward_mean'] - control['reward_mean']:+.3f}")
+    if not parts:
+        return f"{headline}: no held-out numbers to compare."
+    verdict = ("" if not ps else " - a paired difference unlikely by chance (p < 0.05)" if min(ps) < 0.05
+               else " - not distinguishable from it at this n (every McNemar p >= 0.05)")
+    return f"{headline}: {'; '.join(parts)}{verdict}."
+
+
 def interval_notes(before: dict, after: dict, primed: Optional[dict] = None) -> list[str]:
     """A run's notes: primed -> after (GRPO's own change) when priming ran, and before -> after."""
     pairs = [("primed", primed, "after (GRPO's own change)", after)] if primed else []

@@ -76,7 +76,9 @@ def torch_chunked_logprobs(hidden, weight, bias, targets, temperature, chunk_siz
         entropy.append(ent)
         if any(name in outputs for name in OUTPUT_NAMES[2:]):
             extras.append(_chunk_extras(*args[:7]))
-    empty = hidden.new_zeros((0,), dtype=torch.float32)
+    # no scored token (an all-masked micro-batch, e.g. every completion cut off under mask_truncated_completions):
+    # empty, but on the graph, as TRL's kernel is, so its masked_scatter gives a differentiable zero loss
+    empty = (hidden[:0] @ weight.t()).sum(-1).float()
     result = {
         "log_probs": torch.cat(log_probs) if log_probs else empty,
         "entropy": torch.cat(entropy) if entropy else empty,

@@ -45,6 +45,7 @@ from .hardware import detect
 from .memory import OOM_PHASES
 from .resolve import resolve as resolve_settings
 from .rewards import check_rewards, load_reward_models
+from .tools import check_tool_prompts, tool_functions
 from .run_dir import RunDir, resume_command
 from .stops import StopRequested
 
@@ -70,6 +71,10 @@ class GRPORun:
     """One run. `__init__` decides the settings once and checks the inputs (nothing heavy is imported,
     nothing is written); each step after it is a method. Numbers measured go to `self.measured`."""
 
+    # The reward functions GRPO trains with when they are not the configured ones (which still score the held-out
+    # numbers): the random-reward control (baseline.run_control). None = the configured ones.
+    trainer_rewards: Optional[list] = None
+
     def __init__(self, config: RunConfig, output_dir, backend: str = "auto", log=print, hardware=None,
                  export: Optional[str] = None, existing: str = "refuse"):
         """`existing`: what to do with a run already in `output_dir`: 'refuse' it (RunDirError saying how to go
@@ -86,6 +91,7 @@ class GRPORun:
         checks.before_load(config)  # settings that cannot work together (lengths, LoRA vs the model's shape)
         self.resolved = resolve_settings(config, hardware or detect(), backend, num_processes=_num_processes())
         check_export(export, self.resolved.backend)
+        checks.check_tools_engine(self.resolved)  # tools: TRL's own loop on transformers generation only
         if self.resolved.generation == "vllm":
             from .backends.vllm import check_run_servable
 
@@ -94,6 +100,9 @@ class GRPORun:
         self.train_questions, self.eval_questions = load_questions(config.data)  # data in; fails before any write
         check_rewards(config.rewards, to_prompt_rows(self.train_questions, config.data.system_prompt),
                       config.data.dataset or "built-in problems")  # each reward as TRL will call it, on this data
+        if config.tools.names:  # TRL runs tools for chat-message prompts only
+            check_tool_prompts(to_prompt_rows(self.train_questions[:1], config.data.system_prompt),
+                               config.data.dataset or "built-in problems")
         for warning in checks.surprises(config, len(self.train_questions)):
             self.warn(warning)
         self.run_dir.lock()  # a second process writing this folder is refused from here on, until release()
@@ -148,11 +157,15 @@ class GRPORun:
 
             with stops.deferred("once the vLLM engine has started"):  # then it is closed, not left behind
                 self.rollouts = start_for_run(self.handle, self.log)  # also the handle's engine for evaluation
+        checks.check_tool_template(self.config, self.handle.tokenizer)  # tools: renders and parses tool calls
+        tools = tool_functions(self.config.tools)  # their schemas are part of every prompt TRL renders
         limit = self.config.train.max_prompt_length
         self.train_rows, dropped = drop_long_prompts(
-            to_prompt_rows(self.train_questions, self.config.data.system_prompt), self.handle.tokenizer, limit)
+            to_prompt_rows(self.train_questions, self.config.data.system_prompt), self.handle.tokenizer, limit, tools)
         if not self.train_rows:
-            raise DataError(f"every training prompt is longer than train.max_prompt_length={limit} tokens: raise it")
+            with_tools = " (with the tools' schemas, which TRL renders into every prompt)" if tools else ""
+            raise DataError(f"every training prompt is longer than train.max_prompt_length={limit} tokens{with_tools}: "
+                            "raise it")
         if dropped:
             self.log(f"dropped {dropped} prompts longer than train.max_prompt_length={limit}")
         self.eval_rows = to_prompt_rows(self.eval_questions, self.config.data.system_prompt)
@@ -332,7 +345,8 @@ class GRPORun:
         from .training import build_trainer, describe_effective
 
         self._enter("training")
-        self.trainer = trainer = build_trainer(self.handle, self.train_rows, self.run_dir, rollouts=self.rollouts)
+        self.trainer = trainer = build_trainer(self.handle, self.train_rows, self.run_dir, rollouts=self.rollouts,
+                                               reward_funcs=self.trainer_rewards)
         self.log(describe_effective(trainer.effective_settings))
         if resume_from is not None:
             trainer.nonfinite_guard.load(self.run_dir.read_run_state(resume_from))

@@ -7,6 +7,8 @@ from `metrics.jsonl`, `summary.json` and `config.yaml`. It holds:
   completion length, the share of completions cut at `max_completion_length` (with the share of groups
   whose rewards were all equal, and of groups all right / all wrong), loss;
 - the before/(primed/)after table on the held-out questions and the sample answers;
+- after beside each control the run was measured against (summary.json `controls`, baseline.py: the random-reward
+  control, the prime-only baseline), paired, with one line saying what the run added beyond it;
 - the training-signal warnings (signals.py), replayed over the whole log.
 
 The plots use matplotlib's object API (no pyplot), so writing them never changes the backend of the
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import RunDirError
-from .evaluation import interval_notes, metric_rows, protocol_lines
+from .evaluation import beyond_line, interval_notes, metric_rows, pair_notes, protocol_lines
 from .run_dir import PLOT_FILES, RunDir  # noqa: F401  (PLOT_FILES: the plots below, named where a run's files are)
 from .signals import (ALL_RIGHT_KEY, ALL_WRONG_KEY, CLIPPED_KEY, SMOOTHING, THRESHOLD, ZERO_STD_KEY, Signal,
                       moving_average, scan)
@@ -139,6 +141,28 @@ def comparison_table(summary: dict) -> str:
     return "\n".join(lines) + note + ("\n\n" + "\n".join(f"- {n}" for n in notes) if notes else "")
 
 
+def controls_section(summary: dict) -> str:
+    """After vs each control the run was measured against (summary.json `controls`, written by baseline.py: the
+    random-reward control, the prime-only baseline): the table, the paired notes, and one line saying what the
+    run added beyond it."""
+    after = summary.get("after")
+    parts = []
+    for name, entry in (summary.get("controls") or {}).items():
+        control = entry.get("numbers")
+        if not (after and control):
+            continue
+        label = entry.get("label", name)
+        lines = [f"### {label}", "", f"{entry.get('about', '')} Definition: {entry.get('definition', '-')}", "",
+                 f"| held-out metric | {label} | after (GRPO) | after - control |", "|---|---|---|---|"]
+        for metric, cells, ends in metric_rows([control, after]):
+            lines.append(f"| {metric} | " + " | ".join(cells) + f" | {f'{ends[1] - ends[0]:+.3f}' if ends else '-'} |")
+        lines += ["", " ".join(protocol_lines([control, after])) + "."]
+        lines += [f"- {note}" for note in pair_notes([(label, control, "after", after)])]
+        lines += ["", f"**{beyond_line(entry.get('headline', f'After vs the {label}'), control, after)}**"]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
 def samples_section(summary: dict) -> str:
     samples = summary.get("samples") or []
     if not samples:
@@ -195,6 +219,7 @@ def render(run_dir: Path, rows: list[dict], summary: Optional[dict], config: dic
     sections = [
         header(run_dir, summary, config, rows),
         "## Before / after on the held-out questions\n\n" + (comparison_table(summary) if summary else "Not available: the run did not finish."),
+        *(["## After vs the controls\n\n" + controls_section(summary)] if summary and summary.get("controls") else []),
         "## Training-signal warnings\n\n" + warnings_section(signals),
         "## Plots\n\n" + plots_section(plots, config),
         "## Sample answers\n\n" + (samples_section(summary) if summary else "Not available: the run did not finish."),

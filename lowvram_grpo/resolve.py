@@ -47,6 +47,7 @@ Decisions, and why:
   vLLM has not run on a GPU here. The CLI starts the process on it (allocator.py).
 - batch sizes: per_device_train_batch_size defaults to num_generations (one prompt's group per
   micro-step); the generation batch is per_device x gradient_accumulation x processes.
+- train.dynamic_sampling (DAPO): the hf backend in one process only (`check_dynamic_sampling` says why).
 
 Decisions that differ from what was asked come with a one-line note (printed by --dry-run and at the
 start of a run). A config this hardware cannot run raises `ResolveError` (exit 2) saying what would.
@@ -203,6 +204,20 @@ def choose_host_allocator(asked: str, hardware: Hardware) -> str:
     return asked
 
 
+def check_dynamic_sampling(config: RunConfig, backend: str, num_processes: int) -> None:
+    """train.dynamic_sampling is our hook on TRL's own GRPOTrainer (trl_compat.DynamicSampling): it merges rollout
+    batches in the layout TRL 1.15 returns, which unsloth's generated trainer extends with keys of its own, and it
+    re-draws whole groups, which several processes (each holding a slice of the groups) would have to agree on."""
+    if not config.train.dynamic_sampling:
+        return
+    if backend != "hf":
+        raise ResolveError("train.dynamic_sampling runs on the hf backend (TRL's own GRPOTrainer): add --backend hf, "
+                           "or set train.dynamic_sampling=false")
+    if num_processes > 1:
+        raise ResolveError(f"train.dynamic_sampling re-draws whole groups in one process; this run has {num_processes} "
+                           "processes: run it in one, or set train.dynamic_sampling=false")
+
+
 def mixed_precision(dtype: str, cuda: bool) -> tuple[bool, bool]:
     """GRPOConfig's (bf16, fp16) for a compute dtype: the dtype's own on CUDA, neither on a CPU."""
     return cuda and dtype == "bfloat16", cuda and dtype == "float16"
@@ -229,6 +244,7 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         raise ResolveError(f"preset '{config.preset}' needs an NVIDIA GPU (CUDA) and none is visible: on this "
                            f"machine run --preset smollm2_cpu (or tiny); to see its plan for a card, add --dry-run --gpu t4")
     chosen = choose_backend(backend, hardware)
+    check_dynamic_sampling(config, chosen, num_processes)
     dtype = _dtype(config, hardware)
     if not hardware.cuda and dtype == "bfloat16" and not hardware.cpu_bf16:
         notes.append("this CPU has no native bf16 (AVX512-BF16/AMX): training will be slow; "

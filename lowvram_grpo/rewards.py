@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import importlib.util
 import inspect
 import math
 import re
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .errors import ConfigError, RewardError
+from .user_files import first_line, import_user_file
 from . import answers
 
 # The Unsloth GRPO notebook's system prompt (leading/trailing newlines dropped).
@@ -82,11 +82,13 @@ def register(name: str, max_score: float, needs_gold: bool = False):
 # --------------------------------------------------------------------------- text helpers
 
 def completion_text(completion) -> str:
-    """The generated text of one completion, plain or conversational."""
+    """The generated text of one completion, plain or conversational: with tools (several messages: the model's
+    turns and the tools' results) the model's own last turn, never a tool's result that TRL left last."""
     if isinstance(completion, str):
         return completion
     if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
-        return str(completion[-1].get("content", ""))
+        own = [m for m in completion if isinstance(m, dict) and m.get("role") == "assistant"]
+        return str((own or completion)[-1].get("content") or "")
     if isinstance(completion, dict):
         return str(completion.get("content", ""))
     return str(completion)
@@ -238,9 +240,7 @@ def check_scores(name: str, scores, n: int) -> list:
     return checked
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
+_first_line = first_line  # user_files: 'Type: message', one line
 
 
 _UNEXPECTED_KEYWORD = re.compile(r"unexpected keyword argument '(\w+)'")
@@ -314,28 +314,9 @@ def _warn(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-_MODULES: dict[tuple, object] = {}
-
-
 def load_reward_module(path: str):
-    """Import a user's reward file (cached by path and modification time). RewardError says what is wrong."""
-    file = Path(path)
-    if file.suffix != ".py":
-        raise RewardError(f"rewards.module must be a .py file of reward functions; got {path!r}")
-    if not file.is_file():
-        raise RewardError(f"rewards.module {path} does not exist: give the path of a .py file (relative to the current directory or the preset)")
-    key = (str(file.resolve()), file.stat().st_mtime_ns)
-    if key not in _MODULES:
-        spec = importlib.util.spec_from_file_location(f"lowvram_grpo_user_rewards_{len(_MODULES)}", file)
-        module = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(module)
-        except BaseException as exc:  # SyntaxError, ImportError, SystemExit, ... all mean the same to the user
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            raise RewardError(f"rewards.module {path} failed to import: {_first_line(exc)}") from None
-        _MODULES[key] = module
-    return _MODULES[key]
+    """Import a user's reward file (user_files: cached by path and modification time). RewardError says what is wrong."""
+    return import_user_file(path, "rewards.module", "reward functions", RewardError)
 
 
 def module_reward_names(module) -> list[str]:
@@ -422,6 +403,36 @@ class RewardModel:
         inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
         with torch.inference_mode():
             return model(**inputs.to(model.device)).logits[:, 0].tolist()
+
+
+# --------------------------------------------------------------------------- the random-reward control
+
+def random_reward(name: str, low: float, high: float, seed: int) -> RewardFn:
+    """The random-reward control's stand-in for reward `name` (`python -m lowvram_grpo.baseline RUN --control
+    random-reward`): one value per completion drawn uniformly from [low, high] (the reward's range), independent of
+    the completion, which is never read, evaluated or run. The generator is seeded by `seed`, the name, the training
+    step and the call's number within that step (Python's string seeding: the same in every process), so the same
+    run draws the same values. Values are spread within a group as real rewards are, so every group has an
+    advantage, and it is pure noise. TRL logs it as `random_<name>`."""
+    import random
+
+    calls: dict[int, int] = {}
+
+    def reward(prompts, completions, trainer_state=None, **kwargs) -> list[float]:
+        step = int(getattr(trainer_state, "global_step", 0))
+        call = calls.get(step, 0)
+        calls[step] = call + 1
+        draw = random.Random(f"{seed}:{name}:{step}:{call}")
+        return [low + (high - low) * draw.random() for _ in completions]
+
+    reward.__name__ = reward.__qualname__ = f"random_{name}"
+    reward.range = (low, high)
+    return reward
+
+
+def reward_range(name: str) -> Optional[tuple[float, float]]:
+    """A built-in reward's range, (0, its best score); None for a reward file's function or a reward model."""
+    return (0.0, REWARD_MAX[name]) if name in REWARD_MAX and not is_reward_model(name) else None
 
 
 def sample_completion(row: dict):

@@ -505,6 +505,10 @@ class RunDir:
         if holder:
             raise RunDirError(f"--resume {self.path}: that run is still running ({holder}): wait for it to end")
         summary = self.read_summary() or {}
+        if summary.get("control"):  # baseline.py's control: it trained with other rewards than its config.yaml's
+            raise ConfigError(f"--resume {self.path}: that folder holds the {summary['control']} control of "
+                              f"{summary.get('of_run')}, not a run to continue; run the control again with: python -m "
+                              f"lowvram_grpo.baseline {summary.get('of_run')} --control {summary['control']}")
         if summary.get("status") == "complete":
             raise ConfigError(f"--resume {self.path}: that run is complete ({summary.get('steps')} steps); "
                               f"to train on from its adapter: {train_on_command(self.path)}")

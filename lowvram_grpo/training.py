@@ -31,8 +31,9 @@ from .guards import NonFiniteGuard, StopOnSignal
 from .host_memory import ReleaseHostMemory
 from .rewards import reward_functions
 from .run_dir import RunDir
+from .tools import tool_functions
 from .signals import ALL_RIGHT_KEY, ALL_WRONG_KEY
-from .trl_compat import TrainerHooks, grpo_trainer_base, install_logprob_fallback, trainer_name
+from .trl_compat import DynamicSampling, TrainerHooks, grpo_trainer_base, install_logprob_fallback, trainer_name
 
 
 def grpo_config_kwargs(resolved, output_dir: Path) -> dict:
@@ -58,6 +59,9 @@ def grpo_config_kwargs(resolved, output_dir: Path) -> dict:
         loss_type=t.loss_type,
         scale_rewards=t.scale_rewards,
         mask_truncated_completions=t.mask_truncated_completions,
+        importance_sampling_level=t.importance_sampling_level,  # GSPO: sequence
+        epsilon_high=t.epsilon_high,  # DAPO's clip-higher; None = epsilon
+        top_entropy_quantile=t.top_entropy_quantile,
         max_grad_norm=t.max_grad_norm,
         max_steps=t.max_steps,
         save_strategy="steps",
@@ -84,6 +88,12 @@ def grpo_config_kwargs(resolved, output_dir: Path) -> dict:
     )
 
 
+def tool_config_kwargs(tools_config) -> dict:
+    """GRPOConfig's tool settings: with tools.names, max_tool_calling_iterations = tools.max_turns (TRL: rounds of
+    running the latest turn's tool calls and generating on); without tools nothing, so TRL's defaults stay."""
+    return {"max_tool_calling_iterations": tools_config.max_turns} if tools_config.names else {}
+
+
 def grpo_args(resolved, output_dir: Path) -> GRPOConfig:
     return GRPOConfig(**grpo_config_kwargs(resolved, output_dir))
 
@@ -99,7 +109,7 @@ EFFECTIVE_KEYS = (
     "use_vllm", "vllm_mode", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
     "vllm_gpu_memory_utilization", "vllm_max_model_length", "bf16", "fp16", "optim", "learning_rate",
     "lr_scheduler_type", "max_grad_norm", "gradient_checkpointing", "gradient_checkpointing_kwargs",
-    "vllm_enable_sleep_mode", "torch_empty_cache_steps", "reward_weights",
+    "vllm_enable_sleep_mode", "torch_empty_cache_steps", "reward_weights", "top_entropy_quantile",
 )
 
 
@@ -121,7 +131,9 @@ def describe_effective(effective: dict) -> str:
     """One line for the run log: the GRPO settings that shape the loss, and what the trainer changed."""
     s = effective["settings"]
     line = (f"GRPO as the trainer runs it: trainer={effective['trainer']} loss_type={s['loss_type']} beta={s['beta']} "
-            f"epsilon={s['epsilon']} "
+            f"epsilon={s['epsilon']} epsilon_high={s['epsilon_high']} importance_sampling_level={s['importance_sampling_level']} "
+            f"mask_truncated_completions={s['mask_truncated_completions']} top_entropy_quantile={s['top_entropy_quantile']} "
+            f"dynamic_sampling={_dynamic_sampling_label(s.get('dynamic_sampling_max_draws', 0))} "
             f"scale_rewards={s['scale_rewards']} num_generations={s['num_generations']} "
             f"generation_batch_size={s['generation_batch_size']} use_vllm={s['use_vllm']} bf16={s['bf16']} fp16={s['fp16']}")
     if s["use_vllm"]:  # unsloth's trainer turns TRL's correction off by default; our own engine keeps it on
@@ -133,11 +145,18 @@ def describe_effective(effective: dict) -> str:
     return line
 
 
+def _dynamic_sampling_label(max_draws: int) -> str:
+    return f"on(max_draws={max_draws})" if max_draws else "off"
+
+
 def effective_grpo_settings(trainer, asked: dict) -> dict:
     """{'trainer': the GRPO trainer class that runs, 'settings': what the built trainer will use, 'changed':
     {key: [asked, used]}} for EFFECTIVE_KEYS. Read from `trainer.args` (and the trainer's own attribute of the
     same name where it has one, as TRL and unsloth keep the live value there)."""
     used = {key: _plain(getattr(trainer, key, getattr(trainer.args, key, None))) for key in EFFECTIVE_KEYS}
+    used["dynamic_sampling_max_draws"] = getattr(trainer, "dynamic_sampling_draws", 0)  # ours (trl_compat.DynamicSampling)
+    if asked.get("epsilon_high") is None and "epsilon" in asked:  # null asks for epsilon's value (as TRL reads it)
+        asked = {**asked, "epsilon_high": asked["epsilon"]}
     changed = {key: [_plain(asked[key]), used[key]] for key in EFFECTIVE_KEYS
                if key in asked and _plain(asked[key]) != used[key]}
     return {"trainer": trainer_name(trainer), "settings": used, "changed": changed}
@@ -264,7 +283,7 @@ def with_group_outcomes(reward_funcs: list, group_size: int) -> list:
     return [GroupOutcomes(fn, group_size) if fn.__name__ == "correctness" else fn for fn in reward_funcs]
 
 
-class RunTrainer(TrainerHooks):
+class RunTrainer(DynamicSampling, TrainerHooks):
     """Mixed over the GRPOTrainer class in use (trainer_class): our checkpoints (run_dir.RunDir.save_checkpoint:
     atomic, with our run state), the NaN guard's view of the gradient norm, and the trained adapter restored on
     resume (trl_compat's hooks). build_trainer sets the attributes below."""
@@ -312,11 +331,13 @@ def trainer_class() -> type:
     return _TRAINER_CLASSES[base]
 
 
-def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None):
+def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward_funcs=None):
     """TRL's GRPOTrainer for the handle's PEFT model, with our checkpoints, guards (guards.py),
     progress bar, metrics file and training-signal warnings. `run_dir`: a RunDir or its path.
     `rollouts`: a backends.vllm.TRLRollouts when generation is 'vllm' (rollouts from our vLLM
-    engine through TRL's rollout_func, the adapter synced to it)."""
+    engine through TRL's rollout_func, the adapter synced to it). `reward_funcs`: the reward functions GRPO
+    trains with instead of the configured ones (the random-reward control, baseline.py); train.dynamic_sampling
+    turns on trl_compat.DynamicSampling, mixed into every trainer built here."""
     from datasets import Dataset
 
     run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
@@ -324,15 +345,19 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None):
     config = handle.config
     install_logprob_fallback()  # TRL's log-prob kernel is Triton (GPU only): route CPU tensors to PyTorch
     asked = grpo_config_kwargs(handle.resolved, run_dir.path)
+    asked.update(tool_config_kwargs(config.tools))  # tools: TRL's tool-calling rounds (none: TRL's defaults stay)
+    tools = tool_functions(config.tools)  # each call bounded in time, every answer text (tools.bounded)
     trainer = trainer_class()(
         model=handle.model,
         processing_class=handle.tokenizer,
         # each checked: one finite number per completion; correctness also logs all-right / all-wrong groups
-        reward_funcs=with_group_outcomes(reward_functions(config.rewards), config.train.num_generations),
+        reward_funcs=with_group_outcomes(reward_funcs or reward_functions(config.rewards), config.train.num_generations),
         args=GRPOConfig(**asked),
         train_dataset=Dataset.from_list(train_rows),
         **({"rollout_func": rollouts.rollout_func} if rollouts is not None else {}),
+        **({"tools": tools} if tools else {}),  # multi-turn: TRL parses <tool_call>s, runs them, masks their results
     )
+    trainer.tool_functions = tools  # their call / failure / timeout counts
     for callback in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(callback)
     trainer.run_dir = run_dir
@@ -352,5 +377,6 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None):
     trainer.add_callback(ReleaseHostMemory())  # freed step memory back to the OS: RSS stays flat (host_memory.py)
     if rollouts is not None:
         rollouts.attach(trainer)  # importance-sampling correction + vllm/adapter_version in metrics.jsonl
+    trainer.dynamic_sampling_draws = config.train.dynamic_sampling_max_draws if config.train.dynamic_sampling else 0
     trainer.effective_settings = effective_grpo_settings(trainer, asked)
     return trainer

@@ -27,6 +27,9 @@ one warning line. The reaches, and why each is needed:
   head (`trl.trainer.utils._ChunkedLogProbFunction`); on a CPU it has no kernel. A dispatcher takes its
   place: the Triton kernel for CUDA/XPU tensors, logprobs_fallback.torch_chunked_logprobs (the same
   maths in PyTorch) for the rest. `LOWVRAM_GRPO_LOGPROBS=torch|triton` forces a path.
+- `DynamicSampling` (train.dynamic_sampling, DAPO): `_generate_and_score_completions(inputs)` and
+  `_calculate_rewards(inputs, prompts, completions, completion_ids_list)` wrapped, so groups whose rewards are
+  all equal are replaced by newly drawn groups with signal in the batch TRL trains on (its section below).
 - `TRL_ROLLOUT_METHODS`: the names of GRPOTrainer's private methods that generate and score the rollouts.
   memory.oom_phase reads them in an out-of-memory traceback to tell the rollout from the training step;
   `check_versions` refuses a TRL whose GRPOTrainer lacks one (its out-of-memory advice would be wrong).
@@ -69,6 +72,7 @@ def check_versions(warn=None) -> list[str]:
     if not hasattr(trl_utils, LOGPROB_ATTRIBUTE):
         missing.append(f"trl.trainer.utils.{LOGPROB_ATTRIBUTE}")
     missing += missing_rollout_methods(trl.GRPOTrainer)  # section: TRL's rollout methods (below)
+    missing += missing_dynamic_sampling_hooks(trl.GRPOTrainer)  # section: dynamic sampling (below)
     pins = ", ".join(f"{k}=={v}" for k, v in WRITTEN_FOR.items())
     if missing:
         raise BackendError(f"lowvram_grpo overrides {', '.join(missing)}, which trl {installed['trl']} / transformers "
@@ -215,6 +219,161 @@ TRL_ROLLOUT_METHODS = ("_generate_and_score_completions", "_generate", "_generat
 def missing_rollout_methods(trainer_class: type) -> list[str]:
     """The TRL_ROLLOUT_METHODS that `trainer_class` has no method of, as check_versions reports them."""
     return [f"GRPOTrainer.{name}" for name in TRL_ROLLOUT_METHODS if not callable(getattr(trainer_class, name, None))]
+
+
+
+# --------------------------------------------------------------------------- dynamic sampling (train.dynamic_sampling)
+# DAPO's dynamic sampling, which TRL 1.15 does not have. `DynamicSampling` is mixed in before TRL's GRPOTrainer
+# (training.RunTrainer) and wraps two private GRPOTrainer methods: `_generate_and_score_completions(inputs)` (one
+# generation batch: the rows of its prompts, each repeated num_generations times in a row, in; the padded tensors
+# TRL trains on, out) and `_calculate_rewards(...)`, to see every completion's rewards. A group whose weighted
+# rewards are all equal (TRL's own test, a std close to 0; or fewer than two scorable completions) has advantage 0
+# and no gradient: its slot goes to a new group that has signal. New prompts come from the training set in an
+# order of their own (a permutation seeded by train.seed, the step and the round: a resumed run draws the same;
+# TRL's sampler, and so the data order of later steps, is not touched; prompts already in the batch are skipped),
+# rolled out and scored by the same private step, for at most `dynamic_sampling_draws` rounds; groups still
+# without signal after them are kept. The batch keeps the shape TRL expects: as many groups as it drew, tensors
+# re-padded to the widest part (prompts on the left, completions on the right, as TRL pads them), and
+# `num_items_in_batch` recounted. Each group keeps the advantages TRL gave it (per group under scale_rewards
+# group or none; under batch, the std of the part it was drawn in). TRL's own metrics (reward,
+# frac_reward_zero_std, ...) average over every group sampled, dropped ones included; the cost is logged per
+# generation batch under DYNAMIC_SAMPLING_KEYS. resolve.check_dynamic_sampling keeps it to the hf backend (unsloth's
+# generated trainer adds keys of its own to the batch) and one process.
+DYNAMIC_SAMPLING_HOOKS = (("_generate_and_score_completions", ("inputs",)),
+                          ("_calculate_rewards", ("inputs", "prompts", "completions", "completion_ids_list")))
+DYNAMIC_SAMPLING_KEYS = ("dynamic_sampling/extra_rollouts", "dynamic_sampling/zero_signal_groups_dropped",
+                         "dynamic_sampling/zero_signal_groups_kept", "dynamic_sampling/draws")
+# TRL 1.15's rollout batch (text prompts), key by key: one value per row; left-padded (prompt side) and right-padded
+# (completion side) tensors with their pad value (None: the tokenizer's pad token); recounted after a merge.
+ROW_KEYS = ("advantages",)
+LEFT_PADDED = {"prompt_ids": None, "prompt_mask": 0}
+RIGHT_PADDED = {"completion_ids": None, "completion_mask": 0, "old_per_token_logps": 0.0, "sampling_per_token_logps": 0.0,
+                "ref_per_token_logps": 0.0, "importance_sampling_ratio": 1.0, "tool_mask": 1}
+RECOUNTED = ("num_items_in_batch",)
+
+
+def missing_dynamic_sampling_hooks(trainer_class: type) -> list[str]:
+    """The DYNAMIC_SAMPLING_HOOKS `trainer_class` lacks or has with other parameters, as check_versions reports them."""
+    missing = []
+    for name, params in DYNAMIC_SAMPLING_HOOKS:
+        method = getattr(trainer_class, name, None)
+        if not callable(method) or tuple(inspect.signature(method).parameters)[1:] != params:
+            missing.append(f"GRPOTrainer.{name}({', '.join(params)})")
+    return missing
+
+
+class DynamicSampling:
+    """The mixin (see the section's comment). `dynamic_sampling_draws`: 0 = off, else the most extra rounds per
+    generation batch (training.build_trainer sets it from train.dynamic_sampling / dynamic_sampling_max_draws)."""
+
+    dynamic_sampling_draws = 0
+    _dynamic_sampling_rewards = None
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self.dynamic_sampling_draws:
+            self._dynamic_sampling_rewards = rewards  # (completions, reward functions), gathered: one process here
+        return rewards
+
+    def _generate_and_score_completions(self, inputs):
+        if not self.dynamic_sampling_draws or not self.model.training:  # off, or TRL's evaluation
+            return super()._generate_and_score_completions(inputs)
+        self._dynamic_sampling_rewards = None
+        batch = super()._generate_and_score_completions(inputs)
+        if self._dynamic_sampling_rewards is None:  # scored without _calculate_rewards: nothing to judge by
+            return batch
+        return self._batch_with_signal(inputs, batch)
+
+    def _zero_signal_groups(self) -> list[bool]:
+        """Per group of the rollout just scored: True when its rewards carry no signal (TRL's frac_reward_zero_std test)."""
+        import torch
+        from trl.trainer.utils import nanstd
+
+        per_function = self._dynamic_sampling_rewards
+        totals = (per_function * self.reward_weights.to(per_function.device).unsqueeze(0)).nansum(dim=1)
+        totals[torch.isnan(per_function).all(dim=1)] = torch.nan  # unscorable: left out, as TRL leaves it out
+        std = nanstd(totals.view(-1, self.num_generations), dim=1)
+        return (torch.isnan(std) | torch.isclose(std, torch.zeros_like(std))).tolist()
+
+    def _batch_with_signal(self, inputs: list, batch: dict) -> dict:
+        size = self.num_generations
+        zero = self._zero_signal_groups()
+        parts, chosen = [batch], [(0, group) for group in range(len(zero))]  # slot -> (part, group in that part)
+        slots = [group for group, no_signal in enumerate(zero) if no_signal]
+        seen = {repr(row["prompt"]) for row in inputs}
+        extra = rounds = 0
+        for round_number in range(1, self.dynamic_sampling_draws + 1):
+            if not slots:
+                break
+            rows = self._redrawn_rows(len(slots), seen, round_number)
+            if not rows:  # the training set has no prompt left that is not in this batch
+                break
+            parts.append(super()._generate_and_score_completions([row for row in rows for _ in range(size)]))
+            rounds, extra = rounds + 1, extra + len(rows) * size
+            with_signal = [group for group, no_signal in enumerate(self._zero_signal_groups()) if not no_signal]
+            for slot, group in zip(slots, with_signal):
+                chosen[slot] = (len(parts) - 1, group)
+            slots = slots[len(with_signal):]
+        metrics = self._metrics["train"]
+        for key, value in zip(DYNAMIC_SAMPLING_KEYS, (extra, sum(zero) - len(slots), len(slots), rounds)):
+            metrics[key].append(float(value))
+        if len(parts) == 1 or sum(zero) == len(slots):
+            return batch  # nothing replaced
+        return self._merged_batch(parts, chosen)
+
+    def _redrawn_rows(self, count: int, seen: set, round_number: int) -> list[dict]:
+        """`count` training rows whose prompts are not in `seen` (added to it), in an order fixed by the seed, the
+        step and the round."""
+        import torch
+
+        generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.state.global_step * 1_009 + round_number)
+        rows = []
+        for index in torch.randperm(len(self.train_dataset), generator=generator).tolist():
+            row = self.train_dataset[index]
+            key = repr(row["prompt"])
+            if key in seen:
+                continue
+            seen.add(key)
+            rows.append(row)
+            if len(rows) == count:
+                break
+        return rows
+
+    def _merged_batch(self, parts: list[dict], chosen: list[tuple[int, int]]) -> dict:
+        """One rollout batch of the chosen groups, in TRL's layout."""
+        import torch
+
+        unknown = set(parts[0]) - set(ROW_KEYS) - set(LEFT_PADDED) - set(RIGHT_PADDED) - set(RECOUNTED)
+        if unknown:
+            raise BackendError(f"train.dynamic_sampling cannot merge the rollout batch's {', '.join(sorted(unknown))} "
+                               f"(written for trl {WRITTEN_FOR['trl']}'s text-only batches): set train.dynamic_sampling=false")
+        size = self.num_generations
+        pad_token = (getattr(self, "_tokenizer", None) or self.processing_class).pad_token_id
+        merged = {}
+        for key, value in parts[0].items():
+            if key in RECOUNTED or value is None:
+                merged[key] = value
+                continue
+            pieces = [parts[part][key][group * size:(group + 1) * size] for part, group in chosen]
+            if value.dim() == 1:
+                merged[key] = torch.cat(pieces)
+                continue
+            width = max(piece.size(1) for piece in pieces)
+            left = key in LEFT_PADDED
+            pad = (LEFT_PADDED if left else RIGHT_PADDED)[key]
+            pad = pad_token if pad is None else pad
+            padded = []
+            for piece in pieces:
+                if piece.size(1) < width:
+                    filler = piece.new_full((piece.size(0), width - piece.size(1)), pad)
+                    piece = torch.cat([filler, piece] if left else [piece, filler], dim=1)
+                padded.append(piece)
+            merged[key] = torch.cat(padded)
+        loss_mask = merged["completion_mask"]
+        if merged.get("tool_mask") is not None:
+            loss_mask = loss_mask * merged["tool_mask"]
+        merged["num_items_in_batch"] = loss_mask.sum()  # TRL: summed over processes; one process here
+        return merged
 
 
 check_versions()

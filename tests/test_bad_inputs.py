@@ -75,6 +75,9 @@ CLI_CASES = [
      "that run is complete (3 steps); to train on from its adapter: python -m lowvram_grpo.run --preset "
      "{run}/config.yaml --init-adapter {run}/adapter --output-dir {run}-more"),
     ("resume-a-running-run", ["--resume", "{tmp}/locked-run"], "that run is still running (pid "),
+    ("resume-a-control-folder", ["--resume", "{tmp}/control-folder"],
+     "that folder holds the random-reward control of {run}, not a run to continue; run the control again with: "
+     "python -m lowvram_grpo.baseline {run} --control random-reward"),
     ("resume-with-preset", ["--resume", "{run}", "--preset", "tiny"], "drop --preset"),
     ("resume-with-set", ["--resume", "{run}", "--set", "train.max_steps=9"],
      "--resume --set train.max_steps: a resumed run keeps its training settings"),
@@ -181,7 +184,12 @@ CONFIG_CASES = [
     ("train.top_p", "0", "train.top_p must be in (0, 1]"),
     ("train.beta", "-0.1", "train.beta must be >= 0"),
     ("train.epsilon", "0", "train.epsilon must be > 0"),
-    ("train.loss_type", "ppo", "train.loss_type must be one of"),
+    ("train.loss_type", "ppo", "train.loss_type must be one of grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo; got 'ppo'"),
+    ("train.importance_sampling_level", "batch", "train.importance_sampling_level must be one of token, sequence; got 'batch'"),
+    ("train.epsilon_high", "-0.1", "train.epsilon_high must be > 0 (DAPO: 0.28) or null"),
+    ("train.top_entropy_quantile", "1.5", "train.top_entropy_quantile must be in (0, 1]"),
+    ("train.dynamic_sampling", "maybe", "train.dynamic_sampling must be bool"),
+    ("train.dynamic_sampling_max_draws", "0", "train.dynamic_sampling_max_draws must be >= 1"),
     ("train.scale_rewards", "std", "train.scale_rewards must be one of group, batch, none"),
     ("train.mask_truncated_completions", "maybe", "train.mask_truncated_completions must be bool"),
     ("train.max_grad_norm", "0", "train.max_grad_norm must be > 0"),
@@ -214,6 +222,11 @@ CONFIG_CASES = [
     ("rewards.module", "{tmp}/syntax.py", "failed to import: SyntaxError"),
     ("rewards.module", "{tmp}/importerr.py", "failed to import: ModuleNotFoundError"),
     ("rewards.on_error", "ignore", "rewards.on_error must be one of stop, zero"),
+    ("tools.names", "[calculator, calculator]", "tools.names lists a tool twice"),
+    ("tools.names", "[nope]", "unknown tool 'nope' in tools.names: choose from calculator (or give your own in tools.module)"),
+    ("tools.module", "{tmp}/tools_good.py", "tools.module is set but tools.names is empty"),
+    ("tools.max_turns", "0", "tools.max_turns must be >= 1"),
+    ("tools.timeout_seconds", "0", "tools.timeout_seconds must be > 0"),
     ("prime.steps", "-1", "prime.steps must be >= 0"),
     ("prime.learning_rate", "0", "prime.learning_rate must be > 0"),
     ("prime.batch_size", "0", "prime.batch_size must be >= 1"),
@@ -255,6 +268,62 @@ REWARD_FILE_CASES = [
     ("shadows-a-built-in", ["rewards.module={tmp}/shadow.py", "rewards.names=[correctness]"],
      "defines 'correctness', the name of a built-in reward"),
 ]
+
+# ---------------------------------------------------------------- a user's tools file: (id, extra --set values, fragment)
+TOOL_FILE_CASES = [
+    ("module-missing", ["tools.module={tmp}/missing_tools.py", "tools.names=[lookup]"],
+     "tools.module {tmp}/missing_tools.py does not exist: give the path of a .py file"),
+    ("module-not-python", ["tools.module={tmp}/rewards.txt", "tools.names=[lookup]"], "tools.module must be a .py file"),
+    ("module-syntax-error", ["tools.module={tmp}/syntax.py", "tools.names=[lookup]"],
+     "tools.module {tmp}/syntax.py failed to import: SyntaxError"),
+    ("name-not-in-file", ["tools.module={tmp}/tools_good.py", "tools.names=[lookup, nope]"],
+     "unknown tool 'nope' in tools.names: choose from calculator; {tmp}/tools_good.py defines: lookup, no_args, "
+     "no_hint, undocumented"),
+    ("undocumented", ["tools.module={tmp}/tools_good.py", "tools.names=[undocumented]"],
+     "tool 'undocumented' in tools.module {tmp}/tools_good.py has no docstring"),
+    ("no-type-hint", ["tools.module={tmp}/tools_good.py", "tools.names=[no_hint]"],
+     "tool 'no_hint' in tools.module {tmp}/tools_good.py: parameter 'word' has no type hint"),
+    ("no-args-section", ["tools.module={tmp}/tools_good.py", "tools.names=[no_args]"],
+     "tool 'no_args' cannot be shown to the model as a JSON schema (transformers' get_json_schema: Cannot generate "
+     "JSON schema for no_args because the docstring has no description for the argument 'word')"),
+    ("not-a-function", ["tools.module={tmp}/notcallable.py", "tools.names=[score]"],
+     "tool 'score' in tools.module {tmp}/notcallable.py is a int, not a function defined with def"),
+    ("shadows-a-built-in", ["tools.module={tmp}/tools_shadow.py", "tools.names=[calculator]"],
+     "defines 'calculator', the name of a built-in tool: rename it"),
+    ("one-function-two-names", ["tools.module={tmp}/tools_alias.py", "tools.names=[lookup, find]"],
+     "tools.names: 'lookup' and 'find' are both the function 'lookup'"),
+    ("text-prompts", ["tools.names=[calculator]", "data.dataset={tmp}/textprompts.jsonl"],
+     "tools need chat-message prompts, and the data {tmp}/textprompts.jsonl has text prompts"),
+]
+
+TOOLS_GOOD = '''def lookup(word: str) -> str:
+    """Look a word up.
+
+    Args:
+        word: The word.
+    """
+    return word
+
+
+def undocumented(word: str) -> str:
+    return word
+
+
+def no_hint(word):
+    """Echo.
+
+    Args:
+        word: The word.
+    """
+    return word
+
+
+def no_args(word: str) -> str:
+    """Echo a word."""
+    return word
+'''
+TOOLS_ALIAS = TOOLS_GOOD.split("\n\n\ndef undocumented")[0] + "\n\n\nfind = lookup\n"
+TOOLS_SHADOW = 'def calculator(expression: str) -> str:\n    """Mine.\n\n    Args:\n        expression: x\n    """\n'
 
 # ---------------------------------------------------------------- top-level preset keys, via a preset file: (id, YAML, fragment)
 TOP_LEVEL_CASES = [
@@ -298,6 +367,10 @@ FILES = {
     "shadow.py": "def correctness(prompts, completions, **kwargs):\n    return [0.0] * len(completions)\n",
     "small.jsonl": '{"question": "1 + 1?", "answer": "#### 2"}\n' * 10,
     "noshape.yaml": "model: {name: someone/unknown-7b}\n",
+    "tools_good.py": TOOLS_GOOD,
+    "tools_shadow.py": TOOLS_SHADOW,
+    "tools_alias.py": TOOLS_ALIAS,
+    "textprompts.jsonl": '{"prompt": "What is 2 + 2?", "answer": "4"}\n' * 10,
 }
 
 # ---------------------------------------------------------------- settings that cannot work together (checks.py):
@@ -316,8 +389,13 @@ CROSS_CASES = [
     ("context-after-load", ["--set", "model.name={tmp}/gpt2-tiny", "--set", "lora.target_modules=[c_attn]",
                             "--set", "model.max_seq_length=1024"],
      "model.max_seq_length=1024 is longer than {tmp}/gpt2-tiny's context of 512 tokens"),
+    ("tools-backend", ["--backend", "unsloth", "--set", "tools.names=[calculator]"],
+     "tools.names needs the hf backend (TRL's tool loop with transformers generation); this run uses the unsloth backend"),
+    ("tools-template-after-load", ["--set", "model.name={tmp}/gpt2-plain-chat", "--set", "lora.target_modules=[c_attn]",
+                                   "--set", "tools.names=[calculator]"],
+     "{tmp}/gpt2-plain-chat's chat template cannot render tool calls"),
 ]
-CHECK_CLASSES = {"lengths", "context", "lora-target", "lora-rank", "held-out"}
+CHECK_CLASSES = {"lengths", "context", "lora-target", "lora-rank", "held-out", "tools-backend", "tools-template"}
 
 
 @pytest.fixture(scope="module")
@@ -330,6 +408,7 @@ def bad_files(tmp_path_factory):
     for case_id, text, _ in TOP_LEVEL_CASES:
         (tmp / f"top-{case_id}.yaml").write_text(text)
     _tiny_gpt2(tmp / "gpt2-tiny")
+    _tiny_gpt2(tmp / "gpt2-plain-chat", chat_template=PLAIN_CHATML)  # a chat template that renders no tools
     run = tmp / "complete-run"  # what a finished run leaves (for --resume)
     run.mkdir()
     (run / "config.yaml").write_text("preset: tiny\nmodel: {name: builtin:tiny}\n")
@@ -339,6 +418,11 @@ def bad_files(tmp_path_factory):
     (started / "config.yaml").write_text("preset: tiny\nmodel: {name: builtin:tiny}\n")
     (started / "summary.json").write_text(json.dumps({"status": "training", "backend": "unsloth"}))
     _adapters(tmp, run / "adapter")
+    control = tmp / "control-folder"  # a random-reward control stopped mid-way (baseline.py)
+    control.mkdir()
+    (control / "config.yaml").write_text("preset: tiny\nmodel: {name: builtin:tiny}\n")
+    (control / "summary.json").write_text(json.dumps({"status": "training", "control": "random-reward",
+                                                      "of_run": str(run), "backend": "hf"}))
     locked = tmp / "locked-run"  # a run another process is writing right now
     locked.mkdir()
     (locked / "config.yaml").write_text("preset: tiny\nmodel: {name: builtin:tiny}\n")
@@ -375,14 +459,22 @@ def _adapters(tmp, ours):
     (tmp / "weightless-adapter" / "adapter_model.safetensors").unlink()
 
 
-def _tiny_gpt2(folder):
+# Plain ChatML, the tiny model's chat template before it rendered tools.
+PLAIN_CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def _tiny_gpt2(folder, chat_template=None):
     """A 2-layer GPT-2 (Conv1D c_attn/c_fc layers, no q_proj) with the tiny model's tokenizer: its layer
-    names are only known once it is loaded. Context 512 tokens (its config.json calls it n_positions)."""
+    names are only known once it is loaded. Context 512 tokens (its config.json calls it n_positions).
+    `chat_template`: one instead of the tiny model's (and no response template)."""
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     from lowvram_grpo.builtin_models import ensure_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
+    if chat_template is not None:
+        tokenizer.chat_template, tokenizer.response_template = chat_template, None
     model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=512, n_embd=32, n_layer=2, n_head=2))
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -440,6 +532,12 @@ def test_bad_config_value(key, value, fragment, bad_files, capsys):
 
 @pytest.mark.parametrize("sets, fragment", [c[1:] for c in REWARD_FILE_CASES], ids=[c[0] for c in REWARD_FILE_CASES])
 def test_bad_reward_file(sets, fragment, bad_files, capsys):
+    argv = ["--preset", "tiny"] + [part for s in sets for part in ("--set", s)]
+    _check_case(argv, fragment, bad_files, capsys)
+
+
+@pytest.mark.parametrize("sets, fragment", [c[1:] for c in TOOL_FILE_CASES], ids=[c[0] for c in TOOL_FILE_CASES])
+def test_bad_tools_file(sets, fragment, bad_files, capsys):
     argv = ["--preset", "tiny"] + [part for s in sets for part in ("--set", s)]
     _check_case(argv, fragment, bad_files, capsys)
 

@@ -20,7 +20,7 @@ def test_tiny_run_writes_the_four_outputs(tiny_run):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all({"step", "reward", "loss"} <= r.keys() for r in rows)
     adapter_config = json.loads((out / "adapter" / "adapter_config.json").read_text())
-    assert adapter_config["base_model_name_or_path"].endswith("tiny-llama-v1")
+    assert adapter_config["base_model_name_or_path"].endswith("tiny-llama-v2")
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     summary = json.loads((out / "summary.json").read_text())
     for side in ("before", "after"):

@@ -60,3 +60,18 @@ def test_install_routes_trl_and_is_idempotent():
     targets = torch.randint(0, 20, (4,))
     out = first.apply(hidden, weight, None, targets, 1.0, 4096, None, 1.0, ("log_probs",))
     assert torch.allclose(out[0], _reference(hidden, weight, None, targets, 1.0, None, 1.0)[0], atol=1e-5)
+
+
+def test_a_micro_batch_without_a_scored_token_is_a_differentiable_zero():
+    """TRL scores only unmasked tokens and scatters the log-probs back (trl.trainer.utils, `masked_scatter` 'keeps the
+    output connected ... an all-masked microbatch contributes a differentiable zero'): with every completion masked
+    (mask_truncated_completions, all cut off) the fallback gets no rows and must still be on the graph."""
+    hidden = torch.randn(3, 16, requires_grad=True)
+    weight = torch.randn(50, 16)
+    mask = torch.zeros(3, dtype=torch.bool)
+    lp, ent, *_ = lf.torch_chunked_logprobs(hidden[mask], weight, None, torch.zeros(0, dtype=torch.long), 1.0, None,
+                                            None, 1.0, ("log_probs", "entropy"))
+    assert lp.shape == ent.shape == (0,) and lp.grad_fn is not None
+    loss = -lp.new_zeros(mask.shape).masked_scatter(mask, lp).sum()
+    loss.backward()
+    assert hidden.grad is not None and (hidden.grad == 0).all()

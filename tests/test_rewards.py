@@ -310,3 +310,28 @@ def test_a_real_run_with_trls_whole_reward_contract_and_a_reward_model_by_name(t
     for side in ("before", "after"):  # scored by the same functions, no gold answers: no accuracy
         assert isinstance(summary[side]["reward_mean"], float) and "accuracy_strict" not in summary[side]
     assert summary["samples"][0]["answer"] is None and summary["samples"][0]["question"].startswith("Say the word")
+
+
+def test_the_random_reward_controls_stand_in_never_reads_the_completion_and_repeats_itself():
+    """rewards.random_reward (baseline.py --control random-reward): uniform on the range, spread within a group,
+    the same draws for the same seed, step and call, other draws for another step; the completions are not touched."""
+    import types
+
+    from lowvram_grpo.rewards import random_reward, reward_range
+
+    class Untouchable:
+        def __getattribute__(self, name):
+            raise AssertionError("the random reward read a completion")
+
+    completions = [Untouchable() for _ in range(8)]
+    state = types.SimpleNamespace(global_step=3)
+    first = random_reward("correctness", *reward_range("correctness"), seed=7)
+    values = first(prompts=[None] * 8, completions=completions, trainer_state=state)
+    assert first.__name__ == "random_correctness" and reward_range("correctness") == (0.0, 2.0)
+    assert len(values) == 8 and all(0.0 <= v <= 2.0 for v in values) and len(set(values)) == 8
+    again = random_reward("correctness", 0.0, 2.0, seed=7)
+    assert again(prompts=[None] * 8, completions=completions, trainer_state=state) == values
+    assert again(prompts=[None] * 8, completions=completions, trainer_state=state) != values  # the step's second call
+    other_step = random_reward("correctness", 0.0, 2.0, seed=7)
+    assert other_step(prompts=[None] * 8, completions=completions, trainer_state=types.SimpleNamespace(global_step=4)) != values
+    assert reward_range("my_reward_from_a_file") is None

@@ -285,6 +285,22 @@ def test_baseline_command(tmp_path, finished, signum):
     shutil.rmtree(finished / "prime_only")
 
 
+def test_the_random_reward_control_stops_in_its_grpo_and_runs_again(tmp_path, finished):
+    """SIGINT in the control's first GRPO step (baseline.py --control random-reward): one line, exit 130, the run's
+    files as they were, and the command it gives trains the control to the end."""
+    summary_before = (finished / "summary.json").read_bytes()
+    proc, marker = _paused(tmp_path, [str(finished), "--control", "random-reward"],
+                           "lowvram_grpo.logprobs_fallback:torch_chunked_logprobs", drive="lowvram_grpo.baseline")
+    line = _stop(proc, tmp_path, signal.SIGINT, marker)
+    assert f"during the random-reward control of {finished}: the run is unchanged" in line, line
+    assert (finished / "summary.json").read_bytes() == summary_before
+    assert RunDir(finished).locked_by() is None and RunDir(finished / "control_random_reward").locked_by() is None
+    _goes_on(line, "when it runs again:", env={"DRIVE": "lowvram_grpo.baseline"})  # the driver runs baseline
+    control = json.loads((finished / "control_random_reward" / "summary.json").read_text())
+    assert control["status"] == "complete" and control["steps"] == 2
+    assert "random-reward" in json.loads((finished / "summary.json").read_text())["controls"]
+
+
 # ------------------------------------------------------------------------------------------- priming resumes exactly
 
 @pytest.fixture(scope="module")
