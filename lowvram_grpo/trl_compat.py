@@ -72,7 +72,8 @@ def check_versions(warn=None) -> list[str]:
     if not hasattr(trl_utils, LOGPROB_ATTRIBUTE):
         missing.append(f"trl.trainer.utils.{LOGPROB_ATTRIBUTE}")
     missing += missing_rollout_methods(trl.GRPOTrainer)  # section: TRL's rollout methods (below)
-    missing += missing_dynamic_sampling_hooks(trl.GRPOTrainer)  # section: dynamic sampling (below)
+    if not is_unsloth_trainer(trl.GRPOTrainer):  # unsloth's generated trainer wraps them; dynamic sampling is refused
+        missing += missing_dynamic_sampling_hooks(trl.GRPOTrainer)  # there (resolve): section dynamic sampling (below)
     pins = ", ".join(f"{k}=={v}" for k, v in WRITTEN_FOR.items())
     if missing:
         raise BackendError(f"lowvram_grpo overrides {', '.join(missing)}, which trl {installed['trl']} / transformers "
