@@ -159,10 +159,12 @@ def prime(handle, questions: list[Question], config, log=print, max_seconds: Opt
         outside += time.time() - before
 
     where = f"after this priming step{', with a checkpoint' if checkpoints is not None else ''}"
+    last_started = None  # when the newest step of this call started (training seconds)
     with stops.deferred(where, check_at_exit=False):  # a signal after the last step: checked below, after its save
         for step in range(first, settings.steps):
             if max_seconds is not None and seconds() >= max_seconds:
                 break
+            last_started = seconds()  # a time budget's check: no step starts after it is spent
             chunk = [examples[(step * settings.batch_size + i) % len(examples)] for i in range(settings.batch_size)]
             prompts = [handle.apply_chat_template(prompt_of(q, config.data.system_prompt)) for q in chunk]
             targets = [xml_formatted(q.solution, q.answer) for q in chunk]
@@ -197,4 +199,4 @@ def prime(handle, questions: list[Question], config, log=print, max_seconds: Opt
     if not losses:
         return {"steps": 0}
     return {"steps": len(losses), "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
-            "seconds": round(seconds(), 1)}
+            "seconds": round(seconds(), 1), "last_step_started": None if last_started is None else round(last_started, 3)}

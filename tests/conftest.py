@@ -66,6 +66,16 @@ def pytest_runtest_makereport(item, call):
         _fail_skip(report, item.nodeid)
 
 
+def default_signals() -> None:
+    """A child's `preexec_fn`: SIGINT, SIGTERM and SIGHUP at their defaults, as a terminal or a scheduler starts a
+    command. A test that signals its child needs it: under a script's background job (CI launched that way) the
+    child would start with SIGINT ignored, which the package keeps ignored, as the shell meant (stops.py)."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def requirements_pins() -> dict[str, str]:
     """requirements.txt's pins (the GPU install set): {name: version}."""
     pins = {}

@@ -34,7 +34,8 @@ def test_prime_only_for_the_runs_training_time(primed_run):
     steps, seconds = result["priming"]["steps"], result["priming"]["seconds"]
     assert steps >= 1 and len(result["priming"]["losses"]) == steps
     assert seconds >= budget - 0.1  # it primed until the budget was spent ...
-    assert seconds - seconds / steps <= budget + 0.1  # ... and started no step after that
+    assert result["priming"]["last_step_started"] < budget  # ... and started no step after that (before: the
+    # mean step stood in for the last one, which failed when two steps took unequal times: CI, 2.3 s in 2 steps)
     numbers = result["prime_only"]
     assert {"accuracy_strict", "accuracy_lenient", "accuracy_strict_ci", "accuracy_lenient_ci"} <= numbers.keys()
     assert numbers["n"] == run["after"]["n"]

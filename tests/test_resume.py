@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, run_cli
+from conftest import REPO, default_signals, run_cli
 from lowvram_grpo.run_dir import STAGING_PREFIX, RunDir
 from lowvram_grpo.lora_io import atomic_replace_dir, check_adapter_dir
 
@@ -225,7 +225,8 @@ def test_a_signal_stops_at_the_step_end_with_checkpoint_adapter_and_resume_line(
             "--set", f"rewards.module={tmp_path / 'slow.py'}", "--set", "rewards.names=[xmlcount,brevity,slow]"]
     with open(tmp_path / "stderr.txt", "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "lowvram_grpo.run", *args, "--output-dir", str(out)], cwd=REPO,
-                                stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **ENV, "MARKER": str(marker)})
+                                stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **ENV, "MARKER": str(marker)},
+                                preexec_fn=default_signals)
         try:
             _wait_for(marker, proc)
             proc.send_signal(signum)

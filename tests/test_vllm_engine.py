@@ -35,7 +35,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (the optional CPU extr
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from conftest import REPO  # noqa: E402
+from conftest import REPO, default_signals  # noqa: E402
 from lowvram_grpo.backends.base import LoraRequest, SamplingParams  # noqa: E402
 from lowvram_grpo.backends.vllm import EngineSettings, LocalVLLMEngine  # noqa: E402
 from lowvram_grpo.backends.vllm.rollouts import _prompt_ids  # noqa: E402
@@ -220,7 +220,8 @@ RUN = ["--preset", "smollm2_cpu", "--set", "model.generation=vllm", "--set", "pr
 def start_run(out: Path, *extra: str) -> subprocess.Popen:
     """The CLI in its own process group (as a shell starts it), so its group can get a terminal's Ctrl-C."""
     return subprocess.Popen([sys.executable, "-m", "lowvram_grpo.run", *RUN, *extra, "--output-dir", str(out)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=default_signals)
 
 
 def engine_pids(proc: subprocess.Popen, seen: set, until=lambda: False, timeout: float = 400) -> set:
