@@ -64,7 +64,10 @@ TRAINED_BY = "GRPO as the trainer runs it: trainer=UnslothGRPOTrainer "
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    """As on a CI machine (CI set: GitHub Actions, this project's CI), whoever runs the tests: torch turns its
+    custom-op alias check into an error there, which stopped every run here at its first step until
+    unsloth_backend._pool_alias_check_warns."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CI": "true"}
 
 
 def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:

@@ -9,6 +9,7 @@ checkpointing offloads activations to host RAM, which on a CPU is plain recomput
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -37,6 +38,27 @@ def prepare() -> None:
             return
     patch("GRPO", unsloth.FastLanguageModel)
     _PATCH_PROBLEM = None
+    _pool_alias_check_warns()
+
+
+# torch's switch for its custom-op alias check; a user who sets it decides (torch/_functorch/config.py).
+ALIAS_CHECK_ENV = "TORCHINDUCTOR_ERROR_ON_CUSTOM_OP_ALIASING"
+
+
+def _pool_alias_check_warns() -> None:
+    """Keep torch's custom-op alias check a warning under unsloth's compiled GRPO loss, also where `CI` is set.
+
+    unsloth compiles its loss with inductor's `memory_planning` on, so the generated code allocates through
+    inductor's own `_alloc_from_pool`, a view of one pool buffer. torch 2.13's check that a custom op returns no
+    alias of its inputs flags that op of its own, and `error_on_custom_op_aliasing` defaults to `bool($CI)`: on a
+    machine with CI set (GitHub Actions, this project's CI) every unsloth-backend run stopped at its first step
+    with `RuntimeError: inductor::_alloc_from_pool ... may not alias`, elsewhere torch only warns. Left alone where
+    the user set the variable."""
+    if ALIAS_CHECK_ENV in os.environ:
+        return
+    import torch._functorch.config as functorch_config
+
+    functorch_config.error_on_custom_op_aliasing = False
 
 
 _PATCH_PROBLEM: Optional[str] = "prepare() has not run"
