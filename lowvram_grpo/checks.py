@@ -9,8 +9,8 @@ and a value that works:
 - LoRA: every `lora.target_modules` name must be a linear layer the model has, and `lora.r` must not
   exceed the smaller side of any layer it adapts (a rank above that adds parameters, never capacity);
 - data: `data.num_train` larger than the data can supply (after the held-out split) is a warning;
-- tools: every `tools.names` entry a checked function with a JSON schema (before the model loads), the hf
-  backend with transformers generation, and a chat template that renders and parses tool calls (after).
+- tools: every `tools.names` entry a checked function with a JSON schema (before the model loads), and a
+  chat template that renders and parses tool calls (after).
 
 `before_load(config)` uses what is known without loading: the shape table or a local checkpoint's
 config.json (memory.model_shape) and the module names of the Llama/Qwen/Mistral family. `after_load`
@@ -152,19 +152,6 @@ def check_tools(config) -> None:
             raise ConfigError(f"tool {name!r} cannot be shown to the model as a JSON schema (transformers' "
                               f"get_json_schema: {message}): give it a docstring with an Args: section describing "
                               "each parameter, and type hints of str, int, float, bool, list or dict") from None
-
-
-def check_tools_engine(resolved) -> None:
-    """Tools run in TRL's own multi-turn loop on transformers generation (the hf backend); anything else is
-    refused before the model loads."""
-    if not resolved.config.tools.names:
-        return
-    if resolved.backend != "hf":
-        raise ConfigError(f"tools.names needs the hf backend (TRL's tool loop with transformers generation); this run "
-                          f"uses the {resolved.backend} backend: add --backend hf, or drop tools.names")
-    if resolved.generation != "transformers":
-        raise ConfigError(f"tools.names needs model.generation=transformers (TRL's tool loop); model.generation="
-                          f"{resolved.config.model.generation} is not supported with tools yet")
 
 
 def check_tool_template(config, tokenizer) -> None:

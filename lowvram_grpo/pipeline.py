@@ -91,7 +91,6 @@ class GRPORun:
         checks.before_load(config)  # settings that cannot work together (lengths, LoRA vs the model's shape)
         self.resolved = resolve_settings(config, hardware or detect(), backend, num_processes=_num_processes())
         check_export(export, self.resolved.backend)
-        checks.check_tools_engine(self.resolved)  # tools: TRL's own loop on transformers generation only
         if self.resolved.generation == "vllm":
             from .backends.vllm import check_run_servable
 

@@ -174,6 +174,36 @@ def samples_section(summary: dict) -> str:
     return "\n\n".join(parts)
 
 
+TOOL_ROWS = (("tools/call_frequency", "tool calls per completion (parsed, TRL's count)"),
+             ("tools/written_per_completion", "<tool_call> blocks written per completion"),
+             ("tools/parsed_share", "share of written calls TRL parsed"),
+             ("tools/ran_share", "share of run calls that answered without an error or timeout"),
+             ("tools/completions_with_calls", "completions with at least one call"))
+
+
+def tools_section(rows: list[dict]) -> Optional[str]:
+    """Tool use over training (tool_metrics.py): the first and the last steps' means, and the newest transcript;
+    None when the run had no tools."""
+    from .tool_metrics import TRANSCRIPT_KEY
+
+    if not any("tools/call_frequency" in r or TRANSCRIPT_KEY in r for r in rows):
+        return None
+    window = max(1, min(10, len(rows) // 2))
+
+    def mean(part: list[dict], key: str) -> str:
+        values = [r[key] for r in part if isinstance(r.get(key), (int, float))]
+        return f"{sum(values) / len(values):.3f}" if values else "-"
+
+    lines = [f"| over training | first {window} steps | last {window} steps |", "|---|---|---|"]
+    lines += [f"| {label} | {mean(rows[:window], key)} | {mean(rows[-window:], key)} |" for key, label in TOOL_ROWS]
+    transcripts = [(r["step"], r[TRANSCRIPT_KEY]) for r in rows if isinstance(r.get(TRANSCRIPT_KEY), str)]
+    if transcripts:
+        step, text = transcripts[-1]
+        lines += ["", f"A sampled completion at step {step} (one per checkpoint in `metrics.jsonl`, `{TRANSCRIPT_KEY}`):",
+                  "", _fenced(text)]
+    return "\n".join(lines)
+
+
 def warnings_section(signals: list[Signal]) -> str:
     if not signals:
         return "None: completions mostly finished within max_completion_length, groups had differing rewards, and the reward moved."
@@ -220,6 +250,7 @@ def render(run_dir: Path, rows: list[dict], summary: Optional[dict], config: dic
         header(run_dir, summary, config, rows),
         "## Before / after on the held-out questions\n\n" + (comparison_table(summary) if summary else "Not available: the run did not finish."),
         *(["## After vs the controls\n\n" + controls_section(summary)] if summary and summary.get("controls") else []),
+        *(["## Tool use\n\n" + tools_section(rows)] if tools_section(rows) else []),
         "## Training-signal warnings\n\n" + warnings_section(signals),
         "## Plots\n\n" + plots_section(plots, config),
         "## Sample answers\n\n" + (samples_section(summary) if summary else "Not available: the run did not finish."),

@@ -31,6 +31,7 @@ from .guards import NonFiniteGuard, StopOnSignal
 from .host_memory import ReleaseHostMemory
 from .rewards import reward_functions
 from .run_dir import RunDir
+from .tool_metrics import with_tool_use
 from .tools import tool_functions
 from .signals import ALL_RIGHT_KEY, ALL_WRONG_KEY
 from .trl_compat import DynamicSampling, TrainerHooks, grpo_trainer_base, install_logprob_fallback, trainer_name
@@ -165,12 +166,19 @@ def effective_grpo_settings(trainer, asked: dict) -> dict:
 class MetricsWriter(TrainerCallback):
     """Appends each logged step to metrics.jsonl (through RunDir): `step`, `reward`, `loss` and every other TRL metric."""
 
-    def __init__(self, run_dir: RunDir):
+    def __init__(self, run_dir: RunDir, tool_use=None):
         self.run_dir = run_dir
+        self.tool_use = tool_use  # tool_metrics.ToolUse when the run has tools: a transcript at checkpoint steps
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         row = metric_row(state.global_step, logs)
         if row is not None and state.is_world_process_zero:
+            step = state.global_step
+            checkpoint = bool(args.save_steps) and step % int(args.save_steps) == 0 or step == state.max_steps
+            if self.tool_use is not None and checkpoint and self.tool_use.transcript() is not None:
+                from .tool_metrics import TRANSCRIPT_KEY
+
+                row[TRANSCRIPT_KEY] = self.tool_use.transcript()
             self.run_dir.append_metrics(row)
 
 
@@ -347,11 +355,14 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward
     asked = grpo_config_kwargs(handle.resolved, run_dir.path)
     asked.update(tool_config_kwargs(config.tools))  # tools: TRL's tool-calling rounds (none: TRL's defaults stay)
     tools = tool_functions(config.tools)  # each call bounded in time, every answer text (tools.bounded)
+    # each checked: one finite number per completion; correctness also logs all-right / all-wrong groups, and with
+    # tools the first also logs the batch's tool use and keeps a transcript (tool_metrics.py)
+    scored, tool_use = with_tool_use(
+        with_group_outcomes(reward_funcs or reward_functions(config.rewards), config.train.num_generations), tools)
     trainer = trainer_class()(
         model=handle.model,
         processing_class=handle.tokenizer,
-        # each checked: one finite number per completion; correctness also logs all-right / all-wrong groups
-        reward_funcs=with_group_outcomes(reward_funcs or reward_functions(config.rewards), config.train.num_generations),
+        reward_funcs=scored,
         args=GRPOConfig(**asked),
         train_dataset=Dataset.from_list(train_rows),
         **({"rollout_func": rollouts.rollout_func} if rollouts is not None else {}),
@@ -373,7 +384,7 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward
     if trainer.is_world_process_zero():
         trainer.add_callback(ProgressBar(config.train.max_steps, beta=config.train.beta))
         trainer.add_callback(SignalWarnings(config.train.max_completion_length))
-    trainer.add_callback(MetricsWriter(run_dir))
+    trainer.add_callback(MetricsWriter(run_dir, tool_use))
     trainer.add_callback(ReleaseHostMemory())  # freed step memory back to the OS: RSS stays flat (host_memory.py)
     if rollouts is not None:
         rollouts.attach(trainer)  # importance-sampling correction + vllm/adapter_version in metrics.jsonl

@@ -15,6 +15,7 @@ from lowvram_grpo import tools
 from lowvram_grpo.config import load_config
 from lowvram_grpo.errors import ConfigError
 from lowvram_grpo.tools import MAX_RESULT_CHARS, bounded, calculator
+from tool_transcripts import TOOL_OVERRIDES, TOOLS_FILE, check_transcripts_and_mask, scripting_build
 
 ENV = {"OMP_NUM_THREADS": "1"}
 
@@ -158,6 +159,24 @@ async def _async_raises(word: str) -> str:
     raise RuntimeError(f"no {word}\nsecond line")
 
 
+def test_tool_use_counts_written_parsed_and_unparsed_calls():
+    from lowvram_grpo.tool_metrics import tool_use, transcript_text
+
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1 + 1"}}}
+    completions = [
+        [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "name": "calculator", "content": "2"},
+         {"role": "assistant", "content": "<answer>2</answer>"}],
+        [{"role": "assistant", "content": "<tool_call>{not json}</tool_call> so 2"}],  # written, not parsed: text
+        [{"role": "assistant", "content": "2"}],
+        "plain text <tool_call>",
+    ]
+    assert tool_use(completions) == {"tools/written_per_completion": 0.75, "tools/parsed_share": 1 / 3,
+                                     "tools/completions_with_calls": 0.25}
+    assert tool_use([[{"role": "assistant", "content": "2"}]])["tools/parsed_share"] is None  # nothing written
+    assert transcript_text(completions[0]) == ('[assistant calls] calculator({"expression": "1 + 1"})\n'
+                                               "[tool calculator] 2\n[assistant] <answer>2</answer>")
+
+
 def test_a_tool_that_raises_answers_with_its_error():
     tool = bounded(_lookup, 5)
     assert tool(word="apple") == "a fruit"
@@ -208,61 +227,6 @@ def test_the_wrapper_keeps_what_the_json_schema_is_built_from():
 
 
 # --------------------------------------------------------------------------- the config and a user's tools file
-
-TOOLS_FILE = '''
-import time
-
-
-def lookup(word: str) -> str:
-    """Look a word up in a small dictionary.
-
-    Args:
-        word: The word to look up.
-    """
-    return {"apple": "a fruit"}[word]
-
-
-def slow(seconds: float) -> str:
-    """Wait, then answer.
-
-    Args:
-        seconds: How long to wait.
-    """
-    time.sleep(seconds)
-    return "done"
-
-
-def undocumented(word: str) -> str:
-    return word
-
-
-def unhinted(word):
-    """Echo.
-
-    Args:
-        word: A word.
-    """
-    return word
-
-
-def no_args_section(word: str) -> str:
-    """Echo a word."""
-    return word
-
-
-def odd_type(when: tuple[int]) -> str:
-    """Echo.
-
-    Args:
-        when: One number in a tuple.
-    """
-    return str(when)
-
-
-plus = lookup
-count = 3
-'''
-
 
 @pytest.fixture
 def tools_file(tmp_path):
@@ -331,21 +295,6 @@ def test_text_prompts_are_refused():
     with pytest.raises(ConfigError, match="tools need chat-message prompts"):
         tools.check_tool_prompts([{"prompt": "What is 2 + 2?"}], "d.jsonl")
     tools.check_tool_prompts([{"prompt": [{"role": "user", "content": "hi"}]}], "d.jsonl")
-
-
-def test_tools_need_the_hf_backend_with_transformers_generation():
-    from types import SimpleNamespace
-
-    from lowvram_grpo.checks import check_tools_engine
-
-    with_tools = load_config("tiny", ["tools.names=[calculator]"])
-    check_tools_engine(SimpleNamespace(config=with_tools, backend="hf", generation="transformers"))
-    with pytest.raises(ConfigError, match="tools.names needs the hf backend"):
-        check_tools_engine(SimpleNamespace(config=with_tools, backend="unsloth", generation="unsloth_vllm"))
-    vllm = load_config("tiny", ["tools.names=[calculator]", "model.generation=vllm"])
-    with pytest.raises(ConfigError, match="tools.names needs model.generation=transformers"):
-        check_tools_engine(SimpleNamespace(config=vllm, backend="hf", generation="vllm"))
-    check_tools_engine(SimpleNamespace(config=load_config("tiny"), backend="unsloth", generation="unsloth_vllm"))
 
 
 def test_rewards_read_the_models_last_turn_never_a_tool_result():
@@ -455,93 +404,34 @@ def test_the_built_in_calculator_trains_to_completion(tmp_path):
     assert summary["steps"] == 2 and summary["status"] == "complete"
 
 
-# The first turn every completion writes in the scripted run: three tool calls, then the end of its turn.
-SCRIPTED = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "lookup", "arguments": {"word": "pear"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "slow", "arguments": {"seconds": 3}}\n</tool_call><|im_end|>')
-RESULTS = ["5", "error: KeyError: 'pear'", "error: TimeoutError: tool 'slow' did not finish within 0.5 seconds"]
-
-
 @pytest.mark.slow
 def test_tool_results_are_masked_out_of_the_loss_and_failures_are_answers(tools_file, tmp_path, monkeypatch):
-    """A real tiny GRPO run through pipeline.run whose sampled first turn is replaced by SCRIPTED (a random model
-    never writes a parseable call); everything after is TRL's: parsing the calls, running them through our
-    wrappers, rendering the results with the model's template, generating the next turn, building tool_mask and
-    the loss. Read back: the batch TRL built (its tool_mask zeroes exactly the rendered tool results, nothing
-    the model wrote), the completions the rewards saw, the wrappers' counts; and the run finished."""
+    """A real tiny GRPO run through pipeline.run on transformers generation, first turn scripted to call three tools
+    (tool_transcripts.py); read back from what TRL built: tool results out of the loss, failures answered as text,
+    the next turns generated, the run finished."""
     from lowvram_grpo import training
     from lowvram_grpo.pipeline import run
 
-    seen = {"batches": [], "completions": []}
-    real_build = training.build_trainer
-
-    def scripted_build(handle, *args, **kwargs):
-        trainer = real_build(handle, *args, **kwargs)
-        tokenizer = handle.tokenizer
-        scripted_ids = tokenizer(SCRIPTED, add_special_tokens=False)["input_ids"]
-        turn = {"first": False}
-        generate, single_turn = trainer._generate, trainer._generate_single_turn
-        tool_loop, generate_and_score = trainer._tool_call_loop, trainer._generate_and_score_completions
-
-        def _generate(prompts):
-            turn["first"] = True
-            return generate(prompts)
-
-        def _generate_single_turn(prompt_ids, *rest, **kw):
-            ids, logprobs = single_turn(prompt_ids, *rest, **kw)  # the model really samples; the first turn is replaced
-            if turn["first"]:
-                turn["first"] = False
-                ids = [list(scripted_ids) for _ in ids]
-            return ids, logprobs
-
-        def _tool_call_loop(*a, **kw):
-            result = tool_loop(*a, **kw)
-            seen["completions"].extend(result[1])
-            return result
-
-        def _generate_and_score_completions(inputs):
-            batch = generate_and_score(inputs)
-            seen["batches"].append({k: batch[k].clone() for k in ("completion_ids", "completion_mask", "tool_mask")})
-            return batch
-
-        trainer._generate, trainer._generate_single_turn = _generate, _generate_single_turn
-        trainer._tool_call_loop, trainer._generate_and_score_completions = _tool_call_loop, _generate_and_score_completions
-        seen["trainer"], seen["tokenizer"], seen["scripted_ids"] = trainer, tokenizer, scripted_ids
-        return trainer
-
-    monkeypatch.setattr(training, "build_trainer", scripted_build)
+    seen = {}
+    monkeypatch.setattr(training, "build_trainer", scripting_build(training.build_trainer, seen))
     config = load_config("tiny", ["train.max_steps=1", "eval.enabled=false", "train.max_prompt_length=1400",
                                   "model.max_seq_length=1950", "train.max_completion_length=512",
-                                  f"tools.module={tools_file}", "tools.names=[calculator, lookup, slow]",
-                                  "tools.timeout_seconds=0.5"])
+                                  f"tools.module={tools_file}", *TOOL_OVERRIDES])
     result = run(config, tmp_path / "run", backend="hf", log=lambda *_: None)
     assert result.summary["steps"] == 1 and result.summary["status"] == "complete"
+    check_transcripts_and_mask(seen, completions=4)
+    assert [engine for engine, *_ in seen["next_turns"]] == ["transformers"]  # one next turn for all four
 
-    # what the rewards saw: the model's call, the three tools' answers (a result, an error, a timeout), its next turn
-    assert len(seen["completions"]) == 4
-    for messages in seen["completions"]:
-        assert [m["role"] for m in messages[:4]] == ["assistant", "tool", "tool", "tool"]
-        assert [c["function"]["name"] for c in messages[0]["tool_calls"]] == ["calculator", "lookup", "slow"]
-        assert [m["content"] for m in messages[1:4]] == RESULTS
-    counts = {t.__name__: (t.calls, t.failures, t.timeouts) for t in seen["trainer"].tool_functions}
-    assert counts == {"calculator": (4, 0, 0), "lookup": (4, 4, 0), "slow": (4, 0, 4)}
-
-    # the batch TRL trains on: tool_mask is 0 on exactly the rendered tool results, 1 on everything the model wrote
-    tokenizer, scripted_ids = seen["tokenizer"], seen["scripted_ids"]
-    expected_results = ("\n<|im_start|>user" + "".join(f"\n<tool_response>\n{r}\n</tool_response>" for r in RESULTS)
-                        + "<|im_end|>\n<|im_start|>assistant\n")
-    (batch,) = seen["batches"]
-    masked_total = 0
-    for ids, completion_mask, tool_mask in zip(batch["completion_ids"], batch["completion_mask"], batch["tool_mask"]):
-        length = int(completion_mask.sum())
-        ids, tool_mask = ids[:length].tolist(), tool_mask[:length].tolist()
-        n = len(scripted_ids)
-        assert ids[:n] == scripted_ids and tool_mask[:n] == [1] * n  # the model's call: trained on
-        masked = [i for i, m in enumerate(tool_mask) if m == 0]
-        assert masked == list(range(n, masked[-1] + 1))  # one contiguous block right after the call
-        assert tokenizer.decode([ids[i] for i in masked]) == expected_results  # exactly the tool results
-        assert all(m == 1 for m in tool_mask[masked[-1] + 1:])  # the model's next turn: trained on
-        assert length > masked[-1] + 1  # it did write a next turn
-        masked_total += len(masked)
-    loss_mask = batch["completion_mask"] * batch["tool_mask"]  # what TRL's loss averages over (_compute_loss)
-    assert int(batch["completion_mask"].sum() - loss_mask.sum()) == masked_total
+    # metrics.jsonl: the batch's tool use (tool_metrics.ToolUse) and, at the last step, a transcript; the report shows both
+    (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert row["tools/call_frequency"] == 3.0  # TRL's own count: three parsed calls per completion
+    written = row["tools/written_per_completion"]
+    assert written >= 3 and row["tools/parsed_share"] == pytest.approx(3 / written)  # a random next turn may add text
+    assert row["tools/ran_share"] == pytest.approx(1 / 3)  # calculator answered; lookup raised, slow timed out
+    assert row["tools/completions_with_calls"] == 1.0
+    transcript = row["tools/transcript"]
+    assert transcript.startswith('[assistant calls] calculator({"expression": "2 + 3"})\n[assistant calls] lookup(')
+    assert "[tool calculator] 5\n[tool lookup] error: KeyError: 'pear'\n[tool slow] error: TimeoutError" in transcript
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "## Tool use" in report and "| share of run calls that answered without an error or timeout | 0.333 |" in report
+    assert "[tool calculator] 5" in report

@@ -196,3 +196,20 @@ def test_a_bfloat16_model_on_a_cpu_trains_in_bf16_not_under_unsloths_fp16_autoca
     line = next(l for l in proc.stdout.splitlines() if l.startswith("GRPO as the trainer runs it: "))
     assert line.startswith(TRAINED_BY) and " bf16=True fp16=False" in line, line
     assert "fp16 False -> True" not in line, line
+
+
+def test_tools_run_multi_turn_through_unsloths_patched_trainer_with_results_masked(tmp_path):
+    """Issue 32 on the unsloth backend: UnslothGRPOTrainer carries TRL's tool loop and tool_mask; a tiny GRPO step
+    whose first turn is scripted to call three tools (tests/tool_transcripts.py), with GSPO's sequence-level ratio
+    and the dr_grpo loss (issue 33's variants on this trainer): tool results out of the loss, failures answered."""
+    from tool_transcripts import run_script
+
+    script = run_script(tmp_path, "tiny", "unsloth",
+                        ["train.importance_sampling_level=sequence", "train.loss_type=dr_grpo"])
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                          env=_env())
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert "TRAINER UnslothGRPOTrainer " in proc.stdout
+    assert "importance_sampling_level=sequence" in proc.stdout and "loss_type=dr_grpo" in proc.stdout
+    (turns,) = [line for line in proc.stdout.splitlines() if line.startswith("NEXT TURNS")]
+    assert turns.startswith("NEXT TURNS [('transformers', 4, [")

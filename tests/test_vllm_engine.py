@@ -422,3 +422,20 @@ def test_a_killed_engine_core_is_named_even_when_vllms_own_monitor_sees_it_first
             eng.generate([tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)],
                          SamplingParams(temperature=0.0, max_tokens=8), None)
     assert wait_gone(eng.pids) == [], "vLLM processes outlived close()"
+
+
+
+def test_multi_turn_tool_rollouts_run_on_the_vllm_engine_with_tool_results_masked(tmp_path):
+    """Tools with model.generation=vllm: the first turn comes from our rollout_func, TRL's tool loop runs the calls
+    and asks the engine (TRLRollouts.generate, as TRL's vllm_generation) for every next turn; a real SmolLM2 GRPO
+    step whose first turn is scripted to call three tools (tests/tool_transcripts.py), in its own process: the
+    tool results are out of the loss (the batch's tool_mask), failures are answers, the next turns came from vLLM."""
+    from tool_transcripts import run_script
+
+    script = run_script(tmp_path, "smollm2_cpu", "hf", ["model.generation=vllm", "prime.steps=0"])
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=900,
+                          preexec_fn=default_signals)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert "TRAINER GRPOTrainer TRLRollouts" in proc.stdout
+    (turns,) = [line for line in proc.stdout.splitlines() if line.startswith("NEXT TURNS")]
+    assert turns.startswith("NEXT TURNS [('vllm', 4, [")  # the four next turns, in one call to the engine

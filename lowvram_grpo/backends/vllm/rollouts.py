@@ -3,6 +3,7 @@ importance-sampling correction fed with the engine's sampling log-probs, and the
 for a model handle (start_for_run)."""
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -10,11 +11,18 @@ from .engine import _OPEN, LocalVLLMEngine
 from .settings import VLLMEngineError, settings_for
 
 
-def _prompt_ids(tokenizer, prompt) -> list[int]:
-    """A prompt's token ids as TRL's own generation path makes them."""
+def _prompt_ids(tokenizer, prompt, trainer=None) -> list[int]:
+    """A prompt's token ids as TRL's own generation path makes them (GRPOTrainer._tokenize_prompts, TRL 1.15): with
+    the trainer's tools rendered into the template (`tools or None`, as TRL: some templates render tool boilerplate
+    for an empty list), its chat_template and chat_template_kwargs."""
     if isinstance(prompt, str):
         return tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    encoded = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, return_dict=True)
+    extra = {}
+    if trainer is not None:
+        extra = dict(tools=getattr(trainer, "tools", None) or None, chat_template=getattr(trainer, "chat_template", None),
+                     **(getattr(trainer, "chat_template_kwargs", None) or {}))
+    encoded = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, return_dict=True,
+                                            **extra)
     return list(encoded["input_ids"])
 
 
@@ -46,6 +54,7 @@ class TRLRollouts:
         self.trainer = None
         self.last = {}  # the latest rollout's adapter version / step, for the logs
         self.history: list[dict] = []  # every rollout's (global step, adapter version, adapter step, vLLM id)
+        self.turns = 0  # turns generated after tool results in the current rollout (TRL's tool loop: generate())
 
     # TRL: self.vllm_generation.sync_weights() before a rollout whenever global_step moved
     def sync_weights(self) -> None:
@@ -59,18 +68,24 @@ class TRLRollouts:
             model = trainer.accelerator.unwrap_model(trainer.model)
             self.engine.sync(model, step)
 
-    def rollout_func(self, prompts: list, trainer) -> dict:
-        self.trainer = trainer
-        self.ensure_synced(trainer)
-        tokenizer = trainer.processing_class
-        runs = _runs(prompts)
-        ids = [_prompt_ids(tokenizer, p) for p, _ in runs]
-        seed = trainer.args.seed * 100_003 + trainer.state.global_step * 1_009  # same run, same samples
-        groups = self.engine.sample(
-            ids, [k for _, k in runs], temperature=trainer.temperature, top_p=trainer.top_p, top_k=trainer.top_k,
+    def _sample(self, trainer, ids: list[list[int]], counts: list[int], seed: int):
+        return self.engine.sample(
+            ids, counts, temperature=trainer.temperature, top_p=trainer.top_p, top_k=trainer.top_k,
             min_p=trainer.min_p, repetition_penalty=trainer.repetition_penalty,
             max_tokens=trainer.max_completion_length, stop_token_ids=trainer.eos_token_ids, seed=seed,
         )
+
+    def rollout_func(self, prompts: list, trainer) -> dict:
+        """The first turn of every completion. With tools, TRL's tool loop then runs the calls and asks generate()
+        for each next turn: the multi-turn rollout stays on this engine."""
+        self.trainer = trainer
+        self.ensure_synced(trainer)
+        self.turns = 0
+        tokenizer = trainer.processing_class
+        runs = _runs(prompts)
+        ids = [_prompt_ids(tokenizer, p, trainer) for p, _ in runs]
+        seed = trainer.args.seed * 100_003 + trainer.state.global_step * 1_009  # same run, same samples
+        groups = self._sample(trainer, ids, [k for _, k in runs], seed)
         policy = self.engine.policy
         self.last = {"vllm/adapter_version": policy.version, "vllm/adapter_step": policy.step,
                      "vllm/adapter_id": policy.request.lora_int_id}
@@ -82,6 +97,30 @@ class TRLRollouts:
                 out["completion_ids"].append(tokens)
                 out["logprobs"].append(logps)
         return out
+
+    # TRL's vLLM-generation interface, as its tool loop (GRPOTrainer._tool_call_loop via _generate_single_turn,
+    # TRL 1.15) uses it once sample_with made this object the trainer's `vllm_generation`.
+    @property
+    def llm(self):
+        """The engine's vLLM LLM: TRL's tool loop reads llm.llm_engine.model_config.max_model_len to drop a tool
+        result that would not fit the context."""
+        return self.engine.llm
+
+    def generate(self, prompts: list[list[int]], images=None, num_generations: int = 1, profiler=None):
+        """The next turn after tool results: `prompts` are token ids (prompt + completion so far + the rendered tool
+        results, built by TRL without re-tokenizing), sampled on the synced adapter with the rollout's settings.
+        Returns TRL's (prompt ids, completion ids, per-token [log-prob] lists, extra) of VLLMGeneration.generate."""
+        if images and any(images):
+            raise VLLMEngineError("tool results with images are not supported on this engine")
+        trainer = self.trainer
+        self.ensure_synced(trainer)
+        self.turns += 1
+        seed = trainer.args.seed * 100_003 + trainer.state.global_step * 1_009 + 7_919 * self.turns
+        with profiler if profiler is not None else contextlib.nullcontext():
+            groups = self._sample(trainer, [list(p) for p in prompts], [num_generations] * len(prompts), seed)
+        completion_ids = [tokens for group in groups for tokens, _ in group]
+        logprobs = [[[lp] for lp in logps] for group in groups for _, logps in group]
+        return list(prompts), completion_ids, logprobs, None
 
     def attach(self, trainer) -> None:
         """Hook this into a built GRPOTrainer (TRL 1.15): the version logger and, when importance
