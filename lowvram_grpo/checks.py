@@ -9,8 +9,9 @@ and a value that works:
 - LoRA: every `lora.target_modules` name must be a linear layer the model has, and `lora.r` must not
   exceed the smaller side of any layer it adapts (a rank above that adds parameters, never capacity);
 - data: `data.num_train` larger than the data can supply (after the held-out split) is a warning;
-- tools: every `tools.names` entry a checked function with a JSON schema (before the model loads), and a
-  chat template that renders and parses tool calls (after).
+- tools: every `tools.names` entry a checked function with a JSON schema, the environment a class that builds,
+  with reset and documented tool methods (before the model loads), and a chat template that renders and parses
+  tool calls (after).
 
 `before_load(config)` uses what is known without loading: the shape table or a local checkpoint's
 config.json (memory.model_shape) and the module names of the Llama/Qwen/Mistral family. `after_load`
@@ -133,20 +134,33 @@ def check_reward_names(config) -> None:
 
 
 def check_tools(config) -> None:
-    """tools.names against the tools (tools.py: the file imports, each name is a function of it or a built-in
-    tool, with a docstring and type hints, no two under one name), then each tool's JSON schema as transformers
-    builds it for the chat template (`get_json_schema`: a Google-style docstring whose Args: section describes
-    every parameter, types it can express), its error as one line. Imports the user's file (user code runs)."""
-    if not config.tools.names:
-        return
+    """tools.names and the environment against what TRL will be handed (tools.py: the files import, each name is a
+    function of it or a built-in tool, the environment a class with reset and documented, type-hinted public
+    methods, no two tools under one name), then each tool's JSON schema as transformers builds it for the chat
+    template (`get_json_schema`: a Google-style docstring whose Args: section describes every parameter, types it
+    can express), and the environment built once as TRL builds it; every error one line. Imports the user's files
+    and builds the environment (user code runs)."""
     from . import tools
 
+    if not tools.uses_tools(config):
+        return
     functions = tools.selected_tools(config.tools)
     from transformers.utils.chat_template_utils import get_json_schema
 
-    for name, fn in zip(config.tools.names, functions):
+    named = list(zip(config.tools.names, [tools.bounded(fn, config.tools.timeout_seconds) for fn in functions]))
+    cls = tools.environment_class(config.environment)
+    if cls is not None:
+        probe = tools.build_environment(tools.bounded_environment(cls, config.tools.timeout_seconds),
+                                        config.environment.module)
+        for name, _ in tools.environment_methods(type(probe)):
+            clash = next((n for n, fn in named if fn.__name__ == name), None)
+            if clash is not None:
+                raise ConfigError(f"environment {cls.__name__!r} has a method {name!r}, and tools.names has {clash!r} "
+                                  "under the same name: the model calls a tool by its name: rename one")
+            named.append((f"{cls.__name__}.{name}", getattr(probe, name)))
+    for name, fn in named:
         try:
-            get_json_schema(tools.bounded(fn, config.tools.timeout_seconds))  # what TRL is handed: the same schema
+            get_json_schema(fn)  # what TRL is handed: the same schema
         except Exception as exc:  # DocstringParsingException, TypeHintParsingException, a bad (choices: ...) list
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"tool {name!r} cannot be shown to the model as a JSON schema (transformers' "
@@ -159,7 +173,9 @@ def check_tool_template(config, tokenizer) -> None:
     conversation (TRL's supports_tool_calling), TRL must be able to parse its tool calls (a response template
     on the tokenizer, or one TRL knows for the template), and the template must keep earlier turns' tokens when
     turns follow (or TRL must have a training version of it)."""
-    if not config.tools.names:
+    from .tools import uses_tools
+
+    if not uses_tools(config):
         return
     from trl.chat_template_utils import (add_response_schema, get_training_chat_template,
                                          is_chat_template_prefix_preserving, supports_tool_calling)

@@ -1,4 +1,4 @@
-"""Typed run configuration: sections `model`, `lora`, `train`, `data`, `rewards`, `tools`, `prime`, `eval`, `memory`.
+"""Typed run configuration: sections `model`, `lora`, `train`, `data`, `rewards`, `tools`, `environment`, `prime`, `eval`, `memory`.
 
 A preset is a YAML file in `presets/` whose top-level keys are these sections. `load_config` reads it,
 applies `--set section.key=value` overrides (values parsed as YAML), checks every key and type, and
@@ -387,6 +387,28 @@ class ToolsConfig:
 
 
 @dataclass
+class EnvironmentConfig:
+    """A stateful environment the model acts in (TRL 1.15's `environment_factory`): a class whose public methods
+    are the model's tools. None by default. See docs/guide.md (Tools) and lowvram_grpo/tools.py."""
+
+    module: Optional[str] = _help(
+        "A .py file holding the environment class (relative: to the current directory, else beside the preset).", None)
+    name: Optional[str] = _help(
+        "The class in environment.module, in the form TRL's environment_factory takes: built with no arguments once "
+        "per concurrent rollout and reused; reset(**row) (or reset()) before each prompt, returning None or text "
+        "appended to the prompt; every public method a tool (docstring with Args:, type hints); an optional "
+        "get_reward() -> float scores the finished rollout as one more reward. tools.max_turns and "
+        "tools.timeout_seconds apply to its methods.", None)
+
+    def __post_init__(self):
+        _check((self.module is None) == (self.name is None),
+               "environment.module and environment.name go together: the .py file and the class in it "
+               f"(got module={self.module!r}, name={self.name!r})")
+        if self.module is not None:
+            self.module = str(Path(self.module).expanduser().resolve())  # config.yaml must work from any directory
+
+
+@dataclass
 class PrimeConfig:
     """Optional supervised priming on formatted worked solutions before GRPO (see priming.py)."""
 
@@ -477,6 +499,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "rewards": RewardsConfig,
     "tools": ToolsConfig,
+    "environment": EnvironmentConfig,
     "prime": PrimeConfig,
     "eval": EvalConfig,
     "memory": MemoryConfig,
@@ -496,6 +519,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     prime: PrimeConfig = field(default_factory=PrimeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -630,8 +654,8 @@ def read_preset(name_or_path: str) -> dict:
 
 
 def _module_beside_preset(raw: dict, preset: Path) -> None:
-    """A relative rewards.module or tools.module that is not in the current directory is looked for beside the preset."""
-    for section in ("rewards", "tools"):
+    """A relative rewards.module, tools.module or environment.module that is not in the current directory is looked for beside the preset."""
+    for section in ("rewards", "tools", "environment"):
         settings = raw.get(section)
         module = settings.get("module") if isinstance(settings, dict) else None
         if isinstance(module, str) and not Path(module).is_absolute() and not Path(module).exists():

@@ -45,7 +45,7 @@ from .hardware import detect
 from .memory import OOM_PHASES
 from .resolve import resolve as resolve_settings
 from .rewards import check_rewards, load_reward_models
-from .tools import check_tool_prompts, tool_functions
+from .tools import check_tool_prompts, prompt_tools, uses_tools
 from .run_dir import RunDir, resume_command
 from .stops import StopRequested
 
@@ -99,7 +99,7 @@ class GRPORun:
         self.train_questions, self.eval_questions = load_questions(config.data)  # data in; fails before any write
         check_rewards(config.rewards, to_prompt_rows(self.train_questions, config.data.system_prompt),
                       config.data.dataset or "built-in problems")  # each reward as TRL will call it, on this data
-        if config.tools.names:  # TRL runs tools for chat-message prompts only
+        if uses_tools(config):  # TRL runs tools for chat-message prompts only
             check_tool_prompts(to_prompt_rows(self.train_questions[:1], config.data.system_prompt),
                                config.data.dataset or "built-in problems")
         for warning in checks.surprises(config, len(self.train_questions)):
@@ -157,7 +157,7 @@ class GRPORun:
             with stops.deferred("once the vLLM engine has started"):  # then it is closed, not left behind
                 self.rollouts = start_for_run(self.handle, self.log)  # also the handle's engine for evaluation
         checks.check_tool_template(self.config, self.handle.tokenizer)  # tools: renders and parses tool calls
-        tools = tool_functions(self.config.tools)  # their schemas are part of every prompt TRL renders
+        tools = prompt_tools(self.config)  # their schemas (the environment's methods too) are in every prompt TRL renders
         limit = self.config.train.max_prompt_length
         self.train_rows, dropped = drop_long_prompts(
             to_prompt_rows(self.train_questions, self.config.data.system_prompt), self.handle.tokenizer, limit, tools)

@@ -195,7 +195,7 @@ def lookup_tool(name: str, module=None) -> Callable:
                       + ("" if module else " (or give your own in tools.module)"))
 
 
-def check_tool_function(name: str, fn, where: str) -> None:
+def check_tool_function(name: str, fn, where: str, method: bool = False) -> None:
     """What TRL and transformers need of a tool, checked without them: a function defined with def (TRL calls
     it by `__name__`), sync or async, not a generator; a docstring; a type hint on every parameter.
     checks.check_tools then builds its JSON schema with transformers (Args: descriptions, supported types)."""
@@ -208,7 +208,7 @@ def check_tool_function(name: str, fn, where: str) -> None:
     if not (inspect.getdoc(fn) or "").strip():
         raise ConfigError(f"tool {name!r} in {where} has no docstring: the model sees a tool through its docstring and "
                           "type hints; write one with an Args: section describing each parameter")
-    for parameter in inspect.signature(fn).parameters.values():
+    for parameter in list(inspect.signature(fn).parameters.values())[1 if method else 0:]:  # a method's self
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             raise ConfigError(f"tool {name!r} in {where} takes *{parameter.name}: a tool's parameters must be named "
                               "ones, each with a type hint")
@@ -240,6 +240,79 @@ def selected_tools(tools_config) -> list[Callable]:
 def tool_functions(tools_config) -> list[Callable]:
     """What TRL's GRPOTrainer is handed as `tools`: the selected functions, each wrapped by `bounded`."""
     return [bounded(fn, tools_config.timeout_seconds) for fn in selected_tools(tools_config)]
+
+
+# --------------------------------------------------------------------------- an environment (environment.*)
+
+# What TRL 1.15's GRPOTrainer reads of an environment class by these names (not tools); every other public method is one.
+ENVIRONMENT_HOOKS = ("reset", "get_reward")
+
+
+def uses_tools(config) -> bool:
+    """The run has a tool loop: tools.names, an environment, or both."""
+    return bool(config.tools.names or config.environment.name)
+
+
+def environment_class(env_config) -> Optional[type]:
+    """The class environment.name in environment.module, checked without building it (ConfigError, one line): a
+    class, with a callable reset, and at least one public method, each a tool as check_tool_function wants (its
+    self aside). None without an environment."""
+    if not env_config.name:
+        return None
+    module = import_user_file(env_config.module, "environment.module", "an environment class", ConfigError)
+    cls = vars(module).get(env_config.name)
+    where = f"environment.module {env_config.module}"
+    if not inspect.isclass(cls):
+        found = sorted(n for n, v in vars(module).items() if inspect.isclass(v) and v.__module__ == module.__name__)
+        what = "is not a class" if cls is not None else "is not defined there"
+        raise ConfigError(f"environment.name {env_config.name!r} {what}: {where} defines the classes "
+                          f"{', '.join(found) or '(none)'}")
+    if not callable(getattr(cls, "reset", None)):
+        raise ConfigError(f"environment {env_config.name!r} in {where} has no reset method: TRL calls reset() before "
+                          "each prompt (return None, or text to append to the prompt)")
+    methods = environment_methods(cls)
+    if not methods:
+        raise ConfigError(f"environment {env_config.name!r} in {where} has no public method for the model to call: "
+                          "each public method (not reset or get_reward) is a tool")
+    for name, fn in methods:
+        check_tool_function(f"{env_config.name}.{name}", fn, where, method=True)
+    return cls
+
+
+def environment_methods(cls: type) -> list[tuple[str, Callable]]:
+    """The methods TRL makes tools of, as it finds them: public functions on the class (inherited too), but reset
+    and get_reward."""
+    return [(n, f) for n, f in inspect.getmembers(cls, predicate=inspect.isfunction)
+            if not n.startswith("_") and n not in ENVIRONMENT_HOOKS]
+
+
+def bounded_environment(cls: type, timeout_seconds: float) -> type:
+    """`cls` with every tool method bounded (each call ends within the limit with text, as `bounded`); reset and
+    get_reward as they are. What TRL's environment_factory builds: one instance per concurrent rollout."""
+    wrapped = {name: bounded(fn, timeout_seconds) for name, fn in environment_methods(cls)}
+    return type(cls.__name__, (cls,), {**wrapped, "__module__": cls.__module__, "__doc__": cls.__doc__})
+
+
+def build_environment(cls: type, where: str):
+    """One instance of the environment (its constructor is the user's code): ConfigError, one line, if it fails."""
+    try:
+        return cls()
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise ConfigError(f"environment {cls.__name__!r} in {where} cannot be built with no arguments, as TRL builds "
+                          f"it: {first_line(exc)}") from None
+
+
+def prompt_tools(config) -> list[Callable]:
+    """The tools a prompt renders (their schemas go into every prompt TRL renders): the bounded tools.names
+    functions, then the environment's tool methods, bound to a probe instance."""
+    found = tool_functions(config.tools)
+    cls = environment_class(config.environment)
+    if cls is not None:
+        probe = build_environment(bounded_environment(cls, config.tools.timeout_seconds), config.environment.module)
+        found += [getattr(probe, name) for name, _ in environment_methods(type(probe))]
+    return found
 
 
 def check_tool_prompts(rows: list[dict], source: str) -> None:

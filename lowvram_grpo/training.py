@@ -32,7 +32,7 @@ from .host_memory import ReleaseHostMemory
 from .rewards import reward_functions
 from .run_dir import RunDir
 from .tool_metrics import with_tool_use
-from .tools import tool_functions
+from .tools import bounded_environment, environment_class, environment_methods, tool_functions
 from .signals import ALL_RIGHT_KEY, ALL_WRONG_KEY
 from .trl_compat import DynamicSampling, TrainerHooks, grpo_trainer_base, install_logprob_fallback, trainer_name
 
@@ -89,10 +89,10 @@ def grpo_config_kwargs(resolved, output_dir: Path) -> dict:
     )
 
 
-def tool_config_kwargs(tools_config) -> dict:
-    """GRPOConfig's tool settings: with tools.names, max_tool_calling_iterations = tools.max_turns (TRL: rounds of
-    running the latest turn's tool calls and generating on); without tools nothing, so TRL's defaults stay."""
-    return {"max_tool_calling_iterations": tools_config.max_turns} if tools_config.names else {}
+def tool_config_kwargs(tools_config, environment: bool = False) -> dict:
+    """GRPOConfig's tool settings: with tools.names or an environment, max_tool_calling_iterations = tools.max_turns
+    (TRL: rounds of running the latest turn's tool calls and generating on); without, nothing: TRL's defaults stay."""
+    return {"max_tool_calling_iterations": tools_config.max_turns} if tools_config.names or environment else {}
 
 
 def grpo_args(resolved, output_dir: Path) -> GRPOConfig:
@@ -353,12 +353,15 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward
     config = handle.config
     install_logprob_fallback()  # TRL's log-prob kernel is Triton (GPU only): route CPU tensors to PyTorch
     asked = grpo_config_kwargs(handle.resolved, run_dir.path)
-    asked.update(tool_config_kwargs(config.tools))  # tools: TRL's tool-calling rounds (none: TRL's defaults stay)
+    asked.update(tool_config_kwargs(config.tools, bool(config.environment.name)))  # TRL's tool-calling rounds
     tools = tool_functions(config.tools)  # each call bounded in time, every answer text (tools.bounded)
+    environment = environment_class(config.environment)  # TRL builds it (one per concurrent rollout), methods bounded
+    environment = bounded_environment(environment, config.tools.timeout_seconds) if environment is not None else None
+    counted = tools + [fn for _, fn in environment_methods(environment)] if environment is not None else tools
     # each checked: one finite number per completion; correctness also logs all-right / all-wrong groups, and with
     # tools the first also logs the batch's tool use and keeps a transcript (tool_metrics.py)
     scored, tool_use = with_tool_use(
-        with_group_outcomes(reward_funcs or reward_functions(config.rewards), config.train.num_generations), tools)
+        with_group_outcomes(reward_funcs or reward_functions(config.rewards), config.train.num_generations), counted)
     trainer = trainer_class()(
         model=handle.model,
         processing_class=handle.tokenizer,
@@ -367,8 +370,9 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward
         train_dataset=Dataset.from_list(train_rows),
         **({"rollout_func": rollouts.rollout_func} if rollouts is not None else {}),
         **({"tools": tools} if tools else {}),  # multi-turn: TRL parses <tool_call>s, runs them, masks their results
+        **({"environment_factory": environment} if environment is not None else {}),  # its methods are tools too
     )
-    trainer.tool_functions = tools  # their call / failure / timeout counts
+    trainer.tool_functions = counted  # their call / failure / timeout counts
     for callback in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(callback)
     trainer.run_dir = run_dir

@@ -15,7 +15,8 @@ from lowvram_grpo import tools
 from lowvram_grpo.config import load_config
 from lowvram_grpo.errors import ConfigError
 from lowvram_grpo.tools import MAX_RESULT_CHARS, bounded, calculator
-from tool_transcripts import TOOL_OVERRIDES, TOOLS_FILE, check_transcripts_and_mask, scripting_build
+from tool_transcripts import (ENVIRONMENT_FILE, TOOL_OVERRIDES, TOOLS_FILE, check_transcripts_and_mask,
+                              scripting_build)
 
 ENV = {"OMP_NUM_THREADS": "1"}
 
@@ -435,3 +436,89 @@ def test_tool_results_are_masked_out_of_the_loss_and_failures_are_answers(tools_
     report = (tmp_path / "run" / "report.md").read_text()
     assert "## Tool use" in report and "| share of run calls that answered without an error or timeout | 0.333 |" in report
     assert "[tool calculator] 5" in report
+
+
+# --------------------------------------------------------------------------- an environment (environment.*)
+
+@pytest.fixture
+def environment_file(tmp_path):
+    path = tmp_path / "shop.py"
+    path.write_text(ENVIRONMENT_FILE)
+    return path
+
+
+ENVIRONMENT_PROBLEMS = [
+    ("Missing", "environment.name 'Missing' is not defined there: environment.module {file} defines the classes "
+                "Broken, Clash, NoReset, Nothing, Shop, Undocumented"),
+    ("not_a_class", "environment.name 'not_a_class' is not a class"),
+    ("NoReset", "environment 'NoReset' in environment.module {file} has no reset method"),
+    ("Nothing", "environment 'Nothing' in environment.module {file} has no public method for the model to call"),
+    ("Undocumented", "tool 'Undocumented.count' in environment.module {file} has no docstring"),
+    ("Broken", "environment 'Broken' in {file} cannot be built with no arguments, as TRL builds it: RuntimeError: "
+               "no stock today"),
+    ("Clash", "environment 'Clash' has a method 'calculator', and tools.names has 'calculator' under the same name"),
+]
+
+
+@pytest.mark.parametrize("name, problem", ENVIRONMENT_PROBLEMS, ids=[n for n, _ in ENVIRONMENT_PROBLEMS])
+def test_a_bad_environment_is_one_line(name, problem, environment_file):
+    from lowvram_grpo.checks import check_tools
+
+    with pytest.raises(ConfigError) as info:
+        check_tools(load_config("tiny", ["tools.names=[calculator]", f"environment.module={environment_file}",
+                                         f"environment.name={name}"]))
+    assert problem.format(file=environment_file) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_environment_settings_go_together_and_a_missing_file_is_one_line_before_anything_is_written(tmp_path):
+    with pytest.raises(ConfigError, match="environment.module and environment.name go together"):
+        load_config("tiny", ["environment.name=Shop"])
+    out = tmp_path / "run"
+    proc = run_cli("--preset", "tiny", "--set", f"environment.module={tmp_path / 'nope.py'}", "--set",
+                   "environment.name=Shop", "--output-dir", str(out), env=ENV)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: environment.module {tmp_path / 'nope.py'} does not exist: give "
+                                                "the path of a .py file (relative to the current directory or the preset)"]
+    assert not out.exists()
+
+
+def test_an_environments_methods_are_bounded_tools_and_its_hooks_are_not(environment_file):
+    from lowvram_grpo.tools import bounded_environment, environment_class, environment_methods
+
+    cls = environment_class(load_config("tiny", [f"environment.module={environment_file}",
+                                                 "environment.name=Shop"]).environment)
+    bounded_cls = bounded_environment(cls, 0.2)
+    assert [n for n, _ in environment_methods(bounded_cls)] == ["lookup", "slow"]  # not reset, get_reward, _private
+    shop = bounded_cls()
+    assert isinstance(shop, cls) and shop.reset(answer="7") is None and shop.resets == ["7"]
+    assert shop.lookup(word="apple") == "a fruit" and shop.lookup(word="pear") == "error: KeyError: 'pear'"
+    assert shop.slow(seconds=2) == "error: TimeoutError: tool 'slow' did not finish within 0.2 seconds"
+    assert shop.get_reward() == 2.0  # its state, as the methods left it; get_reward is not wrapped
+
+
+@pytest.mark.slow
+def test_an_environment_trains_its_methods_are_tools_reset_per_prompt_and_its_reward_counts(environment_file, tmp_path,
+                                                                                          monkeypatch):
+    """TRL 1.15's environment_factory on a real tiny GRPO step, first turn scripted (tool_transcripts.py): the
+    calculator from tools.names, lookup and slow from the environment (one instance per rollout, reset per prompt),
+    its get_reward a reward column; tool results masked, failures answered, config.yaml records the environment."""
+    from lowvram_grpo import training
+    from lowvram_grpo.pipeline import run
+
+    seen = {}
+    monkeypatch.setattr(training, "build_trainer", scripting_build(training.build_trainer, seen))
+    config = load_config("tiny", ["train.max_steps=1", "eval.enabled=false", "train.max_prompt_length=1400",
+                                  "model.max_seq_length=1950", "train.max_completion_length=512", *TOOL_OVERRIDES,
+                                  "tools.names=[calculator]", f"environment.module={environment_file}",
+                                  "environment.name=Shop"])
+    result = run(config, tmp_path / "run", backend="hf", log=lambda *_: None)
+    assert result.summary["status"] == "complete"
+    check_transcripts_and_mask(seen, completions=4)
+    trainer = seen["trainer"]
+    shops = [e for e in trainer.environments if e is not None]
+    assert len(shops) == 4 and len({id(e) for e in shops}) == 4  # one per rollout
+    assert all(len(e.resets) == 1 and e.lookups == 1 for e in shops)  # reset once for its prompt, one lookup since
+    (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert row["rewards/Shop/mean"] == 1.0  # get_reward: the lookups of each rollout
+    recorded = __import__("yaml").safe_load((tmp_path / "run" / "config.yaml").read_text())["environment"]
+    assert recorded == {"module": str(environment_file), "name": "Shop"}

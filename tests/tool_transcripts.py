@@ -202,3 +202,93 @@ def run_script(tmp_path, preset: str, backend: str, overrides=()) -> str:
     tools_file.write_text(TOOLS_FILE)
     return RUN_SCRIPT.format(tests=str(Path(__file__).parent), preset=preset, backend=backend, tools_file=str(tools_file),
                              overrides=list(overrides), out=str(tmp_path / "run"))
+
+
+# An environment in TRL 1.15's form whose methods are the scripted call's lookup and slow (tools.names keeps the
+# calculator): reset per prompt, state per rollout, get_reward from that state.
+ENVIRONMENT_FILE = '''
+import time
+
+
+class Shop:
+    """A small shop whose stock the model can look up."""
+
+    def __init__(self):
+        self.lookups = 0
+        self.resets = []
+
+    def reset(self, **row):
+        self.lookups = 0
+        self.resets.append(row.get("answer"))
+        return None
+
+    def lookup(self, word: str) -> str:
+        """Look a word up in the shop's stock.
+
+        Args:
+            word: The word to look up.
+        """
+        self.lookups += 1
+        return {"apple": "a fruit"}[word]
+
+    def slow(self, seconds: float) -> str:
+        """Wait, then answer.
+
+        Args:
+            seconds: How long to wait.
+        """
+        time.sleep(seconds)
+        return "done"
+
+    def get_reward(self) -> float:
+        return float(self.lookups)
+
+    def _private(self):
+        return "never a tool"
+
+
+class Broken(Shop):
+    """Cannot be built."""
+
+    def __init__(self):
+        raise RuntimeError("no stock today")
+
+
+class NoReset:
+    """No reset."""
+
+    def look(self, word: str) -> str:
+        """Look.
+
+        Args:
+            word: A word.
+        """
+        return word
+
+
+class Undocumented(Shop):
+    def count(self, n: int) -> str:
+        return str(n)
+
+
+class Nothing:
+    """Only hooks."""
+
+    def reset(self, **row):
+        return None
+
+
+class Clash(Shop):
+    """Its method has a built-in tool's name."""
+
+    def calculator(self, expression: str) -> str:
+        """Compute.
+
+        Args:
+            expression: Arithmetic.
+        """
+        return expression
+
+
+not_a_class = 3
+'''
