@@ -227,6 +227,8 @@ CONFIG_CASES = [
     ("tools.module", "{tmp}/tools_good.py", "tools.module is set but tools.names is empty"),
     ("tools.max_turns", "0", "tools.max_turns must be >= 1"),
     ("tools.timeout_seconds", "0", "tools.timeout_seconds must be > 0"),
+    ("environment.name", "Shop", "environment.module and environment.name go together"),
+    ("environment.module", "{tmp}/tools_good.py", "environment.module and environment.name go together"),
     ("prime.steps", "-1", "prime.steps must be >= 0"),
     ("prime.learning_rate", "0", "prime.learning_rate must be > 0"),
     ("prime.batch_size", "0", "prime.batch_size must be >= 1"),
@@ -389,13 +391,13 @@ CROSS_CASES = [
     ("context-after-load", ["--set", "model.name={tmp}/gpt2-tiny", "--set", "lora.target_modules=[c_attn]",
                             "--set", "model.max_seq_length=1024"],
      "model.max_seq_length=1024 is longer than {tmp}/gpt2-tiny's context of 512 tokens"),
-    ("tools-backend", ["--backend", "unsloth", "--set", "tools.names=[calculator]"],
-     "tools.names needs the hf backend (TRL's tool loop with transformers generation); this run uses the unsloth backend"),
+    ("environment", ["--set", "environment.module={tmp}/no_env.py", "--set", "environment.name=Shop"],
+     "environment.module {tmp}/no_env.py does not exist"),
     ("tools-template-after-load", ["--set", "model.name={tmp}/gpt2-plain-chat", "--set", "lora.target_modules=[c_attn]",
                                    "--set", "tools.names=[calculator]"],
      "{tmp}/gpt2-plain-chat's chat template cannot render tool calls"),
 ]
-CHECK_CLASSES = {"lengths", "context", "lora-target", "lora-rank", "held-out", "tools-backend", "tools-template"}
+CHECK_CLASSES = {"lengths", "context", "lora-target", "lora-rank", "held-out", "environment", "tools-template"}
 
 
 @pytest.fixture(scope="module")
