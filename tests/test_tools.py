@@ -371,6 +371,42 @@ def test_smollm2_ships_a_tool_calling_chat_format():
     _check_tool_format(AutoTokenizer.from_pretrained(ensure_smollm2()), original)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("template", ["qwen2_5_chat_template", "llama3_1_chat_template"])
+def test_the_gpu_presets_templates_as_the_pinned_trl_knows_them(template):
+    """The GPU presets' models (Qwen2.5: qwen1_5b_4bit, qwen3b_4bit; Llama 3.1: llama8b_4bit) with their own chat
+    templates, the copies TRL 1.15 ships and recognises (on SmolLM2's byte-level tokenizer: no hub here). Qwen2.5's
+    renders the tools, TRL sets its response parser, and a call written in it parses back; Llama 3.1's is not
+    prefix-preserving once a tool result follows and TRL 1.15 has no training version of it (GRPOTrainer would raise
+    at init), so a llama8b_4bit run with tools stops right after the model loads, with one line."""
+    from transformers import AutoTokenizer
+    from trl import chat_template_utils
+    from trl.chat_template_utils import parse_response
+
+    from lowvram_grpo.checks import check_tool_template
+    from lowvram_grpo.smollm2 import ensure_smollm2
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2())
+    tokenizer.chat_template, tokenizer.response_template = getattr(chat_template_utils, template), None
+    config = load_config("tiny", ["tools.names=[calculator]"])
+    if template == "llama3_1_chat_template":
+        with pytest.raises(ConfigError, match="renders earlier turns differently once a tool result follows, and TRL "
+                                              "has no training version of it"):
+            check_tool_template(config, tokenizer)
+        return
+    check_tool_template(config, tokenizer)
+    assert tokenizer.response_template is not None  # TRL's parser for this template (add_response_schema)
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}
+    prefix = tokenizer.apply_chat_template(messages, tools=[calculator], add_generation_prompt=True, tokenize=True,
+                                           return_dict=True)["input_ids"]
+    full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "tool_calls": [call]}], tools=[calculator],
+                                         tokenize=True, return_dict=True)["input_ids"]
+    assert '"name": "calculator"' in tokenizer.decode(prefix)  # the tool's schema is in the prompt
+    assert list(full[:len(prefix)]) == list(prefix)
+    assert parse_response(tokenizer, list(full[len(prefix):]), prefix=list(prefix))["tool_calls"] == [call]
+
+
 # --------------------------------------------------------------------------- real runs
 
 def _tool_run_args(out, *sets):
