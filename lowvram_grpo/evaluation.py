@@ -94,6 +94,9 @@ def protocol(config) -> dict:
         described.update(top_p=ev.top_p, seed=ev.seed, answers_per_question=1)
     if ev.samples:
         described["samples"] = {"k": ev.samples, "temperature": ev.sample_temperature, "top_p": ev.top_p, "seed": ev.seed}
+    if config.tools.names or config.environment.name:  # answered with tools (tool_turns.py): max_tokens per turn
+        described["tools"] = {"names": list(config.tools.names), "environment": config.environment.name,
+                              "max_turns": config.tools.max_turns}
     return described
 
 
@@ -113,9 +116,14 @@ def protocol_label(described: Optional[dict]) -> str:
 
 
 def generate_answers(handle: ModelHandle, rows: list[dict], config, lora_request: Optional[LoraRequest],
-                     temperature: Optional[float] = None) -> list[Completion]:
+                     temperature: Optional[float] = None, tool_counts: Optional[dict] = None) -> list[Completion]:
     """One completion per row, in batches of eval.batch_size, at `temperature` (default eval.temperature;
-    0 = greedy). Sampling uses eval.top_p and a seed per batch, identical for every column."""
+    0 = greedy). Sampling uses eval.top_p and a seed per batch, identical for every column. A run with tools
+    answers with them (tool_turns.py: multi-turn, the answer is the model's last turn); `tool_counts` then adds up
+    the calls, the calls that ran and the answers that called a tool."""
+    from .tools import uses_tools
+
+    with_tools = uses_tools(config)
     ev = config.eval
     temperature = ev.temperature if temperature is None else temperature
     texts: list[Completion] = []
@@ -127,7 +135,16 @@ def generate_answers(handle: ModelHandle, rows: list[dict], config, lora_request
             max_tokens=config.train.max_completion_length,
             seed=ev.seed + start,  # per batch, identical for before and after
         )
-        texts += handle.generate([r["prompt"] for r in batch], params, lora_request=lora_request)
+        if with_tools:
+            from .tool_turns import generate_with_tools
+
+            answers, _, counts = generate_with_tools(handle, batch, config, params, lora_request)
+            texts += answers
+            if tool_counts is not None:
+                for key, value in counts.items():
+                    tool_counts[key] = tool_counts.get(key, 0) + value
+        else:
+            texts += handle.generate([r["prompt"] for r in batch], params, lora_request=lora_request)
         host_memory.release()  # the batch's KV cache and logits back to the OS (host_memory.py)
     return texts
 
@@ -234,9 +251,14 @@ def sampled_numbers(rows: list[dict], texts: list[str], k: int) -> dict:
 
 def evaluate(handle: ModelHandle, rows: list[dict], config, lora_request: Optional[LoraRequest]) -> tuple[dict, list[str]]:
     """The column's numbers under the configured protocol, and its answers (the greedy ones by default)."""
-    generated = generate_answers(handle, rows, config, lora_request)
+    tool_counts: dict = {}
+    generated = generate_answers(handle, rows, config, lora_request, tool_counts=tool_counts)
     numbers = score(rows, generated, config, tokenizer=handle.tokenizer)
     numbers["protocol"] = protocol(config)
+    if tool_counts:  # answered with tools (tool_turns.py)
+        calls = tool_counts["calls"]
+        numbers["tools"] = {"calls_per_answer": calls / len(rows), "answers_with_calls": tool_counts["answers_with_calls"] / len(rows),
+                            "ran_share": tool_counts["ran"] / calls if calls else None}
     k = config.eval.samples
     if k:
         repeated = [r for r in rows for _ in range(k)]

@@ -558,3 +558,50 @@ def test_an_environment_trains_its_methods_are_tools_reset_per_prompt_and_its_re
     assert row["rewards/Shop/mean"] == 1.0  # get_reward: the lookups of each rollout
     recorded = __import__("yaml").safe_load((tmp_path / "run" / "config.yaml").read_text())["environment"]
     assert recorded == {"module": str(environment_file), "name": "Shop"}
+
+
+# --------------------------------------------------------------------------- held-out answers with tools
+
+EVAL_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
+
+
+@pytest.mark.slow
+def test_held_out_answers_use_the_tools_multi_turn_and_count_them(tmp_path, monkeypatch):
+    """A tool run measures its held-out columns with the tools (tool_turns.py), on the run's engine: a real tiny run
+    whose model writes, as its first turn to every question, one calculator call (the engine's first-round output
+    replaced: a random model never writes one); the call runs, its result goes back, the model writes on, and the
+    answer scored is its last turn. summary.json counts the calls per column and names the tools in the protocol."""
+    from lowvram_grpo.backends.base import Completion, TransformersEngine
+    from lowvram_grpo.pipeline import run
+    from lowvram_grpo import tool_turns
+
+    real_generate, seen = TransformersEngine.generate, {"prompts": [], "turns": []}
+
+    def first_turn_calls(self, texts, params, lora_request):
+        out = real_generate(self, texts, params, lora_request)  # the model really generates
+        seen["prompts"] += texts
+        return [Completion(EVAL_CALL, c.num_tokens) if "<tool_response>" not in t else c for t, c in zip(texts, out)]
+
+    real_turns = tool_turns.generate_with_tools
+
+    def recorded(*a, **kw):
+        answers, turns, counts = real_turns(*a, **kw)
+        seen["turns"] += turns
+        return answers, turns, counts
+
+    monkeypatch.setattr(TransformersEngine, "generate", first_turn_calls)
+    monkeypatch.setattr(tool_turns, "generate_with_tools", recorded)
+    config = load_config("tiny", ["train.max_steps=1", "data.eval_size=2", "eval.batch_size=2", "tools.max_turns=2",
+                                  "train.max_prompt_length=1024", "model.max_seq_length=1200", "tools.names=[calculator]"])
+    result = run(config, tmp_path / "run", backend="hf", log=lambda *_: None)
+    summary = result.summary
+    for column in ("before", "after"):
+        assert summary[column]["tools"] == {"calls_per_answer": 1.0, "answers_with_calls": 1.0, "ran_share": 1.0}
+        assert summary[column]["protocol"]["tools"] == {"names": ["calculator"], "environment": None, "max_turns": 2}
+    assert len(seen["turns"]) == 4  # two questions, two columns
+    for turns in seen["turns"]:
+        assert [m["role"] for m in turns] == ["assistant", "tool", "assistant"]
+        assert turns[0]["tool_calls"][0]["function"] == {"name": "calculator", "arguments": {"expression": "6 * 7"}}
+        assert turns[1] == {"role": "tool", "name": "calculator", "content": "42"}
+    assert sum('"name": "calculator"' in p for p in seen["prompts"]) == len(seen["prompts"])  # schemas in every prompt
+    assert sum("<tool_response>\n42\n</tool_response>" in p for p in seen["prompts"]) == 4  # the result went back
