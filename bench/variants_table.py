@@ -1,6 +1,7 @@
 """Issue 33's table: what the reward teaches, and the field's GRPO variants, on the default job, per seed.
 
     python -m bench.variants_table run --seed 3407 --root runs/variants    # one seed, ~50 min on 2 bf16 cores
+    python -m bench.variants_table run --seed 1 --only control             # the default and the control only
     python -m bench.variants_table table                                   # docs/results.md's table, from the JSON
 
 `run` does, for one seed, each step only if its result is not there yet (so a stopped seed goes on):
@@ -67,7 +68,7 @@ def _entry(label: str, command: str, wall: float, numbers: dict, primed: dict, d
             "vs_default": {k: paired_change(default_after, numbers, k) for k in KEYS}}
 
 
-def run_seed(seed: int, root: Path) -> Path:
+def run_seed(seed: int, root: Path, only: tuple[str, ...] = ()) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     OUT.mkdir(parents=True, exist_ok=True)
     out = OUT / f"seed-{seed}.json"
@@ -107,7 +108,7 @@ def run_seed(seed: int, root: Path) -> Path:
         save()
 
     for name, (label, sets) in VARIANTS.items():
-        if name in record["variants"]:
+        if name in record["variants"] or (only and name not in only):
             continue
         folder = root / f"{name}-{seed}"
         argv = ["lowvram_grpo.run", "--preset", PRESET, *seeded, "--init-adapter", str(default / "primed_adapter"),
@@ -158,11 +159,17 @@ def main(argv=None) -> int:
     one = sub.add_parser("run", help="run (or finish) one seed")
     one.add_argument("--seed", type=int, required=True)
     one.add_argument("--root", type=Path, default=Path("runs/variants"))
+    one.add_argument("--only", default="", help=f"comma-separated, among default, control, {', '.join(VARIANTS)}: "
+                     "what to run this time (default: all); the default and the control always come first")
     sub.add_parser("table", help="print the table from bench/results/variants/seed-*.json")
     args = parser.parse_args(argv)
     if args.what == "run":
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
-        run_seed(args.seed, args.root)
+        only = tuple(n for n in args.only.split(",") if n)
+        unknown = [n for n in only if n not in ("default", "control", *VARIANTS)]
+        if unknown:
+            parser.error(f"--only: unknown variant {unknown[0]!r}; choose among default, control, {', '.join(VARIANTS)}")
+        run_seed(args.seed, args.root, only)
         return 0
     records = [json.loads(p.read_text()) for p in sorted(OUT.glob("seed-*.json"))]
     print(table(records))

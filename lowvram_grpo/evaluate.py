@@ -3,6 +3,7 @@
     lowvram-grpo eval --adapter RUN/adapter                              # the run's own held-out questions
     lowvram-grpo eval --adapter RUN/primed_adapter --adapter RUN/adapter --dataset test.jsonl
     lowvram-grpo eval --model HuggingFaceTB/SmolLM2-135M-Instruct --adapter ~/their_lora --dataset my.jsonl --json
+    lowvram-grpo eval --adapter RUN/adapter --without-tools              # a run with tools: also without them
     python -m lowvram_grpo.evaluate ...                                  # the same command
 
 Columns: the base model, then each `--adapter` (ours, or any PEFT adapter of the same base), all on the
@@ -20,6 +21,10 @@ questions); with `--dataset FILE` (any file or hub id the trainer accepts, read 
 every question of it, or the first `--limit N` in the data seed's order (those a run with
 `data.eval_dataset=FILE`, `data.eval_size=N` holds out). Bad arguments and bad input are one `error:` line
 and exit 2 before the model loads.
+
+Tools: a config with tools (tools.names, an environment) answers multi-turn with them (tool_turns.py).
+`--without-tools` measures every column a second time without them ("NAME no-tools": no schemas in the
+prompt, one turn), right beside it, with the paired change between the two: what the tools add to that model.
 """
 from __future__ import annotations
 
@@ -50,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable), e.g. --set eval.samples=4")
     p.add_argument("--backend", default="auto", choices=["auto", "unsloth", "hf"], help="model backend (default: auto)")
+    p.add_argument("--without-tools", action="store_true", help="with a config that has tools: measure each column "
+                   "again without them, beside it, with the paired change")
     p.add_argument("--json", action="store_true", help="print one JSON object (columns, protocol, paired changes) instead of the table")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     return p
@@ -97,10 +104,13 @@ def run_config_path(columns: list[Column]) -> Optional[Path]:
     return None
 
 
-def build_config(args, columns: list[Column]):
+NO_TOOLS = ["tools.names=[]", "tools.module=null", "environment.module=null", "environment.name=null"]
+
+
+def build_config(args, columns: list[Column], without_tools: bool = False):
     from .config import load_config
 
-    overrides = list(args.overrides)
+    overrides = list(args.overrides) + (NO_TOOLS if without_tools else [])
     if args.model:
         overrides.append(f"model.name={args.model}")
     if args.limit and not args.dataset:
@@ -169,19 +179,24 @@ def load_rows(config, dataset: Optional[str], limit: Optional[int]) -> tuple[lis
 
 # --------------------------------------------------------------------------- scoring and output
 
-def comparisons(columns: list[tuple[str, dict]]) -> list[tuple[str, dict, str, dict]]:
-    """Each adapter against the base, and each adapter against the one before it."""
+def comparisons(columns: list[tuple[str, dict]], twins: bool = False) -> list[tuple[str, dict, str, dict]]:
+    """Each adapter against the base, and each adapter against the one before it. With `twins` (--without-tools:
+    every column followed by itself measured without tools): each column against its twin, and the comparisons
+    above within each kind (with tools, without)."""
+    if twins:
+        return ([(a_name, a, b_name, b) for (a_name, a), (b_name, b) in zip(columns[::2], columns[1::2])]
+                + comparisons(columns[::2]) + comparisons(columns[1::2]))
     base_name, base = columns[0]
     pairs = [(base_name, base, name, numbers) for name, numbers in columns[1:]]
     pairs += [(a_name, a, b_name, b) for (a_name, a), (b_name, b) in zip(columns[1:], columns[2:])]
     return pairs
 
 
-def as_json(config, where: str, named: list[tuple[str, dict]], adapters: list[Optional[Path]]) -> dict:
+def as_json(config, where: str, named: list[tuple[str, dict]], adapters: list[Optional[Path]], twins: bool = False) -> dict:
     from .evaluation import WITH_INTERVAL, paired_change, protocol, protocol_label
 
     paired = []
-    for start_name, start, end_name, end in comparisons(named):
+    for start_name, start, end_name, end in comparisons(named, twins):
         for key in WITH_INTERVAL:
             got = paired_change(start, end, key)
             if got is not None:
@@ -203,6 +218,14 @@ def score_columns(args) -> int:
     from . import checks
     from .hardware import detect
     from .resolve import resolve
+    from .tools import uses_tools
+
+    plain = None
+    if args.without_tools:
+        if not uses_tools(config):
+            raise ConfigError("--without-tools: these settings have no tools (tools.names, environment) to measure "
+                              "without; give a run's adapter whose config.yaml has them, or drop --without-tools")
+        plain = build_config(args, columns, without_tools=True)
 
     checks.before_load(config)
     resolved = resolve(config, detect(), args.backend)
@@ -231,17 +254,22 @@ def score_columns(args) -> int:
                     except AdapterError as exc:
                         raise AdapterError(str(exc), exit_code=2) from None
                 numbers, _ = evaluate(handle, rows, config, lora_request=request)
+                named.append((column.name, numbers))
+                if plain is not None:
+                    say(f"measuring {column.name} without tools ...")
+                    numbers, _ = evaluate(handle, rows, plain, lora_request=request)
+                    named.append((f"{column.name} no-tools", numbers))
                 if request is not None:  # one adapter in memory at a time, however many columns
                     handle.release_lora(request)
-                named.append((column.name, numbers))
     except stops.StopRequested as exc:
         raise stops.StopRequested(exc.signum, f"stopped by {stops.name(exc.signum)} while measuring {column.name}: "
                                               f"eval writes nothing; run it again: {stops.same_command()}") from None
     if args.json:
-        print(json.dumps(as_json(config, where, named, [None, *[c.adapter for c in columns]]), indent=1))
+        adapters = [a for c in [Column("base", None), *columns] for a in [c.adapter] * (2 if plain else 1)]
+        print(json.dumps(as_json(config, where, named, adapters, twins=plain is not None), indent=1))
     else:
         print(f"\n{config.model.name}, {len(rows)} questions from {where}")
-        print(format_columns(named, comparisons(named)))
+        print(format_columns(named, comparisons(named, twins=plain is not None)))
     return 0
 
 

@@ -10,6 +10,12 @@ GRPO step. The run reports base -> primed -> after GRPO, so GRPO's own gain is v
 The loss is the usual next-token cross-entropy on the completion tokens only (prompt masked), on the
 same LoRA parameters GRPO then trains, with a plain AdamW of its own.
 
+A run with tools primes on the prompts GRPO sees (rendered with the tools' schemas). When the built-in
+`calculator` is among them, a worked example becomes a transcript that uses it (`tool_transcript`): one
+assistant turn calling the calculator once per calculation the solution does (GSM8K's `<<48/2=24>>`
+annotations, or the built-in problems' `a + b = c`), the results as tool messages, then the formatted
+answer. Both assistant turns are trained; the tool results and the prompt are masked, as TRL masks them.
+
 In a run (`checkpoints`: its RunDir) priming writes prime-checkpoint-N every `prime.save_steps` steps, at
 its last step, and when a signal stops it (stops.py: the stop comes between two steps); `resume_from`
 continues from one. A checkpoint holds the trainable weights, the optimizer, the RNG states, and the losses
@@ -18,6 +24,7 @@ and seconds so far, so a priming stopped and continued ends with the same adapte
 from __future__ import annotations
 
 import random
+import re
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -27,18 +34,71 @@ from .data import Question, prompt_of
 from .errors import RunDirError
 from .rewards import xml_formatted
 from .run_dir import PRIME_STATE
+from .tools import calculator, prompt_tools, uses_tools
+
+_ANNOTATION = re.compile(r"<<([^=<>]+)=[^<>]*>>")  # GSM8K's calculator annotations: <<48/2=24>>
+_NUMBER = r"\d+(?:\.\d+)?"
+_EQUATION = re.compile(rf"({_NUMBER}(?:\s*[-+*/]\s*{_NUMBER})+)\s*=")  # the built-in problems' `a + b = c`
 
 
-def _batch(tokenizer, prompts: list[str], targets: list[str], max_length: int):
+def calculations(solution: str) -> list[str]:
+    """The arithmetic a worked solution does, as calculator expressions, in order."""
+    marked = _ANNOTATION.findall(solution or "")
+    return [m.strip() for m in (marked or _EQUATION.findall(solution or ""))]
+
+
+def tool_transcript(messages: list[dict], solution: str) -> Optional[list[dict]]:
+    """`messages` (a chat prompt) followed by one assistant turn that calls `calculator` once per calculation of
+    `solution` and the results as tool messages; None when the solution does no calculation."""
+    expressions = calculations(solution)
+    if not expressions:
+        return None
+    calls = [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": e}}} for e in expressions]
+    results = [{"role": "tool", "name": "calculator", "content": calculator(e)} for e in expressions]
+    return [*messages, {"role": "assistant", "content": "", "tool_calls": calls}, *results]
+
+
+def example_pieces(tokenizer, question: Question, system_prompt: str, tools: Optional[list]) -> list[tuple[str, bool]]:
+    """One worked example as (text, trained) pieces: the prompt (rendered with `tools`' schemas, as GRPO renders
+    it) masked, the formatted answer trained; with the calculator among `tools`, the transcript that uses it:
+    prompt masked, the calling turn trained (up to its end-of-turn token), the tool results and the next
+    assistant header masked, the answer trained."""
+    prompt = prompt_of(question, system_prompt)
+    answer = xml_formatted(question.solution, question.answer) + tokenizer.eos_token
+    if isinstance(prompt, str):
+        return [(prompt, False), (answer, True)]
+
+    def render(messages, generation: bool) -> str:
+        return tokenizer.apply_chat_template(list(messages), tools=tools or None, tokenize=False,
+                                             add_generation_prompt=generation)
+
+    head = render(prompt, True)
+    names = {getattr(t, "__name__", "") for t in tools or ()}
+    transcript = tool_transcript(prompt, question.solution) if "calculator" in names else None
+    if transcript is None:
+        return [(head, False), (answer, True)]
+    with_call = render(transcript[:len(prompt) + 1], False)
+    before_answer = render(transcript, True)
+    if not (with_call.startswith(head) and before_answer.startswith(with_call)):
+        return [(head, False), (answer, True)]  # a template that rewrites earlier turns: the plain example
+    call = with_call[len(head):]
+    end = call.find(tokenizer.eos_token)
+    cut = len(call) if end < 0 else end + len(tokenizer.eos_token)
+    return [(head, False), (call[:cut], True), (call[cut:] + before_answer[len(with_call):], False), (answer, True)]
+
+
+def _batch(tokenizer, examples: list[list[tuple[str, bool]]], max_length: int):
     import torch
 
     ids, labels = [], []
-    for prompt, target in zip(prompts, targets):
-        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        t = tokenizer(target + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
-        seq = (p + t)[:max_length]
-        ids.append(seq)
-        labels.append(([-100] * len(p) + t)[:max_length])
+    for pieces in examples:
+        seq, lab = [], []
+        for text, trained in pieces:
+            tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+            seq += tokens
+            lab += tokens if trained else [-100] * len(tokens)
+        ids.append(seq[:max_length])
+        labels.append(lab[:max_length])
     width = max(len(s) for s in ids)
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([s + [pad] * (width - len(s)) for s in ids])
@@ -131,6 +191,7 @@ def prime(handle, questions: list[Question], config, log=print, max_seconds: Opt
         log("priming skipped: the training data has no worked solutions with gold answers")
         return {"steps": 0}
     model, tokenizer = handle.model, handle.tokenizer
+    tools = prompt_tools(config) if uses_tools(config) else None
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
     model.train()
@@ -166,9 +227,8 @@ def prime(handle, questions: list[Question], config, log=print, max_seconds: Opt
                 break
             last_started = seconds()  # a time budget's check: no step starts after it is spent
             chunk = [examples[(step * settings.batch_size + i) % len(examples)] for i in range(settings.batch_size)]
-            prompts = [handle.apply_chat_template(prompt_of(q, config.data.system_prompt)) for q in chunk]
-            targets = [xml_formatted(q.solution, q.answer) for q in chunk]
-            input_ids, attention, labels = _batch(tokenizer, prompts, targets, config.model.max_seq_length)
+            pieces = [example_pieces(tokenizer, q, config.data.system_prompt, tools) for q in chunk]
+            input_ids, attention, labels = _batch(tokenizer, pieces, config.model.max_seq_length)
             device = next(model.parameters()).device
             loss = completion_loss(model, input_ids.to(device), attention.to(device), labels.to(device))
             loss.backward()

@@ -692,6 +692,7 @@ EVAL_CASES = [
     ("model-missing", ["--preset", "tiny", "--model", "./no/such/model"], "model.name ./no/such/model does not exist"),
     ("set-unknown-key", ["--preset", "tiny", "--set", "eval.bogus=1"], "unknown key 'eval.bogus'"),
     ("set-bad-value", ["--preset", "tiny", "--set", "eval.samples=-2"], "eval.samples must be >= 0"),
+    ("without-tools-no-tools", ["--preset", "tiny", "--without-tools"], "--without-tools: these settings have no tools"),
     ("backend-unknown", ["--preset", "tiny", "--backend", "vllm"], "--backend: invalid choice"),
     ("gpu-preset-without-gpu", ["--preset", "llama8b_4bit", "--dataset", "{tmp}/small.jsonl"], "needs an NVIDIA GPU"),
     ("json-with-value", ["--preset", "tiny", "--json=yes"], "ignored explicit argument"),

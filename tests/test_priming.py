@@ -26,7 +26,9 @@ def test_prompt_tokens_are_masked(tiny_model_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    ids, attention, labels = _batch(tok, ["prompt one", "p"], ["target", "a longer target here"], 512)
+    pieces = [[("prompt one", False), ("target" + tok.eos_token, True)],
+              [("p", False), ("a longer target here" + tok.eos_token, True)]]
+    ids, attention, labels = _batch(tok, pieces, 512)
     n_prompt = len(tok("prompt one", add_special_tokens=False)["input_ids"])
     assert (labels[0, :n_prompt] == -100).all() and (labels[0, n_prompt] != -100)
     assert attention[1].sum() == len(tok("p", add_special_tokens=False)["input_ids"]) + len(
@@ -48,7 +50,9 @@ def test_completion_loss_equals_the_models_own_labels_loss(tiny_model_dir):
     handle = load_model(resolve(config, detect(), "hf"))
     model = handle.model
     model.train()
-    ids, attention, labels = _batch(handle.tokenizer, ["Ava has 3 apples.", "Q"], ["<answer>\n7\n</answer>", "ok"], 512)
+    eos = handle.tokenizer.eos_token
+    ids, attention, labels = _batch(handle.tokenizer, [[("Ava has 3 apples.", False), ("<answer>\n7\n</answer>" + eos, True)],
+                                                       [("Q", False), ("ok" + eos, True)]], 512)
     lora = [p for p in model.parameters() if p.requires_grad]
     with torch.no_grad():  # non-zero B so the LoRA path carries gradient to A too
         for p in lora:
@@ -103,3 +107,51 @@ def test_a_measured_adapter_is_released_so_grpo_checkpoints_hold_the_trained_ada
     model = result.handle.model
     assert sorted(model.peft_config) == ["default", "ref"] and model.active_adapter == "default"
     assert all(p.requires_grad for name, p in model.named_parameters() if ".default." in name)
+
+
+def test_priming_with_the_calculator_trains_on_transcripts_that_call_it(tiny_model_dir):
+    """With the built-in calculator among the run's tools, a worked example becomes the transcript GRPO's tool loop
+    would make: the prompt with the tools' schemas (masked), a turn calling the calculator once per calculation of
+    the solution, written as the model's template writes calls and parsed back as TRL parses them (trained), the
+    results (masked), the formatted answer (trained)."""
+    from lowvram_grpo.priming import calculations, example_pieces
+    from lowvram_grpo.rewards import xml_formatted
+    from lowvram_grpo.tools import calculator, prompt_tools
+
+    config = load_config("tiny", ["tools.names=[calculator]"])
+    handle = load_model(resolve(config, detect(), "hf"))
+    tok = handle.tokenizer
+    train, _ = load_questions(config.data)
+    question = next(q for q in train if len(calculations(q.solution)) == 2)  # a two-step problem: two calls
+    pieces = example_pieces(tok, question, config.data.system_prompt, prompt_tools(config))
+    assert [trained for _, trained in pieces] == [False, True, False, True]
+    head, call, results, answer = (text for text, _ in pieces)
+    assert "<tools>" in head and '"calculator"' in head and head.endswith("<|im_start|>assistant\n")
+    parsed = tok.parse_response(call, prefix=head)
+    expressions = [c["function"]["arguments"]["expression"] for c in parsed["tool_calls"]]
+    assert [c["function"]["name"] for c in parsed["tool_calls"]] == ["calculator", "calculator"]
+    assert expressions == calculations(question.solution)
+    assert call.endswith(tok.eos_token)
+    values = [calculator(e) for e in expressions]
+    assert values[-1] == question.answer
+    assert all(f"<tool_response>\n{v}\n</tool_response>" in results for v in values)
+    assert results.endswith("<|im_start|>assistant\n")
+    assert answer == xml_formatted(question.solution, question.answer) + tok.eos_token
+
+    ids, _, labels = _batch(tok, [pieces], 4096)  # the tiny tokenizer spells most words out
+    trained = [i for i, l in zip(ids[0].tolist(), labels[0].tolist()) if l != -100]
+    assert tok.decode(trained) == call + answer  # the tool results and the prompt are not trained on
+
+    plain = load_config("tiny")  # without tools: the example as before, prompt and answer
+    assert [t for t, _ in example_pieces(tok, question, plain.data.system_prompt, None)] == [
+        handle.apply_chat_template(plain.data.system_prompt and [
+            {"role": "system", "content": plain.data.system_prompt}, {"role": "user", "content": question.question}]),
+        answer]
+
+
+def test_calculations_read_gsm8k_annotations_and_the_builtin_equations():
+    from lowvram_grpo.priming import calculations
+
+    assert calculations("Natalia sold 48/2 = <<48/2=24>>24 clips in May. Altogether <<48+24=72>>72.") == ["48/2", "48+24"]
+    assert calculations("After buying, Ava has 3 + 4 = 7 apples. After giving 2 away, 7 - 2 = 5.") == ["3 + 4", "7 - 2"]
+    assert calculations("She has seventy apples.") == []

@@ -566,7 +566,7 @@ EVAL_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 
 
 
 @pytest.mark.slow
-def test_held_out_answers_use_the_tools_multi_turn_and_count_them(tmp_path, monkeypatch):
+def test_held_out_answers_use_the_tools_multi_turn_and_count_them(tmp_path, monkeypatch, capsys):
     """A tool run measures its held-out columns with the tools (tool_turns.py), on the run's engine: a real tiny run
     whose model writes, as its first turn to every question, one calculator call (the engine's first-round output
     replaced: a random model never writes one); the call runs, its result goes back, the model writes on, and the
@@ -605,3 +605,19 @@ def test_held_out_answers_use_the_tools_multi_turn_and_count_them(tmp_path, monk
         assert turns[1] == {"role": "tool", "name": "calculator", "content": "42"}
     assert sum('"name": "calculator"' in p for p in seen["prompts"]) == len(seen["prompts"])  # schemas in every prompt
     assert sum("<tool_response>\n42\n</tool_response>" in p for p in seen["prompts"]) == 4  # the result went back
+
+    # lowvram-grpo eval --without-tools: each column again without the tools, beside it, with the paired change
+    from lowvram_grpo import evaluate
+
+    seen["prompts"].clear()
+    assert evaluate.main(["--adapter", str(tmp_path / "run" / "adapter"), "--without-tools", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [c["name"] for c in report["columns"]] == ["base", "base no-tools", "adapter", "adapter no-tools"]
+    for with_tools, without in zip(report["columns"][::2], report["columns"][1::2]):
+        assert with_tools["tools"]["calls_per_answer"] == 1.0 and "tools" not in without
+        assert "tools" not in without["protocol"] and without["adapter"] == with_tools["adapter"]
+    assert len(seen["prompts"]) == 2 * (2 * 2 + 2)  # per column: with tools two rounds of two questions, then one
+    assert sum('"name": "calculator"' in p for p in seen["prompts"]) == 2 * 2 * 2  # no schemas without tools
+    pairs = {(p["from"], p["to"]) for p in report["paired"]}
+    assert {("base", "base no-tools"), ("adapter", "adapter no-tools"), ("base", "adapter"),
+            ("base no-tools", "adapter no-tools")} <= pairs
