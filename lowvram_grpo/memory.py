@@ -648,16 +648,18 @@ def apply_suggestions(config: RunConfig, suggestions: list[Suggestion]) -> RunCo
     return with_settings(config, {s.key: s.value for s in suggestions})
 
 
-def presets_that_fit(hardware, vram_gb: float) -> list[tuple[str, float]]:
-    """(preset, planned GiB) of the GPU presets whose own settings fit a card of `vram_gb` GiB on `hardware`."""
+def presets_that_fit(hardware, vram_gb: float, tools: Optional[bool] = None) -> list[tuple[str, float]]:
+    """(preset, planned GiB) of the GPU presets whose own settings fit a card of `vram_gb` GiB on `hardware`; with
+    `tools`, only those that train with tools (True) or without (False): the same kind of job."""
     from .config import list_presets, load_config
     from .resolve import resolve
+    from .tools import uses_tools
 
     found = []
     for name in list_presets():
         try:
             config = load_config(name)
-            if not config.requires_cuda:
+            if not config.requires_cuda or (tools is not None and uses_tools(config) != tools):
                 continue
             p = _estimate(resolve(config, hardware), vram_gb)
         except ConfigError:
@@ -680,7 +682,7 @@ def default_preset(hardware=None) -> str:
     hardware = hardware or detect()
     if not hardware.cuda:
         return "smollm2_cpu"
-    fitting = dict(presets_that_fit(hardware, hardware.total_gib))
+    fitting = dict(presets_that_fit(hardware, hardware.total_gib, tools=False))
     for name in GPU_PRESET_ORDER:
         if name in fitting:
             print(f"note: {hardware.describe()}: running --preset {name} ({fitting[name]:.1f} GiB planned), the "
@@ -736,7 +738,9 @@ def _verdict(p: MemoryPlan) -> str:
         sets = " ".join(f"--set {s.as_override()}" for s in p.suggestions)
         return (f"{why}\nto fit, change: {', '.join(map(str, p.suggestions))} -> {p.suggested_total_gb:.1f} GiB planned\n"
                 f"  (run with --auto-fit, or add: {sets})")
-    others = presets_that_fit(p.resolved.hardware, p.vram_gb)
+    from .tools import uses_tools
+
+    others = presets_that_fit(p.resolved.hardware, p.vram_gb, tools=uses_tools(p.config))
     alternative = (f"use a smaller model: {', '.join(f'--preset {n} ({gb:.1f} GiB)' for n, gb in others)}"
                    if others else "no preset fits this card")
     return f"{why}\nno settings of this preset fit: {p.no_fit_reason}; {alternative}"

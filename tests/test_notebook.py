@@ -84,6 +84,8 @@ def test_notebook_runs_top_to_bottom_on_cpu(executed):
     assert "nothing to install" in text  # the install cell is a no-op where the packages are present
     assert "ready: the CPU path is ready" in text  # the doctor cell: the machine's default run can start
     assert "export skipped" in text  # the export cell says why it does nothing on CPU
+    assert "12 | error: " in text  # the tools cell: the calculator answers arithmetic, refuses code as text
+    assert "parsed: calculator(**{'expression': '6 * 7'}) -> 42" in text  # a call in the model's format, parsed back
     assert (out / "grpo_saved_lora" / "adapter_model.safetensors").is_file()
 
 

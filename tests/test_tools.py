@@ -621,3 +621,47 @@ def test_held_out_answers_use_the_tools_multi_turn_and_count_them(tmp_path, monk
     pairs = {(p["from"], p["to"]) for p in report["paired"]}
     assert {("base", "base no-tools"), ("adapter", "adapter no-tools"), ("base", "adapter"),
             ("base no-tools", "adapter no-tools")} <= pairs
+
+
+# --------------------------------------------------------------------------- the README's example, run as written
+
+@pytest.mark.slow
+def test_the_readme_tools_example_trains_smollm2_with_a_users_tool_and_the_calculator(tmp_path):
+    """README "Tools": my_tools.py and the command as written (shortened by overrides appended after it: one GRPO
+    step, two priming steps, two held-out questions), on SmolLM2: both tools' schemas reach the model, config.yaml
+    records them, metrics.jsonl counts the calls."""
+    import os
+    import re
+    import shlex
+    import subprocess
+    import sys
+
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Tools"):]
+    section = section[:section.index("\n## ", 4)]
+    blocks = dict(re.findall(r"```(\w+)\n(.*?)```", section, re.DOTALL))
+    (tmp_path / "my_tools.py").write_text(blocks["python"])
+    run_line, eval_line = [line for line in blocks["bash"].replace("\\\n", " ").splitlines() if line.strip()]
+    argv = shlex.split(run_line)
+    assert argv[:5] == ["python", "-m", "lowvram_grpo.run", "--preset", "smollm2_tools_cpu"]
+    short = ["--max-steps", "1", "--set", "prime.steps=2", "--set", "data.eval_size=2", "--set", "eval.batch_size=2",
+             "--set", "train.per_device_train_batch_size=8"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, *argv[1:], *short], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "runs" / "tools"
+    recorded = __import__("yaml").safe_load((out / "config.yaml").read_text())["tools"]
+    assert recorded["names"] == ["calculator", "percent_of"] and recorded["module"] == str(tmp_path / "my_tools.py")
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "tools/written_per_completion" in row and "tools/completions_with_calls" in row
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "complete" and summary["after"]["protocol"]["tools"]["names"] == ["calculator", "percent_of"]
+    assert "calls_per_answer" in summary["after"]["tools"]
+    eval_argv = shlex.split(eval_line.split("#")[0])
+    assert eval_argv[:2] == ["lowvram-grpo", "eval"]
+    proc = subprocess.run([sys.executable, "-m", "lowvram_grpo.evaluate", *eval_argv[2:], "--json"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = [c["name"] for c in json.loads(proc.stdout)["columns"]]
+    assert names == ["base", "base no-tools", "adapter", "adapter no-tools"]
