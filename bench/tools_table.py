@@ -1,0 +1,149 @@
+"""Issue 32's table: does GRPO raise tool use and accuracy with the calculator, and is the model better with the
+tool than without it? `smollm2_tools_cpu` (SmolLM2-135M, the built-in word problems, the built-in calculator), per seed.
+
+    python -m bench.tools_table run --seed 3407 --root runs/tools    # one seed
+    python -m bench.tools_table table                                # docs/results.md's table, from the JSON
+
+`run` does, for one seed, each step only if its result is not there yet (so a stopped seed goes on):
+1. the preset as a user runs it: priming on transcripts that call the calculator, then multi-turn GRPO with it;
+   before / primed / after measured with the tool (greedy, multi-turn), in ROOT/tools-S;
+2. `lowvram-grpo eval --adapter ROOT/tools-S/primed_adapter --adapter ROOT/tools-S/adapter --without-tools --json`:
+   the base model and both adapters again, each with the tool and without it, beside each other.
+Every step is a real command (subprocess, the CLI a user types); the seed's numbers go to
+bench/results/tools/seed-S.json (accuracy, format, tool calls per answer, answers with calls, calls that ran,
+paired changes), so `table` needs only the committed JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from lowvram_grpo.evaluation import paired_change
+from lowvram_grpo.run_dir import RunDir
+
+OUT = Path("bench/results/tools")
+PRESET = "smollm2_tools_cpu"
+KEEP = ("accuracy_strict", "accuracy_strict_ci", "accuracy_lenient", "format_rate", "mean_completion_tokens", "tools",
+        "n")
+
+
+def _cmd(argv: list[str], log: Path) -> tuple[float, str]:
+    """Run one CLI command to its end (stderr into `log`); its wall seconds and stdout. A failure stops the bench."""
+    print("$ " + " ".join(argv), flush=True)
+    started = time.time()
+    with open(log, "w") as err:
+        proc = subprocess.run([sys.executable, "-m", *argv], stdout=subprocess.PIPE, stderr=err, text=True)
+    if proc.returncode != 0:
+        print(f"error: `{' '.join(argv)}` exited {proc.returncode}; its output: {log}", file=sys.stderr)
+        raise SystemExit(1)
+    return round(time.time() - started, 1), proc.stdout
+
+
+def _column(numbers: dict) -> dict:
+    return {k: numbers[k] for k in KEEP if k in numbers}
+
+
+def run_seed(seed: int, root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    out = OUT / f"seed-{seed}.json"
+    record = json.loads(out.read_text()) if out.is_file() else {"seed": seed, "preset": PRESET}
+    run = root / f"tools-{seed}"
+
+    def save():
+        out.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {out}", flush=True)
+
+    if "run" not in record:
+        argv = ["lowvram_grpo.run", "--preset", PRESET, "--set", f"train.seed={seed}", "--set",
+                f"lora.random_state={seed}", "--output-dir", str(run), "--overwrite"]
+        wall, _ = _cmd(argv, root / f"tools-{seed}.log")
+        s = RunDir(run, writer=False).complete_summary()
+        record["run"] = {"command": "python -m " + " ".join(argv), "wall_seconds": wall, "steps": s["steps"],
+                         "train_seconds": s["train_seconds"],
+                         "priming_seconds": (s.get("priming") or {}).get("seconds"),
+                         **{c: _column(s[c]) for c in ("before", "primed", "after")},
+                         "grpo": {k: paired_change(s["primed"], s["after"], k)
+                                  for k in ("accuracy_strict", "accuracy_lenient")}}
+        save()
+    if "without_tools" not in record:
+        argv = ["lowvram_grpo.evaluate", "--adapter", f"primed={run / 'primed_adapter'}", "--adapter",
+                f"after={run / 'adapter'}", "--without-tools", "--json"]
+        wall, stdout = _cmd(argv, root / f"tools-{seed}-eval.log")
+        report = json.loads(stdout)
+        columns = {c["name"]: _column(c) for c in report["columns"]}
+        paired = {(p["from"], p["to"], p["metric"]): (p["newly_right"], p["newly_wrong"], p["mcnemar_p"])
+                  for p in report["paired"]}
+        record["without_tools"] = {
+            "command": "lowvram-grpo eval " + " ".join(argv[1:]), "wall_seconds": wall, "columns": columns,
+            "tool_vs_none": {name: paired.get((name, f"{name} no-tools", "accuracy_strict"))
+                             for name in ("base", "primed", "after")},
+            "grpo_without_tools": paired.get(("primed no-tools", "after no-tools", "accuracy_strict"))}
+        save()
+    return out
+
+
+def _acc(col: dict) -> str:
+    lo, hi = col["accuracy_strict_ci"]
+    return f"{col['accuracy_strict']:.3f} [{lo:.2f}, {hi:.2f}]"
+
+
+def _pair(got) -> str:
+    if not got:
+        return "-"
+    p = got[2]
+    return f"+{got[0]}/-{got[1]} (p {'< 0.001' if p < 0.001 else f'{p:.3f}'})"
+
+
+def _calls(col: dict) -> str:
+    t = col.get("tools") or {}
+    if not t:
+        return "-"
+    ran = t.get("ran_share")
+    return f"{t['calls_per_answer']:.2f} / {t['answers_with_calls']:.2f} / {'-' if ran is None else f'{ran:.2f}'}"
+
+
+def table(records: list[dict]) -> str:
+    lines = ["| seed | column | with the tool, strict [95 % CI] | calls per answer / answers with calls / ran | "
+             "format | without the tool, strict | with vs without (right/wrong, p) |", "|---|---|---|---|---|---|---|"]
+    for r in records:
+        run, plain = r.get("run"), r.get("without_tools")
+        if run is None:
+            lines.append(f"| {r['seed']} | not run | | | | | |")
+            continue
+        for name in ("before", "primed", "after"):
+            col = run[name]
+            key = {"before": "base"}.get(name, name)
+            without = (plain or {}).get("columns", {}).get(f"{key} no-tools")
+            lines.append(f"| {r['seed']} | {name} | {_acc(col)} | {_calls(col)} | {col['format_rate']:.3f} | "
+                         f"{_acc(without) if without else '-'} | "
+                         f"{_pair((plain or {}).get('tool_vs_none', {}).get(key))} |")
+        lines.append(f"| {r['seed']} | GRPO: primed -> after | {_pair(run['grpo']['accuracy_strict'])} | | | "
+                     f"{_pair((plain or {}).get('grpo_without_tools'))} | |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.tools_table", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    one = sub.add_parser("run", help="run (or finish) one seed")
+    one.add_argument("--seed", type=int, required=True)
+    one.add_argument("--root", type=Path, default=Path("runs/tools"))
+    sub.add_parser("table", help="print the table from bench/results/tools/seed-*.json")
+    args = parser.parse_args(argv)
+    if args.what == "run":
+        os.environ.setdefault("PYTHONUNBUFFERED", "1")
+        run_seed(args.seed, args.root)
+        return 0
+    records = [json.loads(p.read_text()) for p in sorted(OUT.glob("seed-*.json"))]
+    print(table(records))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
