@@ -39,7 +39,7 @@ from typing import Optional
 from . import allocator, checks, stops
 from .backends import check_export, export_model, load_model, prepare_backend
 from .config import RunConfig, check_trackers_installed
-from .data import drop_long_prompts, load_questions, prompt_text, to_prompt_rows
+from .data import drop_long_prompts, load_questions, prompt_text, prompt_tokens, to_prompt_rows
 from .errors import ConfigError, DataError, EngineStopped, Interrupted, LowvramError, RewardError, TrainingStopped
 from .hardware import detect
 from .memory import OOM_PHASES
@@ -159,12 +159,15 @@ class GRPORun:
         checks.check_tool_template(self.config, self.handle.tokenizer)  # tools: renders and parses tool calls
         tools = prompt_tools(self.config)  # their schemas (the environment's methods too) are in every prompt TRL renders
         limit = self.config.train.max_prompt_length
-        self.train_rows, dropped = drop_long_prompts(
-            to_prompt_rows(self.train_questions, self.config.data.system_prompt), self.handle.tokenizer, limit, tools)
+        rows = to_prompt_rows(self.train_questions, self.config.data.system_prompt)
+        self.train_rows, dropped = drop_long_prompts(rows, self.handle.tokenizer, limit, tools)
         if not self.train_rows:
             with_tools = " (with the tools' schemas, which TRL renders into every prompt)" if tools else ""
-            raise DataError(f"every training prompt is longer than train.max_prompt_length={limit} tokens{with_tools}: "
-                            "raise it")
+            shortest = min(prompt_tokens(self.handle.tokenizer, row["prompt"], tools) for row in rows)
+            completion = self.config.train.max_completion_length
+            raise DataError(f"every training prompt is longer than train.max_prompt_length={limit} tokens{with_tools}; "
+                            f"the shortest is {shortest}: set train.max_prompt_length={shortest} or more (and "
+                            f"model.max_seq_length to at least that + train.max_completion_length={completion})")
         if dropped:
             self.log(f"dropped {dropped} prompts longer than train.max_prompt_length={limit}")
         self.eval_rows = to_prompt_rows(self.eval_questions, self.config.data.system_prompt)
