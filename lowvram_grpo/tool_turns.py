@@ -38,20 +38,40 @@ def _tools_for(config, rows: list[dict]) -> tuple[list[list], list[list[dict]]]:
     return tools, conversations
 
 
+def _well_formed(calls) -> bool:
+    """Tool calls as TRL 1.15 accepts them (trl.chat_template_utils._validate_tool_calls): a list of dicts, each a
+    {"function": {"name": str, ...}} or a flat {"name": str, ...}. The parser turns any JSON in a <tool_call> block
+    into a call, so a model that writes `<tool_call>"6 * 7"</tool_call>` gives a call that is a string."""
+    if calls is None:
+        return True
+    if not isinstance(calls, list):
+        return False
+    for call in calls:
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            return False
+    return True
+
+
 def _parsed(tokenizer, text: str, prefix: str) -> dict:
-    """The turn as a message (content, tool_calls); text the parser cannot read stays the turn's content."""
+    """The turn as a message (content, tool_calls); text the parser cannot read, or whose calls are not well formed,
+    stays the turn's content (as TRL's parse_response falls back to the text)."""
     try:
-        message = tokenizer.parse_response(text, prefix=prefix)
+        message = dict(tokenizer.parse_response(text, prefix=prefix) or {})
     except Exception:  # a malformed call: the model's text, not an error of the run
         return {"role": "assistant", "content": text}
-    return {"role": "assistant", **{k: v for k, v in dict(message).items() if k != "role"}}
+    if not _well_formed(message.get("tool_calls")):
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", **{k: v for k, v in message.items() if k != "role"}}
 
 
 def _call(tool_by_name: dict, call: dict) -> tuple[str, str, bool]:
     """(name, result text, ran without an error) for one parsed call; never raises."""
-    function = call.get("function") or {}
+    function = call.get("function", call)  # TRL's nested form, or a flat {"name", "arguments"}
     name = str(function.get("name"))
     arguments = function.get("arguments")
+    if arguments is None:  # a call without arguments (TRL: {})
+        arguments = {}
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)

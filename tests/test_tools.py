@@ -623,6 +623,34 @@ def test_held_out_answers_use_the_tools_multi_turn_and_count_them(tmp_path, monk
             ("base no-tools", "adapter no-tools")} <= pairs
 
 
+@pytest.mark.slow
+def test_held_out_calls_that_are_not_well_formed_are_the_models_text(monkeypatch, capsys):
+    """`lowvram-grpo eval` with tools, where the model's first turn is, per question: a <tool_call> whose JSON is a
+    string (the parser makes it a call that is a string: before, `'str' object has no attribute 'get'` stopped the
+    measurement of a primed SmolLM2), a call without a name, and a good call. As TRL does, the first two are the
+    model's text (no call, no error); the third runs."""
+    from lowvram_grpo import evaluate
+    from lowvram_grpo.backends.base import Completion, TransformersEngine
+
+    real_generate = TransformersEngine.generate
+    firsts = ['<tool_call>\n"6 * 7"\n</tool_call>', '<tool_call>\n{"arguments": {"expression": "1"}}\n</tool_call>',
+              EVAL_CALL]
+
+    def scripted(self, texts, params, lora_request):
+        out = real_generate(self, texts, params, lora_request)
+        return [Completion(firsts[i % 3], c.num_tokens) if "<tool_response>" not in t else c
+                for i, (t, c) in enumerate(zip(texts, out))]
+
+    monkeypatch.setattr(TransformersEngine, "generate", scripted)
+    argv = ["--preset", "tiny", "--json"]
+    for s in ("data.eval_size=3", "eval.batch_size=3", "tools.max_turns=2", "train.max_prompt_length=1024",
+              "model.max_seq_length=1200", "tools.names=[calculator]"):
+        argv += ["--set", s]
+    assert evaluate.main(argv) == 0
+    (base,) = json.loads(capsys.readouterr().out)["columns"]
+    assert base["tools"]["calls_per_answer"] == pytest.approx(1 / 3) and base["tools"]["ran_share"] == 1.0
+
+
 # --------------------------------------------------------------------------- the README's example, run as written
 
 @pytest.mark.slow
