@@ -7,8 +7,10 @@ tool than without it? `smollm2_tools_cpu` (SmolLM2-135M, the built-in word probl
 `run` does, for one seed, each step only if its result is not there yet (so a stopped seed goes on):
 1. the preset as a user runs it: priming on transcripts that call the calculator, then multi-turn GRPO with it;
    before / primed / after measured with the tool (greedy, multi-turn), in ROOT/tools-S;
-2. `lowvram-grpo eval --adapter ROOT/tools-S/primed_adapter --adapter ROOT/tools-S/adapter --without-tools --json`:
-   the base model and both adapters again, each with the tool and without it, beside each other.
+2. `lowvram-grpo eval --adapter primed=ROOT/tools-S/primed_adapter --adapter after=ROOT/tools-S/adapter --set
+   tools.names=[] --json`: the base model and both adapters without the tool (one turn, no schema in the prompt),
+   on the same questions, paired with the run's own columns with the tool (per-question verdicts). The same as
+   `--without-tools`, less the with-tool columns the run has already measured.
 Every step is a real command (subprocess, the CLI a user types); the seed's numbers go to
 bench/results/tools/seed-S.json (accuracy, format, tool calls per answer, answers with calls, calls that ran,
 paired changes), so `table` needs only the committed JSON.
@@ -73,17 +75,17 @@ def run_seed(seed: int, root: Path) -> Path:
         save()
     if "without_tools" not in record:
         argv = ["lowvram_grpo.evaluate", "--adapter", f"primed={run / 'primed_adapter'}", "--adapter",
-                f"after={run / 'adapter'}", "--without-tools", "--json"]
+                f"after={run / 'adapter'}", "--set", "tools.names=[]", "--json"]
         wall, stdout = _cmd(argv, root / f"tools-{seed}-eval.log")
-        report = json.loads(stdout)
-        columns = {c["name"]: _column(c) for c in report["columns"]}
-        paired = {(p["from"], p["to"], p["metric"]): (p["newly_right"], p["newly_wrong"], p["mcnemar_p"])
-                  for p in report["paired"]}
+        plain = {c["name"]: c for c in json.loads(stdout)["columns"]}  # base, primed, after: no tool
+        s = RunDir(run, writer=False).complete_summary()
+        with_tool = {"base": s["before"], "primed": s["primed"], "after": s["after"]}
         record["without_tools"] = {
-            "command": "lowvram-grpo eval " + " ".join(argv[1:]), "wall_seconds": wall, "columns": columns,
-            "tool_vs_none": {name: paired.get((name, f"{name} no-tools", "accuracy_strict"))
+            "command": "lowvram-grpo eval " + " ".join(argv[1:]), "wall_seconds": wall,
+            "columns": {name: _column(c) for name, c in plain.items()},
+            "tool_vs_none": {name: paired_change(plain[name], with_tool[name], "accuracy_strict")
                              for name in ("base", "primed", "after")},
-            "grpo_without_tools": paired.get(("primed no-tools", "after no-tools", "accuracy_strict"))}
+            "grpo_without_tools": paired_change(plain["primed"], plain["after"], "accuracy_strict")}
         save()
     return out
 
@@ -110,7 +112,7 @@ def _calls(col: dict) -> str:
 
 def table(records: list[dict]) -> str:
     lines = ["| seed | column | with the tool, strict [95 % CI] | calls per answer / answers with calls / ran | "
-             "format | without the tool, strict | with vs without (right/wrong, p) |", "|---|---|---|---|---|---|---|"]
+             "format | without the tool, strict | with the tool vs without (right/wrong, p) |", "|---|---|---|---|---|---|---|"]
     for r in records:
         run, plain = r.get("run"), r.get("without_tools")
         if run is None:
@@ -119,7 +121,7 @@ def table(records: list[dict]) -> str:
         for name in ("before", "primed", "after"):
             col = run[name]
             key = {"before": "base"}.get(name, name)
-            without = (plain or {}).get("columns", {}).get(f"{key} no-tools")
+            without = (plain or {}).get("columns", {}).get(key)
             lines.append(f"| {r['seed']} | {name} | {_acc(col)} | {_calls(col)} | {col['format_rate']:.3f} | "
                          f"{_acc(without) if without else '-'} | "
                          f"{_pair((plain or {}).get('tool_vs_none', {}).get(key))} |")
