@@ -61,10 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
 def describe_presets() -> str:
     from .config import list_presets, read_preset
 
-    lines = []
-    for name in list_presets():
+    lines, names = [], list_presets()
+    width = max(len(name) for name in names) + 2
+    for name in names:
         raw = read_preset(name)
-        lines.append(f"{name:<16}{raw.get('description', '')}")
+        lines.append(f"{name:<{width}}{raw.get('description', '')}")
     return "\n".join(lines)
 
 
