@@ -131,6 +131,13 @@ def check_reward_names(config) -> None:
                 rewards.lookup_reward(name, module)
     except rewards.RewardError as exc:
         raise ConfigError(str(exc)) from None
+    by = config.train.dynamic_sampling_reward
+    if by is not None and by not in config.rewards.names:
+        raise ConfigError(f"train.dynamic_sampling_reward must be one of the run's rewards.names "
+                          f"({', '.join(config.rewards.names)}) or null; got {by!r}")
+    if by is not None and not config.train.dynamic_sampling:
+        raise ConfigError(f"train.dynamic_sampling_reward={by} does nothing without dynamic sampling: add --set "
+                          "train.dynamic_sampling=true, or leave train.dynamic_sampling_reward null")
 
 
 def check_tools(config) -> None:

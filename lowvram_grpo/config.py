@@ -206,6 +206,11 @@ class TrainConfig:
     dynamic_sampling_max_draws: int = _help(
         "train.dynamic_sampling: extra rounds of sampling per generation batch at most; groups still without "
         "signal after them are kept (and counted).", 3)
+    dynamic_sampling_reward: Optional[str] = _help(
+        "train.dynamic_sampling: what 'no signal' is judged by. null = the weighted total reward (TRL's zero-std "
+        "test: with graded format rewards such as xmlcount a group is almost never all equal); a name in "
+        "rewards.names = that reward alone, DAPO's accuracy filter with `correctness`: groups all right or all "
+        "wrong are redrawn, though the format rewards still spread them.", None)
     max_grad_norm: float = _help("Gradient clipping norm (the notebook uses 0.1).", 0.1)
     max_steps: int = _help("Optimizer steps to train.", 250)
     save_steps: int = _help("Save a checkpoint (adapter, optimizer, RNG, data position, metrics) every this many steps; --resume continues from the newest.", 250)

@@ -134,7 +134,7 @@ def describe_effective(effective: dict) -> str:
     line = (f"GRPO as the trainer runs it: trainer={effective['trainer']} loss_type={s['loss_type']} beta={s['beta']} "
             f"epsilon={s['epsilon']} epsilon_high={s['epsilon_high']} importance_sampling_level={s['importance_sampling_level']} "
             f"mask_truncated_completions={s['mask_truncated_completions']} top_entropy_quantile={s['top_entropy_quantile']} "
-            f"dynamic_sampling={_dynamic_sampling_label(s.get('dynamic_sampling_max_draws', 0))} "
+            f"dynamic_sampling={_dynamic_sampling_label(s.get('dynamic_sampling_max_draws', 0), s.get('dynamic_sampling_reward'))} "
             f"scale_rewards={s['scale_rewards']} num_generations={s['num_generations']} "
             f"generation_batch_size={s['generation_batch_size']} use_vllm={s['use_vllm']} bf16={s['bf16']} fp16={s['fp16']}")
     if s["use_vllm"]:  # unsloth's trainer turns TRL's correction off by default; our own engine keeps it on
@@ -146,8 +146,10 @@ def describe_effective(effective: dict) -> str:
     return line
 
 
-def _dynamic_sampling_label(max_draws: int) -> str:
-    return f"on(max_draws={max_draws})" if max_draws else "off"
+def _dynamic_sampling_label(max_draws: int, reward=None) -> str:
+    if not max_draws:
+        return "off"
+    return f"on(max_draws={max_draws}, by {reward})" if reward else f"on(max_draws={max_draws})"
 
 
 def effective_grpo_settings(trainer, asked: dict) -> dict:
@@ -156,6 +158,7 @@ def effective_grpo_settings(trainer, asked: dict) -> dict:
     same name where it has one, as TRL and unsloth keep the live value there)."""
     used = {key: _plain(getattr(trainer, key, getattr(trainer.args, key, None))) for key in EFFECTIVE_KEYS}
     used["dynamic_sampling_max_draws"] = getattr(trainer, "dynamic_sampling_draws", 0)  # ours (trl_compat.DynamicSampling)
+    used["dynamic_sampling_reward"] = getattr(trainer, "dynamic_sampling_reward", None)
     if asked.get("epsilon_high") is None and "epsilon" in asked:  # null asks for epsilon's value (as TRL reads it)
         asked = {**asked, "epsilon_high": asked["epsilon"]}
     changed = {key: [_plain(asked[key]), used[key]] for key in EFFECTIVE_KEYS
@@ -393,5 +396,8 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward
     if rollouts is not None:
         rollouts.attach(trainer)  # importance-sampling correction + vllm/adapter_version in metrics.jsonl
     trainer.dynamic_sampling_draws = config.train.dynamic_sampling_max_draws if config.train.dynamic_sampling else 0
+    if config.train.dynamic_sampling and config.train.dynamic_sampling_reward is not None:  # checks: one of rewards.names
+        trainer.dynamic_sampling_reward = config.train.dynamic_sampling_reward
+        trainer.dynamic_sampling_column = config.rewards.names.index(config.train.dynamic_sampling_reward)
     trainer.effective_settings = effective_grpo_settings(trainer, asked)
     return trainer

@@ -268,6 +268,8 @@ class DynamicSampling:
     generation batch (training.build_trainer sets it from train.dynamic_sampling / dynamic_sampling_max_draws)."""
 
     dynamic_sampling_draws = 0
+    dynamic_sampling_column = None  # train.dynamic_sampling_reward: judge by that reward function's column alone
+    dynamic_sampling_reward = None
     _dynamic_sampling_rewards = None
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -291,8 +293,11 @@ class DynamicSampling:
         from trl.trainer.utils import nanstd
 
         per_function = self._dynamic_sampling_rewards
-        totals = (per_function * self.reward_weights.to(per_function.device).unsqueeze(0)).nansum(dim=1)
-        totals[torch.isnan(per_function).all(dim=1)] = torch.nan  # unscorable: left out, as TRL leaves it out
+        if self.dynamic_sampling_column is not None:  # one reward alone (DAPO's accuracy filter: correctness)
+            totals = per_function[:, self.dynamic_sampling_column].clone()
+        else:
+            totals = (per_function * self.reward_weights.to(per_function.device).unsqueeze(0)).nansum(dim=1)
+            totals[torch.isnan(per_function).all(dim=1)] = torch.nan  # unscorable: left out, as TRL leaves it out
         std = nanstd(totals.view(-1, self.num_generations), dim=1)
         return (torch.isnan(std) | torch.isclose(std, torch.zeros_like(std))).tolist()
 

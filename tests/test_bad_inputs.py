@@ -190,6 +190,8 @@ CONFIG_CASES = [
     ("train.top_entropy_quantile", "1.5", "train.top_entropy_quantile must be in (0, 1]"),
     ("train.dynamic_sampling", "maybe", "train.dynamic_sampling must be bool"),
     ("train.dynamic_sampling_max_draws", "0", "train.dynamic_sampling_max_draws must be >= 1"),
+    ("train.dynamic_sampling_reward", "nope", "train.dynamic_sampling_reward must be one of the run's rewards.names "
+     "(xmlcount, soft_format, strict_format, int, correctness, brevity) or null; got 'nope'"),
     ("train.scale_rewards", "std", "train.scale_rewards must be one of group, batch, none"),
     ("train.mask_truncated_completions", "maybe", "train.mask_truncated_completions must be bool"),
     ("train.max_grad_norm", "0", "train.max_grad_norm must be > 0"),
@@ -391,6 +393,8 @@ CROSS_CASES = [
     ("context-after-load", ["--set", "model.name={tmp}/gpt2-tiny", "--set", "lora.target_modules=[c_attn]",
                             "--set", "model.max_seq_length=1024"],
      "model.max_seq_length=1024 is longer than {tmp}/gpt2-tiny's context of 512 tokens"),
+    ("dynamic-sampling-reward-alone", ["--set", "train.dynamic_sampling_reward=correctness"],
+     "train.dynamic_sampling_reward=correctness does nothing without dynamic sampling: add --set train.dynamic_sampling=true"),
     ("environment", ["--set", "environment.module={tmp}/no_env.py", "--set", "environment.name=Shop"],
      "environment.module {tmp}/no_env.py does not exist"),
     ("tools-template-after-load", ["--set", "model.name={tmp}/gpt2-plain-chat", "--set", "lora.target_modules=[c_attn]",

@@ -86,6 +86,8 @@ def test_the_effective_settings_line_names_the_variants():
         assert part in line
     assert "dynamic_sampling=off" in describe_effective(
         {"trainer": "GRPOTrainer", "settings": {**settings, "dynamic_sampling_max_draws": 0}, "changed": {}})
+    assert "dynamic_sampling=on(max_draws=3, by correctness) " in describe_effective(
+        {"trainer": "GRPOTrainer", "settings": {**settings, "dynamic_sampling_reward": "correctness"}, "changed": {}})
 
 
 # ----------------------------------------------------------------------------- slow: real runs
@@ -139,11 +141,19 @@ def test_dynamic_sampling_trains_through_the_cli_and_logs_its_cost(tmp_path):
     assert sum(r["dynamic_sampling/zero_signal_groups_dropped"] for r in rows) > 0
 
 
+def spread(prompts, completions, **kwargs):
+    """A second reward with spread in every group: the weighted total always has signal, so only judging by the
+    scripted reward alone (train.dynamic_sampling_reward) finds the middle group without it."""
+    return [0.1 * (i % 3) for i in range(len(completions))]
+
+
 @pytest.mark.slow
-def test_the_hook_replaces_groups_without_signal_in_the_batch_trl_trains_on(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("by", [None, "correctness"])
+def test_the_hook_replaces_groups_without_signal_in_the_batch_trl_trains_on(by, tmp_path, tiny_model_dir):
     """On a real trainer and real rollouts: a generation batch of 3 groups whose middle group scores all 0 comes back
     with that group replaced by a newly drawn one with signal, in TRL's layout (every tensor 12 rows, re-padded, the
-    kept groups' rows as TRL made them, num_items_in_batch recounted), and the cost logged."""
+    kept groups' rows as TRL made them, num_items_in_batch recounted), and the cost logged. By the weighted total
+    (TRL's test), and by one reward alone (DAPO's accuracy filter) while another reward spreads every group."""
     import torch
 
     from lowvram_grpo.backends import load_model
@@ -160,12 +170,17 @@ def test_the_hook_replaces_groups_without_signal_in_the_batch_trl_trains_on(tmp_
             return [float(i % 2) if i // 4 != 1 else 0.0 for i in range(len(completions))]
         return [float(i % 2) for i in range(len(completions))]
 
-    config = load_config("tiny", ["train.dynamic_sampling=true", "train.per_device_train_batch_size=12",
-                                  "rewards.names=[xmlcount]"])
+    sets = ["train.dynamic_sampling=true", "train.per_device_train_batch_size=12"]
+    if by is None:
+        config, funcs = load_config("tiny", [*sets, "rewards.names=[xmlcount]"]), [scripted]
+    else:
+        config = load_config("tiny", [*sets, "rewards.names=[xmlcount, correctness]", "rewards.weights=[1, 1]",
+                                      f"train.dynamic_sampling_reward={by}"])
+        funcs = [spread, scripted]
     handle = load_model(resolve(config, detect(), "hf"))
     train_q, _ = load_questions(config.data)
-    trainer = build_trainer(handle, to_prompt_rows(train_q[:40], config.data.system_prompt), tmp_path, reward_funcs=[scripted])
-    assert trainer.dynamic_sampling_draws == 3
+    trainer = build_trainer(handle, to_prompt_rows(train_q[:40], config.data.system_prompt), tmp_path, reward_funcs=funcs)
+    assert trainer.dynamic_sampling_draws == 3 and trainer.dynamic_sampling_reward == by
     trainer.model.train()
     rows = [trainer.train_dataset[i] for i in range(3)]
     inputs = [row for row in rows for _ in range(4)]
