@@ -217,3 +217,46 @@ def test_the_hook_replaces_groups_without_signal_in_the_batch_trl_trains_on(by, 
     assert metrics["dynamic_sampling/extra_rollouts"] == [4.0] and metrics["dynamic_sampling/draws"] == [1.0]
     assert metrics["dynamic_sampling/zero_signal_groups_dropped"] == [1.0]
     assert metrics["dynamic_sampling/zero_signal_groups_kept"] == [0.0]
+
+
+@pytest.mark.slow
+def test_gspo_is_grpos_update_when_each_batch_takes_one_step(tmp_path, tiny_model_dir):
+    """What docs/results.md says of the GSPO rows: with one optimizer step per generation batch (every preset here),
+    TRL's old log-probs are the current ones detached, the ratio is 1, and the sequence-level loss has the token-level
+    loss's value and gradient up to float rounding. On a real trainer and real rollouts: one batch, the loss and the
+    LoRA gradients at importance_sampling_level token, then sequence (GSPO)."""
+    import torch
+
+    from lowvram_grpo.backends import load_model
+    from lowvram_grpo.data import load_questions, to_prompt_rows
+    from lowvram_grpo.hardware import detect
+    from lowvram_grpo.training import build_trainer
+
+    def spread(prompts, completions, **kwargs):
+        return [float(i % 3) for i in range(len(completions))]
+
+    config = load_config("tiny", ["train.per_device_train_batch_size=8", "rewards.names=[xmlcount]"])
+    handle = load_model(resolve(config, detect(), "hf"))
+    train_q, _ = load_questions(config.data)
+    trainer = build_trainer(handle, to_prompt_rows(train_q[:40], config.data.system_prompt), tmp_path, reward_funcs=[spread])
+    assert trainer.args.steps_per_generation == 1 and trainer.args.num_iterations == 1
+    trainer.model.train()
+    rows = [trainer.train_dataset[i] for i in range(2)]
+    batch = trainer._generate_and_score_completions([row for row in rows for _ in range(4)])
+    assert batch["advantages"].abs().sum() > 0
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop before each compute_loss
+
+    def loss_and_grads(level):
+        trainer.importance_sampling_level = level
+        trainer.model.zero_grad(set_to_none=True)
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        return loss.detach().clone(), [p.grad.detach().clone() for p in params]
+
+    token_loss, token_grads = loss_and_grads("token")
+    sequence_loss, sequence_grads = loss_and_grads("sequence")
+    assert torch.allclose(token_loss, sequence_loss, rtol=1e-5, atol=1e-7)
+    assert sum(g.abs().sum() for g in token_grads) > 0
+    for a, b in zip(token_grads, sequence_grads):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
