@@ -150,7 +150,11 @@ def check_tools(config) -> None:
     from . import tools
 
     if not tools.uses_tools(config):
-        return
+        return  # tools.max_tokens_per_turn then caps nothing: a tools preset run with tools.names=[] keeps it
+    cap, budget = config.tools.max_tokens_per_turn, config.train.max_completion_length
+    if cap is not None and cap > budget:
+        raise ConfigError(f"tools.max_tokens_per_turn={cap} is above train.max_completion_length={budget}, which "
+                          f"caps the whole trajectory: set it at most {budget}, or null for {budget}")
     functions = tools.selected_tools(config.tools)
     from transformers.utils.chat_template_utils import get_json_schema
 

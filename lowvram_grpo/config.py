@@ -377,6 +377,12 @@ class ToolsConfig:
     timeout_seconds: float = _help(
         "Longest a tool call may take: past it the model gets an error text as the result and the run goes on "
         "(a runaway call keeps its thread until it ends).", 10.0)
+    max_tokens_per_turn: Optional[int] = _help(
+        "Most new tokens the model writes in one turn (a turn of calls, or the answer), in training and in the "
+        "held-out answers; null = train.max_completion_length, TRL's own cap for each turn. The whole trajectory is "
+        "still cut at train.max_completion_length. A batch generates until its longest turn ends, so a turn that "
+        "rambles without a call or an answer sets the time of every completion beside it: a cap near the longest "
+        "useful turn saves that time. Without tools it caps nothing.", None)
 
     def __post_init__(self):
         _check(len(set(self.names)) == len(self.names), f"tools.names lists a tool twice: {self.names}")
@@ -385,6 +391,8 @@ class ToolsConfig:
                "tools.module is set but tools.names is empty: name the functions of it the model may call")
         _check(self.max_turns >= 1, f"tools.max_turns must be >= 1 (tool-calling rounds per completion); got {self.max_turns}")
         _check(self.timeout_seconds > 0, f"tools.timeout_seconds must be > 0 (e.g. 10); got {self.timeout_seconds}")
+        _check(self.max_tokens_per_turn is None or self.max_tokens_per_turn >= 1,
+               f"tools.max_tokens_per_turn must be >= 1 (new tokens in one turn) or null; got {self.max_tokens_per_turn}")
         if self.module is not None:
             self.module = str(Path(self.module).expanduser().resolve())  # config.yaml must work from any directory
         # Building a config runs no user code: the tools file is imported and its functions checked by

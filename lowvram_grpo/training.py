@@ -89,10 +89,20 @@ def grpo_config_kwargs(resolved, output_dir: Path) -> dict:
     )
 
 
-def tool_config_kwargs(tools_config, environment: bool = False) -> dict:
+def tool_config_kwargs(tools_config, environment: bool = False, use_vllm: bool = False) -> dict:
     """GRPOConfig's tool settings: with tools.names or an environment, max_tool_calling_iterations = tools.max_turns
-    (TRL: rounds of running the latest turn's tool calls and generating on); without, nothing: TRL's defaults stay."""
-    return {"max_tool_calling_iterations": tools_config.max_turns} if tools_config.names or environment else {}
+    (TRL: rounds of running the latest turn's tool calls and generating on) and, with tools.max_tokens_per_turn,
+    TRL's generation_kwargs capping every turn's new tokens (TRL's tool loop caps each at max_completion_length):
+    `max_tokens` for vLLM's SamplingParams, `max_new_tokens` for transformers' generate, which TRL merges into the
+    settings of each turn it generates (backends/vllm/rollouts.py reads it too). Without tools, nothing: TRL's
+    defaults stay."""
+    if not (tools_config.names or environment):
+        return {}
+    kwargs = {"max_tool_calling_iterations": tools_config.max_turns}
+    if tools_config.max_tokens_per_turn is not None:
+        key = "max_tokens" if use_vllm else "max_new_tokens"
+        kwargs["generation_kwargs"] = {key: tools_config.max_tokens_per_turn}
+    return kwargs
 
 
 def grpo_args(resolved, output_dir: Path) -> GRPOConfig:
@@ -356,7 +366,7 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward
     config = handle.config
     install_logprob_fallback()  # TRL's log-prob kernel is Triton (GPU only): route CPU tensors to PyTorch
     asked = grpo_config_kwargs(handle.resolved, run_dir.path)
-    asked.update(tool_config_kwargs(config.tools, bool(config.environment.name)))  # TRL's tool-calling rounds
+    asked.update(tool_config_kwargs(config.tools, bool(config.environment.name), asked["use_vllm"]))  # TRL's rounds
     tools = tool_functions(config.tools)  # each call bounded in time, every answer text (tools.bounded)
     environment = environment_class(config.environment)  # TRL builds it (one per concurrent rollout), methods bounded
     environment = bounded_environment(environment, config.tools.timeout_seconds) if environment is not None else None

@@ -474,6 +474,46 @@ def test_tool_results_are_masked_out_of_the_loss_and_failures_are_answers(tools_
     assert "[tool calculator] 5" in report
 
 
+@pytest.mark.slow
+def test_each_turn_is_cut_at_tools_max_tokens_per_turn(tools_file, tmp_path, monkeypatch):
+    """tools.max_tokens_per_turn caps every turn TRL's tool loop generates (transformers' generate, through
+    GRPOConfig.generation_kwargs), the first and the ones after tool results; the trajectory stays within
+    train.max_completion_length. The random tiny model rarely ends a turn: uncapped, its turns run to the budget."""
+    from lowvram_grpo import training
+    from lowvram_grpo.pipeline import run
+
+    seen = {}
+    monkeypatch.setattr(training, "build_trainer", scripting_build(training.build_trainer, seen))
+    config = load_config("tiny", ["train.max_steps=1", "eval.enabled=false", "train.max_prompt_length=1400",
+                                  "model.max_seq_length=1950", "train.max_completion_length=512",
+                                  f"tools.module={tools_file}", *TOOL_OVERRIDES, "tools.max_tokens_per_turn=8"])
+    result = run(config, tmp_path / "run", backend="hf", log=lambda *_: None)
+    assert result.summary["status"] == "complete"
+    assert seen["trainer"].generation_config.max_new_tokens == 8
+    ((_, first),) = seen["first_turns"]
+    ((_, prompts, next_turns),) = seen["next_turns"]
+    assert len(first) == prompts == 4 and max(first + next_turns) == 8  # 512 each without the cap
+    check_transcripts_and_mask(seen, completions=4)  # the results still masked, a next turn still written
+
+
+def test_a_turn_cap_above_the_completion_budget_is_refused_and_without_tools_is_inert():
+    from lowvram_grpo.checks import check_tools
+    from lowvram_grpo.errors import ConfigError
+    from lowvram_grpo.training import tool_config_kwargs
+
+    config = load_config("tiny", ["tools.names=[calculator]", "tools.max_tokens_per_turn=65",
+                                  "train.max_completion_length=64"])
+    with pytest.raises(ConfigError, match="tools.max_tokens_per_turn=65 is above train.max_completion_length=64"):
+        check_tools(config)
+    config = load_config("tiny", ["tools.names=[calculator]", "tools.max_tokens_per_turn=16"])
+    check_tools(config)
+    assert tool_config_kwargs(config.tools)["generation_kwargs"] == {"max_new_tokens": 16}  # transformers' generate
+    assert tool_config_kwargs(config.tools, use_vllm=True)["generation_kwargs"] == {"max_tokens": 16}  # SamplingParams
+    plain = load_config("tiny", ["tools.max_tokens_per_turn=16"])  # a tools preset run with tools.names=[]
+    check_tools(plain)
+    assert tool_config_kwargs(plain.tools) == {}
+
+
 # --------------------------------------------------------------------------- an environment (environment.*)
 
 @pytest.fixture

@@ -429,13 +429,21 @@ def test_multi_turn_tool_rollouts_run_on_the_vllm_engine_with_tool_results_maske
     """Tools with model.generation=vllm: the first turn comes from our rollout_func, TRL's tool loop runs the calls
     and asks the engine (TRLRollouts.generate, as TRL's vllm_generation) for every next turn; a real SmolLM2 GRPO
     step whose first turn is scripted to call three tools (tests/tool_transcripts.py), in its own process: the
-    tool results are out of the loss (the batch's tool_mask), failures are answers, the next turns came from vLLM."""
+    tool results are out of the loss (the batch's tool_mask), failures are answers, the next turns came from vLLM;
+    tools.max_tokens_per_turn caps each turn the engine samples (TRLRollouts reads TRL's generation_kwargs)."""
+    import ast
+
     from tool_transcripts import run_script
 
-    script = run_script(tmp_path, "smollm2_cpu", "hf", ["model.generation=vllm", "prime.steps=0"])
+    script = run_script(tmp_path, "smollm2_cpu", "hf", ["model.generation=vllm", "prime.steps=0",
+                                                         "tools.max_tokens_per_turn=12"])
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=900,
                           preexec_fn=default_signals)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     assert "TRAINER GRPOTrainer TRLRollouts" in proc.stdout
     (turns,) = [line for line in proc.stdout.splitlines() if line.startswith("NEXT TURNS")]
     assert turns.startswith("NEXT TURNS [('vllm', 4, [")  # the four next turns, in one call to the engine
+    ((_, _, next_turns),) = ast.literal_eval(turns[len("NEXT TURNS "):])
+    (first,) = [line for line in proc.stdout.splitlines() if line.startswith("FIRST TURNS")]
+    ((_, first_turns),) = ast.literal_eval(first[len("FIRST TURNS "):])
+    assert len(first_turns) == 4 and max(first_turns) == 12 and max(next_turns) <= 12  # SmolLM2 writes on past 12

@@ -90,6 +90,7 @@ def scripting_build(real_build, seen: dict):
             def scripted_rollout(prompts, trainer_):
                 out = rollout_func(prompts, trainer_)  # the engine really samples; the first turn is replaced
                 n = len(out["completion_ids"])
+                seen.setdefault("first_turns", []).append(("vllm", [len(ids) for ids in out["completion_ids"]]))
                 return {**out, "completion_ids": [list(scripted_ids) for _ in range(n)],
                         "logprobs": [[0.0] * len(scripted_ids) for _ in range(n)]}
 
@@ -111,6 +112,7 @@ def scripting_build(real_build, seen: dict):
                 ids, logprobs = single_turn(prompt_ids, *rest, **kw)  # the model really samples
                 if turn["first"]:
                     turn["first"] = False
+                    seen.setdefault("first_turns", []).append(("transformers", [len(i) for i in ids]))
                     ids = [list(scripted_ids) for _ in ids]
                 else:
                     seen["next_turns"].append(("transformers", len(prompt_ids), [len(i) for i in ids]))
@@ -188,6 +190,7 @@ result = run(config, {out!r}, backend={backend!r}, log=print)
 assert result.summary["status"] == "complete" and result.summary["steps"] == 1
 check_transcripts_and_mask(seen, completions=4)
 print("NEXT TURNS", seen["next_turns"])
+print("FIRST TURNS", seen["first_turns"])
 print("TRAINER", trainer_name(seen["trainer"]), type(getattr(seen["trainer"], "vllm_generation", None)).__name__)
 '''
 

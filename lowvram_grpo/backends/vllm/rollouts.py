@@ -37,6 +37,14 @@ def _runs(prompts: list) -> list[tuple[Any, int]]:
     return runs
 
 
+def turn_tokens(trainer) -> int:
+    """Most new tokens of one turn: tools.max_tokens_per_turn as training.tool_config_kwargs hands it to TRL
+    (generation_kwargs' max_new_tokens: this engine stands in for transformers' generate), else TRL's cap for each
+    turn, max_completion_length. TRL's tool loop cuts the whole trajectory at max_completion_length either way."""
+    asked = (trainer.args.generation_kwargs or {}).get("max_new_tokens")
+    return min(asked, trainer.max_completion_length) if asked else trainer.max_completion_length
+
+
 class TRLRollouts:
     """TRL's `rollout_func` on the vLLM engine, with the adapter synced every `sync_every` steps.
 
@@ -72,7 +80,7 @@ class TRLRollouts:
         return self.engine.sample(
             ids, counts, temperature=trainer.temperature, top_p=trainer.top_p, top_k=trainer.top_k,
             min_p=trainer.min_p, repetition_penalty=trainer.repetition_penalty,
-            max_tokens=trainer.max_completion_length, stop_token_ids=trainer.eos_token_ids, seed=seed,
+            max_tokens=turn_tokens(trainer), stop_token_ids=trainer.eos_token_ids, seed=seed,
         )
 
     def rollout_func(self, prompts: list, trainer) -> dict:
