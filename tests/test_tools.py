@@ -423,7 +423,8 @@ def test_a_users_tools_file_trains_to_completion(tools_file, tmp_path):
     proc = run_cli(*_tool_run_args(out, f"tools.module={tools_file}", "tools.names=[lookup, slow]"), env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recorded = __import__("yaml").safe_load((out / "config.yaml").read_text())["tools"]
-    assert recorded == {"names": ["lookup", "slow"], "module": str(tools_file), "max_turns": 4, "timeout_seconds": 10.0}
+    assert recorded == {"names": ["lookup", "slow"], "module": str(tools_file), "max_turns": 4, "timeout_seconds": 10.0,
+                        "max_tokens_per_turn": None}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all("tools/call_frequency" in r for r in rows)  # TRL's tool loop ran (it logs these only with tools)
