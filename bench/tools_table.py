@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from lowvram_grpo.evaluation import paired_change
+from lowvram_grpo.evaluation import mcnemar_p, paired_change
 from lowvram_grpo.run_dir import RunDir
 
 OUT = Path("bench/results/tools")
@@ -127,7 +127,35 @@ def table(records: list[dict]) -> str:
                          f"{_pair((plain or {}).get('tool_vs_none', {}).get(key))} |")
         lines.append(f"| {r['seed']} | GRPO: primed -> after | {_pair(run['grpo']['accuracy_strict'])} | | | "
                      f"{_pair((plain or {}).get('grpo_without_tools'))} | |")
+    done = [r for r in records if r.get("run") and r.get("without_tools")]
+    if len(done) > 1:
+        lines += _pooled(done)
     return "\n".join(lines)
+
+
+def _sum(pairs: list) -> tuple[int, int, float]:
+    """Paired changes of several seeds added up (each seed's questions counted once per seed), McNemar's p on the sums."""
+    gained, lost = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+    return gained, lost, mcnemar_p(gained, lost)
+
+
+def _pooled(records: list[dict]) -> list[str]:
+    """Rows over the seeds: mean accuracy and format per column, paired changes added up."""
+    n = len(records)
+    mean = lambda values: sum(values) / n  # noqa: E731
+    rows = []
+    for name in ("before", "primed", "after"):
+        key = {"before": "base"}.get(name, name)
+        cols = [r["run"][name] for r in records]
+        plain = [r["without_tools"]["columns"][key] for r in records]
+        calls = [(c.get("tools") or {}).get("calls_per_answer", 0.0) for c in cols]
+        rows.append(f"| {n} seeds | {name} | {mean([c['accuracy_strict'] for c in cols]):.3f} (mean) | "
+                    f"{mean(calls):.2f} calls per answer (mean) | {mean([c['format_rate'] for c in cols]):.3f} | "
+                    f"{mean([c['accuracy_strict'] for c in plain]):.3f} (mean) | "
+                    f"{_pair(_sum([r['without_tools']['tool_vs_none'][key] for r in records]))} |")
+    rows.append(f"| {n} seeds | GRPO: primed -> after | {_pair(_sum([r['run']['grpo']['accuracy_strict'] for r in records]))}"
+                f" | | | {_pair(_sum([r['without_tools']['grpo_without_tools'] for r in records]))} | |")
+    return rows
 
 
 def main(argv=None) -> int:
@@ -142,7 +170,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
         run_seed(args.seed, args.root)
         return 0
-    records = [json.loads(p.read_text()) for p in sorted(OUT.glob("seed-*.json"))]
+    records = sorted((json.loads(p.read_text()) for p in OUT.glob("seed-*.json")), key=lambda r: r["seed"])
     print(table(records))
     return 0
 

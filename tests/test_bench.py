@@ -96,3 +96,16 @@ def test_host_memory_bench_writes_peak_slope_and_step_times_per_variant(tmp_path
         on_mimalloc = report["variants"]["head+trim+mimalloc"]
         assert on_mimalloc["host_allocator_active"] == "mimalloc" and on_mimalloc["held_out"] == off["held_out"]
         assert on_mimalloc["trimmed_boundaries"] >= 2 + 3
+
+
+def test_docs_tools_table_is_what_bench_tools_table_prints_from_the_committed_seeds():
+    """docs/results.md's tool-use table (issue 32) is `python -m bench.tools_table table`'s output, row for row, from
+    bench/results/tools/seed-*.json: a seed added, a number edited by hand, or pooled rows left stale fail here."""
+    from bench.tools_table import OUT, table
+    records = sorted((json.loads(p.read_text()) for p in (REPO / OUT).glob("seed-*.json")), key=lambda r: r["seed"])
+    assert records, "no committed seed of bench/results/tools"
+    printed = table(records).splitlines()
+    docs = (REPO / "docs" / "results.md").read_text().splitlines()
+    start = docs.index(printed[0])
+    assert docs[start:start + len(printed)] == printed
+    assert not docs[start + len(printed)].startswith("|"), "docs/results.md's tools table has rows the JSON lacks"
