@@ -298,13 +298,13 @@ def test_a_local_dataset_folder_with_configs_and_splits(tmp_path):
         load_questions(DataConfig(dataset=f"{folder}@main:validation", eval_size=2))
 
 
-# --------------------------------------------------------------------------- the README's example, run as written
+# --------------------------------------------------------------------------- docs/data.md's example, run as written
 
-def _readme_data_blocks() -> dict:
+def _docs_data_blocks() -> dict:
     from conftest import REPO
 
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Your data"):]
+    text = (REPO / "docs" / "data.md").read_text()
+    section = text[text.index("## Your data: a task that is not arithmetic"):]
     section = section[:section.index("\n## ", 4)]
     import re
 
@@ -313,8 +313,9 @@ def _readme_data_blocks() -> dict:
 
 @pytest.mark.slow
 def test_the_readme_data_example_trains_on_a_task_that_is_not_arithmetic(tmp_path):
-    """README "Your data": reviews.csv (saved here as Excel's "CSV UTF-8" does: BOM, CRLF) and
-    sentiment_reward.py, with the README's command as written; the reward gets the `sentiment` column."""
+    """docs/data.md "Your data: a task that is not arithmetic" (the README points there): reviews.csv (saved here as
+    Excel's "CSV UTF-8" does: BOM, CRLF) and sentiment_reward.py, with the command as written; the reward gets the
+    `sentiment` column."""
     import os
     import shlex
     import subprocess
@@ -322,7 +323,7 @@ def test_the_readme_data_example_trains_on_a_task_that_is_not_arithmetic(tmp_pat
 
     from conftest import REPO
 
-    blocks = _readme_data_blocks()
+    blocks = _docs_data_blocks()
     (tmp_path / "reviews.csv").write_bytes(b"\xef\xbb\xbf" + blocks["csv"].replace("\n", "\r\n").encode())
     (tmp_path / "sentiment_reward.py").write_text(blocks["python"])
     argv = shlex.split(blocks["bash"].replace("\\\n", " "))
