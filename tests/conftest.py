@@ -29,6 +29,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# One torch thread per xdist worker, inherited by every process a test starts. Left alone, each process starts
+# a thread per visible core; two workers (and their children) then spin against each other. CI's run of
+# e161018's parent showed it: a tiny-model priming at 3.5 s/step and the SmolLM2 fixture of test_eval_protocol
+# 8x slower than here, while the tests that already set OMP_NUM_THREADS=1 ran at their usual speed.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 SHARED_GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 # A stage that must run (.ci/run's vLLM CPU stage): with this set to 1 every skip, a module's
 # `pytest.importorskip` at collection included, is reported as a failure, so a missing dependency cannot
