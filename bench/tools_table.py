@@ -110,6 +110,11 @@ def _calls(col: dict) -> str:
     return f"{t['calls_per_answer']:.2f} / {t['answers_with_calls']:.2f} / {'-' if ran is None else f'{ran:.2f}'}"
 
 
+def seed_records(out: Path = OUT) -> list[dict]:
+    """The seeds' records under `out` (bench/results/tools, from the current folder), in numeric seed order."""
+    return sorted((json.loads(p.read_text()) for p in out.glob("seed-*.json")), key=lambda r: r["seed"])
+
+
 def table(records: list[dict]) -> str:
     lines = ["| seed | column | with the tool, strict [95 % CI] | calls per answer / answers with calls / ran | "
              "format | without the tool, strict | with the tool vs without (right/wrong, p) |", "|---|---|---|---|---|---|---|"]
@@ -170,8 +175,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
         run_seed(args.seed, args.root)
         return 0
-    records = sorted((json.loads(p.read_text()) for p in OUT.glob("seed-*.json")), key=lambda r: r["seed"])
-    print(table(records))
+    print(table(seed_records()))
     return 0
 
 

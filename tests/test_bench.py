@@ -101,8 +101,8 @@ def test_host_memory_bench_writes_peak_slope_and_step_times_per_variant(tmp_path
 def test_docs_tools_table_is_what_bench_tools_table_prints_from_the_committed_seeds():
     """docs/results.md's tool-use table (issue 32) is `python -m bench.tools_table table`'s output, row for row, from
     bench/results/tools/seed-*.json: a seed added, a number edited by hand, or pooled rows left stale fail here."""
-    from bench.tools_table import OUT, table
-    records = sorted((json.loads(p.read_text()) for p in (REPO / OUT).glob("seed-*.json")), key=lambda r: r["seed"])
+    from bench.tools_table import OUT, seed_records, table
+    records = seed_records(REPO / OUT)
     assert records, "no committed seed of bench/results/tools"
     printed = table(records).splitlines()
     docs = (REPO / "docs" / "results.md").read_text().splitlines()
