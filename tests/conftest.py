@@ -2,7 +2,7 @@
 backend; in the GPU install set unsloth's patched UnslothGRPOTrainer; vLLM's CPU build) on the locally built
 tiny Llama and SmolLM2. None of those is replaced. What stands in for what, precisely:
 
-- a GPU that is not here: named card profiles (hardware.profile: t4, rtx4090, ...) and doctor.CudaFacts
+- a GPU that is not here: named card profiles (hardware.profile: t4, rtx4090, ...) and cuda_facts.CudaFacts
   describe a card to resolve(), the memory plan and the doctor; a stand-in `nvidia-smi` on PATH
   (test_notebook) or `shutil.which` answering for it (test_gpu_path's install cell) is a driver that
   answers; transformers' `is_torch_bf16_gpu_available` says yes for GRPOConfig's bf16 check (test_gpu_set);

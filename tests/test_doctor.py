@@ -15,7 +15,8 @@ import torch
 from conftest import run_cli
 from lowvram_grpo import doctor
 from lowvram_grpo.config import load_config
-from lowvram_grpo.doctor import Card, CudaFacts, cuda_lines, plan_lines, read_pins, torch_has_kernels
+from lowvram_grpo.cuda_facts import Card, CudaFacts, cuda_lines, torch_has_kernels
+from lowvram_grpo.doctor import plan_lines, read_pins
 from lowvram_grpo.commands import guarded
 from lowvram_grpo.errors import ConfigError
 from lowvram_grpo.hardware import profile
