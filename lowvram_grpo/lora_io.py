@@ -230,18 +230,19 @@ def load_trainable_adapter(model, path, base_model: str = ""):
         raise _load_error(Path(path), base_model, exc) from None
 
 
-def load_adapter_weights(peft_model, path, base_model: str = "") -> None:
-    """Put the saved adapter's weights at `path` into `peft_model`'s trainable adapter (made with the same
-    r / alpha / targets, e.g. by unsloth's get_peft_model); every LoRA weight must match one way or the other."""
+def load_adapter_weights(peft_model, path, base_model: str = "", adapter_name: str = "default") -> None:
+    """Put the saved adapter's weights at `path` into `peft_model`'s trainable adapter `adapter_name` (made with
+    the same r / alpha / targets, e.g. by unsloth's get_peft_model); every LoRA weight of that adapter must match
+    one way or the other (others, such as TRL's frozen "ref" copy, are left as they are)."""
     from peft import set_peft_model_state_dict
     from peft.utils import load_peft_weights
 
     try:
         weights = load_peft_weights(str(path), device="cpu")
-        result = set_peft_model_state_dict(peft_model, weights)
+        result = set_peft_model_state_dict(peft_model, weights, adapter_name=adapter_name)
     except (RuntimeError, ValueError, KeyError) as exc:
         raise _load_error(Path(path), base_model, exc) from None
-    missing = [k for k in result.missing_keys if "lora_" in k]
+    missing = [k for k in result.missing_keys if "lora_" in k and f".{adapter_name}." in k]
     unexpected = list(result.unexpected_keys)
     if missing or unexpected:
         first = (unexpected or missing)[0]

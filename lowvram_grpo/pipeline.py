@@ -352,6 +352,8 @@ class GRPORun:
         self.log(describe_effective(trainer.effective_settings))
         if resume_from is not None:
             trainer.nonfinite_guard.load(self.run_dir.read_run_state(resume_from))
+        if resume_from is not None and self._trained_to_the_end(trainer, resume_from):
+            return  # stopped after its last step (saving, measuring, exporting): its checkpoint is the trained adapter
         started = time.time()
         try:
             with trainer.stop_signals.installed(), self._failures_reported("training"):
@@ -365,6 +367,23 @@ class GRPORun:
             raise stopped from None
         self.train_seconds = time.time() - started
         trainer.nonfinite_guard.raise_if_stopped(trainer.state, self.run_dir.latest_checkpoint())
+
+    def _trained_to_the_end(self, trainer, checkpoint: Path) -> bool:
+        """A checkpoint at train.max_steps or past it: its adapter weights and trainer state are restored and no
+        step runs. transformers' `train(resume_from_checkpoint=...)` would run one more step first: it skips the
+        trained batches and checks `max_steps` only at the end of the next step."""
+        from transformers import TrainerState
+
+        from .lora_io import load_adapter_weights
+
+        state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+        if state.global_step < self.config.train.max_steps:
+            return False
+        load_adapter_weights(self.handle.model, checkpoint, base_model=self.handle.base_model)
+        trainer.state = state
+        self.log(f"{checkpoint.name} is GRPO step {state.global_step} of train.max_steps={self.config.train.max_steps}: "
+                 "no step left to train, going on from its adapter")
+        return True
 
     def save(self) -> Path:
         """adapter/ (PEFT format + tokenizer, atomically); a run stopped by a signal then ends with --resume's hint."""

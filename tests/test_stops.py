@@ -127,6 +127,11 @@ def _resumed(line: str, out) -> subprocess.CompletedProcess:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "complete"
     check_adapter_dir(out / "adapter")
+    # whatever phase the stop came in, the resumed run ends at train.max_steps, never a step past it
+    max_steps = RunDir(out).read_config().train.max_steps
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == max_steps and [r["step"] for r in rows] == list(range(1, max_steps + 1)), \
+        (summary["steps"], [r["step"] for r in rows])
     return proc
 
 
@@ -224,8 +229,11 @@ def test_measuring_after(tmp_path, signum):
     line = _stop(proc, tmp_path, signum, marker)
     assert "while measuring the trained adapter; kept: checkpoint" in line and f"adapter {out / 'adapter'}" in line, line
     assert json.loads((out / "summary.json").read_text())["status"] == "training"
-    _resumed(line, out)
+    trained = _adapter(out / "adapter")
+    _resumed(line, out)  # no step past the last: the adapter it saves again is the one GRPO ended with, bit for bit
     assert json.loads((out / "summary.json").read_text())["after"] is not None
+    again = _adapter(out / "adapter")
+    assert trained.keys() == again.keys() and all(torch.equal(trained[k], again[k]) for k in trained)
 
 
 @pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
