@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from .errors import AdapterError
 
@@ -194,6 +195,11 @@ def adapter_settings(path) -> dict:
         raise AdapterError(f"{path} {what}: give the folder of a saved PEFT LoRA adapter (adapter_config.json + weights)")
     if not any((path / name).is_file() for name in ADAPTER_WEIGHTS):
         raise AdapterError(f"adapter at {path} has no weights ({' or '.join(ADAPTER_WEIGHTS)})")
+    if (path / ADAPTER_WEIGHTS[0]).is_file():
+        problem = safetensors_problem(path / ADAPTER_WEIGHTS[0])
+        if problem:
+            raise AdapterError(f"adapter at {path} has a damaged {ADAPTER_WEIGHTS[0]} ({problem}): "
+                               "give an adapter folder saved completely (a run's adapter/ or checkpoint-N/)")
     try:
         raw = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -211,6 +217,33 @@ def adapter_settings(path) -> dict:
     return {"r": raw["r"], "alpha": int(alpha), "target_modules": sorted(targets),
             "dropout": float(raw.get("lora_dropout") or 0.0), "base_model": raw.get("base_model_name_or_path"),
             "extras": {key: raw[key] for key in LORA_EXTRAS if raw.get(key) not in (None, False, "none", [], {})}}
+
+
+def safetensors_problem(path: Path) -> Optional[str]:
+    """Why the safetensors file at `path` cannot be read whole (a truncated copy, another format), or None; from
+    its header alone, without torch: 8 bytes of header length, the JSON header, every tensor's bytes inside the file."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return f"{size} bytes, shorter than a safetensors header"
+            length = int.from_bytes(head, "little")
+            if length > size - 8:
+                return f"its header says {length} bytes, the file holds {size}"
+            header = json.loads(fh.read(length))
+    except (OSError, ValueError) as exc:
+        return f"unreadable header: {type(exc).__name__}"
+    if not isinstance(header, dict):
+        return "unreadable header"
+    ends = [entry["data_offsets"][1] for name, entry in header.items()
+            if name != "__metadata__" and isinstance(entry, dict) and len(entry.get("data_offsets") or ()) == 2]
+    if not ends:
+        return "no tensors in it"
+    needed = 8 + length + max(ends)
+    if needed > size:
+        return f"truncated: {size} of {needed} bytes"
+    return None
 
 
 def _load_error(path: Path, base_model: str, exc: Exception) -> AdapterError:

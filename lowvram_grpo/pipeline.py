@@ -135,6 +135,8 @@ class GRPORun:
                 self.log(line)
         self.memory_plan = self._show_memory_plan()  # before every GPU run, before the model takes memory
         prepare_backend(self.resolved.backend)  # unsloth must be imported before trl/transformers
+        if handle is None:
+            self._check_prompts(self._tokenizer_alone())  # with the tokenizer alone: refused before the weights load
         self.handle = handle or load_model(self.resolved, self.log)
         self.resolved = self.handle.resolved  # unsloth may load another dtype than asked: mixed precision follows it
         from transformers.utils import logging as hf_logging
@@ -156,22 +158,48 @@ class GRPORun:
 
             with stops.deferred("once the vLLM engine has started"):  # then it is closed, not left behind
                 self.rollouts = start_for_run(self.handle, self.log)  # also the handle's engine for evaluation
-        checks.check_tool_template(self.config, self.handle.tokenizer)  # tools: renders and parses tool calls
+        self._check_prompts(self.handle.tokenizer)  # the loaded model's tokenizer decides which prompts are kept
         tools = prompt_tools(self.config)  # their schemas (the environment's methods too) are in every prompt TRL renders
         limit = self.config.train.max_prompt_length
         rows = to_prompt_rows(self.train_questions, self.config.data.system_prompt)
         self.train_rows, dropped = drop_long_prompts(rows, self.handle.tokenizer, limit, tools)
-        if not self.train_rows:
-            with_tools = " (with the tools' schemas, which TRL renders into every prompt)" if tools else ""
-            shortest = min(prompt_tokens(self.handle.tokenizer, row["prompt"], tools) for row in rows)
-            completion = self.config.train.max_completion_length
-            raise DataError(f"every training prompt is longer than train.max_prompt_length={limit} tokens{with_tools}; "
-                            f"the shortest is {shortest}: set train.max_prompt_length={shortest} or more (and "
-                            f"model.max_seq_length to at least that + train.max_completion_length={completion})")
         if dropped:
             self.log(f"dropped {dropped} prompts longer than train.max_prompt_length={limit}")
         self.eval_rows = to_prompt_rows(self.eval_questions, self.config.data.system_prompt)
         return self.handle
+
+    def _tokenizer_alone(self):
+        """The model's tokenizer without its weights (seconds, a few MB), for the checks that need only it; None
+        where it does not load on its own (the model's loader then says why, as it always has)."""
+        from transformers import AutoTokenizer
+
+        from .builtin_models import resolve_model_path
+
+        try:
+            return AutoTokenizer.from_pretrained(resolve_model_path(self.config.model.name))
+        except Exception:  # noqa: BLE001 (a hub error, a tokenizer only the backend's loader can build)
+            return None
+
+    def _check_prompts(self, tokenizer) -> None:
+        """With tools, the chat template renders and parses tool calls; some training prompt fits
+        train.max_prompt_length (with the tools' schemas, which TRL renders into every prompt)."""
+        if tokenizer is None:
+            return
+        checks.check_tool_template(self.config, tokenizer)
+        tools = prompt_tools(self.config)
+        limit = self.config.train.max_prompt_length
+        rows = to_prompt_rows(self.train_questions, self.config.data.system_prompt)
+        lengths = (prompt_tokens(tokenizer, row["prompt"], tools) for row in rows)
+        shortest = None
+        for length in lengths:  # stops at the first prompt that fits
+            if length <= limit:
+                return
+            shortest = length if shortest is None else min(shortest, length)
+        with_tools = " (with the tools' schemas, which TRL renders into every prompt)" if tools else ""
+        completion = self.config.train.max_completion_length
+        raise DataError(f"every training prompt is longer than train.max_prompt_length={limit} tokens{with_tools}; "
+                        f"the shortest is {shortest}: set train.max_prompt_length={shortest} or more (and "
+                        f"model.max_seq_length to at least that + train.max_completion_length={completion})")
 
     def _show_memory_plan(self):
         if not self.resolved.cuda:
@@ -407,8 +435,10 @@ class GRPORun:
         return written
 
     def finish(self) -> RunResult:
-        """summary.json (status complete), the before/after table, report.md and the plots."""
-        from .evaluation import format_table
+        """summary.json (status complete, with the paired changes computed once), the before/after table, what GRPO
+        changed (one held-out question it turned right, one it turned wrong, with the counts), report.md and the
+        plots, and the model card (README.md, over TRL's)."""
+        from .evaluation import format_table, paired_changes
 
         stops.check()  # a signal in the last step before: the run is not marked complete
         trainer, measured = self.trainer, self.measured
@@ -433,23 +463,40 @@ class GRPORun:
                 {"question": prompt_text(row["prompt"]), "answer": row.get("answer"), "base": b, "trained": a}
                 for row, b, a in list(zip(self.eval_rows, self.texts["before"], self.texts["after"]))[:2]
             ],
+            "paired_changes": paired_changes(measured["before"], measured["after"], measured["primed"]),
+            "what_changed": self._what_changed(),
         }
         result = RunResult(output_dir=self.run_dir.path, adapter_dir=self.adapter_dir, summary=summary, handle=self.handle)
         if not self.run_dir.writer:
             return result
         self.run_dir.write_summary(summary)
         if measured["before"] and measured["after"]:
-            self.log("\n" + format_table(measured["before"], measured["after"], measured["primed"]))
-            for sample in summary["samples"]:
-                self.log(f"\nQ: {sample['question']}  (gold: {sample['answer']})")
-                self.log(f"--- base ---\n{sample['base'].strip()}\n--- trained ---\n{sample['trained'].strip()}")
+            self.log("\n" + format_table(measured["before"], measured["after"], measured["primed"], summary["paired_changes"]))
+            if summary["what_changed"]:
+                from .report import changed_lines
+
+                self.log("\n" + "\n".join(changed_lines(summary["what_changed"])))
+            else:  # no per-question verdicts (data without gold answers): the first questions
+                for sample in summary["samples"]:
+                    self.log(f"\nQ: {sample['question']}  (gold: {sample['answer']})")
+                    self.log(f"--- base ---\n{sample['base'].strip()}\n--- trained ---\n{sample['trained'].strip()}")
+        from .model_card import write_card
         from .report import write_report
 
         self._enter("report")
         report = write_report(self.run_dir.path)  # report.md + plots from metrics.jsonl and summary.json
-        self.log(f"\nadapter: {self.adapter_dir}\nsummary: {self.run_dir.file('summary.json')}\nreport:  {report}")
+        card = write_card(self.run_dir.path, summary)  # README.md, over the card TRL's trainer wrote
+        self.log(f"\nadapter: {self.adapter_dir}\nsummary: {self.run_dir.file('summary.json')}\nreport:  {report}"
+                 f"\ncard:    {card}")
         self.release()
         return result
+
+    def _what_changed(self) -> Optional[dict]:
+        """The held-out questions GRPO turned right / wrong, counted, one example of each (report.what_changed)."""
+        from .report import what_changed
+
+        return what_changed([prompt_text(row["prompt"]) for row in self.eval_rows],
+                            [row.get("answer") for row in self.eval_rows], self.texts, self.measured)
 
     def release(self) -> None:
         """Let go of the output dir's lock (taken in __init__; the process ending lets go of it too)."""

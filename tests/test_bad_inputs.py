@@ -8,12 +8,15 @@ sample as real `python -m lowvram_grpo.run` processes. In the argument lists `{t
 prepared bad files (see `bad_files`) and `{run}` an existing run directory."""
 import dataclasses
 import json
+import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 from conftest import REPO, run_cli
+from lowvram_grpo.builtin_models import ensure_tiny_model
 from lowvram_grpo.config import SECTIONS, _TOP_LEVEL_SCALARS
 
 # ---------------------------------------------------------------- CLI options: (id, argv, fragment of the error line)
@@ -97,6 +100,8 @@ CLI_CASES = [
     ("init-adapter-pattern-targets", ["--preset", "tiny", "--init-adapter", "{tmp}/pattern-adapter"],
      "names its target modules as '.*proj', not a list of layer names"),
     ("init-adapter-no-weights", ["--preset", "tiny", "--init-adapter", "{tmp}/weightless-adapter"], "has no weights"),
+    ("init-adapter-truncated", ["--preset", "tiny", "--init-adapter", "{tmp}/truncated-adapter"],
+     "has a damaged adapter_model.safetensors (truncated:"),
     ("init-adapter-other-base", ["--preset", "tiny", "--init-adapter", "{tmp}/smollm2-adapter"],
      "lora.init_adapter {tmp}/smollm2-adapter was trained on HuggingFaceTB/SmolLM2-135M-Instruct, not on model.name "
      "builtin:tiny"),
@@ -400,12 +405,14 @@ CROSS_CASES = [
      "train.dynamic_sampling_reward=correctness does nothing without dynamic sampling: add --set train.dynamic_sampling=true"),
     ("environment", ["--set", "environment.module={tmp}/no_env.py", "--set", "environment.name=Shop"],
      "environment.module {tmp}/no_env.py does not exist"),
-    ("tools-template-after-load", ["--set", "model.name={tmp}/gpt2-plain-chat", "--set", "lora.target_modules=[c_attn]",
-                                   "--set", "tools.names=[calculator]"],
-     "{tmp}/gpt2-plain-chat's chat template cannot render tool calls"),
-    ("prompt-length-after-load", ["--set", "tools.names=[calculator]"],  # the schema makes every tiny prompt too long
+    # the '-before-load' ones need only the tokenizer: their models have no weights, so a check that came after
+    # the model loads would end in a loading error instead
+    ("tools-template-before-load", ["--set", "model.name={tmp}/gpt2-plain-chat-no-weights",
+                                    "--set", "lora.target_modules=[c_attn]", "--set", "tools.names=[calculator]"],
+     "{tmp}/gpt2-plain-chat-no-weights's chat template cannot render tool calls"),
+    ("prompt-length-before-load", ["--set", "model.name={tmp}/tiny-no-weights", "--set", "tools.names=[calculator]"],
      "every training prompt is longer than train.max_prompt_length=256 tokens (with the tools' schemas, which TRL "
-     "renders into every prompt); the shortest is"),
+     "renders into every prompt); the shortest is"),  # the schema makes every tiny prompt too long
 ]
 CHECK_CLASSES = {"lengths", "context", "lora-target", "lora-rank", "held-out", "environment", "tools-template",
                  "prompt-length"}
@@ -421,7 +428,10 @@ def bad_files(tmp_path_factory):
     for case_id, text, _ in TOP_LEVEL_CASES:
         (tmp / f"top-{case_id}.yaml").write_text(text)
     _tiny_gpt2(tmp / "gpt2-tiny")
-    _tiny_gpt2(tmp / "gpt2-plain-chat", chat_template=PLAIN_CHATML)  # a chat template that renders no tools
+    _tiny_gpt2(tmp / "gpt2-plain-chat-no-weights", chat_template=PLAIN_CHATML)  # a chat template that renders no tools
+    shutil.copytree(ensure_tiny_model(), tmp / "tiny-no-weights")
+    for folder in ("gpt2-plain-chat-no-weights", "tiny-no-weights"):  # the tokenizer and config.json alone
+        (tmp / folder / "model.safetensors").unlink()
     run = tmp / "complete-run"  # what a finished run leaves (for --resume)
     run.mkdir()
     (run / "config.yaml").write_text("preset: tiny\nmodel: {name: builtin:tiny}\n")
@@ -465,11 +475,13 @@ def _adapters(tmp, ours):
     get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])).save_pretrained(ours)
     for name, change in (("smollm2-adapter", {"base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}),
                          ("ia3-adapter", {"peft_type": "IA3"}), ("pattern-adapter", {"target_modules": ".*proj"}),
-                         ("weightless-adapter", {})):
+                         ("weightless-adapter", {}), ("truncated-adapter", {})):
         shutil.copytree(ours, tmp / name)
         config = json.loads((ours / "adapter_config.json").read_text())
         (tmp / name / "adapter_config.json").write_text(json.dumps({**config, **change}))
     (tmp / "weightless-adapter" / "adapter_model.safetensors").unlink()
+    weights = tmp / "truncated-adapter" / "adapter_model.safetensors"  # a copy cut short, as an interrupted download
+    os.truncate(weights, weights.stat().st_size // 2)
 
 
 # Plain ChatML, the tiny model's chat template before it rendered tools.
@@ -603,7 +615,7 @@ def test_no_float_setting_takes_a_non_finite_value(key, written, bad_files, caps
 
 
 def test_every_check_class_has_a_case():
-    assert CHECK_CLASSES <= {c[0].removesuffix("-after-load") for c in CROSS_CASES}
+    assert CHECK_CLASSES <= {c[0].removesuffix("-after-load").removesuffix("-before-load") for c in CROSS_CASES}
     assert len(list(_float_keys())) >= 15  # the non-finite sweep covers every float key it finds
 
 
