@@ -317,12 +317,13 @@ def protocol_lines(columns: list[dict]) -> list[str]:
             "their differences mix the protocol with the adapter"]
 
 
-def pair_notes(pairs: list[tuple[str, dict, str, dict]]) -> list[str]:
+def pair_notes(pairs: list[tuple[str, dict, str, dict]], stored: Optional[list[Optional[dict]]] = None) -> list[str]:
     """One sentence per accuracy and (start name, start, end label, end) pair: the change, whether the 95%
-    intervals overlap, and the paired count of questions that flipped with its McNemar p."""
+    intervals overlap, and the paired count of questions that flipped with its McNemar p. `stored`: per pair, its
+    paired changes as `paired_changes` stored them in summary.json (then those are shown, not recomputed)."""
     notes = []
     for key in WITH_INTERVAL:
-        for name, start, label, end in pairs:
+        for i, (name, start, label, end) in enumerate(pairs):
             if not (f"{key}_ci" in start and f"{key}_ci" in end):
                 continue
             change = end[key] - start[key]
@@ -330,13 +331,36 @@ def pair_notes(pairs: list[tuple[str, dict, str, dict]]) -> list[str]:
                 verdict = "the 95% intervals overlap: not a clear difference at this n"
             else:
                 verdict = "the 95% intervals do not overlap"
-            paired = paired_change(start, end, key)
-            if paired is not None:
-                p = paired[2]
-                verdict += (f"; paired over the same {len(end['strict_correct'])} questions: {paired[0]} newly right, "
-                            f"{paired[1]} newly wrong (McNemar p {'< 0.001' if p < 0.001 else f'= {p:.3f}'})")
+            entry = (stored[i] or {}).get(key) if stored is not None else _paired_entry(start, end, key)
+            if entry is not None:
+                p = entry["mcnemar_p"]
+                verdict += (f"; paired over the same {entry['n']} questions: {entry['newly_right']} newly right, "
+                            f"{entry['newly_wrong']} newly wrong (McNemar p {'< 0.001' if p < 0.001 else f'= {p:.3f}'})")
             notes.append(f"{key} {name} -> {label}: {change:+.3f}; {verdict}")
     return notes
+
+
+def _paired_entry(start: dict, end: dict, key: str) -> Optional[dict]:
+    paired = paired_change(start, end, key)
+    if paired is None:
+        return None
+    return {"newly_right": paired[0], "newly_wrong": paired[1], "mcnemar_p": paired[2],
+            "n": len(end[{"accuracy_strict": "strict_correct", "accuracy_lenient": "lenient_correct"}[key]])}
+
+
+def paired_changes(before: Optional[dict], after: Optional[dict], primed: Optional[dict] = None) -> dict:
+    """The paired changes a run reports, computed once (summary.json `paired_changes`; report.md, the printed
+    table and the model card read them): {'primed_to_after': ..., 'before_to_after': ...} (the first only when
+    priming ran), each {accuracy key: {newly_right, newly_wrong, mcnemar_p, n}} over the same questions' verdicts;
+    pairs or keys without per-question verdicts are left out."""
+    out = {}
+    for name, start in (("primed", primed), ("before", before)):
+        if not (start and after):
+            continue
+        entry = {key: found for key in WITH_INTERVAL if (found := _paired_entry(start, after, key)) is not None}
+        if entry:
+            out[f"{name}_to_after"] = entry
+    return out
 
 
 def paired_against(control: dict, after: dict) -> dict:
@@ -376,11 +400,13 @@ def beyond_line(headline: str, control: dict, after: dict) -> str:
     return f"{headline}: {'; '.join(parts)}{verdict}."
 
 
-def interval_notes(before: dict, after: dict, primed: Optional[dict] = None) -> list[str]:
-    """A run's notes: primed -> after (GRPO's own change) when priming ran, and before -> after."""
+def interval_notes(before: dict, after: dict, primed: Optional[dict] = None, changes: Optional[dict] = None) -> list[str]:
+    """A run's notes: primed -> after (GRPO's own change) when priming ran, and before -> after. `changes`: the
+    run's `paired_changes` as summary.json stores them (None: computed here, for summaries written before)."""
+    changes = paired_changes(before, after, primed) if changes is None else changes
     pairs = [("primed", primed, "after (GRPO's own change)", after)] if primed else []
     pairs.append(("before", before, "after", after))
-    return pair_notes(pairs)
+    return pair_notes(pairs, [changes.get(f"{name}_to_after") for name, *_ in pairs])
 
 
 def format_columns(named: list[tuple[str, dict]], pairs: list[tuple[str, dict, str, dict]]) -> str:
@@ -400,14 +426,15 @@ def format_columns(named: list[tuple[str, dict]], pairs: list[tuple[str, dict, s
     return "\n".join(lines)
 
 
-def format_table(before: dict, after: dict, primed: Optional[dict] = None) -> str:
+def format_table(before: dict, after: dict, primed: Optional[dict] = None, changes: Optional[dict] = None) -> str:
     """The before/after table printed at the end of a run (with the primed column when priming ran),
-    accuracies with their 95% Wilson intervals, the protocol, and whether the intervals overlap."""
+    accuracies with their 95% Wilson intervals, the protocol, and whether the intervals overlap; `changes`: the
+    run's `paired_changes` (computed here when None)."""
     named = [("before", before)] + ([("primed", primed)] if primed else []) + [("after", after)]
     table = format_columns(named, [])
     lines = table.splitlines()
     if primed:
         own = "".join(f", {key} {after[key] - primed[key]:+.3f}" for key in WITH_INTERVAL if key in after and key in primed)
         lines.append(f"(GRPO's own change in reward_mean, primed -> after: {after['reward_mean'] - primed['reward_mean']:+.3f}{own})")
-    lines += interval_notes(before, after, primed)
+    lines += interval_notes(before, after, primed, changes)
     return "\n".join(lines)

@@ -17,14 +17,15 @@ process that calls this (a notebook keeps its inline plots).
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 from typing import Optional
 
 from .errors import RunDirError
 from .evaluation import beyond_line, interval_notes, metric_rows, pair_notes, protocol_lines
 from .run_dir import PLOT_FILES, RunDir  # noqa: F401  (PLOT_FILES: the plots below, named where a run's files are)
-from .signals import (ALL_RIGHT_KEY, ALL_WRONG_KEY, CLIPPED_KEY, SMOOTHING, THRESHOLD, ZERO_STD_KEY, Signal,
-                      moving_average, scan)
+from .signals import (ALL_RIGHT_KEY, ALL_WRONG_KEY, CLIPPED_KEY, SMOOTHING, STRETCH, THRESHOLD, WINDOW, ZERO_STD_KEY,
+                      Signal, all_wrong_stretches, moving_average, scan, windowed)
 
 
 # ----------------------------------------------------------------------------- plots
@@ -35,39 +36,72 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def _line_plot(path: Path, title: str, ylabel: str, lines: list[tuple[str, str]], rows: list[dict],
-               hline: Optional[tuple[float, str]] = None, ylim: Optional[tuple[float, float]] = None,
-               smooth: Optional[str] = None) -> bool:
-    """One PNG: each (label, metric key) as a line over GRPO steps. False (nothing written) if no line has data.
-    `smooth`: a key whose raw line is drawn thin and pale under its moving average (signals.moving_average)."""
+               hline: Optional[tuple[float, str, str]] = None, ylim: Optional[tuple[float, float]] = None,
+               smooth: Optional[str] = None, checked: Optional[dict[str, str]] = None,
+               shade: Optional[tuple[list[tuple[int, int]], str, str]] = None, caption: Optional[str] = None) -> bool:
+    """One PNG: each (label, metric key) as a line over GRPO steps, each in its own colour. False (nothing written)
+    if no line has data. `smooth`: a key whose raw line is drawn thin and pale under its moving average
+    (signals.moving_average). `checked`: key -> the legend name of its warning's threshold: the line is drawn as
+    the warning reads it (signals.windowed, the raw steps pale beneath) with the threshold in the line's own
+    colour. `shade`: (stretches, key, label): the steps a warning held on, shaded in that key's colour. `hline`: a
+    limit (value, label, key) drawn in the colour of `key`'s line. `caption`: a note above the plot. The legend
+    goes under the axes, clear of the title and of the lines."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
+    checked = checked or {}
     drawn = [(label, *_series(rows, key), key) for label, key in lines]
     drawn = [d for d in drawn if d[1]]
     if not drawn:
         return False
-    fig = Figure(figsize=(8.5, 4), dpi=110, layout="constrained")
+    fig = Figure(figsize=(8.5, 4.6 + 0.25 * len(checked)), dpi=110, layout="constrained")
     ax = fig.subplots()
+    colours = {key: f"C{i}" for i, (_, _, _, key) in enumerate(drawn)}
+    # thresholds at the same height: each colour's dashes take their turn along the line
+    dashes = [(0, (5, 3))] if len(checked) <= 1 else [(5 * i, (5, 5 * (len(checked) - 1))) for i in range(len(checked))]
     for label, steps, values, key in drawn:
+        colour = colours[key]
         if key == smooth:
             ax.plot(steps, values, label=f"{label}, per step", linewidth=1.0, color="black", alpha=0.3, zorder=2)
             ax.plot(steps, moving_average(values), label=f"{label}, moving average of {SMOOTHING} steps",
                     linewidth=2.6, color="black", zorder=3)
             continue
-        ax.plot(steps, values, label=label, marker="o" if len(steps) <= 30 else None, markersize=3.5, linewidth=1.4)
+        if key in checked:
+            ax.plot(steps, values, linewidth=0.8, color=colour, alpha=0.3, zorder=2)
+            w_steps, means = windowed(rows, key)
+            ax.plot(w_steps, [m if m is not None else float("nan") for m in means], color=colour, linewidth=1.8,
+                    label=f"{label}, mean of last {WINDOW} steps", zorder=3)
+            ax.axhline(THRESHOLD, color=colour, linestyle=dashes[list(checked).index(key)], linewidth=1.3,
+                       label=checked[key], zorder=1)
+            continue
+        ax.plot(steps, values, label=label, color=colour, marker="o" if len(steps) <= 30 else None, markersize=3.5,
+                linewidth=1.4)
+    if shade is not None and shade[0]:
+        stretches, key, label = shade
+        for i, (first, last) in enumerate(stretches):
+            ax.axvspan(first - 0.5, last + 0.5, color=colours.get(key, "grey"), alpha=0.12, linewidth=0,
+                       label=label if i == 0 else None, zorder=0)
     if hline is not None:
-        ax.axhline(hline[0], color="tab:red", linestyle="--", linewidth=1, label=hline[1])
+        value, label, key = hline
+        ax.axhline(value, color=colours.get(key, "black"), linestyle="--", linewidth=1, label=label)
     if ylim is not None:
         ax.set_ylim(*ylim)
-    ax.set_title(title)
+    ax.set_title(title, pad=8)
     ax.set_xlabel("GRPO step")
     ax.set_ylabel(ylabel)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
-    if len(drawn) > 1 or hline is not None:
-        fig.legend(fontsize=8, loc="outside right upper")  # beside the axes: never over a line
+    if len(drawn) > 1 or hline is not None or checked:
+        fig.legend(fontsize=8, loc="outside lower center", ncols=2, frameon=False)  # under the axes: over nothing
+    if caption:
+        fig.suptitle("\n".join(textwrap.wrap(caption, 120)), fontsize=8.5, style="italic", color="dimgray")
     fig.savefig(path)
     return True
+
+
+BETA_ZERO_LOSS = ("train.beta = 0: TRL's GRPO loss is ~0 by construction (group-normalised advantages sum to 0 over "
+                  "each group, and no KL term is added), so a loss near 0 is expected and says nothing about learning: "
+                  "the reward plot shows progress.")
 
 
 def reward_keys(rows: list[dict], config: dict) -> list[str]:
@@ -90,14 +124,20 @@ def write_plots(run_dir: Path, rows: list[dict], config: dict) -> dict[str, Opti
             title="Completion length", ylabel="tokens",
             lines=[("mean", "completions/mean_length"), ("min", "completions/min_length"),
                    ("max", "completions/max_length")],
-            hline=(max_len, f"max_completion_length = {max_len}") if max_len else None),
+            hline=(max_len, f"max_completion_length = {max_len}", "completions/max_length") if max_len else None),
         "clipped_ratio": dict(
             title="Cut-off completions and groups without signal", ylabel="fraction",
             lines=[("completions cut at max_completion_length", CLIPPED_KEY),
                    ("groups with all-equal rewards", ZERO_STD_KEY),
                    ("groups all right (correctness)", ALL_RIGHT_KEY), ("groups all wrong (correctness)", ALL_WRONG_KEY)],
-            hline=(THRESHOLD, f"warning threshold {THRESHOLD}"), ylim=(-0.03, 1.03)),
-        "loss": dict(title="GRPO loss", ylabel="loss", lines=[("loss", "loss")]),
+            checked={CLIPPED_KEY: f"truncation warning threshold {THRESHOLD} (above it)",
+                     ZERO_STD_KEY: f"all-equal warning threshold {THRESHOLD} (above it)",
+                     ALL_WRONG_KEY: f"all-wrong warning threshold {THRESHOLD}"},
+            shade=(all_wrong_stretches(rows), ALL_WRONG_KEY,
+                   f"all-wrong warning: at/above {THRESHOLD}, {STRETCH}+ steps in a row"),
+            ylim=(-0.03, 1.03)),
+        "loss": dict(title="GRPO loss", ylabel="loss", lines=[("loss", "loss")],
+                     caption=BETA_ZERO_LOSS if (config.get("train") or {}).get("beta") == 0 else None),
     }
     written = {}
     for name, spec in plots.items():
@@ -137,7 +177,7 @@ def comparison_table(summary: dict) -> str:
             "the text states, in any format, is right.")
     if primed:
         note += f" GRPO's own change in reward_mean (primed -> after): {after['reward_mean'] - primed['reward_mean']:+.3f}."
-    notes = interval_notes(before, after, primed)
+    notes = interval_notes(before, after, primed, summary.get("paired_changes"))  # as stored: computed once, in finish()
     return "\n".join(lines) + note + ("\n\n" + "\n".join(f"- {n}" for n in notes) if notes else "")
 
 
@@ -163,8 +203,89 @@ def controls_section(summary: dict) -> str:
     return "\n\n".join(parts)
 
 
+# ----------------------------------------------------------------------------- what changed, one of each
+STAGE_NAMES = {"before": "base model", "primed": "primed adapter", "after": "after GRPO"}
+
+
+def what_changed(questions: list[str], golds: list, texts: dict[str, list[str]],
+                 measured: dict[str, Optional[dict]], judge: str = "strict") -> Optional[dict]:
+    """The samples a run shows at its end, chosen to show what GRPO changed, honestly: the counts of held-out
+    questions GRPO turned right and turned wrong (from the per-question verdicts `strict_correct`; against the
+    primed adapter when priming ran, else the base model), and one example of each, the first in question order;
+    where none is of a kind, the first question not shown yet stands in, labelled so. None without verdicts
+    (evaluation off, data without gold answers)."""
+    start = "primed" if measured.get("primed") else "before"
+    key = f"{judge}_correct"
+    first, last = (measured.get(start) or {}).get(key), (measured.get("after") or {}).get(key)
+    if not first or not last or len(first) != len(last) or len(first) != len(questions):
+        return None
+    right = [i for i, (a, b) in enumerate(zip(first, last)) if not a and b]
+    wrong = [i for i, (a, b) in enumerate(zip(first, last)) if a and not b]
+    shown = {found[0] for found in (right, wrong) if found}
+    rest = [i for i in range(len(questions)) if i not in shown]  # stand-ins, in question order
+    picked: list[tuple[int, str]] = []
+    for found, kind in ((right, "turned right"), (wrong, "turned wrong")):
+        if found:
+            picked.append((found[0], kind))
+        elif rest:
+            picked.append((rest.pop(0), f"none {kind}; the first question not shown instead"))
+    stages = [s for s in ("before", "primed", "after") if measured.get(s)]
+
+    def text(stage: str, i: int) -> Optional[str]:
+        kept = texts.get(stage) or []
+        return kept[i] if i < len(kept) else None  # a resumed run keeps the verdicts, not the primed texts
+
+    examples = [{"index": i, "kind": kind, "question": questions[i], "answer": golds[i],
+                 "correct": {s: measured[s].get(key, [None] * len(questions))[i] for s in stages},
+                 "texts": {s: text(s, i) for s in stages}} for i, kind in picked]
+    return {"judge": judge, "start": start, "turned_right": len(right), "turned_wrong": len(wrong),
+            "n": len(questions), "examples": examples}
+
+
+def changed_headline(changed: dict) -> str:
+    """'GRPO turned 17 right and 6 wrong of 200 held-out questions (strict, primed -> after); one of each:'."""
+    counts = (f"GRPO turned {changed['turned_right']} right and {changed['turned_wrong']} wrong of {changed['n']} "
+              f"held-out questions ({changed['judge']}, {changed['start']} -> after)")
+    if changed["turned_right"] and changed["turned_wrong"]:
+        return counts + "; one of each:"
+    if not (changed["turned_right"] or changed["turned_wrong"]):
+        return counts + "; none changed, so the first questions instead:"
+    return counts + "; the one kind there is, and the first question not shown yet for the other:"
+
+
+def _upper_first(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _verdict(value) -> str:
+    return {1: "right", 0: "wrong"}.get(value, "?")
+
+
+def changed_lines(changed: dict) -> list[str]:
+    """What a run prints at its end: the headline and, per example, the start and after answers."""
+    lines = [changed_headline(changed)]
+    for example in changed["examples"]:
+        lines.append(f"\n[{example['kind']}] Q: {example['question']}  (gold: {example['answer']})")
+        for stage in (changed["start"], "after"):
+            kept = example["texts"].get(stage)
+            lines.append(f"--- {STAGE_NAMES[stage]} ({_verdict(example['correct'].get(stage))}) ---\n"
+                         + (kept.strip() if kept is not None else "(text not kept: the run was resumed)"))
+    return lines
+
+
 def samples_section(summary: dict) -> str:
-    samples = summary.get("samples") or []
+    changed = summary.get("what_changed")
+    if changed:
+        parts = [changed_headline(changed)]
+        for example in changed["examples"]:
+            answers = [f"{_upper_first(STAGE_NAMES[stage])} ({_verdict(example['correct'].get(stage))}):\n\n"
+                       + (_fenced(text) if text is not None else "(text not kept: the run was resumed)")
+                       for stage, text in example["texts"].items()]
+            parts.append(f"**{_upper_first(example['kind'])}: question {example['index'] + 1}:** "
+                         f"{_printable(example['question'])}  \n**Gold answer:** {example['answer']}\n\n"
+                         + "\n\n".join(answers))
+        return "\n\n".join(parts)
+    samples = summary.get("samples") or []  # a run without verdicts, or a summary written before what_changed
     if not samples:
         return "No sample answers (evaluation was off)."
     parts = []
@@ -218,11 +339,17 @@ def plots_section(plots: dict[str, Optional[str]], config: dict) -> str:
         "clipped_ratio": "Cut-off completions and groups without signal",
         "loss": "Loss",
     }
+    beta = (config.get("train") or {}).get("beta")
+    notes = {"loss": BETA_ZERO_LOSS if beta == 0 else None,
+             "clipped_ratio": (f"Each warning's line is drawn as the warning reads it (the mean of the last {WINDOW} "
+                               f"logged steps; pale: per step), its threshold dashed in the same colour; the shaded "
+                               f"steps are where the all-wrong warning held.")}
     parts = []
     for name, file_name in plots.items():
         if file_name:
-            parts.append(f"### {captions[name]}\n\n![{captions[name]}]({file_name})")
-        elif name == "kl" and (config.get("train") or {}).get("beta") == 0:
+            parts.append(f"### {captions[name]}\n\n![{captions[name]}]({file_name})"
+                         + (f"\n\n{notes[name]}" if notes.get(name) else ""))
+        elif name == "kl" and beta == 0:
             parts.append(f"### {captions[name]}\n\nNot logged: train.beta = 0, so the loss has no KL term.")
         else:
             parts.append(f"### {captions[name]}\n\nNot logged by this run.")
@@ -268,7 +395,7 @@ def write_report(run_dir) -> Path:
     summary = folder.complete_summary()  # while it trains, the before/after numbers are not there yet
     config = folder.read_config_raw()
     max_len = (config.get("train") or {}).get("max_completion_length")
-    signals = scan(rows, max_len)
+    signals = scan(rows, max_len, config)
     plots = write_plots(folder.path, rows, config)
     return folder.write_report(render(folder.path, rows, summary, config, signals, plots))
 

@@ -358,6 +358,11 @@ class RunDir:
         self._write_text(REPORT, text)
         return self.path / REPORT
 
+    def write_model_card(self, text: str) -> Path:
+        """README.md, the run's model card (model_card.py), over the one TRL's trainer writes at each checkpoint."""
+        self._write_text("README.md", text)
+        return self.path / "README.md"
+
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_dirs(self) -> list[tuple[int, Path]]:
         """(step, path) of every checkpoint-N folder, oldest first."""

@@ -11,6 +11,12 @@ logged metrics mean it has little or nothing to learn from:
   partial-credit rewards); groups that are all right need harder questions, more generations or a higher
   temperature, so that answers in a group differ.
 - `flat_reward`: the mean reward has not moved for many logged steps.
+- `all_wrong`: most groups were all wrong by correctness (`groups/all_wrong`) for a stretch of logged
+  steps, whatever the other rewards did: correctness, the reward that says the answer is right, gave GRPO
+  nothing to compare there. `all_wrong_stretches` finds those stretches; the report's plot draws the very
+  series it looks at and shades the stretches it returns, so the warning and the plot cannot disagree.
+
+`windowed` is the trailing mean the ratio checks compare to THRESHOLD (the plot draws it too).
 
 `moving_average` is the smoothing of the progress bar's and the reward plot's average (SMOOTHING steps).
 
@@ -30,9 +36,10 @@ ALL_RIGHT_KEY = "groups/all_right"   # share of groups whose completions were al
 ALL_WRONG_KEY = "groups/all_wrong"   # ... all wrong
 SMOOTHING = 10      # logged steps in the moving average of the reward (progress bar, reward plot)
 
-WINDOW = 5          # logged steps averaged for the two ratio checks: one odd step is not a pattern
+WINDOW = 5          # logged steps averaged for the ratio checks: one odd step is not a pattern
 MIN_ROWS = 2        # ... and at least this many, so the very first step alone never warns
-THRESHOLD = 0.5     # "most": more than half of the completions / groups
+THRESHOLD = 0.5     # "most": more than half of the completions / groups (all wrong: half or more)
+STRETCH = 3         # logged steps in a row the averaged all-wrong share stays at/above THRESHOLD before it warns
 FLAT_STEPS = 10     # logged steps without change before the reward counts as flat
 FLAT_TOLERANCE = 1e-4
 
@@ -52,6 +59,19 @@ class Signal:
 def _values(rows: list[dict], key: str) -> list[float]:
     """The finite values of `key` (metrics.jsonl writes non-finite values as null)."""
     return [row[key] for row in rows if isinstance(row.get(key), (int, float))]
+
+
+def windowed(rows: list[dict], key: str) -> tuple[list[int], list[Optional[float]]]:
+    """(steps, the trailing mean of the last WINDOW values at each step) over the rows where `key` has a number;
+    None until MIN_ROWS values are in. What the ratio checks compare to THRESHOLD, and the line the report's plot
+    draws against its threshold line."""
+    pairs = [(row["step"], row[key]) for row in rows if isinstance(row.get(key), (int, float))]
+    steps, means = [], []
+    for i, (step, _) in enumerate(pairs):
+        recent = [value for _, value in pairs[max(0, i + 1 - WINDOW):i + 1]]
+        steps.append(step)
+        means.append(sum(recent) / len(recent) if len(recent) >= MIN_ROWS else None)
+    return steps, means
 
 
 def _recent_mean(rows: list[dict], key: str) -> Optional[float]:
@@ -120,37 +140,108 @@ def flat_reward(rows: list[dict]) -> Optional[str]:
     return f"the reward has stayed at {level:.3f} for the last {FLAT_STEPS} logged steps: {hint}."
 
 
-def current(rows: list[dict], max_completion_length: Optional[int] = None) -> dict[str, str]:
+def all_wrong_stretches(rows: list[dict]) -> list[tuple[int, int]]:
+    """(first step, last step) of each run of at least STRETCH logged steps in a row on which the all-wrong share
+    (`groups/all_wrong`), averaged by `windowed`, is at or above THRESHOLD. The one definition of the stretches:
+    the `all_wrong` warning holds exactly when there is one, and the report's plot shades these very stretches on
+    the very line it draws against its threshold."""
+    steps, means = windowed(rows, ALL_WRONG_KEY)
+    stretches, run = [], []
+    for step, mean in zip(steps + [None], means + [None]):  # a None at the end closes the last run
+        if mean is not None and mean >= THRESHOLD:
+            run.append(step)
+            continue
+        if len(run) >= STRETCH:
+            stretches.append((run[0], run[-1]))
+        run = []
+    return stretches
+
+
+def _steps_text(stretches: list[tuple[int, int]]) -> str:
+    parts = [f"{a}-{b}" for a, b in stretches]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + f" and {parts[-1]}"
+
+
+def all_wrong(rows: list[dict], max_completion_length: Optional[int] = None,
+              config: Optional[dict] = None) -> Optional[str]:
+    """A warning when most groups were all wrong by correctness for a stretch of steps (all_wrong_stretches),
+    else None; what to do, in settings of this tool: prime (longer), easier questions, longer completions when
+    most are cut off. `config`: the run's config.yaml mapping, for concrete values (the live monitor has none)."""
+    stretches = all_wrong_stretches(rows)
+    if not stretches:
+        return None
+    config = config or {}
+    steps, means = windowed(rows, ALL_WRONG_KEY)
+    inside = sum(1 for step in steps if any(a <= step <= b for a, b in stretches))
+    peak = max(m for step, m in zip(steps, means) if m is not None and any(a <= step <= b for a, b in stretches))
+    head = (f"most groups were all wrong by correctness (no completion of the group right): the share of such groups "
+            f"(`{ALL_WRONG_KEY}`, mean of the last {WINDOW} logged steps) was at or above {THRESHOLD} on steps "
+            f"{_steps_text(stretches)} ({inside} of {len(steps)} logged steps, up to {peak:.0%}). There, correctness "
+            f"gave GRPO nothing to compare: what it learned there came from the other rewards (format, length), not from "
+            f"right answers.")
+    prime_steps = (config.get("prime") or {}).get("steps")
+    if isinstance(prime_steps, int) and prime_steps > 0:
+        prime = f"prime longer (`--set prime.steps={2 * prime_steps}`; this run primed {prime_steps} steps)"
+    elif prime_steps == 0:
+        prime = "prime the format and the answers first (`--set prime.steps=20`; this run did not prime)"
+    else:
+        prime = "prime first, or longer (`--set prime.steps=N`, e.g. 20)"
+    data = config.get("data") or {}
+    if data and data.get("dataset") is None and isinstance(data.get("max_operand"), int):
+        easier = (f"easier questions (`--set data.max_operand={max(2, data['max_operand'] // 2)}` for the built-in "
+                  f"problems, or an easier --dataset)")
+    else:
+        easier = "easier questions (an easier --dataset, or --set data.max_operand=<smaller> for the built-in problems)"
+    actions = [prime, easier]
+    clipped = _recent_mean(rows, CLIPPED_KEY)
+    if clipped is not None and clipped > THRESHOLD:
+        longer = (f"`--set train.max_completion_length={2 * max_completion_length}`" if max_completion_length
+                  else "a larger train.max_completion_length")
+        actions.append(f"room to finish the answer: {clipped:.0%} of the recent completions were cut off, {longer}")
+    return f"{head} Bring right answers within reach: {'; '.join(actions)}."
+
+
+def current(rows: list[dict], max_completion_length: Optional[int] = None,
+            config: Optional[dict] = None) -> dict[str, str]:
     """Every check that holds on `rows` now: kind -> message."""
     found = {
         "truncated": truncation(rows, max_completion_length),
         "no_signal": no_signal(rows),
+        "all_wrong": all_wrong(rows, max_completion_length, config),
         "flat_reward": flat_reward(rows),
     }
     return {kind: message for kind, message in found.items() if message}
 
 
 class SignalMonitor:
-    """Feeds rows one at a time; returns each kind of warning the first time it holds."""
+    """Feeds rows one at a time; returns each kind of warning the first time it holds. `config`: the run's
+    config.yaml mapping when known (concrete values in the advice)."""
 
-    def __init__(self, max_completion_length: Optional[int] = None):
+    def __init__(self, max_completion_length: Optional[int] = None, config: Optional[dict] = None):
         self.max_completion_length = max_completion_length
+        self.config = config
         self.rows: list[dict] = []
         self.raised: dict[str, Signal] = {}
 
     def add(self, row: dict) -> list[Signal]:
         self.rows.append(row)
         new = []
-        for kind, message in current(self.rows, self.max_completion_length).items():
+        for kind, message in current(self.rows, self.max_completion_length, self.config).items():
             if kind not in self.raised:
                 self.raised[kind] = Signal(kind, int(row.get("step", len(self.rows))), message)
                 new.append(self.raised[kind])
         return new
 
 
-def scan(rows: Iterable[dict], max_completion_length: Optional[int] = None) -> list[Signal]:
-    """The warnings a run raised, replayed over its whole log (what the live monitor printed)."""
-    monitor = SignalMonitor(max_completion_length)
+def scan(rows: Iterable[dict], max_completion_length: Optional[int] = None,
+         config: Optional[dict] = None) -> list[Signal]:
+    """The warnings a run raised, replayed over its whole log (what the live monitor printed); the all_wrong
+    warning is the whole log's: from its first stretch's first step, every stretch in its message."""
+    rows = list(rows)
+    monitor = SignalMonitor(max_completion_length, config)
     for row in rows:
         monitor.add(row)
-    return list(monitor.raised.values())
+    found = list(monitor.raised.values())
+    stretches = all_wrong_stretches(rows)
+    return [Signal(s.kind, stretches[0][0], all_wrong(rows, max_completion_length, config)) if s.kind == "all_wrong"
+            else s for s in found]
