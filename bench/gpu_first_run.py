@@ -50,13 +50,12 @@ from lowvram_grpo.commands import whole_number_at_least
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2 ** 30
-VARIANTS = ("hf-nf4", "unsloth", "hf-vllm")
+VARIANTS = ("unsloth", "hf-nf4", "hf-vllm")  # also the order they run in: what matters most first
 NEEDS = {"hf-nf4": "bitsandbytes", "unsloth": "unsloth", "hf-vllm": "vllm"}
 CAP_SHARE = 0.25      # the cap: what the process holds between steps + this share of what a step adds on top
 WEIGHT_SEED = 0
 SHARD_BYTES = 2 * GIB  # the stand-in checkpoint's safetensors shards
 RANDOM_BLOCK = 2 ** 24  # random values drawn for the stand-in checkpoint (copied into every matrix)
-CHILD = "import json, sys; from bench.gpu_first_run import {0}; sys.exit({0}(json.loads(sys.argv[1])))"
 
 
 # --------------------------------------------------------------------------- device memory: CUDA, and its CPU twin
@@ -170,8 +169,9 @@ class Phases:
     """Peak memory and time per phase. `switch(name)` closes the current phase and starts `name`; a poller
     samples the device's used memory (and the CPU twin's allocated bytes) every 10 ms for the peaks."""
 
-    def __init__(self, memory):
+    def __init__(self, memory, on_change=None):
         self.memory = memory
+        self.on_change = on_change  # called (no arguments) after a phase or a step's training part closes
         self.results: dict[str, dict] = {}
         self.current: Optional[str] = None
         self.started = time.time()
@@ -205,12 +205,15 @@ class Phases:
             last["rollout_s"] = round(now - last["_start"], 3)
         elif self.current == "training" and last and last["training_s"] is None and last["rollout_s"] is not None:
             last["training_s"] = round(now - last["_start"] - last["rollout_s"], 3)
+        closed = self.current is not None and (name is None or name == "rollout")
         if name == "rollout":  # a step starts with its rollout; what is held then stays through the step
-            self.steps.append({"rollout_s": None, "training_s": None, "held_gib": round(self.memory.allocated() / GIB, 4),
-                               "_start": now})
+            self.steps.append({"step": len(self.steps) + 1, "rollout_s": None, "training_s": None,
+                               "held_gib": round(self.memory.allocated() / GIB, 4), "_start": now})
         self.memory.reset_peak()
         self.used_peak = self.memory.used()
         self.current, self.started = name, now
+        if closed and self.on_change is not None:
+            self.on_change()
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -238,12 +241,42 @@ class Phases:
 
         setattr(owner, method, generate)
 
-    def close(self) -> dict:
-        self._stop.set()
-        for step in self.steps:
-            step.pop("_start", None)
+    def finished_steps(self) -> list[dict]:
+        """The steps whose rollout and training both closed, without their start stamps."""
+        return [{k: v for k, v in s.items() if k != "_start"} for s in self.steps
+                if s["rollout_s"] is not None and s["training_s"] is not None]
+
+    def snapshot(self) -> dict:
+        """The phases closed so far, in GiB and seconds (the poller keeps running)."""
         return {name: {**{k: round(v / GIB, 5) for k, v in row.items() if k not in ("seconds", "times")},
                        "seconds": round(row["seconds"], 2), "times": row["times"]} for name, row in self.results.items()}
+
+    def close(self) -> dict:
+        self._stop.set()
+        return self.snapshot()
+
+
+def step_times(steps: list[dict]) -> dict:
+    """The first GRPO step apart (on CUDA it includes compilation: unsloth compiles each decoder block on first
+    use, TRL's and torch's kernels compile too) from the steady steps after it; rollout and training apart."""
+    if not steps:
+        return {"first_step_s": None, "steady_step_s_mean": None, "steady_steps": 0}
+    total = [s["rollout_s"] + s["training_s"] for s in steps]
+    steady = steps[1:]
+    mean = (lambda xs: round(statistics.fmean(xs), 3) if xs else None)
+    return {"first_step_s": round(total[0], 3), "first_step_rollout_s": steps[0]["rollout_s"],
+            "first_step_training_s": steps[0]["training_s"], "steady_step_s_mean": mean(total[1:]),
+            "steady_rollout_s_mean": mean([s["rollout_s"] for s in steady]),
+            "steady_training_s_mean": mean([s["training_s"] for s in steady]), "steady_steps": len(steady),
+            "first_step_extra_s": round(total[0] - statistics.fmean(total[1:]), 3) if steady else None}
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Atomically: a reader (or a kill at any moment) sees the previous file or this one, never half of one."""
+    path = Path(path)
+    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    staging.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(staging, path)
 
 
 # --------------------------------------------------------------------------- the stand-in checkpoint
@@ -354,9 +387,10 @@ def _same_shape(a, b) -> bool:
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
-def padded_system_prompt(config, tokenizer) -> tuple[str, int]:
+def padded_system_prompt(config, tokenizer, pad: bool = True) -> tuple[str, int]:
     """The preset's system prompt with filler words, so the longest training prompt is just under
-    train.max_prompt_length tokens (the length the plan counts); and that length."""
+    train.max_prompt_length tokens (the length the plan counts); and that length (`pad=False`: the preset's
+    own prompt and its longest)."""
     from lowvram_grpo.data import load_questions, to_prompt_rows
 
     questions, _ = load_questions(config.data)
@@ -369,6 +403,8 @@ def padded_system_prompt(config, tokenizer) -> tuple[str, int]:
 
     limit, base = config.train.max_prompt_length, config.data.system_prompt
     now = longest(base)
+    if not pad:
+        return base, now
     per_word = max(longest(base + " ok" * 8) - now, 1) / 8
     words = max(int((limit - now) / per_word) - 1, 0)
     while words and longest(base + " ok" * words) > limit:
@@ -433,11 +469,23 @@ def _measure(job: dict) -> int:
     from lowvram_grpo.pipeline import GRPORun
 
     memory = device_memory()
-    phases = Phases(memory)
     config = load_config(job["preset"], job["overrides"])
     grpo = GRPORun(config, job["run_dir"], backend=job["backend"])
+    result = {"variant": job["variant"], "backend": job["backend"], "overrides": job["overrides"], "finished": False,
+              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+              "memory_source": memory.what}
+
+    def write_part() -> None:  # after every phase and step: a cut run keeps what it measured
+        steps = phases.finished_steps()
+        write_json(Path(job["part"]), {**result, "phases": phases.snapshot(), "steps": steps, **step_times(steps)})
+
+    phases = Phases(memory, on_change=write_part)
     with phases.phase("load"):
         handle = grpo.load()
+    resolved = grpo.resolved
+    result.update(backend=resolved.backend, resolved=dict(resolved.summary()), plan=_summary_of_plan(resolved),
+                  plan_lengths=plan_lengths(resolved.config))
+    write_part()
     from transformers.generation.utils import GenerationMixin
 
     phases.watch_generation(GenerationMixin)
@@ -447,6 +495,10 @@ def _measure(job: dict) -> int:
 
         phases.watch_generation(vllm.LLM)
     grpo.start()  # the base model's evaluation is skipped: the trained adapter's (after) is the larger one
+    if torch.cuda.is_available():
+        print(f"kit: the first GRPO step includes compilation (unsloth compiles each decoder block on first use; "
+              f"on the H100, 2026-11-26, Qwen2.5-1.5B shape at 512 tokens: step 1 {FIRST_STEP_H100['unsloth']} s on "
+              f"unsloth, {FIRST_STEP_H100['hf']} s on hf, then ~30 / ~51 s): the progress bar waits there", flush=True)
     with phases.phase("training"):
         grpo.train()
     adapter = grpo.save()
@@ -454,20 +506,15 @@ def _measure(job: dict) -> int:
         grpo.measure("after", adapter)
     grpo.finish()
     measured = phases.close()
-    steps = [s for s in phases.steps if s["rollout_s"] is not None and s["training_s"] is not None]
+    steps = phases.finished_steps()
     dtypes: dict[str, float] = {}
     for param in handle.model.parameters():
         name = str(param.dtype).removeprefix("torch.")
         dtypes[name] = dtypes.get(name, 0) + param.numel() * param.element_size() / GIB
     trainable = sum(p.numel() * p.element_size() for p in handle.model.parameters() if p.requires_grad)
     checkpoint = grpo.run_dir.latest_checkpoint()
-    resolved = grpo.resolved
-    result = {
-        "variant": job["variant"], "backend": resolved.backend, "overrides": job["overrides"],
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "memory_source": memory.what, "host_allocator": allocator.active(),
-        "resolved": {k: v for k, v in resolved.summary().items()},
-        "plan": _summary_of_plan(resolved), "phases": measured, "steps": steps,
+    result.update({
+        "finished": True, "host_allocator": allocator.active(), "phases": measured, "steps": steps, **step_times(steps),
         "step_s_median": round(statistics.median(s["rollout_s"] + s["training_s"] for s in steps), 3) if steps else None,
         "dtype": {"resolved": resolved.dtype, "parameter_gib_by_dtype": {k: round(v, 5) for k, v in dtypes.items()},
                   "trainable_gib": round(trainable / GIB, 5)},
@@ -475,7 +522,7 @@ def _measure(job: dict) -> int:
         "grpo_settings": grpo.trainer.effective_settings.get("settings", {}),
         "checkpoint_bytes": sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file()) if checkpoint else None,
         "checkpoint_bytes_doctor_estimate": int(checkpoint_bytes(resolved) // (config.train.keep_checkpoints + 1)),
-    }
+    })
     peak = {k: max(row[k] for row in measured.values()) for k in ("peak_allocated", "peak_reserved", "used_peak")}
     result["peak_gib"] = peak
     if steps:  # what a GRPO step adds on top of what is held between steps (the capped run's yardstick)
@@ -485,8 +532,16 @@ def _measure(job: dict) -> int:
     total = result["plan"].get("total_gib")
     if total:
         result["peak_vs_plan"] = peak_vs_plan(peak, total)
-    Path(job["part"]).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(Path(job["part"]), result)
     return 0
+
+
+def plan_lengths(config) -> dict:
+    """The lengths and sizes the memory plan was made for (the run's own: like for like with what ran)."""
+    return {"train.max_prompt_length": config.train.max_prompt_length,
+            "train.max_completion_length": config.train.max_completion_length,
+            "model.max_seq_length": config.model.max_seq_length, "train.num_generations": config.train.num_generations,
+            "eval.batch_size": config.eval.batch_size, "data.eval_size": config.data.eval_size}
 
 
 def capped(job: dict) -> int:
@@ -514,32 +569,210 @@ def capped(job: dict) -> int:
 
     GenerationMixin.generate = arm_then_generate
     code = run_main(job["argv"])
-    Path(job["part"]).write_text(json.dumps({"exit_code": code, **info}, indent=2) + "\n")
+    write_json(Path(job["part"]), {"exit_code": code, **info})
     return code
+
+
+def resume(job: dict) -> int:
+    """A child process: `python -m lowvram_grpo.run --resume RUN`, as a user types it (through run.main)."""
+    from lowvram_grpo.run import main as run_main
+
+    return run_main(["--resume", job["run_dir"]])
+
+
+# --------------------------------------------------------------------------- the budget
+
+# What the first lent H100 took (2026-11-26, ../shared/gpu/2026-11-26-h100, docs/gpu.md "What has run on a GPU"): a
+# Qwen2.5-1.5B-shaped 4-bit run, 6 completions of 512 tokens per step, transformers generation (no vLLM there).
+FIRST_STEP_H100 = {"unsloth": 108.7, "hf": 75.4}
+# The cost model the kit plans its budget with, in seconds, per device: `start` = a child's Python start, imports,
+# doctor lines and loading; `step` = one steady GRPO step at `tokens` completion tokens; `compile` = what the first
+# step adds; `eval` = the trained adapter's evaluation (one batch) at `tokens`; `build` = the stand-in checkpoint
+# per billion parameters. CUDA's from the H100's logs (the variant's start and the evaluation bounded from the
+# timeouts that cut them); the CPU's measured here for builtin:tiny (2 cores). Other shapes scale the step and
+# evaluation by (params / reference) ** `power` (on CUDA transformers generation is launch-bound, so less than the
+# weights grow). After each child the kit scales what is left by what it really took against its estimate.
+COSTS = {
+    True: {"params": 1.54e9, "tokens": 512, "power": 0.5, "load_per_b": 6.0, "build_per_b": 12.0, "build": 10.0,
+           "eval": 40.0, "unsloth": {"start": 45.0, "step": 30.0, "compile": 79.0},
+           "hf": {"start": 25.0, "step": 51.0, "compile": 24.0}},
+    False: {"params": 139584, "tokens": 24, "power": 1.0, "load_per_b": 6.0, "build_per_b": 12.0, "build": 3.0,
+            "eval": 1.0, "unsloth": {"start": 12.0, "step": 1.5, "compile": 5.0},
+            "hf": {"start": 8.0, "step": 1.0, "compile": 0.5}},
+}
+KILL_GRACE_S = 5.0     # a child asked to stop (SIGTERM) is killed after this
+RESERVE_S = 8.0        # kept back from every child's timeout: stopping it and writing the JSON
+FIT_SHARE = 0.9        # the plan fills at most this share of the budget (the estimates are estimates)
+POLL_S = 0.5           # how often the parent looks at a running child's partial figures
+MIN_COMPLETION = 16    # the shortest train.max_completion_length the kit shortens to
+
+
+class CostModel:
+    """Seconds each piece of the kit's work takes, for one model shape on this device (COSTS), corrected by
+    what the finished pieces really took (`learn`)."""
+
+    def __init__(self, cuda: bool, params: float):
+        self.c = COSTS[cuda]
+        self.scale = max(params / self.c["params"], 1e-3) ** self.c["power"]
+        self.params_b = params / 1e9
+        self.factor = 1.0
+
+    def build(self, reused: bool) -> float:
+        return 2.0 if reused else self.c["build"] + self.c["build_per_b"] * self.params_b
+
+    def _run(self, backend: str, steps: int, tokens: int, eval_batch: Optional[int], generations: int) -> float:
+        own = self.c[backend]
+        per_token = self.scale * tokens / self.c["tokens"]
+        seconds = own["start"] + self.c["load_per_b"] * self.params_b + own["compile"] + own["step"] * per_token * steps
+        if eval_batch:  # one batch; on a CPU the time grows with the batch, on a GPU hardly at these sizes
+            seconds += self.c["eval"] * per_token * (1.0 if self.c["power"] < 1 else max(eval_batch / generations, 1.0))
+        return seconds * self.factor
+
+    def estimate(self, item: str, backend: str, steps: int, tokens: int, eval_batch: int, generations: int) -> float:
+        if item == "cap":  # step 1 with its checkpoint, then the capped step 2 ends it
+            return self._run("hf", 2, tokens, None, generations)
+        if item == "resume":  # a fresh process compiles again, then the steps after checkpoint-1; no evaluation
+            return self._run("hf", steps - 1, tokens, None, generations)
+        return self._run(backend, steps, tokens, eval_batch, generations)
+
+    def learn(self, estimated: float, took: float) -> None:
+        """Scale what is left by took / estimated (bounded: one odd child must not skip everything after it)."""
+        if estimated > 0 and took > 0:
+            self.factor = min(max(self.factor * took / estimated, 0.3), 5.0)
+
+
+def sizing(work: list[tuple[str, str]], costs: CostModel, seconds: float, steps: int, tokens: int, eval_batch: int,
+           generations: int) -> dict:
+    """The longest completions, then the most steps (at least 2), at which the most pieces of `work` (in its
+    order: what matters most first) fit FIT_SHARE of `seconds`; the evaluation batch shrinks to one rollout's
+    size when the completions are shortened. {'tokens', 'steps', 'eval_batch', 'fits': pieces, 'estimates'}."""
+    lengths = []
+    length = tokens
+    while length > MIN_COMPLETION:
+        lengths.append(length)
+        length //= 2
+    lengths.append(min(tokens, MIN_COMPLETION))
+    usable = seconds * FIT_SHARE
+    for count in range(len(work), 0, -1):
+        for length in lengths:
+            batch = eval_batch if length == tokens else min(eval_batch, generations)
+            for n in range(steps, 1, -1):
+                estimates = [costs.estimate(item, backend, n, length, batch, generations) for item, backend in work]
+                if sum(estimates[:count]) <= usable:
+                    return {"tokens": length, "steps": n, "eval_batch": batch, "fits": count,
+                            "estimates": [round(e, 1) for e in estimates]}
+    batch = min(eval_batch, generations)
+    return {"tokens": lengths[-1], "steps": 2, "eval_batch": batch, "fits": 0,
+            "estimates": [round(costs.estimate(i, b, 2, lengths[-1], batch, generations), 1) for i, b in work]}
 
 
 # --------------------------------------------------------------------------- the kit
 
-def _child(function: str, job: dict, log) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # the CPU twin reads glibc's heap
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    proc = subprocess.Popen([sys.executable, "-c", CHILD.format(function), json.dumps(job)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = [], []
+class KitStopped(Exception):
+    """The budget ran out while a child was running (it was stopped)."""
 
-    def pump(stream, into, show):
-        for line in stream:
-            into.append(line)
-            show(line.rstrip("\n"))
 
-    threads = [threading.Thread(target=pump, args=(proc.stdout, out, log)),
-               threading.Thread(target=pump, args=(proc.stderr, err, lambda s: print(s, file=sys.stderr)))]
-    for thread in threads:
-        thread.start()
-    code = proc.wait()
-    for thread in threads:
-        thread.join()
-    return subprocess.CompletedProcess(proc.args, code, "".join(out), "".join(err))
+class Kit:
+    """The kit's parent process: its plan, its children (each in its own session, stopped with it) and the JSON,
+    written atomically after every phase, step and piece of work."""
+
+    def __init__(self, args, out: Path, log=print):
+        self.args, self.out, self.log = args, out, log
+        self.started = time.monotonic()
+        self.deadline = self.started + args.budget_s
+        self.report: dict = {}
+        self.proc: Optional[subprocess.Popen] = None
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def elapsed(self) -> float:
+        return round(time.monotonic() - self.started, 1)
+
+    def write(self) -> None:
+        self.report["elapsed_s"] = self.elapsed()
+        write_json(self.out, self.report)
+
+    def child(self, function: str, job: dict, label: str, on_part=None) -> subprocess.CompletedProcess:
+        """`function(job)` in a fresh process, its output shown as it comes, with a timeout from what is left of
+        the budget; the partial figures it writes to job['part'] go into the JSON as they come (`on_part`).
+        Raises KitStopped when the budget ended it."""
+        timeout = self.remaining() - RESERVE_S  # its timeout: the budget's end, less stopping it and the JSON
+        ends = time.monotonic() + timeout
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # the CPU twin reads glibc's heap
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+        env["LOWVRAM_KIT_PARENT"] = str(os.getpid())
+        # its own session: the kit decides when it stops (a terminal's Ctrl-C or `timeout` reach the kit only)
+        self.proc = proc = subprocess.Popen([sys.executable, "-c", CHILD.format(function), json.dumps(job)], cwd=REPO,
+                                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                            start_new_session=True)
+        out, err = [], []
+
+        def pump(stream, into, show):
+            for line in stream:
+                into.append(line)
+                show(line.rstrip("\n"))
+
+        threads = [threading.Thread(target=pump, args=(proc.stdout, out, self.log), daemon=True),
+                   threading.Thread(target=pump, args=(proc.stderr, err, lambda s: print(s, file=sys.stderr)),
+                                    daemon=True)]
+        for thread in threads:
+            thread.start()
+        part, seen = Path(job["part"]), None
+        ended_by_budget = False
+        try:
+            while True:
+                try:
+                    code = proc.wait(timeout=POLL_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if on_part is not None and part.is_file() and part.stat().st_mtime_ns != seen:
+                    seen = part.stat().st_mtime_ns
+                    with contextlib.suppress(ValueError, OSError):
+                        on_part(json.loads(part.read_text()))
+                if time.monotonic() > ends:
+                    self.log(f"kit: {label} reached its timeout of {timeout:.0f} s (the budget of {self.args.budget_s} s "
+                             f"ends): stopping it")
+                    ended_by_budget = True
+                    code = self.stop_child()
+                    break
+        except BaseException:  # a signal to the kit (StopRequested), Ctrl-C: the child goes with it
+            self.stop_child()
+            if on_part is not None and part.is_file():
+                with contextlib.suppress(ValueError, OSError):
+                    on_part(json.loads(part.read_text()))
+            raise
+        finally:
+            self.proc = None
+        for thread in threads:
+            thread.join(timeout=5)
+        if on_part is not None and part.is_file():
+            with contextlib.suppress(ValueError, OSError):
+                on_part(json.loads(part.read_text()))
+        if ended_by_budget:
+            raise KitStopped(label)
+        return subprocess.CompletedProcess(proc.args, code, "".join(out), "".join(err))
+
+    def stop_child(self) -> Optional[int]:
+        """SIGTERM to the running child's process group, SIGKILL after KILL_GRACE_S; its exit code."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return proc.returncode if proc is not None else None
+        import signal
+
+        for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 10.0)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                return proc.wait(timeout=wait)
+        return proc.poll()
+
+
+CHILD = ("import ctypes, os, signal, sys\n"
+         "ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the kit gone, its child goes too\n"
+         "if str(os.getppid()) != os.environ.get('LOWVRAM_KIT_PARENT', str(os.getppid())): sys.exit(1)\n"
+         "import json; from bench.gpu_first_run import {0}; sys.exit({0}(json.loads(sys.argv[1])))")
 
 
 def _error_line(stderr: str) -> Optional[str]:
@@ -553,14 +786,23 @@ def available_variants() -> list[str]:
     return [v for v in VARIANTS if importlib.util.find_spec(NEEDS[v]) is not None]
 
 
-def run_kit(args, log=print) -> dict:
+DATA = ["data.dataset=null", "data.eval_dataset=null"]  # built-in problems: nothing is downloaded
+
+
+def prepare(args, tmp: Path, log=print, build=None) -> dict:
+    """Everything before the first child: the preset with the kit's own data settings applied first (so a
+    preset's hub dataset is never read), the model shape, the work in priority order sized to the budget, the
+    stand-in checkpoint (`build(shape, folder, log)`, default build_checkpoint) and its tokenizer, the padded
+    system prompt from the built-in problems, and each variant's settings, validated as the run validates them."""
     import torch
 
+    from lowvram_grpo.checks import before_load
     from lowvram_grpo.config import load_config
+    from lowvram_grpo.data import load_questions
     from lowvram_grpo.errors import ConfigError
     from lowvram_grpo.memory import model_shape
 
-    config = load_config(args.preset)
+    config = load_config(args.preset, DATA)
     shape = model_shape(config.model.name)  # a PlanError names the shapes it knows
     installed = available_variants()
     variants = args.variants or installed
@@ -570,51 +812,203 @@ def run_kit(args, log=print) -> dict:
         if variant not in installed:
             raise ConfigError(f"--variants: {variant} needs {NEEDS[variant]}, which is not installed here "
                               f"(installed variants: {', '.join(installed)})")
-    out = Path(args.out or REPO / "bench" / "results" / f"gpu_first_run-{args.preset}.json")
+    variants = [v for v in VARIANTS if v in variants]  # priority order: unsloth, hf-nf4, (cap, resume), hf-vllm
+    cuda = torch.cuda.is_available()
+    work = [("variant", v) for v in variants if v != "hf-vllm"]
+    if "hf-nf4" in variants and not args.no_cap:
+        work += [("cap", "hf-nf4"), ("resume", "hf-nf4")]
+    work += [("variant", v) for v in variants if v == "hf-vllm"]
+    costs = CostModel(cuda, shape.params)
+    model_dir = Path(args.model_dir) if args.model_dir else tmp / "model"
+    reused = (model_dir / "config.json").is_file()
+    t = config.train
+    budget_left = args.budget_s - (time.monotonic() - args.started) - costs.build(reused) - RESERVE_S
+    pieces = [("variant" if kind == "variant" else kind, variant_overrides(v, cuda, config)[0] if kind == "variant"
+               else "hf") for kind, v in work]
+    size = sizing(pieces, costs, budget_left, args.steps, t.max_completion_length, config.eval.batch_size,
+                  t.num_generations)
+    builder = build or build_checkpoint
+    model_dir = builder(shape, model_dir, log)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    shortened = {}
+    lengths = {"train.max_completion_length": size["tokens"], "train.max_prompt_length": t.max_prompt_length,
+               "model.max_seq_length": config.model.max_seq_length, "eval.batch_size": size["eval_batch"],
+               "data.eval_size": size["eval_batch"]}
+    if size["tokens"] < t.max_completion_length:
+        # prompts shorten by the same share, never below the longest unpadded prompt (nothing is cut off)
+        _, natural = padded_system_prompt(config, tokenizer, pad=False)
+        lengths["train.max_prompt_length"] = min(t.max_prompt_length, max(
+            natural, t.max_prompt_length * size["tokens"] // t.max_completion_length))
+        lengths["model.max_seq_length"] = min(config.model.max_seq_length, max(
+            16, lengths["train.max_prompt_length"] + size["tokens"]))
+    before = {"train.max_completion_length": t.max_completion_length, "train.max_prompt_length": t.max_prompt_length,
+              "model.max_seq_length": config.model.max_seq_length, "eval.batch_size": config.eval.batch_size,
+              "data.eval_size": config.eval.batch_size}
+    for key, value in lengths.items():
+        if value != before[key]:
+            shortened[key] = {"from": before[key], "to": value}
+    if size["steps"] < args.steps:
+        shortened["--steps"] = {"from": args.steps, "to": size["steps"]}
+    sized = load_config(args.preset, DATA + [f"{k}={v}" for k, v in lengths.items()])
+    system, prompt_tokens = padded_system_prompt(sized, tokenizer)
+    common = DATA + [f"{k}={v}" for k, v in lengths.items()] + [
+        f"model.name={model_dir}", f"data.system_prompt={json.dumps(system)}", f"train.max_steps={size['steps']}",
+        "train.save_steps=1", "train.logging_steps=1", "memory.host_allocator=system"]
+    settings = {}
+    for variant in variants:
+        backend, extra = variant_overrides(variant, cuda, config)
+        checked = load_config(args.preset, common + extra)  # the child's settings, checked here first
+        before_load(checked)
+        train_rows, eval_rows = load_questions(checked.data)
+        settings[variant] = {"backend": backend, "overrides": common + extra, "train_questions": len(train_rows),
+                             "eval_questions": len(eval_rows)}
+        if shortened:  # the plan at the kit's lengths (what the child plans and measures) beside the preset's
+            settings[variant]["plan_total_gib"] = {
+                "preset_lengths": plan_total(load_config(args.preset, DATA + extra), backend),
+                "kit_lengths": plan_total(checked, backend)}
+    return {"config": config, "shape": shape, "cuda": cuda, "variants": variants, "work": work, "costs": costs,
+            "sizing": size, "shortened": shortened, "model_dir": model_dir, "prompt_tokens": prompt_tokens,
+            "common": common, "settings": settings, "steps": size["steps"]}
+
+
+def plan_total(config, backend: str) -> Optional[float]:
+    """memory.plan's total (GiB) for `config` on this machine's device (a GPU preset on a CPU: any NVIDIA GPU, as
+    the doctor plans it there), or None where no plan can be made."""
+    from lowvram_grpo.errors import LowvramError
+    from lowvram_grpo.hardware import ANY_GPU, detect
+    from lowvram_grpo.memory import plan
+    from lowvram_grpo.resolve import resolve
+
+    hardware = detect()
+    try:
+        resolved = resolve(config, hardware if hardware.cuda or not config.requires_cuda else ANY_GPU, backend)
+        return round(plan(resolved).total_gb, 3)
+    except LowvramError:
+        return None
+
+
+def run_kit(args, log=print) -> dict:
+    import torch
+
+    from lowvram_grpo import stops
+
+    out = Path(args.out or REPO / "bench" / "results" / f"gpu_first_run-{Path(args.preset).stem}.json")
     _check_writable("--out", out, file=True)
     if args.model_dir:
         _check_writable("--model-dir", Path(args.model_dir), file=False)
+    kit = Kit(args, out, log)
+    args.started = kit.started
     cuda = torch.cuda.is_available()
-    report = {"kit": "python -m bench.gpu_first_run " + " ".join(args.argv), "preset": args.preset,
-              "machine": {"cuda": cuda, "torch": torch.__version__, "torch_cuda": torch.version.cuda},
-              "model": {"shape": shape.name, "params": shape.params, "vocab": shape.vocab, "weight_seed": WEIGHT_SEED,
-                        "train_seed": config.train.seed},
-              "variants": {}, "cap": None, "resume": None}
+    kit.report = report = {
+        "kit": "python -m bench.gpu_first_run " + " ".join(args.argv), "preset": args.preset,
+        "machine": {"cuda": cuda, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+                    "device": torch.cuda.get_device_name(0) if cuda else "cpu"},
+        "budget": {"budget_s": args.budget_s}, "done": [], "variants": {}, "cap": None, "resume": None}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    kit.write()
     with tempfile.TemporaryDirectory(prefix="gpu-first-run-") as tmp:
         tmp = Path(tmp)
-        model_dir = build_checkpoint(shape, Path(args.model_dir) if args.model_dir else tmp / "model", log)
-        from transformers import AutoTokenizer
-
-        system, prompt_tokens = padded_system_prompt(config, AutoTokenizer.from_pretrained(model_dir))
-        report["model"]["prompt_tokens_max"] = prompt_tokens
-        common = [f"model.name={model_dir}", "data.dataset=null", "data.eval_dataset=null",
-                  f"data.eval_size={config.eval.batch_size}", f"data.system_prompt={json.dumps(system)}",
-                  f"train.max_steps={args.steps}", "train.save_steps=1", "train.logging_steps=1",
-                  "memory.host_allocator=system"]
-        for variant in variants:
-            backend, extra = variant_overrides(variant, cuda, config)
-            job = {"variant": variant, "preset": args.preset, "backend": backend, "overrides": common + extra,
-                   "run_dir": str(tmp / f"run-{variant}"), "part": str(tmp / f"{variant}.json")}
-            log(f"\n=== {variant}: {backend} backend, {args.steps} GRPO steps ===")
-            proc = _child("measure", job, log)
-            if proc.returncode == 0:
-                report["variants"][variant] = json.loads(Path(job["part"]).read_text())
-            else:
-                report["variants"][variant] = {"exit_code": proc.returncode, "error": _error_line(proc.stderr)
-                                               or proc.stderr.strip().splitlines()[-1:]}
-        first = report["variants"].get("hf-nf4", {})
-        if not args.no_cap and "step_adds_gib" in first:
-            report["cap"], report["resume"] = cap_and_resume(args, first, common, tmp, log)
-    failed = [v for v, r in report["variants"].items() if "phases" not in r]
-    report["ok"] = not failed and (args.no_cap or bool(report["cap"] and report["cap"]["holds"]
-                                                     and report["resume"]["holds"]))
-    print_table(report, log)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    staging.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(staging, out)
-    log(f"\nwrote {out}")
+        try:
+            prep = prepare(args, tmp, log)
+            shape, costs = prep["shape"], prep["costs"]
+            report["model"] = {"shape": shape.name, "params": shape.params, "vocab": shape.vocab,
+                               "weight_seed": WEIGHT_SEED, "train_seed": prep["config"].train.seed,
+                               "prompt_tokens_max": prep["prompt_tokens"]}
+            report["steps"] = prep["steps"]
+            report["shortened"] = prep["shortened"]
+            report["plan_total_gib"] = {v: c["plan_total_gib"] for v, c in prep["settings"].items()
+                                        if "plan_total_gib" in c}
+            report["budget"].update(
+                {"planned": [f"{kind} {v}" if kind == "variant" else kind for kind, v in prep["work"]],
+                 "estimates_s": prep["sizing"]["estimates"], "fits_planned": prep["sizing"]["fits"],
+                 "prepared_at_s": kit.elapsed(),
+                 "cost_model": "COSTS in bench/gpu_first_run.py, " + ("CUDA: the H100's 2026-11-26 figures"
+                                                                      if cuda else "CPU: builtin:tiny measured here")})
+            report["done"].append("prepare")
+            kit.write()
+            for kind, variant in prep["work"]:
+                if kind == "variant":
+                    run_variant(kit, prep, variant, tmp)
+                elif kind == "cap":
+                    cap_and_resume(kit, prep, tmp)
+            report["complete"] = True
+        except KitStopped as exc:
+            report["stopped"] = "budget"
+            log(f"kit: the budget of {args.budget_s} s ended during {exc}; the JSON holds what finished")
+        except stops.StopRequested as exc:
+            report["stopped"] = stops.name(exc.signum)
+            kit.stop_child()
+            _finish(kit, log)
+            raise stops.StopRequested(exc.signum, f"stopped by {stops.name(exc.signum)}: {out} holds what finished "
+                                                  f"({', '.join(report['done']) or 'nothing'})") from None
+    _finish(kit, log)
     return report
+
+
+def _finish(kit: Kit, log) -> None:
+    report = kit.report
+    failed = [v for v, r in report["variants"].items() if "skipped" not in r and not r.get("finished")]
+    checks = [report[p]["holds"] for p in ("cap", "resume") if report[p] and "holds" in report[p]]
+    report["ok"] = bool(report["variants"]) and not failed and all(checks) and "stopped" not in report
+    report["skipped"] = [name for name, r in [*report["variants"].items(), ("cap", report["cap"]),
+                                              ("resume", report["resume"])] if r and "skipped" in r]
+    print_table(report, log)
+    kit.write()
+    log(f"\nwrote {kit.out} ({kit.elapsed()} s of a {kit.args.budget_s} s budget)")
+
+
+def _skip(kit: Kit, estimate: float, what: str) -> Optional[str]:
+    """Why `what` does not start (its estimate is past what is left of the budget), or None."""
+    left = kit.remaining() - RESERVE_S
+    if estimate > left:
+        return f"skipped: {what} needs ~{estimate:.0f} s by the kit's estimate, {max(left, 0):.0f} s of the budget left"
+    return None
+
+
+def run_variant(kit: Kit, prep: dict, variant: str, tmp: Path) -> None:
+    report, costs = kit.report, prep["costs"]
+    chosen = prep["settings"][variant]
+    estimate = costs.estimate("variant", chosen["backend"], prep["steps"], prep["sizing"]["tokens"],
+                              prep["sizing"]["eval_batch"], prep["config"].train.num_generations)
+    why = _skip(kit, estimate, f"{variant} ({prep['steps']} steps)")
+    if why:
+        report["variants"][variant] = {"skipped": why, "estimated_s": round(estimate, 1)}
+        kit.log(f"\n=== {variant}: {why} ===")
+        kit.write()
+        return
+    job = {"variant": variant, "preset": kit.args.preset, "backend": chosen["backend"], "overrides": chosen["overrides"],
+           "run_dir": str(tmp / f"run-{variant}"), "part": str(tmp / f"{variant}.json")}
+    kit.log(f"\n=== {variant}: {chosen['backend']} backend, {prep['steps']} GRPO steps (~{estimate:.0f} s by the "
+            f"kit's estimate, {kit.remaining():.0f} s of the budget left) ===")
+    started = time.monotonic()
+
+    def partial(part: dict) -> None:
+        report["variants"][variant] = {**part, "estimated_s": round(estimate, 1),
+                                       "wall_s": round(time.monotonic() - started, 1)}
+        kit.write()
+
+    try:
+        proc = kit.child("measure", job, variant, on_part=partial)
+    except BaseException as exc:  # the budget's end, a signal: what it measured so far stays, marked
+        from lowvram_grpo import stops
+
+        row = report["variants"].setdefault(variant, {"finished": False})
+        row["stopped"] = "budget" if isinstance(exc, KitStopped) else (
+            stops.name(exc.signum) if isinstance(exc, stops.StopRequested) else type(exc).__name__)
+        raise
+    took = time.monotonic() - started
+    costs.learn(estimate, took)
+    row = report["variants"].get(variant, {})
+    if proc.returncode == 0 and row.get("finished"):
+        report["done"].append(variant)
+    else:
+        row.update(finished=False, exit_code=proc.returncode,
+                   error=_error_line(proc.stderr) or (proc.stderr.strip().splitlines() or [""])[-1])
+    row.update(estimated_s=round(estimate, 1), wall_s=round(took, 1))
+    report["variants"][variant] = row
+    kit.write()
 
 
 def _check_writable(option: str, path: Path, file: bool) -> None:
@@ -633,60 +1027,104 @@ def _check_writable(option: str, path: Path, file: bool) -> None:
 
 
 def print_table(report: dict, log=print) -> None:
-    """Measured peaks beside the plan's total, per variant (GiB)."""
-    log("\n| variant | peak allocated | peak reserved | device used (peak) | plan total | step s (median) |")
-    log("|---|---|---|---|---|---|")
+    """Measured peaks beside the plan's total, per variant (GiB), and the first step apart from the steady ones."""
+    log("\n| variant | peak allocated | peak reserved | device used (peak) | plan total | step 1 s | steady step s |")
+    log("|---|---|---|---|---|---|---|")
     for variant, r in report["variants"].items():
         if "peak_gib" not in r:
-            log(f"| {variant} | failed: {r.get('error')} | | | | |")
+            log(f"| {variant} | {r.get('skipped') or 'not finished: ' + str(r.get('error') or r.get('stopped'))} "
+                f"| | | | {r.get('first_step_s', '')} | {r.get('steady_step_s_mean', '')} |")
             continue
         peak = r["peak_gib"]
         log(f"| {variant} | {peak['peak_allocated']:.3f} | {peak['peak_reserved']:.3f} | {peak['used_peak']:.3f} | "
-            f"{r['plan'].get('total_gib', '-')} | {r['step_s_median']} |")
+            f"{r['plan'].get('total_gib', '-')} | {r['first_step_s']} | {r['steady_step_s_mean']} |")
     for part in ("cap", "resume"):
         if report[part]:
-            log(f"{part}: {'holds' if report[part]['holds'] else 'DOES NOT HOLD'}"
-                + (f" ({report[part].get('error_line')})" if part == "cap" else ""))
+            if "skipped" in report[part]:
+                log(f"{part}: {report[part]['skipped']}")
+            elif "holds" in report[part]:
+                log(f"{part}: {'holds' if report[part]['holds'] else 'DOES NOT HOLD'}"
+                    + (f" ({report[part].get('error_line')})" if part == "cap" else ""))
+    for key, change in report.get("shortened", {}).items():
+        log(f"shortened to fit the budget: {key} {change['from']} -> {change['to']}")
+    if report.get("stopped"):
+        log(f"stopped: {report['stopped']}")
 
 
-def cap_and_resume(args, measured: dict, common: list[str], tmp: Path, log) -> tuple[dict, dict]:
+def cap_and_resume(kit: Kit, prep: dict, tmp: Path) -> None:
     """The hf-nf4 run capped after its first checkpoint: the package's out-of-memory line and the checkpoint;
     then `--resume` without the cap finishes it."""
     from lowvram_grpo.run_dir import RunDir
 
+    report, costs, steps = kit.report, prep["costs"], prep["steps"]
+    measured = report["variants"].get("hf-nf4", {})
+    if "step_adds_gib" not in measured:
+        why = measured.get("skipped") and "skipped: hf-nf4 was skipped" or "skipped: hf-nf4 did not finish"
+        report["cap"], report["resume"] = {"skipped": why}, {"skipped": why}
+        kit.write()
+        return
+    size = prep["sizing"]
+    cap_s = costs.estimate("cap", "hf", steps, size["tokens"], size["eval_batch"], prep["config"].train.num_generations)
+    resume_s = costs.estimate("resume", "hf", steps, size["tokens"], size["eval_batch"],
+                              prep["config"].train.num_generations)
+    why = _skip(kit, cap_s + resume_s, "the cap and its --resume")  # one without the other proves nothing
+    if why:
+        report["cap"], report["resume"] = {"skipped": why, "estimated_s": round(cap_s, 1)}, {
+            "skipped": why, "estimated_s": round(resume_s, 1)}
+        kit.log(f"\n=== the cap: {why} ===")
+        kit.write()
+        return
     run = tmp / "run-capped"
-    backend, extra = variant_overrides("hf-nf4", measured["device"] != "cpu", None)
-    argv = ["--preset", args.preset, "--backend", backend, "--output-dir", str(run)]
-    for value in common + extra + ["eval.enabled=false"]:
+    argv = ["--preset", kit.args.preset, "--backend", "hf", "--output-dir", str(run)]
+    for value in prep["settings"]["hf-nf4"]["overrides"] + ["eval.enabled=false"]:
         argv += ["--set", value]
     job = {"argv": argv, "run_dir": str(run), "part": str(tmp / "cap.json"), "step_adds": int(measured["step_adds_gib"] * GIB)}
-    log(f"\n=== the cap: hf-nf4 again, capped after its first checkpoint ===")
-    proc = _child("capped", job, log)
+    kit.log(f"\n=== the cap: hf-nf4 again, capped after its first checkpoint (~{cap_s:.0f} s) ===")
+    started = time.monotonic()
+    try:
+        proc = kit.child("capped", job, "the cap")
+    except KitStopped:
+        report["cap"] = {"stopped": "budget"}
+        raise
+    costs.learn(cap_s, time.monotonic() - started)
     info = json.loads(Path(job["part"]).read_text()) if Path(job["part"]).is_file() else {}
     line = _error_line(proc.stderr)
     checkpoint = RunDir(run).latest_checkpoint()
     plan_total = measured["plan"].get("total_gib")
     cap = {"variant": "hf-nf4", "exit_code": proc.returncode, "error_line": line, "step_adds_gib": measured["step_adds_gib"],
            "cap_share": CAP_SHARE, "plan_total_gib": plan_total, **info,
-           "checkpoint_kept": checkpoint.name if checkpoint else None}
+           "checkpoint_kept": checkpoint.name if checkpoint else None, "estimated_s": round(cap_s, 1),
+           "wall_s": round(time.monotonic() - started, 1)}
     cap["holds"] = bool(proc.returncode == 1 and line and line.startswith("error: CUDA out of memory ")
                         and checkpoint is not None and f"the last checkpoint is kept in {checkpoint}" in line)
     if plan_total and "cap_gib" in info:
         cap["cap_below_plan"] = info["cap_gib"] < plan_total
-    log(f"\n=== resume: python -m lowvram_grpo.run --resume {run} (no cap) ===")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    resumed = subprocess.run([sys.executable, "-m", "lowvram_grpo.run", "--resume", str(run)], cwd=REPO, env=env,
-                             capture_output=True, text=True)
+    report["cap"] = cap
+    report["done"].append("cap")
+    kit.write()
+    kit.log(f"\n=== resume: python -m lowvram_grpo.run --resume {run} (no cap, ~{resume_s:.0f} s) ===")
+    started = time.monotonic()
+    try:
+        resumed = kit.child("resume", {"run_dir": str(run), "part": str(tmp / "resume.json")}, "the resume")
+    except KitStopped:
+        report["resume"] = {"stopped": "budget"}
+        raise
+    costs.learn(resume_s, time.monotonic() - started)
     summary = RunDir(run).read_summary() or {}
-    resume = {"command": f"python -m lowvram_grpo.run --resume {run}", "exit_code": resumed.returncode,
+    result = {"command": f"python -m lowvram_grpo.run --resume {run}", "exit_code": resumed.returncode,
               "resumed_from": checkpoint.name if checkpoint else None, "status": summary.get("status"),
-              "steps": summary.get("steps"), "error_line": _error_line(resumed.stderr)}
-    resume["holds"] = bool(resumed.returncode == 0 and checkpoint is not None and f"resuming from {checkpoint}" in
-                           resumed.stdout and summary.get("status") == "complete" and summary.get("steps") == args.steps)
-    return cap, resume
+              "steps": summary.get("steps"), "error_line": _error_line(resumed.stderr),
+              "estimated_s": round(resume_s, 1), "wall_s": round(time.monotonic() - started, 1)}
+    result["holds"] = bool(resumed.returncode == 0 and checkpoint is not None and f"resuming from {checkpoint}" in
+                           resumed.stdout and summary.get("status") == "complete" and summary.get("steps") == steps)
+    report["resume"] = result
+    report["done"].append("resume")
+    kit.write()
 
 
 _steps = whole_number_at_least(2, " (the cap needs a checkpoint before the step it caps)")
+_budget = whole_number_at_least(1, " (seconds the kit may take, all its work included)")
+DEFAULT_BUDGET_S = 480  # one command on a lent card may run 10 minutes: the kit's share, the machine's start and margin left
 
 
 def _variants(text: str) -> list[str]:
@@ -702,9 +1140,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m bench.gpu_first_run", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", required=True, help="the preset whose model shape and settings are measured")
     p.add_argument("--variants", type=_variants, help=f"comma-separated, from {', '.join(VARIANTS)} (default: every "
-                   "one whose package is installed)")
-    p.add_argument("--steps", type=_steps, default=3, help="GRPO steps per run (default 3; at least 2)")
-    p.add_argument("--out", help="the JSON to write (default bench/results/gpu_first_run-PRESET.json)")
+                   "one whose package is installed; run in the order unsloth, hf-nf4, hf-vllm)")
+    p.add_argument("--steps", type=_steps, default=3, help="GRPO steps per run (default 3; at least 2; fewer when the "
+                   "budget needs it)")
+    p.add_argument("--budget-s", type=_budget, default=DEFAULT_BUDGET_S, help="seconds the whole kit may take "
+                   f"(default {DEFAULT_BUDGET_S}: one 10-minute command on a lent card, less its start and a margin); "
+                   "it sizes steps and lengths to fit, skips what would not, and stops a child when the time is up")
+    p.add_argument("--out", help="the JSON to write (default bench/results/gpu_first_run-PRESET.json); rewritten "
+                   "after every phase and step")
     p.add_argument("--model-dir", help="build (or reuse) the stand-in checkpoint here instead of a temporary folder")
     p.add_argument("--no-cap", action="store_true", help="skip the capped run and its resume")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
@@ -721,14 +1164,17 @@ def main(argv=None) -> int:
 
     def body() -> int:
         report = run_kit(args)
-        if not report["ok"]:
-            failed = [f"{v}: {r.get('error')}" for v, r in report["variants"].items() if "phases" not in r]
-            if report["cap"] and not report["cap"]["holds"]:
+        if not report["ok"] and not report.get("stopped"):
+            failed = [f"{v}: {r.get('error')}" for v, r in report["variants"].items()
+                      if "skipped" not in r and not r.get("finished")]
+            if report["cap"] and report["cap"].get("holds") is False:
                 failed.append(f"the capped run did not end with the out-of-memory line and a checkpoint "
                               f"(exit {report['cap']['exit_code']}: {report['cap']['error_line']})")
-            if report["resume"] and not report["resume"]["holds"]:
+            if report["resume"] and report["resume"].get("holds") is False:
                 failed.append(f"--resume did not finish the capped run (exit {report['resume']['exit_code']}: "
                               f"{report['resume']['error_line']})")
+            if not report["variants"]:
+                failed.append("no variant ran")
             raise TrainingStopped("the kit's checks failed: " + "; ".join(map(str, failed)))
         return 0
 

@@ -1,12 +1,18 @@
 """The first-run kit (bench/gpu_first_run.py) on a CPU at the tiny shape: the code a CUDA card runs, with the
 CPU twin of torch.cuda's memory calls (HostMemory). It builds the stand-in checkpoint, measures a real
 hf-nf4 run per phase, writes the JSON, then the capped run must end with the package's out-of-memory line
-and a checkpoint, and `--resume` without the cap must finish it."""
+and a checkpoint, and `--resume` without the cap must finish it. Offline, every GPU preset's preparation
+runs; a SIGTERM after the first variant leaves its figures in the JSON; the lent card's one command
+(bench/gpu_window.sh) runs end to end in its CPU dry mode."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +45,17 @@ def test_the_kit_measures_every_phase_beside_the_plan(kit):
         assert phase["peak_allocated"] > 0 and phase["used_peak"] >= phase["used_at_end"] > 0, name
     assert run["memory_source"]["allocated"].startswith("glibc malloc in use")  # the CPU twin says what it read
     assert len(run["steps"]) == 2 and all(s["rollout_s"] > 0 and s["training_s"] > 0 for s in run["steps"])
+    assert [s["step"] for s in run["steps"]] == [1, 2]
+    # the first step (compilation on CUDA) apart from the steady ones, rollout and training apart
+    first, second = run["steps"]
+    assert run["first_step_s"] == round(first["rollout_s"] + first["training_s"], 3)
+    assert run["first_step_rollout_s"] == first["rollout_s"] and run["first_step_training_s"] == first["training_s"]
+    assert run["steady_steps"] == 1 and run["steady_rollout_s_mean"] == second["rollout_s"]
+    assert run["steady_step_s_mean"] == round(second["rollout_s"] + second["training_s"], 3)
+    assert run["finished"] is True and run["wall_s"] > 0 and run["estimated_s"] > 0
+    assert run["plan_lengths"]["train.max_completion_length"] == 24 and report["shortened"] == {}
+    assert report["done"] == ["prepare", "hf-nf4", "cap", "resume"] and report["complete"] and "stopped" not in report
+    assert report["budget"]["budget_s"] == 480 and report["elapsed_s"] < 480
     assert run["step_adds_gib"] > 0 and run["step_held_gib"] > 0
     assert run["dtype"]["resolved"] == "float32" and "uint8" in run["dtype"]["parameter_gib_by_dtype"]  # NF4 codes
     assert run["optimizer"]["class"] == "bitsandbytes.optim.adamw.AdamW" and run["optimizer"]["optim_bits"] == 8
@@ -94,3 +111,109 @@ def test_the_stand_in_checkpoint_has_the_tables_shape_for_llama_and_qwen(tmp_pat
                                             tokenize=True, return_dict=False)
         assert 5 < len(ids) < 40 and max(ids) < 512  # text encodes with the tiny BPE; the fillers only decode
         assert tokenizer.decode([shape.vocab - 2]) == f"<{shape.vocab - 2}>"
+
+
+def test_every_gpu_preset_prepares_offline(tmp_path):
+    """The kit's preparation (the preset with the kit's data settings applied first, the shape, the sizing,
+    the stand-in checkpoint and tokenizer, the padded prompt from the built-in problems, each variant's
+    settings checked as the run checks them) with the hub and datasets offline, for every GPU preset. The
+    checkpoint is built narrow (2 layers, 64 wide) at the shape's own vocabulary: what is read from it (the
+    tokenizer, the prompt lengths) is the full model's, and nothing multi-GB is written."""
+    presets = sorted(p.stem for p in (REPO / "presets").glob("*_4bit.yaml"))
+    assert {"qwen1_5b_4bit", "llama8b_4bit"} <= set(presets)
+    script = """
+import dataclasses, json, sys, time
+from pathlib import Path
+from bench.gpu_first_run import build_checkpoint, build_parser, prepare
+
+def narrow(shape, folder, log):
+    small = dataclasses.replace(shape, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, head_dim=None)
+    return build_checkpoint(small, folder, log)
+
+out = {}
+for preset in sys.argv[2:]:
+    args = build_parser().parse_args(["--preset", preset])
+    args.started = time.monotonic()
+    prep = prepare(args, Path(sys.argv[1]) / preset, log=lambda *a: None, build=narrow)
+    out[preset] = {"shape": prep["shape"].name, "vocab": prep["shape"].vocab, "shortened": prep["shortened"],
+                   "prompt_tokens": prep["prompt_tokens"], "work": prep["work"], "settings": prep["settings"],
+                   "dataset": prep["config"].data.dataset}
+print(json.dumps(out))
+"""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path), *presets], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    prepared = json.loads(proc.stdout.strip().splitlines()[-1])
+    for preset, prep in prepared.items():
+        assert prep["dataset"] is None, preset  # the kit's data settings, applied before any data is read
+        assert prep["settings"], preset
+        for variant, chosen in prep["settings"].items():
+            assert "data.dataset=null" in chosen["overrides"] and chosen["train_questions"] > 0, (preset, variant)
+            # a 1.5B+ shape cannot fit a budget on a CPU: the lengths are shortened, and the plan is made for the
+            # shortened settings (those the child runs and measures), below the preset's own
+            for key, change in prep["shortened"].items():
+                if key != "--steps":
+                    assert f"{key}={change['to']}" in chosen["overrides"], (preset, key)
+            planned = chosen["plan_total_gib"]
+            assert planned["kit_lengths"] < planned["preset_lengths"], (preset, variant, planned)
+        assert prep["shortened"]["train.max_completion_length"]["to"] < prep["shortened"]["train.max_completion_length"]["from"]
+        assert 0 < prep["prompt_tokens"] <= int(prep["shortened"].get("train.max_prompt_length", {"to": 10 ** 6})["to"])
+    assert prepared["llama8b_4bit"]["vocab"] == 128256 and prepared["qwen1_5b_4bit"]["vocab"] == 151936
+
+
+def test_the_budget_sizes_the_h100_work_and_skips_what_cannot_fit():
+    """The sizing on the CUDA cost model (the H100's figures): the 1.5B shape's four pieces of work at the
+    preset's 512 tokens do not fit 480 s, so the completions are shortened until all four fit; a budget too
+    small for the most important piece fits none of them, at the shortest length."""
+    from bench.gpu_first_run import FIT_SHARE, MIN_COMPLETION, CostModel, sizing
+
+    work = [("variant", "unsloth"), ("variant", "hf"), ("cap", "hf"), ("resume", "hf")]
+    costs = CostModel(True, 1.54e9)
+    full = sum(costs.estimate(i, b, 3, 512, 16, 6) for i, b in work)
+    assert full > 480 * FIT_SHARE
+    size = sizing(work, costs, 480, 3, 512, 16, 6)
+    assert size["fits"] == 4 and MIN_COMPLETION <= size["tokens"] < 512 and size["eval_batch"] == 6
+    assert sum(size["estimates"]) <= 480 * FIT_SHARE
+    assert sizing(work, costs, 60, 3, 512, 16, 6)["fits"] == 0
+    costs.learn(100.0, 200.0)  # a child took twice its estimate: what is left is planned twice as long
+    assert costs.estimate("variant", "hf", 3, 512, 16, 6) == 2 * CostModel(True, 1.54e9).estimate("variant", "hf", 3, 512, 16, 6)
+
+
+def test_a_sigterm_after_the_first_variant_leaves_its_figures_in_the_json(tmp_path):
+    """The kit rewrites its JSON after every phase and piece of work: stopped by SIGTERM once its first variant
+    finished, it stops the running child, writes what finished with `"stopped": "SIGTERM"`, and exits 143."""
+    out = tmp_path / "kit.json"
+    proc = subprocess.Popen([sys.executable, "-m", "bench.gpu_first_run", "--preset", "tiny", "--variants", "hf-nf4",
+                             "--steps", "2", "--budget-s", "600", "--out", str(out)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.is_file() and "hf-nf4" in json.loads(out.read_text())["done"]:  # written atomically: never half
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["stopped"] == "SIGTERM" and report["ok"] is False and "complete" not in report
+    assert report["done"][:2] == ["prepare", "hf-nf4"]
+    run = report["variants"]["hf-nf4"]
+    assert run["finished"] and set(run["phases"]) == PHASES and len(run["steps"]) == 2
+    assert run["peak_gib"]["peak_allocated"] > 0 and run["first_step_s"] > 0 and run["steady_step_s_mean"] > 0
+    line = [s for s in stderr.splitlines() if s.startswith("error:")][-1]
+    assert line.startswith(f"error: stopped by SIGTERM: {out} holds what finished (prepare, hf-nf4")
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon"])
+def test_a_bad_budget_is_one_error_line(value):
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_first_run", "--preset", "tiny", "--budget-s", value],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--budget-s" in errors[0], proc.stderr
