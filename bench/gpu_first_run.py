@@ -789,16 +789,10 @@ def available_variants() -> list[str]:
 DATA = ["data.dataset=null", "data.eval_dataset=null"]  # built-in problems: nothing is downloaded
 
 
-def prepare(args, tmp: Path, log=print, build=None) -> dict:
-    """Everything before the first child: the preset with the kit's own data settings applied first (so a
-    preset's hub dataset is never read), the model shape, the work in priority order sized to the budget, the
-    stand-in checkpoint (`build(shape, folder, log)`, default build_checkpoint) and its tokenizer, the padded
-    system prompt from the built-in problems, and each variant's settings, validated as the run validates them."""
-    import torch
-
-    from lowvram_grpo.checks import before_load
+def settle(args):
+    """(config, shape, variants) from the arguments, each refused with one line before anything is built or
+    written: the preset with the kit's data settings, its model's shape, the variants in the order they run."""
     from lowvram_grpo.config import load_config
-    from lowvram_grpo.data import load_questions
     from lowvram_grpo.errors import ConfigError
     from lowvram_grpo.memory import model_shape
 
@@ -812,7 +806,21 @@ def prepare(args, tmp: Path, log=print, build=None) -> dict:
         if variant not in installed:
             raise ConfigError(f"--variants: {variant} needs {NEEDS[variant]}, which is not installed here "
                               f"(installed variants: {', '.join(installed)})")
-    variants = [v for v in VARIANTS if v in variants]  # priority order: unsloth, hf-nf4, (cap, resume), hf-vllm
+    return config, shape, [v for v in VARIANTS if v in variants]  # unsloth, hf-nf4, (cap, resume), hf-vllm
+
+
+def prepare(args, tmp: Path, log=print, build=None) -> dict:
+    """Everything before the first child: the preset with the kit's own data settings applied first (so a
+    preset's hub dataset is never read), the model shape, the work in priority order sized to the budget, the
+    stand-in checkpoint (`build(shape, folder, log)`, default build_checkpoint) and its tokenizer, the padded
+    system prompt from the built-in problems, and each variant's settings, validated as the run validates them."""
+    import torch
+
+    from lowvram_grpo.checks import before_load
+    from lowvram_grpo.config import load_config
+    from lowvram_grpo.data import load_questions
+
+    config, shape, variants = settle(args)
     cuda = torch.cuda.is_available()
     work = [("variant", v) for v in variants if v != "hf-vllm"]
     if "hf-nf4" in variants and not args.no_cap:
@@ -898,6 +906,7 @@ def run_kit(args, log=print) -> dict:
     _check_writable("--out", out, file=True)
     if args.model_dir:
         _check_writable("--model-dir", Path(args.model_dir), file=False)
+    settle(args)  # bad input: one line, and no JSON written
     kit = Kit(args, out, log)
     args.started = kit.started
     cuda = torch.cuda.is_available()
