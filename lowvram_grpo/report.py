@@ -35,12 +35,12 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def _line_plot(path: Path, title: str, ylabel: str, lines: list[tuple[str, str]], rows: list[dict],
-               hline: Optional[tuple[float, str, str]] = None, ylim: Optional[tuple[float, float]] = None,
-               smooth: Optional[str] = None, checked: Optional[dict[str, str]] = None,
-               shade: Optional[tuple[list[tuple[int, int]], str, str]] = None, caption: Optional[str] = None) -> bool:
-    """One PNG: each (label, metric key) as a line over GRPO steps, each in its own colour. False (nothing written)
-    if no line has data. `smooth`: a key whose raw line is drawn thin and pale under its moving average
+def line_figure(title: str, ylabel: str, lines: list[tuple[str, str]], rows: list[dict],
+                hline: Optional[tuple[float, str, str]] = None, ylim: Optional[tuple[float, float]] = None,
+                smooth: Optional[str] = None, checked: Optional[dict[str, str]] = None,
+                shade: Optional[tuple[list[tuple[int, int]], str, str]] = None, caption: Optional[str] = None):
+    """One plot (a matplotlib Figure): each (label, metric key) as a line over GRPO steps, each in its own colour.
+    None if no line has data. `smooth`: a key whose raw line is drawn thin and pale under its moving average
     (signals.moving_average). `checked`: key -> the legend name of its warning's threshold: the line is drawn as
     the warning reads it (signals.windowed, the raw steps pale beneath) with the threshold in the line's own
     colour. `shade`: (stretches, key, label): the steps a warning held on, shaded in that key's colour. `hline`: a
@@ -53,7 +53,7 @@ def _line_plot(path: Path, title: str, ylabel: str, lines: list[tuple[str, str]]
     drawn = [(label, *_series(rows, key), key) for label, key in lines]
     drawn = [d for d in drawn if d[1]]
     if not drawn:
-        return False
+        return None
     fig = Figure(figsize=(8.5, 4.6 + 0.25 * len(checked)), dpi=110, layout="constrained")
     ax = fig.subplots()
     colours = {key: f"C{i}" for i, (_, _, _, key) in enumerate(drawn)}
@@ -95,6 +95,14 @@ def _line_plot(path: Path, title: str, ylabel: str, lines: list[tuple[str, str]]
         fig.legend(fontsize=8, loc="outside lower center", ncols=2, frameon=False)  # under the axes: over nothing
     if caption:
         fig.suptitle("\n".join(textwrap.wrap(caption, 120)), fontsize=8.5, style="italic", color="dimgray")
+    return fig
+
+
+def _line_plot(path: Path, **spec) -> bool:
+    """line_figure(**spec) written to `path` as a PNG; False (nothing written) when no line has data."""
+    fig = line_figure(**spec)
+    if fig is None:
+        return False
     fig.savefig(path)
     return True
 
@@ -111,8 +119,8 @@ def reward_keys(rows: list[dict], config: dict) -> list[str]:
     return [k for k in ordered if k in logged] + sorted(logged - set(ordered))
 
 
-def write_plots(run_dir: Path, rows: list[dict], config: dict) -> dict[str, Optional[str]]:
-    """Write the PNGs; returns plot name -> file name (None where the run logged no such metric)."""
+def plot_specs(rows: list[dict], config: dict) -> dict[str, dict]:
+    """Plot name -> line_figure's arguments (without `rows`), for the plots of a run's metric rows."""
     max_len = (config.get("train") or {}).get("max_completion_length")
     per_reward = [(key.split("/")[1], key) for key in reward_keys(rows, config)]
     plots = {
@@ -139,8 +147,13 @@ def write_plots(run_dir: Path, rows: list[dict], config: dict) -> dict[str, Opti
         "loss": dict(title="GRPO loss", ylabel="loss", lines=[("loss", "loss")],
                      caption=BETA_ZERO_LOSS if (config.get("train") or {}).get("beta") == 0 else None),
     }
+    return plots
+
+
+def write_plots(run_dir: Path, rows: list[dict], config: dict) -> dict[str, Optional[str]]:
+    """Write the PNGs; returns plot name -> file name (None where the run logged no such metric)."""
     written = {}
-    for name, spec in plots.items():
+    for name, spec in plot_specs(rows, config).items():
         file_name = f"{name}.png"
         written[name] = file_name if _line_plot(run_dir / file_name, rows=rows, **spec) else None
     return written

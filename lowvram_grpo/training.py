@@ -228,23 +228,51 @@ class ProgressBar(TrainerCallback):
     """A tqdm bar with what means something in GRPO: step/total and time left, the step's mean reward and
     its moving average (signals.SMOOTHING logged steps: at a few prompts per step the raw reward is noise),
     the share of groups whose rewards differed (the only ones with a gradient), and the KL to the base
-    when train.beta > 0. Not TRL's loss: with group-normalised advantages it is ~0 by construction."""
+    when train.beta > 0. Not TRL's loss: with group-normalised advantages it is ~0 by construction.
+
+    Two log lines beside it: on a CUDA device, before step 1, that step 1 includes compiling (compile_note); and
+    once a few steps are done (projection_due), the projected finish on this machine (projection_line), from the
+    steps after the first (the first carries the warm-up, on a GPU the compiling)."""
 
     def __init__(self, total: int, initial: int = 0, beta: float = 0.0):
         from .signals import SMOOTHING
 
         self.total, self.initial, self.beta, self.bar = total, initial, beta, None
         self.rewards: collections.deque = collections.deque(maxlen=SMOOTHING)
+        self.first_step = self.began = self.first_done = None  # this process's first step, its start, its end
+        self.projected = False
 
     def on_train_begin(self, args, state, control, **kwargs):
+        import time
+
         from tqdm.auto import tqdm
+
+        from .trl_compat import is_unsloth_trainer
 
         initial = max(self.initial, state.global_step)  # a resumed run starts at its checkpoint's step
         self.bar = tqdm(total=self.total, initial=initial, desc="GRPO", unit="step", dynamic_ncols=True)
+        self.first_step, self.began = initial, time.monotonic()
+        device = getattr(getattr(args, "device", None), "type", None)
+        note = compile_note(device, is_unsloth_trainer(grpo_trainer_base()), initial + 1)
+        if note:
+            tqdm.write(note)
 
     def on_step_end(self, args, state, control, **kwargs):
+        import time
+
         if self.bar is not None:
             self.bar.update(state.global_step - self.bar.n)
+        if self.began is None or self.projected:
+            return
+        now, done = time.monotonic(), state.global_step - self.first_step
+        if done == 1:
+            self.first_done = now
+        if projection_due(done, self.total - self.first_step):
+            from tqdm.auto import tqdm
+
+            self.projected = True
+            after_first = now - self.first_done if self.first_done is not None else None
+            tqdm.write(projection_line(state.global_step, self.total, done, now - self.began, after_first, time.time()))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.bar is not None and logs and "reward" in logs:
@@ -253,6 +281,50 @@ class ProgressBar(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.bar is not None:
             self.bar.close()
+
+
+PROJECT_AFTER = 3  # steps done (this process) before the projected finish is logged, or 10% of the steps if more
+
+
+def projection_due(done: int, steps: int) -> bool:
+    """Log the projection now? After max(PROJECT_AFTER, 10% of this process's `steps`) steps, while steps remain."""
+    return done >= max(PROJECT_AFTER, math.ceil(steps / 10)) and done < steps
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def projection_line(step: int, total: int, done: int, elapsed: float, after_first: float | None, now: float) -> str:
+    """'GRPO: 3 of 48 steps in 74 s, ~24.6 s/step: projected to end at 17:42 (~19 min more)'. `done` steps ran
+    in this process in `elapsed` s (fewer than `step` on a resumed run); the time per step is from the steps after
+    the first (`after_first`: seconds since the first ended) when there are any; `now`: the wall clock."""
+    import time
+
+    per_step = after_first / (done - 1) if after_first is not None and done >= 2 else elapsed / done
+    left = (total - step) * per_step
+    end = time.localtime(now + left)
+    clock = time.strftime("%H:%M" if end.tm_yday == time.localtime(now).tm_yday else "%a %H:%M", end)
+    ran = f"{step} of {total} steps in {elapsed:.0f} s" if done == step else \
+        f"step {step} of {total}, {done} steps in {elapsed:.0f} s since the resume"
+    basis = " after the first" if done >= 2 and after_first is not None else ""
+    return (f"GRPO: {ran}, ~{per_step:.1f} s/step{basis}: projected to end at {clock} "
+            f"(~{_duration(left)} more) on this machine")
+
+
+def compile_note(device: str | None, unsloth: bool, step: int = 1) -> str | None:
+    """On a CUDA device, the log line that says GRPO's first step compiles kernels (Triton: unsloth's kernels and
+    compiled loss on the unsloth backend, TRL's fused log-prob head and torch inductor otherwise), so it takes
+    longer than the steps after it; None elsewhere (a CPU compiles nothing)."""
+    if device != "cuda":
+        return None
+    what = "unsloth's Triton kernels and its compiled GRPO loss" if unsloth else "TRL's Triton kernels"
+    return (f"GRPO step {step} includes compiling {what} on first use: it takes longer than the steps after it "
+            f"(the projected finish leaves it out)")
 
 
 def progress_fields(logs: dict, recent: "collections.deque", beta: float) -> dict:
