@@ -261,21 +261,59 @@ for name in sys.argv[1:]:
 """.replace("MARK", PROBE_MARK)
 
 
-def probe_imports(names: list[str], timeout: int = 600) -> dict[str, dict]:
+# imports a user waits on (a line says which is being probed before it starts); on the H100 (2026-11-26) the
+# doctor's probes took over 40 s in all, unsloth's patching of transformers and trl most of it
+SLOW_IMPORTS = {"unsloth": "can take 30 s or more on a GPU: it patches transformers and trl",
+                "unsloth_zoo": "can take a while on a GPU", "vllm": "can take tens of seconds",
+                VLLM_BNB_PROBE: "loads vLLM's plugins"}
+
+
+def probe_progress(name: str) -> None:
+    """The line saying which import is probed now, on stderr, before it starts (stdout keeps the findings)."""
+    what = "vLLM's bitsandbytes plugin" if name == VLLM_BNB_PROBE else name
+    hint = f" ({SLOW_IMPORTS[name]})" if name in SLOW_IMPORTS else ""
+    print(f"doctor: importing {what}{hint} ...", file=sys.stderr, flush=True)
+
+
+def probe_imports(names: list[str], timeout: int = 600, progress=probe_progress) -> dict[str, dict]:
     """Import `names` in this order in a fresh interpreter (this one's), each in turn; {name: result}.
     After a failed import the rest are imported in another fresh interpreter (a half-done import, such
-    as unsloth's without a GPU, can leave patched modules behind that the run would never see)."""
+    as unsloth's without a GPU, can leave patched modules behind that the run would never see).
+    `progress(name)` is called as each import starts (default: a line on stderr)."""
+    import threading
+
     results: dict[str, dict] = {}
     remaining = list(names)
     while remaining:
-        proc = subprocess.run([sys.executable, "-c", PROBE, *remaining], capture_output=True, text=True,
-                              timeout=timeout, env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
-        for line in proc.stdout.splitlines():
-            if line.startswith(PROBE_MARK):
-                result = json.loads(line[len(PROBE_MARK):])
-                results[result["module"]] = result
+        proc = subprocess.Popen([sys.executable, "-c", PROBE, *remaining], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
+        errors: list[str] = []
+        drain = threading.Thread(target=lambda: errors.extend(proc.stderr), daemon=True)
+        drain.start()
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        try:
+            progress(remaining[0])
+            for line in proc.stdout:
+                if line.startswith(PROBE_MARK):
+                    result = json.loads(line[len(PROBE_MARK):])
+                    results[result["module"]] = result
+                    following = remaining.index(result["module"]) + 1
+                    if result["ok"] and following < len(remaining):
+                        progress(remaining[following])
+            proc.wait()
+        finally:
+            timed_out = not timer.is_alive() and proc.returncode not in (0, None) and remaining[0] not in results
+            timer.cancel()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        drain.join(timeout=5)
+        if timed_out:
+            raise subprocess.TimeoutExpired(proc.args, timeout)
         if remaining[0] not in results:  # the interpreter died inside this import
-            tail = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+            tail = ("".join(errors).strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
             results[remaining[0]] = {"module": remaining[0], "ok": False, "seconds": 0,
                                      "error": f"the interpreter died importing it: {tail[:300]}"}
         remaining = [name for name in remaining if name not in results]

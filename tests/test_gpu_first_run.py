@@ -217,3 +217,54 @@ def test_a_bad_budget_is_one_error_line(value):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--budget-s" in errors[0], proc.stderr
+
+
+def test_the_doctor_says_which_import_it_probes_before_it_starts():
+    """doctor's import probes (a fresh interpreter, the run's order) announce each import as it starts: on a
+    GPU unsloth's import alone takes tens of seconds. After a failed import the rest go to a fresh interpreter,
+    announced too; the default line goes to stderr and names the slow ones."""
+    from lowvram_grpo.doctor import probe_imports
+
+    started = []
+    results = probe_imports(["json", "no_such_module_here", "csv"], progress=started.append)
+    assert started == ["json", "no_such_module_here", "csv"]
+    assert results["json"]["ok"] and not results["no_such_module_here"]["ok"] and results["csv"]["ok"]
+    proc = subprocess.run([sys.executable, "-c", "from lowvram_grpo.doctor import probe_progress as p; p('unsloth'); p('json')"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout == "" and proc.stderr.splitlines() == [
+        "doctor: importing unsloth (can take 30 s or more on a GPU: it patches transformers and trl) ...",
+        "doctor: importing json ..."]
+
+
+def test_the_window_script_parses():
+    proc = subprocess.run(["bash", "-n", "bench/gpu_window.sh"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_window_script_runs_end_to_end_in_its_dry_mode(tmp_path):
+    """bench/gpu_window.sh's CPU dry mode: everything but the CUDA steps (no nvidia-smi; --preset tiny for both
+    kits), at most 8 files in the folder, the kit's JSON valid whatever its budget let it finish."""
+    out = tmp_path / "window"
+    env = {**os.environ, "LOWVRAM_GPU_WINDOW_DRY": "1", "LOWVRAM_GPU_WINDOW_S": "60", "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", "bench/gpu_window.sh", str(out)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8 and {"nvidia-smi.txt", "versions.txt", "steps.txt", "kit1-tiny.json", "kit1-tiny.log"} <= set(files)
+    assert "dry mode" in (out / "nvidia-smi.txt").read_text()
+    versions = (out / "versions.txt").read_text()
+    for name in ("python", "torch", "transformers", "trl", "bitsandbytes", "unsloth"):
+        assert f"\n{name} " in "\n" + versions, name
+    report = json.loads((out / "kit1-tiny.json").read_text())
+    assert report["preset"] == "tiny" and report["budget"]["budget_s"] <= 60 and "prepare" in report["done"]
+    assert report["budget"]["planned"][0] in ("variant unsloth", "variant hf-nf4")  # what matters most first
+    assert report.get("complete") or report.get("stopped") == "budget" or report["skipped"]
+    assert "=== done:" in (out / "steps.txt").read_text()
+
+
+def test_the_window_script_refuses_bad_input(tmp_path):
+    for argv, fragment in (([], "name the output folder"), ([str(tmp_path), "--fast"], "unknown option --fast"),
+                           ([str(tmp_path / "a"), str(tmp_path / "b")], "one output folder")):
+        proc = subprocess.run(["bash", "bench/gpu_window.sh", *argv], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.startswith("error: ") and fragment in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
