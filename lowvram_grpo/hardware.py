@@ -7,11 +7,19 @@
 nothing else in the package asks torch about the device. A profile describes the card as a user of it
 would have it: the GPU install set (requirements.txt: unsloth, vLLM) present, the memory torch reports
 as the card's total (`torch.cuda.get_device_properties(0).total_memory`, a little under the box's GB;
-a desktop card that also drives a display has ~0.3-1 GiB less).
+a desktop card that also drives a display has ~0.3-1 GiB less) and all of it free (`free_gib` None). The card
+present also records the memory free when it was detected (`torch.cuda.mem_get_info`, as unsloth_zoo's
+load_vllm and the doctor read it): the memory plan is made on that.
+
+The process's environment is read here too, once: `UNSLOTH_VLLM_STANDBY` (unsloth_zoo's standby mode: it
+raises vLLM's gpu_memory_utilization to its own share and puts vLLM to sleep between rollouts), recorded
+as `vllm_standby` by `detect()` and by `planning_hardware()` for a named profile (the shell a dry-run is
+typed in is the one the run inherits); the memory plan refuses it (memory_plan_terms.refuse_standby).
 """
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -27,12 +35,14 @@ class Hardware:
     gpu_name: Optional[str] = None                   # e.g. 'Tesla T4'
     compute_capability: Optional[tuple[int, int]] = None
     total_gib: Optional[float] = None                # the card's memory as torch reports it (GiB = 2**30 bytes)
+    free_gib: Optional[float] = None                 # free on it when detected (torch.cuda.mem_get_info); None: all of it
     gpu_count: int = 0
     cpu_bf16: bool = False                           # the CPU computes bf16 natively (AVX512-BF16 / AMX)
     unsloth_installed: bool = False
     vllm_installed: bool = False
     vllm_bnb_plugin_installed: bool = False          # vllm-bnb-plugin: vLLM >= 0.28 serves bitsandbytes 4-bit only with it
     mimalloc_library: Optional[str] = None           # libmimalloc.so to preload (allocator.py), when installed
+    vllm_standby: Optional[str] = None               # UNSLOTH_VLLM_STANDBY's value when set and not "0" (unsloth_vllm_standby)
 
     @property
     def cuda(self) -> bool:
@@ -54,6 +64,8 @@ class Hardware:
         if not self.cuda:
             return f"{self.name}: CPU ({'native' if self.cpu_bf16 else 'no native'} bf16)"
         size = f"{self.total_gib:.1f} GiB" if self.total_gib is not None else "size not given"
+        if self.total_gib is not None and self.free_gib is not None:
+            size += f", {self.free_gib:.1f} free"
         return (f"{self.name}: {self.gpu_name} ({self.sm}, {size}"
                 f"{', ' + str(self.gpu_count) + ' GPUs' if self.gpu_count > 1 else ''})")
 
@@ -118,6 +130,16 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
+STANDBY_VARIABLE = "UNSLOTH_VLLM_STANDBY"
+
+
+def unsloth_vllm_standby(environ=None) -> Optional[str]:
+    """UNSLOTH_VLLM_STANDBY's value where unsloth_zoo counts it as on (load_vllm: `os.getenv(..., "0") != "0"`),
+    else None. The one reader of the variable: detect() and planning_hardware() record it on the Hardware."""
+    value = (os.environ if environ is None else environ).get(STANDBY_VARIABLE, "0")
+    return None if value == "0" else value
+
+
 def detect() -> Hardware:
     """The machine this process runs on. Imports torch (fine before unsloth), not transformers or trl."""
     import torch
@@ -129,25 +151,28 @@ def detect() -> Hardware:
     if not torch.cuda.is_available():
         return Hardware(name="present", device="cpu", cpu_bf16=cpu_has_native_bf16(),
                         unsloth_installed=unsloth, vllm_installed=vllm, vllm_bnb_plugin_installed=plugin,
-                        mimalloc_library=mimalloc)
+                        mimalloc_library=mimalloc, vllm_standby=unsloth_vllm_standby())
     props = torch.cuda.get_device_properties(0)
+    free, _ = torch.cuda.mem_get_info(0)  # what unsloth_zoo's load_vllm reads (its get_mem_info) and the doctor shows
     return Hardware(name="present", device="cuda", gpu_name=props.name,
                     compute_capability=(props.major, props.minor), total_gib=props.total_memory / 2 ** 30,
+                    free_gib=free / 2 ** 30,
                     gpu_count=torch.cuda.device_count(), cpu_bf16=False, unsloth_installed=unsloth,
-                    vllm_installed=vllm, vllm_bnb_plugin_installed=plugin, mimalloc_library=mimalloc)
+                    vllm_installed=vllm, vllm_bnb_plugin_installed=plugin, mimalloc_library=mimalloc,
+                    vllm_standby=unsloth_vllm_standby())
 
 
 def with_memory(hardware: Hardware, total_gib: float) -> Hardware:
-    """The same machine with a card of `total_gib` (memory.vram_gb / --vram)."""
-    return replace(hardware, total_gib=total_gib)
+    """The same machine with a card of `total_gib` (memory.vram_gb / --vram), all of it free."""
+    return replace(hardware, total_gib=total_gib, free_gib=None)
 
 
 def planning_hardware(config, gpu: "str | None"):
     """The machine --dry-run and --auto-fit decide for: --gpu PROFILE, else the one present; on a machine
     without a GPU, a GPU preset (or --vram) is planned for a generic card with native bf16."""
     if gpu is not None:
-        return profile(gpu)
+        return replace(profile(gpu), vllm_standby=unsloth_vllm_standby())
     present = detect()
     if not present.cuda and (config.requires_cuda or config.model.fast_inference or config.memory.vram_gb is not None):
-        return ANY_GPU
+        return replace(ANY_GPU, vllm_standby=unsloth_vllm_standby())
     return present

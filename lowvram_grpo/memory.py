@@ -57,6 +57,8 @@ from typing import Any, Optional
 
 from .config import RESUME_SETTABLE, RunConfig, config_from_dict
 from .errors import ConfigError, OutOfMemory, PlanError
+from .memory_plan_terms import (PrimingPeak, free_memory_text, kv_batch, priming_peak, refuse_standby, usable_gib,
+                                used_elsewhere_gib)
 from .unsloth_sizing import vllm_budget
 
 GIB = 2 ** 30
@@ -246,9 +248,13 @@ class MemoryPlan:
     shape: ModelShape
     terms: dict[str, Term]
     vram_gb: Optional[float]          # the card planned for (GiB); None = not given
-    min_vram_gb: float                # the smallest card these exact settings fit
+    min_vram_gb: float                # the smallest card these exact settings fit (with what others hold on it)
     kv_cache_bytes: Optional[int] = None   # vLLM KV cache at gpu_memory_utilization (None without vLLM)
-    kv_needed_bytes: Optional[int] = None  # KV cache for one generation batch at full length
+    kv_needed_bytes: Optional[int] = None  # KV cache for the larger generation batch at full length
+    kv_sequences: Optional[int] = None     # that batch's sequences (memory_plan_terms.kv_batch)
+    kv_decided_by: str = ""                # 'rollout' or 'evaluation': which batch it is
+    free_gb: Optional[float] = None        # the memory free for the run on the card (None: no card given)
+    priming: Optional[PrimingPeak] = None  # priming's own peak (prime.steps > 0 runs it before GRPO)
     vllm_min_share_bytes: Optional[int] = None  # what vLLM's gpu_memory_utilization share must hold at least
     vllm_outside_bytes: Optional[int] = None    # what must fit on the card beside vLLM's share
     vllm_max_model_len: Optional[int] = None    # the max_model_len unsloth_zoo starts vLLM with (unsloth_sizing.vllm_budget)
@@ -283,7 +289,14 @@ class MemoryPlan:
             return None
         kv_ok = self.kv_cache_bytes is None or self.kv_cache_bytes >= self.kv_needed_bytes
         length_ok = self.vllm_max_model_len is None or self.vllm_max_model_len >= self.rollout_tokens
-        return self.total_gb <= self.vram_gb + 1e-9 and kv_ok and length_ok
+        return self.total_gb <= self.free_gb + 1e-9 and kv_ok and length_ok and self.priming_fits is not False
+
+    @property
+    def priming_fits(self) -> Optional[bool]:
+        """Priming's peak against the free memory when the run primes (prime.steps > 0); None when it does not."""
+        if self.priming is None or not self.priming.steps:
+            return None
+        return self.priming.fits
 
     @property
     def rollout_tokens(self) -> int:
@@ -461,7 +474,8 @@ def engine_gpu_memory_utilization(shape: ModelShape, resolved, card_gib: float) 
 
 
 def _estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
-    """The plan's terms for the resolved settings on a card of `vram_gb` GiB (None: the smallest card that fits)."""
+    """The plan's terms for the resolved settings on a card of `vram_gb` GiB (None: the smallest card that fits),
+    on the memory free on it for this run (memory_plan_terms.usable_gib)."""
     config = resolved.config
     shape = model_shape(config.model.name)
     terms = _training_terms(shape, resolved)
@@ -470,6 +484,17 @@ def _estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
     outside_vllm = sum(t.bytes for k, t in terms.items() if k != "weights") + cuda.bytes
     weights = terms["weights"].bytes
     s = _sizes(resolved)
+    elsewhere = used_elsewhere_gib(resolved)
+    free = usable_gib(resolved, vram_gb)
+
+    def finish(min_free_gb: float, priming_counted: bool = False, **vllm) -> MemoryPlan:
+        terms["cuda"] = cuda
+        priming = priming_peak(shape, resolved, terms, free if vram_gb is not None else None)
+        if config.prime.steps and not priming_counted:
+            min_free_gb = max(min_free_gb, priming.total_gb)
+        return MemoryPlan(resolved, shape, terms, vram_gb, min_free_gb + elsewhere,
+                          free_gb=free if vram_gb is not None else None, priming=priming, **vllm)
+
     if resolved.generation == "vllm":
         # our engine (hf backend): its own weights, a LoRA slot and exactly the KV cache it asks for, in a
         # process with its own CUDA context, started once the trainer has loaded; the whole trainer beside it
@@ -482,41 +507,50 @@ def _estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
             f"{engine_sequences(config)} sequences x {config.model.max_seq_length} tokens), + "
             f"{VLLM_PROCESS_BYTES / GIB:.1f} GiB CUDA context. Asleep during backward, counted in full",
             "memory.vllm_kv_cache_gb, eval.batch_size, model.generation")
-        terms["cuda"] = cuda
-        total = sum(t.bytes for t in terms.values())
-        return MemoryPlan(resolved, shape, terms, vram_gb, total / GIB)
+        return finish((sum(t.bytes for t in terms.values()) + cuda.bytes) / GIB)
     if resolved.generation != "unsloth_vllm":
-        terms["cuda"] = cuda
-        return MemoryPlan(resolved, shape, terms, vram_gb, (outside_vllm + weights) / GIB)
+        return finish((outside_vllm + weights) / GIB)
 
-    # unsloth's engine shares the trainer's weights and takes util x card for them, its runtime and the KV cache
+    # unsloth's engine shares the trainer's weights and takes util x the free memory for them, its runtime and the
+    # KV cache, which must hold the larger of a rollout batch and an evaluation batch at full length
     util = resolved.gpu_memory_utilization
     kv_per_token = 2 * shape.layers * shape.kv_dim * KV_BYTES
-    kv_needed = s.generation_batch * s.seq_len * kv_per_token
+    sequences, decided_by = kv_batch(config, s.generation_batch)
+    kv_needed = sequences * s.seq_len * kv_per_token
     in_share, outside = weights + VLLM_RUNTIME_BYTES, outside_vllm
-    min_vram = max((in_share + kv_needed) / util, outside / (1 - util)) / GIB
-    card = vram_gb if vram_gb is not None else min_vram
-    # unsloth_zoo's load_vllm: util x the memory free at load (the card planned for), its max_model_len
-    budget = vllm_budget(shape, util, card * GIB, card * GIB, config.model.max_seq_length,
+    priming_outside = 0
+    if config.prime.steps:  # priming's parts beside vLLM's share (weights inside it): its own peak's outside
+        priming_outside = priming_peak(shape, resolved, {**terms, "cuda": cuda}, None).total_bytes - weights
+    min_free = max((in_share + kv_needed) / util, max(outside, priming_outside) / (1 - util)) / GIB
+    card = vram_gb if vram_gb is not None else min_free + elsewhere
+    free = free if free is not None else min_free
+    # unsloth_zoo's load_vllm: util x the memory free at load, its max_model_len from the free and total memory
+    budget = vllm_budget(shape, util, free * GIB, card * GIB, config.model.max_seq_length,
                          resolved.vllm_max_lora_rank or config.lora.r, resolved.load_in_4bit)
     reserved = int(budget.share_bytes)
     kv_cache = reserved - in_share
+    rollout = s.generation_batch * s.seq_len * kv_per_token
+    evaluation = (f"an evaluation batch ({config.eval.batch_size} sequences) needs "
+                  f"{config.eval.batch_size * s.seq_len * kv_per_token / GIB:.2f} GiB" if config.eval.enabled
+                  else "evaluation is off")
     terms["vllm"] = Term(
         "vllm", f"vLLM KV cache + runtime ({budget.utilization:.3g} x {card:.1f} GiB - weights)", max(reserved - weights, 0),
-        f"unsloth_zoo gives vLLM gpu_memory_utilization {util:g} of the memory free at load, less the shared weights; "
-        f"KV cache {kv_cache / GIB:.2f} GiB, {kv_needed / GIB:.2f} GiB holds {s.generation_batch} sequences x "
-        f"{s.seq_len} tokens; max_model_len {budget.max_model_len}",
-        "memory.gpu_memory_utilization")
-    terms["cuda"] = cuda
-    return MemoryPlan(resolved, shape, terms, vram_gb, min_vram, kv_cache_bytes=kv_cache, kv_needed_bytes=kv_needed,
-                      vllm_min_share_bytes=in_share + kv_needed, vllm_outside_bytes=outside,
-                      vllm_max_model_len=budget.max_model_len)
+        f"unsloth_zoo gives vLLM gpu_memory_utilization {util:g} of the {free:.1f} GiB free at load, less the shared "
+        f"weights; KV cache {kv_cache / GIB:.2f} GiB: a rollout batch ({s.generation_batch} sequences x {s.seq_len} "
+        f"tokens) needs {rollout / GIB:.2f} GiB, {evaluation}; max_model_len {budget.max_model_len}",
+        "memory.gpu_memory_utilization, eval.batch_size")
+    return finish(min_free, kv_cache_bytes=kv_cache, kv_needed_bytes=kv_needed, kv_sequences=sequences,
+                  kv_decided_by=decided_by, vllm_min_share_bytes=in_share + kv_needed, vllm_outside_bytes=max(outside, priming_outside),
+                  vllm_max_model_len=budget.max_model_len, priming_counted=True)
 
 
 def plan(resolved) -> MemoryPlan:
     """Peak GPU memory of a run with the resolved settings (resolve.py) on the card they were resolved
     for (`resolved.vram_gib`: memory.vram_gb, else the card's; None = no card: the plan then gives the
-    smallest card that fits). A plan that does not fit carries suggestions."""
+    smallest card that fits), on the memory free on it (the card present: less what others held when it was
+    detected). A plan that does not fit carries suggestions. UNSLOTH_VLLM_STANDBY with unsloth's vLLM is
+    refused (memory_plan_terms.refuse_standby): ResolveError, not PlanError, so a run stops on it."""
+    refuse_standby(resolved)
     vram_gb = resolved.vram_gib
     result = _estimate(resolved, vram_gb)
     if result.fits is False:
@@ -548,7 +582,8 @@ def _get(config: RunConfig, dotted: str) -> Any:
 def _fits(resolved, vram_gb: float, reserve_gb: float = 0.0) -> bool:
     """Do these settings fit a card of `vram_gb` GiB with `reserve_gb` of it left unplanned?"""
     p = _estimate(resolved, vram_gb)
-    return bool(p.fits) and p.total_gb + reserve_gb <= vram_gb
+    return bool(p.fits) and p.total_gb + reserve_gb <= p.free_gb and (p.priming_fits is None or
+                                                                      p.priming.total_gb + reserve_gb <= p.free_gb)
 
 
 def _tune_utilization(resolved, vram_gb: float, reserve_gb: float = 0.0):
@@ -557,7 +592,7 @@ def _tune_utilization(resolved, vram_gb: float, reserve_gb: float = 0.0):
     if resolved.generation != "unsloth_vllm" or _fits(resolved, vram_gb, reserve_gb):
         return resolved
     probe = _estimate(resolved.with_config(with_settings(resolved.config, {"memory.gpu_memory_utilization": 0.5})), vram_gb)
-    card = vram_gb * GIB
+    card = probe.free_gb * GIB  # vLLM's share is of the free memory
     low = max(probe.vllm_min_share_bytes / card, 0.05)
     high = min(1 - (probe.vllm_outside_bytes + reserve_gb * GIB) / card, 0.95)
     if low > high:
@@ -584,6 +619,9 @@ def _knobs(config: RunConfig) -> list[tuple[str, list]]:
         ("memory.gradient_checkpointing", ["unsloth"]),
         ("train.optim", ["paged_adamw_8bit"]),
         ("memory.load_in_4bit", [True]),
+        # what the training does not depend on: the held-out batch (vLLM's KV cache), priming's examples per step
+        ("eval.batch_size", [b for b in (8, 4) if b < config.eval.batch_size]),
+        *([("prime.batch_size", [b for b in (32, 16, 8, 4, 2, 1) if b < config.prime.batch_size])] if config.prime.steps else []),
         ("train.num_generations", [n for n in (8, 6, 4) if n < t.num_generations]),
         ("train.max_completion_length", [c for c in (1024, 768, 512, 384, 256) if c < t.max_completion_length]),
         ("lora.r", [r for r in (32, 16, 8) if r < config.lora.r]),
@@ -635,7 +673,7 @@ def fit_settings(resolved, vram_gb: float, reserve_gb: float = 0.0) -> tuple[Opt
 
 _SUGGESTED_KEYS = ["memory.gradient_checkpointing", "train.optim", "memory.load_in_4bit", "model.fast_inference", "model.generation",
                    "memory.gpu_memory_utilization", "train.num_generations", "train.per_device_train_batch_size",
-                   "train.max_completion_length", "lora.r"]
+                   "train.max_completion_length", "lora.r", "eval.batch_size", "prime.batch_size"]
 
 
 def _diff(original: RunConfig, changed: RunConfig) -> list[Suggestion]:
@@ -703,8 +741,26 @@ def format_plan(p: MemoryPlan, title: str = "") -> str:
     head = title or f"memory plan: {p.model} ({p.shape.params / 1e9:.2f}B params)"
     lines = [head, f"  {'component':<{width}}  {'GiB':>6}  lower it with", f"  {'-' * width}  ------  -------------"]
     lines += [f"  {label:<{width}}  {gib}  {settings}" for label, gib, settings in rows]
+    lines.append(f"  {free_memory_text(p.resolved, p.vram_gb)}")
+    if p.kv_cache_bytes is not None:
+        lines.append(f"  {_kv_text(p)}")
+    if p.priming is not None:
+        lines += [f"  {line}" for line in p.priming.lines()]
     lines.append(_verdict(p))
     return "\n".join(lines)
+
+
+def _kv_text(p: MemoryPlan) -> str:
+    """Which batch vLLM's KV cache must hold, and whether it does."""
+    t = p.config.train
+    rollout = p.resolved.generation_batch_size // p.resolved.num_processes
+    evaluation = p.config.eval.batch_size if p.config.eval.enabled else None
+    other = (f"rollout {rollout} sequences, evaluation {evaluation} (eval.batch_size)" if evaluation is not None
+             else f"rollout {rollout} sequences, evaluation off")
+    holds = "holds" if p.kv_cache_bytes >= p.kv_needed_bytes else "does NOT hold"
+    return (f"vLLM's KV cache {max(p.kv_cache_bytes, 0) / GIB:.2f} GiB {holds} the {p.kv_decided_by} batch: "
+            f"{p.kv_sequences} sequences x {min(t.max_prompt_length + t.max_completion_length, p.config.model.max_seq_length)} "
+            f"tokens = {p.kv_needed_bytes / GIB:.2f} GiB (the larger batch decides: {other})")
 
 
 def plan_text(resolved) -> str:
@@ -725,12 +781,19 @@ def _verdict(p: MemoryPlan) -> str:
     if p.fits is None:
         return (f"needs a card of at least {p.min_vram_gb:.1f} GiB (estimate); "
                 "plan for a given card with --vram GB") + warning
+    shared = p.free_gb < p.vram_gb - 1e-9  # others hold some of the card
+    free = f" of the {p.free_gb:.1f} GiB free" if shared else ""
     if p.fits:
-        return f"fits a {p.vram_gb:g} GiB card: {p.total_gb:.1f} GiB planned, {p.vram_gb - p.total_gb:.1f} GiB to spare" + warning
-    why = f"does NOT fit a {p.vram_gb:g} GiB card: {p.total_gb:.1f} GiB planned"
+        return (f"fits a {p.vram_gb:g} GiB card: {p.total_gb:.1f} GiB planned, {p.free_gb - p.total_gb:.1f} GiB{free} "
+                "to spare") + warning
+    why = f"does NOT fit a {p.vram_gb:g} GiB card" + (f" ({p.free_gb:.1f} GiB free)" if shared else "") + \
+        f": {p.total_gb:.1f} GiB planned"
     if p.kv_cache_bytes is not None and p.kv_cache_bytes < p.kv_needed_bytes:
         why += (f" and vLLM's KV cache at gpu_memory_utilization={p.config.memory.gpu_memory_utilization:g} "
-                f"({max(p.kv_cache_bytes, 0) / GIB:.2f} GiB) is below the {p.kv_needed_bytes / GIB:.2f} GiB one generation batch needs")
+                f"({max(p.kv_cache_bytes, 0) / GIB:.2f} GiB) is below the {p.kv_needed_bytes / GIB:.2f} GiB the "
+                f"{p.kv_decided_by} batch ({p.kv_sequences} sequences) needs")
+    if p.priming_fits is False:
+        why += f" and priming's peak ({p.priming.total_gb:.1f} GiB: prime.batch_size={p.priming.batch}) is above the {p.free_gb:.1f} GiB free"
     if short:
         why += (f" and unsloth_zoo would start vLLM with max_model_len {p.vllm_max_model_len}, below prompt + completion "
                 f"({p.rollout_tokens})")

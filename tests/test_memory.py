@@ -507,3 +507,143 @@ def test_the_hf_backends_own_vllm_engine_is_planned_as_the_engine_asks_vllm():
     assert engine.gpu_memory_utilization == pytest.approx(-(-engine_share_bytes(shape, resolved) * 100 // (22 * GIB)) / 100)
     small = planned(config, 4, backend="hf")
     assert not small.fits and any(s.key == "model.generation" for s in small.suggestions)
+
+
+# --------------------------------------------------------------------------- issue 41: free memory, the KV batch,
+# UNSLOTH_VLLM_STANDBY, priming
+
+def test_the_plan_is_made_on_the_free_memory_as_unsloth_sizes_vllm():
+    """unsloth_zoo's load_vllm gives vLLM gpu_memory_utilization x the memory FREE at load; training gets the rest
+    of the free memory. Defect: the plan took the card's total, overstating the margin by (1 - util) x (total - free)
+    on a card others hold some of (a display). A T4 as detect() records it with 0.6 GiB held elsewhere."""
+    from lowvram_grpo.unsloth_sizing import vllm_budget
+
+    config = load_config("llama8b_4bit")
+    empty = plan(resolve(config, profile("t4")))
+    shared_hw = dataclasses.replace(profile("t4"), name="present", free_gib=14.1)
+    shared = plan(resolve(config, shared_hw))
+    assert shared.vram_gb == 14.7 and shared.free_gb == pytest.approx(14.1)
+    assert shared.terms["vllm"].bytes + shared.terms["weights"].bytes == pytest.approx(0.6 * 14.1 * GIB, abs=1)
+    spare = lambda p: p.free_gb - p.total_gb  # noqa: E731
+    assert spare(empty) - spare(shared) == pytest.approx((1 - 0.6) * (14.7 - 14.1))
+    budget = vllm_budget(shared.shape, 0.6, 14.1 * GIB, 14.7 * GIB, 1024, 32, True)  # unsloth reads free and total
+    assert shared.terms["vllm"].bytes == int(budget.share_bytes) - shared.terms["weights"].bytes
+    assert shared.vllm_max_model_len == budget.max_model_len
+    text = format_plan(shared)
+    assert "14.1 GiB free when detected (0.6 GiB held by others" in text and "of the 14.1 GiB free to spare" in text
+    assert "t4 profile), planned as all free" in format_plan(empty)  # a profile says it assumes free == total
+    # a card that does not fit in its free memory does not fit, though its total would hold the plan
+    tight = dataclasses.replace(shared_hw, free_gib=empty.total_gb - 0.1)
+    assert empty.fits and plan(resolve(config, tight)).fits is False
+    # memory.vram_gb keeps its meaning: a card of that size, nothing else on it
+    override = plan(resolve(load_config("llama8b_4bit", ["memory.vram_gb=14"]), shared_hw))
+    assert override.vram_gb == override.free_gb == 14 and "14 GiB (memory.vram_gb), planned as all free" in format_plan(override)
+
+
+def test_a_detected_card_records_its_free_memory_and_vram_overrides_drop_it():
+    from lowvram_grpo.hardware import Hardware, with_memory
+
+    assert "free_gib" in {f.name for f in dataclasses.fields(Hardware)} and profile("t4").free_gib is None
+    present = dataclasses.replace(profile("t4"), name="present", free_gib=14.1)
+    assert "14.7 GiB, 14.1 free" in present.describe()
+    assert with_memory(present, 12).free_gib is None  # --vram: a card of that size, all free
+
+
+def test_the_kv_cache_is_checked_against_the_larger_of_the_rollout_and_evaluation_batches():
+    """The held-out evaluation generates eval.batch_size (16) sequences at once through the same engine as the
+    rollouts (6). Defect: the check counted the rollout batch only; at gpu_memory_utilization 0.45 on a T4 the
+    KV cache (0.80 GiB) holds 6 x 1024 tokens (0.75 GiB) but not 16 (2.00 GiB), and the plan said it fits."""
+    per_token = 2 * 32 * 1024 * 2  # K and V x layers x kv_dim x 2 bytes (Llama-3.1-8B)
+    notebook = plan(resolve(load_config("llama8b_4bit"), profile("t4")))
+    assert (notebook.kv_sequences, notebook.kv_decided_by) == (16, "evaluation")
+    assert notebook.kv_needed_bytes == 16 * 1024 * per_token and notebook.kv_cache_bytes >= notebook.kv_needed_bytes
+    assert ("vLLM's KV cache 3.01 GiB holds the evaluation batch: 16 sequences x 1024 tokens = 2.00 GiB (the larger "
+            "batch decides: rollout 6 sequences, evaluation 16 (eval.batch_size))") in format_plan(notebook)
+    small_eval = plan(resolve(load_config("llama8b_4bit", ["eval.batch_size=4"]), profile("t4")))
+    assert (small_eval.kv_sequences, small_eval.kv_decided_by) == (6, "rollout")
+    off = plan(resolve(load_config("llama8b_4bit", ["eval.enabled=false"]), profile("t4")))
+    assert off.kv_decided_by == "rollout" and "evaluation off" in format_plan(off)
+    starved = plan(resolve(load_config("llama8b_4bit", ["memory.gpu_memory_utilization=0.45"]), profile("t4")))
+    assert 6 * 1024 * per_token <= starved.kv_cache_bytes < 16 * 1024 * per_token
+    assert starved.total_gb < 14.7 and starved.fits is False
+    assert "below the 2.00 GiB the evaluation batch (16 sequences) needs" in format_plan(starved)
+    fitted = plan(resolve(apply_suggestions(starved.config, starved.suggestions), profile("t4")))
+    assert fitted.fits and fitted.kv_cache_bytes >= fitted.kv_needed_bytes
+    # where vLLM's share cannot grow, the evaluation batch is the free knob
+    card = planned(load_config("llama8b_4bit"), 11.8)
+    assert not card.fits and {s.key for s in card.suggestions} & {"eval.batch_size", "memory.gpu_memory_utilization"}
+    assert planned(apply_suggestions(card.config, card.suggestions), 11.8).fits
+
+
+def test_unsloth_vllm_standby_is_refused_in_one_line(monkeypatch):
+    """UNSLOTH_VLLM_STANDBY=1 makes unsloth_zoo's load_vllm replace gpu_memory_utilization with its standby share
+    (0.8 x 0.95 = 0.76 on a T4) and start vLLM with sleep mode, outside the plan. Defect: the plan ignored it.
+    The variable is read once, by hardware.py (detect / planning_hardware); the plan refuses it."""
+    from lowvram_grpo.errors import ResolveError
+    from lowvram_grpo.hardware import planning_hardware, unsloth_vllm_standby
+    from lowvram_grpo.memory_plan_terms import standby_utilization
+
+    assert standby_utilization(14.7) == pytest.approx(0.76) and standby_utilization(23.6) == pytest.approx(0.78375)
+    assert unsloth_vllm_standby({"UNSLOTH_VLLM_STANDBY": "0"}) is None and unsloth_vllm_standby({}) is None
+    config = load_config("llama8b_4bit")
+    monkeypatch.setenv("UNSLOTH_VLLM_STANDBY", "1")
+    hardware = planning_hardware(config, "t4")
+    assert hardware.vllm_standby == "1"
+    with pytest.raises(ResolveError) as refused:
+        plan(resolve(config, hardware))
+    message = str(refused.value)
+    assert "\n" not in message and "from 0.6 to 0.76" in message and "unset UNSLOTH_VLLM_STANDBY" in message
+    no_vllm = load_config("llama8b_4bit", ["model.fast_inference=false"])
+    assert plan(resolve(no_vllm, planning_hardware(no_vllm, "t4"))).total_gb > 0  # no unsloth vLLM: nothing to refuse
+    monkeypatch.setenv("UNSLOTH_VLLM_STANDBY", "0")
+    assert plan(resolve(config, planning_hardware(config, "t4"))).fits
+
+
+@pytest.mark.slow
+def test_unsloth_vllm_standby_stops_the_dry_run_with_one_error_line():
+    proc = run_cli("--preset", "llama8b_4bit", "--dry-run", "--gpu", "t4", env={"UNSLOTH_VLLM_STANDBY": "1"})
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "UNSLOTH_VLLM_STANDBY=1" in errors[0], proc.stderr
+
+
+def test_the_standby_share_is_unsloth_zoos_own():
+    """The standby tiers as the pinned unsloth_zoo writes them (load_vllm, vLLM >= 0.11 branch), read as text."""
+    spec = importlib.util.find_spec("unsloth_zoo")
+    if spec is None:
+        pytest.skip("unsloth_zoo is not installed (the GPU install set)")
+    from lowvram_grpo.memory_plan_terms import STANDBY_TIERS, STANDBY_VLLM_FACTOR
+
+    text = (Path(spec.origin).parent / "vllm_utils.py").read_text()
+    branch = text[text.index("vLLM >= 0.11.0 uses more VRAM") - 1500:text.index("vLLM >= 0.11.0 uses more VRAM")]
+    tiers = [(float(a), float(b)) for a, b in
+             re.findall(r"if\s+ten_percent >= ([\d.]+): standby_target_gpu_util = ([\d.]+)", branch)]
+    last = float(re.findall(r"else: standby_target_gpu_util = ([\d.]+)", branch)[-1])
+    assert tuple(tiers[-5:]) + ((0.0, last),) == STANDBY_TIERS
+    assert f"standby_target_gpu_util *= {STANDBY_VLLM_FACTOR}" in text
+
+
+def test_priming_is_planned_with_its_own_optimizer_and_batch():
+    """Priming (prime.steps > 0) runs before GRPO with vLLM loaded, a torch AdamW of its own (fp32 state, 8 bytes
+    per LoRA parameter) and prime.batch_size examples of up to model.max_seq_length tokens. Defect: outside the
+    plan; a T4 run with prime.batch_size=64 was planned to fit."""
+    from lowvram_grpo.memory import activation_bytes_per_token_layer, lora_param_count
+
+    base = plan(resolve(load_config("llama8b_4bit", ["prime.steps=30"]), profile("t4")))
+    peak, shape = base.priming, base.shape
+    lora = lora_param_count(shape, base.config)
+    assert peak.parts["AdamW fp32 state"] == 8 * lora == 4 * base.terms["optimizer"].bytes
+    tokens = 8 * 1024
+    assert peak.parts["activations 8 x 1024 tokens"] == tokens * shape.hidden * 2 + tokens * activation_bytes_per_token_layer(shape, 2)
+    assert peak.parts["vLLM"] == base.terms["vllm"].bytes and peak.parts["weights"] == base.terms["weights"].bytes
+    assert base.terms["activations"].bytes < peak.parts["activations 8 x 1024 tokens"]
+    assert base.fits and peak.fits and "priming (prime.steps=30): 12.26 GiB" in format_plan(base)
+    big = plan(resolve(load_config("llama8b_4bit", ["prime.steps=30", "prime.batch_size=64"]), profile("t4")))
+    assert big.total_gb == pytest.approx(base.total_gb) and big.priming.fits is False and big.fits is False
+    assert "priming's peak (22.5 GiB: prime.batch_size=64) is above the 14.7 GiB free" in format_plan(big)
+    assert [s.key for s in big.suggestions] == ["prime.batch_size"]
+    assert plan(resolve(apply_suggestions(big.config, big.suggestions), profile("t4"))).fits
+    # without priming it is one line of what it would cost, never a reason not to fit
+    off = plan(resolve(load_config("llama8b_4bit", ["prime.batch_size=64"]), profile("t4")))
+    assert off.fits and off.priming_fits is None and "priming: off (prime.steps=0)" in format_plan(off)
+    assert planned(load_config("llama8b_4bit", ["prime.steps=30", "prime.batch_size=64"])).min_vram_gb > 20
