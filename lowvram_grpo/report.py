@@ -5,8 +5,13 @@ from `metrics.jsonl`, `summary.json` and `config.yaml`. It holds:
 
 - plots per GRPO step: reward (total, per step under its moving average, and per reward function), KL,
   completion length, the share of completions cut at `max_completion_length` (with the share of groups
-  whose rewards were all equal, and of groups all right / all wrong), loss;
-- the before/(primed/)after table on the held-out questions and the sample answers;
+  whose rewards were all equal, and of groups all right / all wrong), loss (captioned when train.beta = 0:
+  ~0 by construction). Each series a warning checks is drawn as the warning reads it (signals.windowed), its
+  threshold dashed in the line's own colour and named in the legend, and the steps the all-wrong warning held
+  on (signals.all_wrong_stretches, the very function the warning uses) shaded; legends sit under the axes;
+- the before/(primed/)after table on the held-out questions, with the paired changes summary.json stores
+  (`paired_changes`, computed once when the run finishes), and what GRPO changed: how many held-out questions
+  it turned right and wrong, with one of each (`what_changed`; the first questions for older summaries);
 - after beside each control the run was measured against (summary.json `controls`, baseline.py: the random-reward
   control, the prime-only baseline), paired, with one line saying what the run added beyond it;
 - the training-signal warnings (signals.py), replayed over the whole log.
@@ -340,7 +345,8 @@ def tools_section(rows: list[dict]) -> Optional[str]:
 
 def warnings_section(signals: list[Signal]) -> str:
     if not signals:
-        return "None: completions mostly finished within max_completion_length, groups had differing rewards, and the reward moved."
+        return ("None: completions mostly finished within max_completion_length, groups had differing rewards and were "
+                "not mostly all wrong for a stretch, and the reward moved.")
     return "\n".join(f"- **{s.kind}** (from step {s.step}): {s.message}" for s in signals)
 
 

@@ -126,6 +126,9 @@ def test_a_tiny_run_writes_report_and_plots(tiny_run):
         assert image.shape[0] > 300 and image.shape[1] > 600, name
         assert f"]({name})" in text
     assert f"report:  {out / REPORT_FILE}" in proc.stdout
+    assert "by construction" not in text  # beta 0.04: no "~0 loss is expected" caption (test_first_run_outputs: beta 0)
+    card = (out / "README.md").read_text()  # our model card, over the one TRL's trainer wrote
+    assert "builtin:tiny" in card and "huggingface.co/None" not in card
     # per-reward-function lines: TRL logs rewards/<name>/mean for each configured reward
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {"rewards/brevity/mean", "completions/clipped_ratio", "frac_reward_zero_std", "kl"} <= metrics[0].keys()
