@@ -27,7 +27,7 @@ TAGS = ("lowvram_grpo", "grpo", "lora", "peft", "trl")
 
 def _front_matter(model: str) -> str:
     lines = ["---", "library_name: peft"]
-    if model and not is_builtin(model) and not Path(model).is_absolute():
+    if model and not is_builtin(model) and not Path(model).is_absolute() and not Path(model).expanduser().exists():
         lines.append(f"base_model: {model}")  # a hub id; a built-in or a local folder is no hub link
     lines += ["tags:"] + [f"- {tag}" for tag in TAGS] + ["---"]
     return "\n".join(lines)
