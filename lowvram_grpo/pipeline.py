@@ -245,11 +245,15 @@ class GRPORun:
             try:
                 yield
             except Exception as exc:
-                if self.rollouts is None:
+                if self.rollouts is None and not self.resolved.fast_inference:  # no vLLM engine in this run
                     raise
                 from .backends.vllm import engine_stop_cause
 
                 cause = engine_stop_cause(exc)
+                if cause is None and self.resolved.fast_inference:  # unsloth's engine runs in this process
+                    from .backends.unsloth_backend import vllm_engine_failure
+
+                    cause = vllm_engine_failure(exc)
                 if cause is None:
                     raise
                 where = OOM_PHASES["rollout" if phase == "training" else phase]  # in training it serves only rollouts
@@ -384,7 +388,7 @@ class GRPORun:
             return  # stopped after its last step (saving, measuring, exporting): its checkpoint is the trained adapter
         started = time.time()
         try:
-            with trainer.stop_signals.installed(), self._failures_reported("training"):
+            with trainer.stop_signals.installed(), self._failures_reported("training"), self._rollout_files():
                 trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
         except RewardError as exc:
             raise TrainingStopped(f"{exc}; {self.run_dir.resume_hint()}") from None
@@ -395,6 +399,14 @@ class GRPORun:
             raise stopped from None
         self.train_seconds = time.time() - started
         trainer.nonfinite_guard.raise_if_stopped(trainer.state, self.run_dir.latest_checkpoint())
+
+    def _rollout_files(self):
+        """unsloth's vLLM rollouts write a LoRA folder into the working directory: moved into the run's folder."""
+        if self.resolved.generation != "unsloth_vllm" or not self.run_dir.writer:
+            return contextlib.nullcontext()
+        from .backends.unsloth_backend import rollout_files_moved_to
+
+        return rollout_files_moved_to(self.run_dir.path)
 
     def _trained_to_the_end(self, trainer, checkpoint: Path) -> bool:
         """A checkpoint at train.max_steps or past it: its adapter weights and trainer state are restored and no

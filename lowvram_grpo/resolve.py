@@ -69,6 +69,13 @@ VLLM_MIN_COMPUTE_CAPABILITY = (7, 5)
 # The LoRA ranks vLLM 0.31 accepts (vllm/config/lora.py MaxLoRARanks); unsloth_zoo's determine_max_lora_rank
 # rounds lora.r up to the next one, and so do we for our own engine.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# vLLM 0.31's FlashInfer kernels (attention and its top-p/top-k sampler) start at compute capability 8.0
+# (vllm/v1/attention/backends/flashinfer.py supports_compute_capability: sm75 excluded until flashinfer#3621).
+# unsloth_zoo 2026.10.9's load_vllm still sets VLLM_USE_FLASHINFER_SAMPLER=1 below it (vllm >= 0.11), and vLLM
+# then raises at load ("FlashInfer top-p/top-k sampling unavailable: unsupported compute capability 7.5"); its
+# UNSLOTH_VLLM_NO_FLASHINFER=1 keeps FlashInfer off. tests/test_gpu_wheels.py reads these lines in the pinned wheels.
+FLASHINFER_MIN_COMPUTE_CAPABILITY = (8, 0)
+NO_FLASHINFER_ENV = "UNSLOTH_VLLM_NO_FLASHINFER"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -97,6 +104,7 @@ class Resolved:
     num_processes: int
     generation_batch_size: int
     host_allocator: str = "system"    # 'mimalloc' | 'system': the run process's malloc (allocator.py)
+    vllm_flashinfer: Optional[bool] = None  # unsloth's engine may use FlashInfer (False: kept off, below sm80); None without it
     notes: tuple[str, ...] = ()
 
     @property
@@ -112,6 +120,11 @@ class Resolved:
     def use_vllm(self) -> bool:
         """GRPOConfig(use_vllm=...): only unsloth's shared engine (TRL never starts one of its own)."""
         return self.generation == "unsloth_vllm"
+
+    @property
+    def engine_environment(self) -> dict:
+        """Environment variables unsloth's vLLM start must see (set by the unsloth backend before from_pretrained)."""
+        return {NO_FLASHINFER_ENV: "1"} if self.vllm_flashinfer is False else {}
 
     @property
     def reward_model_device(self) -> str:
@@ -142,7 +155,10 @@ class Resolved:
                  f"  generation: {self.generation}" + (f" (vLLM max_model_len {self.vllm_max_model_len}, "
                                                        f"max_lora_rank {self.vllm_max_lora_rank}"
                                                        + (f", gpu_memory_utilization {self.gpu_memory_utilization:g}"
-                                                          if self.gpu_memory_utilization is not None else "") + ")"
+                                                          if self.gpu_memory_utilization is not None else "")
+                                                       + ("" if self.vllm_flashinfer is None else
+                                                          f", FlashInfer {'allowed' if self.vllm_flashinfer else 'off'}")
+                                                       + ")"
                                                        if self.vllm_max_model_len is not None else "")
                  + f"; batch {self.per_device_train_batch_size} completions/micro-step x {self.gradient_accumulation_steps} "
                    f"accumulation x {self.num_processes} process(es) = {self.generation_batch_size} per generation; "
@@ -292,9 +308,15 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
     if lora_rank is not None and lora_rank != config.lora.r:
         notes.append(f"vLLM takes LoRA ranks {', '.join(map(str, VLLM_LORA_RANKS))}: its max_lora_rank is {lora_rank} "
                      f"for lora.r={config.lora.r} (the adapter keeps rank {config.lora.r})")
+    flashinfer = None
     if generation == "unsloth_vllm":
         notes.append("unsloth 2026.10.9's GRPO trainer turns TRL's vLLM importance-sampling correction off "
                      "(vllm_importance_sampling_correction=False; docs/unsloth_grpo_changes.md)")
+        flashinfer = hardware.compute_capability >= FLASHINFER_MIN_COMPUTE_CAPABILITY
+        if not flashinfer:
+            notes.append(f"vLLM's FlashInfer kept off on {hardware.sm} ({NO_FLASHINFER_ENV}=1): vLLM 0.31 has no FlashInfer "
+                         "below sm80 and unsloth would ask for its sampler, failing the load; vLLM samples with PyTorch "
+                         "and attends with Triton here")
     if generation == "vllm" and hardware.cuda:
         notes.append("model.generation=vllm: the engine asks vLLM for its KV cache in bytes (kv_cache_memory_bytes) and "
                      "passes its own share of the card as gpu_memory_utilization; memory.gpu_memory_utilization is unsloth's")
@@ -310,7 +332,8 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         vram_gib=vram if hardware.cuda else None,
         per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
         num_processes=num_processes, generation_batch_size=per_device * accumulation * num_processes,
-        host_allocator=choose_host_allocator(config.memory.host_allocator, hardware), notes=tuple(notes),
+        host_allocator=choose_host_allocator(config.memory.host_allocator, hardware), vllm_flashinfer=flashinfer,
+        notes=tuple(notes),
     )
 
 
@@ -343,4 +366,4 @@ def without_vllm(resolved: Resolved, why: str) -> Resolved:
     not say use_vllm (unsloth's trainer would start TRL's own engine, a second copy of the weights)."""
     return dataclasses.replace(resolved, generation="transformers",
                                vllm_max_model_len=None, vllm_max_lora_rank=None, gpu_memory_utilization=None,
-                               notes=resolved.notes + (why,))
+                               vllm_flashinfer=None, notes=resolved.notes + (why,))

@@ -8,9 +8,11 @@ every import and fails minutes into the run, so the doctor says so first:
 
 - no C compiler, or no Python headers: a blocker for a run on a GPU (`apt-get install build-essential
   python3-dev`, or the conda / pyenv Python's own headers);
-- FlashInfer without nvcc or ninja where vLLM generates: a note on the unsloth backend (unsloth_zoo's
-  load_vllm then keeps vLLM off FlashInfer: FLASH_ATTN attention and the PyTorch sampler), a warning for
-  the hf backend's own engine (vLLM 0.31 samples with FlashInfer by default: VLLM_USE_FLASHINFER_SAMPLER=0).
+- FlashInfer where vLLM generates, per compute capability (`flashinfer_lines`): below sm80 vLLM 0.31 has none
+  (resolve keeps unsloth from asking for it: Triton attention, the PyTorch sampler); from sm80 without nvcc or
+  ninja a note on the unsloth backend (unsloth_zoo's load_vllm then keeps vLLM off FlashInfer: FLASH_ATTN
+  attention and the PyTorch sampler), a warning for the hf backend's own engine (VLLM_USE_FLASHINFER_SAMPLER=0);
+  with both, nvcc's CUDA release against torch's (a CUDA 12 nvcc beside cu13 torch).
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def _has_nvcc(environ) -> bool:
                                                                 "/usr/local/cuda") if root)
 
 
-def toolchain_lines(resolved, environ=None, include_dir: Optional[Path] = None):
+def toolchain_lines(resolved, environ=None, include_dir: Optional[Path] = None, torch_cuda: Optional[str] = None):
     """The doctor's lines (findings.Line) for the build tools a GPU run of `resolved` needs; none for a CPU run."""
     if not resolved.cuda:
         return []
@@ -71,20 +73,70 @@ def toolchain_lines(resolved, environ=None, include_dir: Optional[Path] = None):
                             "that ships them (pyenv, conda, python.org builds)"))
     if compiler is not None and (include_dir / "Python.h").is_file():
         lines.append(_ok(f"build tools for Triton's first-use compiles: {compiler}, {include_dir / 'Python.h'}"))
-    if resolved.generation in ("unsloth_vllm", "vllm") and _find("flashinfer"):
-        missing = [n for n, ok in (("nvcc", _has_nvcc(environ)),
-                                   ("ninja", shutil.which("ninja", path=environ.get("PATH")))) if not ok]
-        what = (f"FlashInfer (installed with vLLM) JIT-compiles its kernels with nvcc and ninja on first use; "
-                f"{' and '.join(missing)} missing here")
-        if missing and resolved.generation == "unsloth_vllm":
-            lines.append(_note(f"{what}: unsloth_zoo's load_vllm then keeps vLLM off it (FLASH_ATTN attention, the "
-                               "PyTorch sampler); to use it install the CUDA toolkit and ninja (pip install ninja)"))
-        elif missing:
-            lines.append(_warn(f"{what}: vLLM 0.31 samples with FlashInfer by default (VLLM_USE_FLASHINFER_SAMPLER), and "
-                               "this run's own vLLM engine does not turn it off",
-                               "install the CUDA toolkit (nvcc) and ninja (pip install ninja), or export "
-                               "VLLM_USE_FLASHINFER_SAMPLER=0"))
+    if resolved.generation in ("unsloth_vllm", "vllm"):
+        lines += flashinfer_lines(resolved, environ, torch_cuda)
     return lines
+
+
+def nvcc_cuda_version(environ) -> Optional[tuple[int, int]]:
+    """The CUDA release of the nvcc FlashInfer would JIT-compile with (`nvcc --version`: "release 13.0"), or None."""
+    import re
+    import subprocess
+
+    nvcc = shutil.which("nvcc", path=environ.get("PATH")) or next(
+        (str(Path(root, "bin", "nvcc")) for root in (environ.get("CUDA_HOME", ""), environ.get("CUDA_PATH", ""),
+                                                     "/usr/local/cuda") if root and Path(root, "bin", "nvcc").is_file()), None)
+    if nvcc is None:
+        return None
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def flashinfer_lines(resolved, environ, torch_cuda: Optional[str] = None):
+    """FlashInfer (vLLM's attention and sampler kernels, JIT-compiled with nvcc and ninja on first use), per compute
+    capability: below sm80 vLLM 0.31 has none, and resolve keeps unsloth from asking for its sampler (the load would
+    fail); from sm80 it compiles on first use, so nvcc, ninja and nvcc's CUDA against torch's matter."""
+    from .resolve import FLASHINFER_MIN_COMPUTE_CAPABILITY, NO_FLASHINFER_ENV
+
+    sm, below = resolved.hardware.sm, resolved.hardware.compute_capability < FLASHINFER_MIN_COMPUTE_CAPABILITY
+    if below:
+        if resolved.generation == "unsloth_vllm":
+            return [_ok(f"vLLM without FlashInfer on {sm} ({NO_FLASHINFER_ENV}=1, set for this run): vLLM 0.31 has no "
+                        "FlashInfer below sm80, so it attends with Triton (TRITON_ATTN) and samples with PyTorch")]
+        if environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0") not in ("", "0"):
+            return [_block(f"VLLM_USE_FLASHINFER_SAMPLER={environ['VLLM_USE_FLASHINFER_SAMPLER']} is set and {sm} has "
+                           "no FlashInfer in vLLM 0.31: its engine raises at load", "unset VLLM_USE_FLASHINFER_SAMPLER")]
+        return []
+    if not _find("flashinfer"):
+        return []
+    missing = [n for n, ok in (("nvcc", _has_nvcc(environ)),
+                               ("ninja", shutil.which("ninja", path=environ.get("PATH")))) if not ok]
+    what = f"FlashInfer (installed with vLLM) JIT-compiles its kernels with nvcc and ninja on first use on {sm}"
+    if missing and resolved.generation == "unsloth_vllm":
+        return [_note(f"{what}; {' and '.join(missing)} missing here: unsloth_zoo's load_vllm then keeps vLLM off it "
+                      "(FLASH_ATTN attention, the PyTorch sampler); to use it install the CUDA toolkit and ninja "
+                      "(pip install ninja)")]
+    if missing:
+        return [_warn(f"{what}; {' and '.join(missing)} missing here: vLLM 0.31 samples with FlashInfer by default "
+                      "(VLLM_USE_FLASHINFER_SAMPLER), and this run's own vLLM engine does not turn it off",
+                      "install the CUDA toolkit (nvcc) and ninja (pip install ninja), or export VLLM_USE_FLASHINFER_SAMPLER=0")]
+    nvcc = nvcc_cuda_version(environ)
+    if torch_cuda is None:
+        import torch
+
+        torch_cuda = torch.version.cuda
+    torch_major = int(str(torch_cuda).split(".")[0]) if torch_cuda and str(torch_cuda)[0].isdigit() else None
+    if nvcc is not None and torch_major is not None and nvcc[0] != torch_major:
+        off = (f"export {NO_FLASHINFER_ENV}=1 (unsloth then keeps vLLM off FlashInfer)" if resolved.generation == "unsloth_vllm"
+               else "export VLLM_USE_FLASHINFER_SAMPLER=0")
+        return [_warn(f"{what}: nvcc here is CUDA {nvcc[0]}.{nvcc[1]} and torch is built with CUDA {torch_cuda}; kernels "
+                      "compiled by one for the other's runtime can fail to build or load minutes into the run",
+                      f"put the CUDA {torch_major} toolkit's nvcc first on PATH (or CUDA_HOME), or {off}")]
+    return [_ok(f"{what}: nvcc (CUDA {nvcc[0]}.{nvcc[1]}) and ninja found" if nvcc else f"{what}: nvcc and ninja found")]
 
 
 def _find(module: str):

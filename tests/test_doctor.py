@@ -376,3 +376,44 @@ def test_the_whole_doctor_blocks_a_machine_without_build_tools_and_our_4bit_engi
                                               r"card does not have -> set model.generation=transformers"):
         doctor.diagnose("qwen1_5b_4bit", ["model.generation=vllm"], "hf", tmp_path / "out", quick=True,
                         hardware=profile("t4"), facts=t4, log=lambda line: None)
+
+
+def _tools(folder, nvcc_release=None):
+    """A PATH folder with ninja and, when given, an nvcc that reports `nvcc_release` as `nvcc --version` does."""
+    folder.mkdir()
+    (folder / "ninja").write_text("#!/bin/sh\n")
+    if nvcc_release:
+        (folder / "nvcc").write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {nvcc_release}, V{nvcc_release}.1'\n")
+    for tool in folder.iterdir():
+        tool.chmod(0o755)
+    return str(folder)
+
+
+def test_flashinfer_notes_follow_the_compute_capability_and_compare_nvcc_with_torchs_cuda(tmp_path):
+    """Below sm80 (a T4) unsloth's vLLM runs without FlashInfer, as resolve decided, whatever the tools; our own
+    engine is blocked only where the user forces its sampler. From sm80 (where FlashInfer is installed: the GPU
+    set) nvcc's CUDA release is compared with torch's."""
+    import importlib.util
+
+    from lowvram_grpo.toolchain import flashinfer_lines
+
+    t4 = _resolved("qwen1_5b_4bit", "t4")
+    assert t4.generation == "unsloth_vllm" and t4.vllm_flashinfer is False
+    for path in (str(tmp_path), _tools(tmp_path / "t4-tools", "12.4")):
+        (line,) = flashinfer_lines(t4, {"PATH": path}, torch_cuda="13.0")
+        assert line.status == "ok" and "UNSLOTH_VLLM_NO_FLASHINFER=1" in line.text and "TRITON_ATTN" in line.text
+    own = _resolved("qwen1_5b_4bit", "t4", overrides=["model.generation=vllm", "memory.load_in_4bit=false"], backend="hf")
+    assert flashinfer_lines(own, {"PATH": str(tmp_path)}) == []  # vLLM falls back by itself when not forced
+    (forced,) = flashinfer_lines(own, {"PATH": str(tmp_path), "VLLM_USE_FLASHINFER_SAMPLER": "1"})
+    assert forced.status == "BLOCK" and "unset VLLM_USE_FLASHINFER_SAMPLER" in forced.fix
+    rtx = _resolved("qwen1_5b_4bit", "rtx4090")
+    if importlib.util.find_spec("flashinfer") is None:  # the CPU set has no FlashInfer: nothing to compile
+        assert flashinfer_lines(rtx, {"PATH": str(tmp_path)}, torch_cuda="13.0") == []
+        return
+    (mismatch,) = flashinfer_lines(rtx, {"PATH": _tools(tmp_path / "cuda12", "12.4")}, torch_cuda="13.0")
+    assert mismatch.status == "warn" and "nvcc here is CUDA 12.4 and torch is built with CUDA 13.0" in mismatch.text
+    assert "UNSLOTH_VLLM_NO_FLASHINFER=1" in mismatch.fix
+    (match,) = flashinfer_lines(rtx, {"PATH": _tools(tmp_path / "cuda13", "13.0")}, torch_cuda="13.0")
+    assert match.status == "ok" and "nvcc (CUDA 13.0) and ninja found" in match.text
+    (missing,) = flashinfer_lines(rtx, {"PATH": str(tmp_path)}, torch_cuda="13.0")
+    assert missing.status == "note" and "ninja missing here" in missing.text  # nvcc may be in /usr/local/cuda

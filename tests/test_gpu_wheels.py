@@ -160,3 +160,114 @@ def test_our_logprob_chunk_rows_are_unsloth_zoos_fused_linear_rows():
                 for n_rows in (1, 3, 100, 511, 2048, 4096, 8 * 1280, 16 * 1280):
                     assert fused_linear_rows(n_rows, hidden, vocab, budget) == \
                         namespace["fused_linear_rows"](n_rows, hidden, vocab), (n_rows, hidden, vocab, budget)
+
+
+# --------------------------------------------------------------------------- the T4 (sm75) path with fast_inference
+
+RL_REPLACEMENTS = SITE / "unsloth" / "models" / "rl_replacements.py"
+
+
+def test_unsloth_asks_for_flashinfers_sampler_below_sm80_which_vllm_refuses_and_its_switch_keeps_it_off():
+    """resolve.FLASHINFER_MIN_COMPUTE_CAPABILITY / NO_FLASHINFER_ENV, read against the pinned wheels: unsloth_zoo's
+    load_vllm sets VLLM_USE_FLASHINFER_SAMPLER=1 on cards below sm80 (vllm >= 0.11); vLLM 0.31's FlashInfer excludes
+    sm75 and, with the variable set, raises at load; UNSLOTH_VLLM_NO_FLASHINFER=1 sets the sampler variable to 0."""
+    from lowvram_grpo.resolve import FLASHINFER_MIN_COMPUTE_CAPABILITY, NO_FLASHINFER_ENV
+
+    # FlashInferBackend imports CUDA at import time: its supports_compute_capability read from the source
+    backend = (SITE / "vllm" / "v1" / "attention" / "backends" / "flashinfer.py").read_text()
+    supports = backend[backend.index("def supports_compute_capability"):]
+    floor = re.search(r"return capability >= DeviceCapability\((\d+), (\d+)\)", supports[:1200])
+    assert floor and (int(floor.group(1)), int(floor.group(2))) == FLASHINFER_MIN_COMPUTE_CAPABILITY > (7, 5)
+    load = _functions(VLLM_UTILS, ["load_vllm"])
+    switch = re.search(r'_no_flashinfer = os\.environ\.get\("(\w+)", "0"\) != "0"', load)
+    assert switch and switch.group(1) == NO_FLASHINFER_ENV
+    off = load[load.index("elif _no_flashinfer:"):load.index('elif importlib.util.find_spec("flashinfer"):')]
+    assert 'os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"' in off
+    below = re.search(r'if major_version >= 8:\n\s+os\.environ\["VLLM_USE_FLASHINFER_SAMPLER"\] = "1"\n'
+                      r'\s+elif Version\(vllm_version\) >= Version\("0\.11\.0"\):\n(?:\s+#.*\n)*'
+                      r'\s+os\.environ\["VLLM_USE_FLASHINFER_SAMPLER"\] = "1"', load)
+    assert below, "unsloth_zoo no longer forces the FlashInfer sampler below sm80: resolve's decision may be dropped"
+    sampler = (SITE / "vllm" / "v1" / "sample" / "ops" / "topk_topp_sampler.py").read_text()
+    assert 'if envs.is_set("VLLM_USE_FLASHINFER_SAMPLER"):\n        raise RuntimeError(' in sampler
+    assert "if not envs.VLLM_USE_FLASHINFER_SAMPLER:\n        logger.info_once(" in sampler  # 0: no FlashInfer, no raise
+
+
+def test_a_failure_inside_unsloths_vllm_start_is_one_line_and_other_load_errors_stay_as_they_are(tmp_path):
+    """The exception the real load_vllm raises (here: no usable vLLM on this CPU; on a T4 the FlashInfer RuntimeError,
+    both from inside load_vllm) becomes EngineStopped's one line with the way on; a model loader's own error does not."""
+    import unsloth  # noqa: F401  (before unsloth_zoo, as the backend imports it)
+    from transformers import AutoConfig
+    from unsloth_zoo.vllm_utils import load_vllm
+
+    from lowvram_grpo.backends.unsloth_backend import VLLM_START_FRAME, engine_did_not_start, vllm_start_failure
+    from lowvram_grpo.builtin_models import resolve_model_path
+    from lowvram_grpo.config import load_config
+    from lowvram_grpo.errors import EngineStopped
+    from lowvram_grpo.hardware import profile
+    from lowvram_grpo.resolve import resolve
+
+    assert load_vllm.__name__ == VLLM_START_FRAME[1] and VLLM_START_FRAME[0] in load_vllm.__module__
+    path = resolve_model_path("builtin:tiny")
+    with pytest.raises(Exception) as raised:
+        load_vllm(model_name=path, config=AutoConfig.from_pretrained(path), gpu_memory_utilization=0.5,
+                  max_seq_length=512, enable_lora=True, max_lora_rank=16)
+    cause = vllm_start_failure(raised.value)
+    assert cause and cause.startswith(type(raised.value).__name__ + ": ") and "\n" not in cause
+    resolved = resolve(load_config("qwen1_5b_4bit", []), profile("t4"), "unsloth")
+    error = engine_did_not_start(resolved, cause)
+    assert isinstance(error, EngineStopped) and "\n" not in str(error)
+    assert "on Tesla T4" in str(error) or "(sm75)" in str(error)
+    assert "--set model.fast_inference=false" in str(error) and "nothing is written yet" in str(error)
+    with pytest.raises(OSError) as other:  # the model's own loading: not the engine's
+        AutoConfig.from_pretrained(str(tmp_path / "no-model"))
+    assert vllm_start_failure(other.value) is None
+
+
+VLLM_ERROR = """
+import torch
+from vllm import SamplingParams
+from lowvram_grpo.backends.unsloth_backend import vllm_engine_failure
+try:
+    SamplingParams(n=0)  # vLLM's own validation, raised from vllm/sampling_params.py
+except Exception as exc:
+    print(vllm_engine_failure(exc))
+    oom = torch.cuda.OutOfMemoryError("CUDA out of memory.")  # the same place, as CUDA's allocator error
+    oom.__traceback__ = exc.__traceback__
+    print(vllm_engine_failure(oom))
+print(vllm_engine_failure(ValueError("not from vLLM")))
+"""
+
+
+def test_an_error_raised_in_vllms_code_is_the_engines_and_an_out_of_memory_is_left_to_the_memory_line():
+    """In a process of its own: importing unsloth on a CPU turns vLLM's imports off for the rest of the process."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", VLLM_ERROR], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    engine, oom, other = proc.stdout.strip().splitlines()[-3:]
+    assert " in vLLM: " in engine and "n" in engine and oom == "None" and other == "None", proc.stdout
+
+
+def test_unsloths_rollout_lora_folder_is_the_one_we_move_into_the_run(tmp_path, monkeypatch):
+    """unsloth writes `vllm_gen_lora` (+ _CUDA_VISIBLE_DEVICES) relative to the working directory on the first
+    rollout (rl_replacements.py; unsloth_zoo's _live_lora_config saves the adapter config there): the run moves it."""
+    from lowvram_grpo.backends.unsloth_backend import rollout_files_moved_to, rollout_lora_dir
+
+    source = RL_REPLACEMENTS.read_text()
+    assert 'lora_name = "vllm_gen_lora"' in source
+    assert 'lora_name += "_" + os.environ.get("CUDA_VISIBLE_DEVICES", "0").replace(",", "")' in source
+    assert "config.save_pretrained(save_directory)" in _functions(VLLM_UTILS, ["_live_lora_config"])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert rollout_lora_dir() == Path("vllm_gen_lora_0")
+    run = tmp_path / "run"
+    run.mkdir()
+    with rollout_files_moved_to(run):
+        (tmp_path / "vllm_gen_lora_0").mkdir()
+        (tmp_path / "vllm_gen_lora_0" / "adapter_config.json").write_text("{}")
+    assert not (tmp_path / "vllm_gen_lora_0").exists() and (run / "vllm_gen_lora_0" / "adapter_config.json").is_file()
+    (tmp_path / "vllm_gen_lora_0").mkdir()  # one that was there before the run is left alone
+    with rollout_files_moved_to(run):
+        pass
+    assert (tmp_path / "vllm_gen_lora_0").is_dir()

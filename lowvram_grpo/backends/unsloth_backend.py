@@ -9,7 +9,9 @@ checkpointing offloads activations to host RAM, which on a CPU is plain recomput
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -137,7 +139,14 @@ def load_model(resolved, log=print) -> ModelHandle:
 
     path = resolve_model_path(resolved.config.model.name)
     kwargs = from_pretrained_kwargs(resolved, path)
-    model, tokenizer = FastLanguageModel.from_pretrained(**kwargs)
+    os.environ.update(resolved.engine_environment)  # read by unsloth_zoo's load_vllm (resolve: FlashInfer below sm80)
+    try:
+        model, tokenizer = FastLanguageModel.from_pretrained(**kwargs)
+    except Exception as exc:
+        cause = vllm_start_failure(exc) if resolved.fast_inference else None
+        if cause is None:
+            raise
+        raise engine_did_not_start(resolved, cause) from None
     mark_requested_float32(model, kwargs["dtype"])
     checks.after_load(resolved.config, model)  # lengths and LoRA layers against the loaded model
     model = FastLanguageModel.get_peft_model(model, **get_peft_model_kwargs(resolved))
@@ -169,6 +178,76 @@ def vllm_engine_for(model, resolved, tokenizer=None):
         return None, ("model.fast_inference is on but unsloth loaded the model without vLLM (no vllm_engine: "
                       "vLLM missing or unsupported here); generating with transformers, slower")
     return VLLMEngine(model, resolved, tokenizer), None
+
+
+# unsloth_zoo's function that starts vLLM inside FastLanguageModel.from_pretrained (unsloth_zoo/vllm_utils.py);
+# every failure of the start (FlashInfer on sm75, a JIT compile without nvcc/ninja, out of memory) passes through it.
+VLLM_START_FRAME = ("unsloth_zoo", "load_vllm")
+
+
+def vllm_start_failure(exc: BaseException) -> Optional[str]:
+    """The cause, in one line, when `exc` came out of unsloth_zoo's vLLM start (VLLM_START_FRAME in its
+    traceback); None for any other error (the model's own loading: a missing file, no access to a repository)."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not any(f.name == VLLM_START_FRAME[1] and VLLM_START_FRAME[0] in f.filename for f in frames):
+        return None
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def vllm_engine_failure(exc: BaseException) -> Optional[str]:
+    """The cause, in one line, when `exc` was raised inside vLLM's code (unsloth runs its engine in this process,
+    VLLM_ENABLE_V1_MULTIPROCESSING=0: a dead engine core, a FlashInfer JIT failure, a sampler error surface as
+    plain exceptions from vllm's frames); None for anything else, an out-of-memory included (memory.py's line)."""
+    import traceback
+
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return None
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not any(f"{os.sep}vllm{os.sep}" in f.filename for f in frames):
+        return None
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__} in vLLM: {lines[0][:300] if lines else ''}"
+
+
+def engine_did_not_start(resolved, cause: str):
+    """The one line for a vLLM start that failed inside unsloth's load: nothing is written yet, the way on."""
+    from ..errors import EngineStopped
+
+    card = f"{resolved.hardware.gpu_name} ({resolved.hardware.sm})" if resolved.cuda else "this machine"
+    memory = ("; or give vLLM less of the card: --set memory.gpu_memory_utilization=LOWER"
+              if "memory" in cause.lower() else "")
+    return EngineStopped(f"unsloth could not start vLLM for model.fast_inference on {card}: {cause}; nothing is "
+                         f"written yet; run without vLLM (generation through transformers, slower): --set "
+                         f"model.fast_inference=false{memory}; `lowvram-grpo doctor` lists this card's notes")
+
+
+def rollout_lora_dir() -> Path:
+    """The folder unsloth 2026.10.9's rollouts write the LoRA config vLLM reads into: `vllm_gen_lora` (plus
+    `_<CUDA_VISIBLE_DEVICES>` where that is set), relative to the working directory
+    (unsloth/models/rl_replacements.py `lora_name`; unsloth_zoo's `_live_lora_config` saves there)."""
+    name = "vllm_gen_lora"
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        name += "_" + os.environ.get("CUDA_VISIBLE_DEVICES", "0").replace(",", "")
+    return Path(name)
+
+
+@contextlib.contextmanager
+def rollout_files_moved_to(run_path: Path):
+    """unsloth's rollout LoRA folder, made in the working directory during training, moved into the run's
+    folder when training ends (or stops); one that was there before (a user's, another run's) is left alone."""
+    made = rollout_lora_dir()
+    existed = made.exists()
+    try:
+        yield
+    finally:
+        if not existed and made.is_dir():
+            target = Path(run_path) / made.name
+            if target.exists():
+                shutil.rmtree(target)
+            shutil.move(str(made), str(target))
 
 
 # unsloth's savers, as the notebook calls them: (method name, keyword arguments).

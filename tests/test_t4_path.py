@@ -1,0 +1,41 @@
+"""The notebook's own card, a Colab T4 (sm75, 14.7 GiB): what resolve decides for it and what --dry-run shows.
+
+unsloth_zoo 2026.10.9 asks vLLM 0.31 for its FlashInfer sampler on every card, and vLLM has no FlashInfer below
+sm80: the load fails with a RuntimeError. resolve keeps FlashInfer off there (UNSLOTH_VLLM_NO_FLASHINFER=1, which
+the unsloth backend sets before from_pretrained); tests/test_gpu_wheels.py reads the pinned wheels' lines for it."""
+import pytest
+
+from conftest import run_cli
+from lowvram_grpo.config import load_config
+from lowvram_grpo.hardware import profile
+from lowvram_grpo.resolve import resolve
+
+
+@pytest.mark.parametrize("card, off", [("t4", True), ("v100-16gb", None), ("rtx3060-12gb", False), ("a100-40gb", False),
+                                       ("h100-80gb", False)])
+def test_flashinfer_is_kept_off_below_sm80_when_unsloths_vllm_generates(card, off):
+    resolved = resolve(load_config("qwen1_5b_4bit", []), profile(card), "auto")
+    if off is None:  # the V100: vLLM 0.31 does not run there at all (generation through transformers)
+        assert resolved.generation == "transformers" and resolved.vllm_flashinfer is None
+        assert resolved.engine_environment == {}
+        return
+    assert resolved.generation == "unsloth_vllm" and resolved.vllm_flashinfer is (not off)
+    assert resolved.engine_environment == ({"UNSLOTH_VLLM_NO_FLASHINFER": "1"} if off else {})
+    assert resolved.summary()["vllm_flashinfer"] is (not off)
+
+
+def test_without_unsloths_vllm_nothing_is_set():
+    hf = resolve(load_config("qwen1_5b_4bit", []), profile("t4"), "hf")
+    no_vllm = resolve(load_config("qwen1_5b_4bit", ["model.fast_inference=false"]), profile("t4"), "unsloth")
+    for resolved in (hf, no_vllm):
+        assert resolved.vllm_flashinfer is None and resolved.engine_environment == {}
+
+
+@pytest.mark.slow
+def test_dry_run_on_a_t4_says_flashinfer_is_off_and_why():
+    proc = run_cli("--preset", "llama8b_4bit", "--dry-run", "--gpu", "t4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "FlashInfer off" in proc.stdout
+    assert "vLLM's FlashInfer kept off on sm75 (UNSLOTH_VLLM_NO_FLASHINFER=1)" in proc.stdout
+    a100 = run_cli("--preset", "llama8b_4bit", "--dry-run", "--gpu", "a100-40gb")
+    assert a100.returncode == 0 and "FlashInfer allowed" in a100.stdout and "kept off" not in a100.stdout
