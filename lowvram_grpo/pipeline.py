@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import allocator, checks, stops
-from .backends import check_export, export_model, load_model, prepare_backend
+from .backends import check_export, check_export_fits_host, export_model, load_model, prepare_backend
 from .config import RunConfig, check_trackers_installed
 from .data import drop_long_prompts, load_questions, prompt_text, prompt_tokens, to_prompt_rows
 from .errors import ConfigError, DataError, EngineStopped, Interrupted, LowvramError, RewardError, TrainingStopped
@@ -91,6 +91,7 @@ class GRPORun:
         checks.before_load(config)  # settings that cannot work together (lengths, LoRA vs the model's shape)
         self.resolved = resolve_settings(config, hardware or detect(), backend, num_processes=_num_processes())
         check_export(export, self.resolved.backend)
+        check_export_fits_host(export, config.model.name)  # before the model downloads, not after training
         if self.resolved.generation == "vllm":
             from .backends.vllm import check_run_servable
 
@@ -441,6 +442,7 @@ class GRPORun:
         kind = kind or self.export_kind
         if not kind or not self.run_dir.writer:
             return None
+        check_export_fits_host(kind, self.config.model.name)  # the notebook's export cell asks here
         self._enter("exporting")
         written = export_model(self.handle, self.adapter_dir, self.run_dir.export_dir(kind), kind)
         self.log(f"exported ({kind}): {written}")

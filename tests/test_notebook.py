@@ -169,3 +169,46 @@ def test_on_a_gpu_machine_torch_cannot_use_the_notebook_stops_at_the_doctor(kern
     ran = [i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and c.get("execution_count")]
     assert max(ran) == doctor_cell, ran  # nothing after the doctor ran
     assert not out.exists()
+
+
+def _cell(notebook, marker: str) -> str:
+    (source,) = [c.source for c in notebook.cells if c.cell_type == "code" and marker in c.source]
+    return source
+
+
+def test_the_resume_cell_continues_a_cut_run_to_its_end_and_no_further(tmp_path, monkeypatch):
+    """The resume cell as a user runs it in a new session: a tiny run cut after its last GRPO step (while its adapter
+    was measured: summary still 'training', no report) ends complete with steps == max_steps."""
+    import json
+
+    from conftest import run_cli
+
+    out = tmp_path / "cut"
+    proc = run_cli("--preset", "tiny", "--max-steps", "2", "--set", "data.eval_size=4", "--output-dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    (out / "summary.json").write_text(json.dumps({**summary, "status": "training", "after": None}))
+    (out / "report.md").unlink()
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    monkeypatch.setenv("LOWVRAM_GRPO_NOTEBOOK_RESUME", str(out))
+    namespace = {"os": __import__("os")}
+    exec(compile(_cell(notebook, "RESUME_FROM"), "resume-cell", "exec"), namespace)  # the cell's own code
+    done = json.loads((out / "summary.json").read_text())
+    assert done["status"] == "complete" and done["steps"] == 2 and done["after"] is not None
+    assert (out / "report.md").is_file()
+
+
+def test_the_t4_path_is_what_the_parameter_cell_applies_and_it_is_shorter_than_the_recipe():
+    """The T4 settings of the parameter cell load with the notebook's preset and shorten it (docs/gpu.md's estimate)."""
+    import ast
+
+    from lowvram_grpo.config import load_config
+
+    source = _cell(nbformat.read(NOTEBOOK, as_version=4), "T4_SETTINGS = ")
+    (assign,) = [n for n in ast.parse(source).body if isinstance(n, ast.Assign) and n.targets[0].id == "T4_SETTINGS"]
+    t4 = load_config("llama8b_4bit", ast.literal_eval(assign.value))
+    full = load_config("llama8b_4bit")
+    assert t4.train.max_steps < full.train.max_steps and t4.data.eval_size < full.data.eval_size
+    assert t4.train.save_steps <= 10  # a cut session loses at most 10 steps
+    docs = (REPO / "docs" / "gpu.md").read_text()
+    assert " ".join(ast.literal_eval(assign.value)) in docs  # the estimate in docs/gpu.md is for these settings

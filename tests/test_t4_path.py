@@ -39,3 +39,17 @@ def test_dry_run_on_a_t4_says_flashinfer_is_off_and_why():
     assert "vLLM's FlashInfer kept off on sm75 (UNSLOTH_VLLM_NO_FLASHINFER=1)" in proc.stdout
     a100 = run_cli("--preset", "llama8b_4bit", "--dry-run", "--gpu", "a100-40gb")
     assert a100.returncode == 0 and "FlashInfer allowed" in a100.stdout and "kept off" not in a100.stdout
+
+
+def test_a_merged16_export_that_cannot_fit_the_hosts_ram_is_refused_before_anything_loads():
+    """Colab's ~12.7 GB of RAM cannot hold Llama-3.1-8B's 16-bit weights (~16 GB): refused in one line."""
+    from lowvram_grpo.backends import check_export_fits_host, host_available_bytes
+    from lowvram_grpo.errors import BackendError
+
+    name = load_config("llama8b_4bit").model.name
+    with pytest.raises(BackendError, match=r"--export merged16 needs ~16\.1 GB of host RAM for .*and this machine has "
+                                           r"12\.7 GB available: leave --export out"):
+        check_export_fits_host("merged16", name, available=int(12.7e9))
+    check_export_fits_host("merged16", name, available=int(32e9))
+    check_export_fits_host("gguf", name, available=int(1e9))  # unsloth's GGUF writer streams: not this check
+    assert host_available_bytes() > 0  # read from /proc/meminfo here

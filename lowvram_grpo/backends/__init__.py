@@ -51,6 +51,36 @@ def check_export(kind, backend: str) -> None:
                            "add --backend unsloth, or use --export merged16 and convert with llama.cpp")
 
 
+def host_available_bytes() -> "int | None":
+    """The host memory the kernel says a new allocation can take (MemAvailable), None where it does not say."""
+    try:
+        for line in open("/proc/meminfo", encoding="ascii"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def check_export_fits_host(kind, model_name: str, available: "int | None" = None) -> None:
+    """--export merged16 writes the base in 16 bits with the adapter merged in: the base's 16-bit weights pass
+    through host RAM (unsloth downloads them; the hf backend loads them on the CPU). Refused before anything
+    heavy when this machine's available RAM cannot hold them (a Colab T4 has ~12.7 GB; Llama-3.1-8B needs ~16)."""
+    if kind != "merged16":
+        return
+    from ..memory import PlanError, model_shape
+
+    try:
+        needed = model_shape(model_name).params * 2
+    except PlanError:  # an architecture the plan has no shape for: nothing to check against
+        return
+    available = host_available_bytes() if available is None else available
+    if available is not None and needed > available:
+        raise BackendError(f"--export merged16 needs ~{needed / 1e9:.1f} GB of host RAM for {model_name}'s 16-bit weights "
+                           f"and this machine has {available / 1e9:.1f} GB available: leave --export out (the run's "
+                           "adapter/ loads on the same base anywhere) and export on a machine with more RAM")
+
+
 def export_model(handle: ModelHandle, adapter_dir, directory, kind: str):
     """Write the base with the trained adapter merged in: kind merged16 (16-bit safetensors checkpoint)
     or gguf (q4_k_m, unsloth only). Through unsloth's savers on the unsloth backend; PEFT's
