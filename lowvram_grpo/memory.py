@@ -250,9 +250,10 @@ class MemoryPlan:
     vram_gb: Optional[float]          # the card planned for (GiB); None = not given
     min_vram_gb: float                # the smallest card these exact settings fit (with what others hold on it)
     kv_cache_bytes: Optional[int] = None   # vLLM KV cache at gpu_memory_utilization (None without vLLM)
-    kv_needed_bytes: Optional[int] = None  # KV cache for the larger generation batch at full length
-    kv_sequences: Optional[int] = None     # that batch's sequences (memory_plan_terms.kv_batch)
-    kv_decided_by: str = ""                # 'rollout' or 'evaluation': which batch it is
+    kv_needed_bytes: Optional[int] = None  # KV cache for one rollout batch at full length (fits needs it)
+    kv_sequences: Optional[int] = None     # the larger of the rollout and evaluation batches (memory_plan_terms.kv_batch)
+    kv_decided_by: str = ""                # 'rollout' or 'evaluation': which batch that is
+    kv_largest_bytes: Optional[int] = None  # KV cache for that batch at full length
     free_gb: Optional[float] = None        # the memory free for the run on the card (None: no card given)
     priming: Optional[PrimingPeak] = None  # priming's own peak (prime.steps > 0 runs it before GRPO)
     vllm_min_share_bytes: Optional[int] = None  # what vLLM's gpu_memory_utilization share must hold at least
@@ -290,6 +291,18 @@ class MemoryPlan:
         kv_ok = self.kv_cache_bytes is None or self.kv_cache_bytes >= self.kv_needed_bytes
         length_ok = self.vllm_max_model_len is None or self.vllm_max_model_len >= self.rollout_tokens
         return self.total_gb <= self.free_gb + 1e-9 and kv_ok and length_ok and self.priming_fits is not False
+
+    def evaluation_kv_short(self) -> Optional[str]:
+        """A warning when vLLM's KV cache holds the rollout batch but not a whole evaluation batch, else None. vLLM
+        then runs the held-out answers in waves (its scheduler admits what the KV cache holds): slower, not more memory,
+        so it is a warning, not a reason the plan does not fit."""
+        if self.kv_cache_bytes is None or self.kv_decided_by != "evaluation" or self.kv_cache_bytes >= self.kv_largest_bytes:
+            return None
+        at_once = max(int(self.kv_cache_bytes // (self.kv_largest_bytes // self.kv_sequences)), 0)
+        return (f"vLLM's KV cache ({max(self.kv_cache_bytes, 0) / GIB:.2f} GiB) holds {at_once} of an evaluation batch's "
+                f"{self.kv_sequences} sequences at full length ({self.kv_largest_bytes / GIB:.2f} GiB): the held-out answers "
+                f"are generated in waves (slower, no more memory); --set eval.batch_size={max(at_once, 1)} (--resume can set it) "
+                "or raise memory.gpu_memory_utilization")
 
     @property
     def priming_fits(self) -> Optional[bool]:
@@ -515,8 +528,8 @@ def _estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
     # KV cache, which must hold the larger of a rollout batch and an evaluation batch at full length
     util = resolved.gpu_memory_utilization
     kv_per_token = 2 * shape.layers * shape.kv_dim * KV_BYTES
-    sequences, decided_by = kv_batch(config, s.generation_batch)
-    kv_needed = sequences * s.seq_len * kv_per_token
+    kv_needed = s.generation_batch * s.seq_len * kv_per_token  # a rollout batch: it must fit
+    sequences, decided_by = kv_batch(config, s.generation_batch)  # the larger batch: checked, a warning when short
     in_share, outside = weights + VLLM_RUNTIME_BYTES, outside_vllm
     priming_outside = 0
     if config.prime.steps:  # priming's parts beside vLLM's share (weights inside it): its own peak's outside
@@ -538,9 +551,9 @@ def _estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
         f"unsloth_zoo gives vLLM gpu_memory_utilization {util:g} of the {free:.1f} GiB free at load, less the shared "
         f"weights; KV cache {kv_cache / GIB:.2f} GiB: a rollout batch ({s.generation_batch} sequences x {s.seq_len} "
         f"tokens) needs {rollout / GIB:.2f} GiB, {evaluation}; max_model_len {budget.max_model_len}",
-        "memory.gpu_memory_utilization, eval.batch_size")
+        "memory.gpu_memory_utilization")
     return finish(min_free, kv_cache_bytes=kv_cache, kv_needed_bytes=kv_needed, kv_sequences=sequences,
-                  kv_decided_by=decided_by, vllm_min_share_bytes=in_share + kv_needed, vllm_outside_bytes=max(outside, priming_outside),
+                  kv_decided_by=decided_by, kv_largest_bytes=sequences * s.seq_len * kv_per_token, vllm_min_share_bytes=in_share + kv_needed, vllm_outside_bytes=max(outside, priming_outside),
                   vllm_max_model_len=budget.max_model_len, priming_counted=True)
 
 
@@ -619,8 +632,7 @@ def _knobs(config: RunConfig) -> list[tuple[str, list]]:
         ("memory.gradient_checkpointing", ["unsloth"]),
         ("train.optim", ["paged_adamw_8bit"]),
         ("memory.load_in_4bit", [True]),
-        # what the training does not depend on: the held-out batch (vLLM's KV cache), priming's examples per step
-        ("eval.batch_size", [b for b in (8, 4) if b < config.eval.batch_size]),
+        # what GRPO's training does not depend on: priming's examples per step
         *([("prime.batch_size", [b for b in (32, 16, 8, 4, 2, 1) if b < config.prime.batch_size])] if config.prime.steps else []),
         ("train.num_generations", [n for n in (8, 6, 4) if n < t.num_generations]),
         ("train.max_completion_length", [c for c in (1024, 768, 512, 384, 256) if c < t.max_completion_length]),
@@ -673,7 +685,7 @@ def fit_settings(resolved, vram_gb: float, reserve_gb: float = 0.0) -> tuple[Opt
 
 _SUGGESTED_KEYS = ["memory.gradient_checkpointing", "train.optim", "memory.load_in_4bit", "model.fast_inference", "model.generation",
                    "memory.gpu_memory_utilization", "train.num_generations", "train.per_device_train_batch_size",
-                   "train.max_completion_length", "lora.r", "eval.batch_size", "prime.batch_size"]
+                   "train.max_completion_length", "lora.r", "prime.batch_size"]
 
 
 def _diff(original: RunConfig, changed: RunConfig) -> list[Suggestion]:
@@ -757,10 +769,10 @@ def _kv_text(p: MemoryPlan) -> str:
     evaluation = p.config.eval.batch_size if p.config.eval.enabled else None
     other = (f"rollout {rollout} sequences, evaluation {evaluation} (eval.batch_size)" if evaluation is not None
              else f"rollout {rollout} sequences, evaluation off")
-    holds = "holds" if p.kv_cache_bytes >= p.kv_needed_bytes else "does NOT hold"
+    holds = "holds" if p.kv_cache_bytes >= p.kv_largest_bytes else "does NOT hold"
     return (f"vLLM's KV cache {max(p.kv_cache_bytes, 0) / GIB:.2f} GiB {holds} the {p.kv_decided_by} batch: "
             f"{p.kv_sequences} sequences x {min(t.max_prompt_length + t.max_completion_length, p.config.model.max_seq_length)} "
-            f"tokens = {p.kv_needed_bytes / GIB:.2f} GiB (the larger batch decides: {other})")
+            f"tokens = {p.kv_largest_bytes / GIB:.2f} GiB (the larger batch decides: {other})")
 
 
 def plan_text(resolved) -> str:
@@ -781,6 +793,8 @@ def _verdict(p: MemoryPlan) -> str:
     if p.fits is None:
         return (f"needs a card of at least {p.min_vram_gb:.1f} GiB (estimate); "
                 "plan for a given card with --vram GB") + warning
+    evaluation = p.evaluation_kv_short()
+    warning += f"\nwarning: {evaluation}" if evaluation else ""
     shared = p.free_gb < p.vram_gb - 1e-9  # others hold some of the card
     free = f" of the {p.free_gb:.1f} GiB free" if shared else ""
     if p.fits:
@@ -790,8 +804,8 @@ def _verdict(p: MemoryPlan) -> str:
         f": {p.total_gb:.1f} GiB planned"
     if p.kv_cache_bytes is not None and p.kv_cache_bytes < p.kv_needed_bytes:
         why += (f" and vLLM's KV cache at gpu_memory_utilization={p.config.memory.gpu_memory_utilization:g} "
-                f"({max(p.kv_cache_bytes, 0) / GIB:.2f} GiB) is below the {p.kv_needed_bytes / GIB:.2f} GiB the "
-                f"{p.kv_decided_by} batch ({p.kv_sequences} sequences) needs")
+                f"({max(p.kv_cache_bytes, 0) / GIB:.2f} GiB) is below the {p.kv_needed_bytes / GIB:.2f} GiB a rollout "
+                f"batch ({p.resolved.generation_batch_size // p.resolved.num_processes} sequences) needs")
     if p.priming_fits is False:
         why += f" and priming's peak ({p.priming.total_gb:.1f} GiB: prime.batch_size={p.priming.batch}) is above the {p.free_gb:.1f} GiB free"
     if short:
