@@ -502,7 +502,8 @@ def _estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
 
     def finish(min_free_gb: float, priming_counted: bool = False, **vllm) -> MemoryPlan:
         terms["cuda"] = cuda
-        priming = priming_peak(shape, resolved, terms, free if vram_gb is not None else None)
+        priming = priming_peak(shape, resolved, terms, free if vram_gb is not None else None,
+                               *priming_inputs(shape, resolved, terms))
         if config.prime.steps and not priming_counted:
             min_free_gb = max(min_free_gb, priming.total_gb)
         return MemoryPlan(resolved, shape, terms, vram_gb, min_free_gb + elsewhere,
@@ -533,7 +534,8 @@ def _estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
     in_share, outside = weights + VLLM_RUNTIME_BYTES, outside_vllm
     priming_outside = 0
     if config.prime.steps:  # priming's parts beside vLLM's share (weights inside it): its own peak's outside
-        priming_outside = priming_peak(shape, resolved, {**terms, "cuda": cuda}, None).total_bytes - weights
+        priming_outside = priming_peak(shape, resolved, {**terms, "cuda": cuda}, None,
+                                       *priming_inputs(shape, resolved, terms)).total_bytes - weights
     min_free = max((in_share + kv_needed) / util, max(outside, priming_outside) / (1 - util)) / GIB
     card = vram_gb if vram_gb is not None else min_free + elsewhere
     free = free if free is not None else min_free
@@ -555,6 +557,16 @@ def _estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
     return finish(min_free, kv_cache_bytes=kv_cache, kv_needed_bytes=kv_needed, kv_sequences=sequences,
                   kv_decided_by=decided_by, kv_largest_bytes=sequences * s.seq_len * kv_per_token, vllm_min_share_bytes=in_share + kv_needed, vllm_outside_bytes=max(outside, priming_outside),
                   vllm_max_model_len=budget.max_model_len, priming_counted=True)
+
+
+def priming_inputs(shape, resolved, terms: dict) -> tuple[int, int]:
+    """(activation bytes, trainable LoRA parameters) of priming's step: prime.batch_size examples of
+    model.max_seq_length tokens under the run's gradient checkpointing (memory_plan_terms.priming_peak)."""
+    config = resolved.config
+    batch, tokens = config.prime.batch_size, config.model.max_seq_length
+    sizes = _Sizes(batch=batch, generation_batch=batch, seq_len=tokens, completion=tokens,
+                   compute_bytes=resolved.compute_bytes)
+    return _activation_term(shape, resolved, sizes).bytes, terms["lora"].bytes // LORA_BYTES_PER_PARAM
 
 
 def plan(resolved) -> MemoryPlan:

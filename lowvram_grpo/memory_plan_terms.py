@@ -4,7 +4,7 @@ batch vLLM's KV cache must hold, unsloth's standby mode, and priming's own peak.
     free = usable_gib(resolved, card_gib)       # the card less what others hold on it (hardware.free_gib)
     sequences, which = kv_batch(config, 6)      # (16, 'evaluation'): the larger of the rollout and eval batches
     refuse_standby(resolved)                    # ResolveError when UNSLOTH_VLLM_STANDBY is on for unsloth's vLLM
-    peak = priming_peak(shape, resolved, terms, free_gib)   # priming's supervised steps, checked like a GRPO step
+    peak = priming_peak(shape, resolved, terms, free_gib, *memory.priming_inputs(shape, resolved, terms))
 
 - Free memory: unsloth_zoo's load_vllm gives vLLM gpu_memory_utilization x the memory *free* when it loads
   (`get_mem_info`, torch.cuda.mem_get_info), and training gets what is left of the free memory; a plan on the
@@ -149,21 +149,18 @@ class PrimingPeak:
         return [f"{text}; {verdict} the {self.free_bytes / GIB:.1f} GiB free"]
 
 
-def priming_peak(shape, resolved, terms: dict, free_gib: Optional[float]) -> PrimingPeak:
+def priming_peak(shape, resolved, terms: dict, free_gib: Optional[float], activation_bytes: int,
+                 lora_params: int) -> PrimingPeak:
     """Priming's peak next to the terms of the GRPO plan (`terms`, memory._training_terms + vllm + cuda): the same
-    weights, LoRA, vLLM share and CUDA context; its own fp32 AdamW state; activations of prime.batch_size examples
-    of model.max_seq_length tokens under the run's gradient checkpointing; two logits chunks (logprobs_fallback)."""
-    from .memory import LORA_BYTES_PER_PARAM, _activation_term, _Sizes  # memory.py imports this module
-
+    weights, LoRA, vLLM share and CUDA context; its own fp32 AdamW state (`lora_params` trainable parameters);
+    `activation_bytes` of prime.batch_size examples of model.max_seq_length tokens under the run's gradient
+    checkpointing (memory.priming_inputs); two logits chunks (logprobs_fallback)."""
     config = resolved.config
     batch, tokens = config.prime.batch_size, config.model.max_seq_length
-    sizes = _Sizes(batch=batch, generation_batch=batch, seq_len=tokens, completion=tokens,
-                   compute_bytes=resolved.compute_bytes)
-    lora_params = terms["lora"].bytes // LORA_BYTES_PER_PARAM
     rows = max(1, PRIMING_CHUNK_ELEMENTS // shape.vocab)
     parts = {"weights": terms["weights"].bytes, "LoRA + grads": terms["lora"].bytes,
              "AdamW fp32 state": lora_params * PRIMING_OPTIMIZER_BYTES_PER_PARAM,
-             f"activations {batch} x {tokens} tokens": _activation_term(shape, resolved, sizes).bytes,
+             f"activations {batch} x {tokens} tokens": activation_bytes,
              "logits chunks": 2 * min(rows, batch * tokens) * shape.vocab * 4 * 2}  # z + log_softmax, 2 chunks
     if "vllm" in terms:
         parts["vLLM"] = terms["vllm"].bytes

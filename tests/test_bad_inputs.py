@@ -150,6 +150,8 @@ KIT_CASES = [
     ("kit-out-under-a-file", ["--preset", "tiny", "--out", "{tmp}/a_file/r.json"], "{tmp}/a_file is not a writable folder"),
     ("kit-model-dir-is-a-file", ["--preset", "tiny", "--model-dir", "{tmp}/a_file"], "--model-dir {tmp}/a_file is a file"),
     ("kit-no-cap-with-value", ["--preset", "tiny", "--no-cap=yes"], "ignored explicit argument"),
+    ("kit-budget-zero", ["--preset", "tiny", "--budget-s", "0"], "--budget-s: must be >= 1"),
+    ("kit-budget-word", ["--preset", "tiny", "--budget-s", "long"], "--budget-s: expected a whole number"),
     ("kit-debug-with-value", ["--preset", "tiny", "--debug=yes"], "ignored explicit argument"),
     ("kit-unknown-option", ["--preset", "tiny", "--lr", "1"], "unrecognized arguments: --lr"),
 ]
