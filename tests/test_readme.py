@@ -102,8 +102,16 @@ def squash_ws(text: str) -> str:
     return re.sub(r"\s+", " ", text)
 
 
-def _range(values) -> str:
-    return f"{min(values):.2f}-{max(values):.2f}"
+def _range(values, digits: int = 2, same: bool = False) -> str:
+    """'0.41-0.45' (one number when every value rounds the same, which `same` requires)."""
+    low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    assert not same or low == high, values
+    return low if low == high else f"{low}-{high}"
+
+
+def first_command_records() -> list[dict]:
+    """The README's first command as timed on each machine measured (bench/results/readme_first_command/)."""
+    return [json.loads(p.read_text()) for p in sorted((REPO / "bench" / "results" / "readme_first_command").glob("*.json"))]
 
 
 def _readme_results() -> dict[str, str]:
@@ -119,12 +127,22 @@ def _readme_results() -> dict[str, str]:
     primed_acc = {round(primed[s]["accuracy_strict"], 3) for s in PLATEAU_SEEDS}
     assert len(primed_acc) == 1 and all(primed[s]["protocol"]["decoding"] == "greedy" for s in PLATEAU_SEEDS)
     mean = lambda numbers: sum(numbers[s]["accuracy_strict"] for s in PLATEAU_SEEDS) / len(PLATEAU_SEEDS)  # noqa: E731
-    first = json.loads((REPO / "bench" / "results" / "readme_first_command.json").read_text())
-    assert squash_ws(first["command"]) in squash_ws((REPO / "README.md").read_text())  # the command it timed
-    run = (first["before"]["accuracy_strict"], first["primed"]["accuracy_strict"], first["after"]["accuracy_strict"])
+    first = first_command_records()
+    assert all(squash_ws(r["command"]) in squash_ws((REPO / "README.md").read_text()) for r in first)  # as timed
+    assert {r["seed"] for r in first} == {3407} and len(first) >= 2
+    of = lambda stage: [r[stage]["accuracy_strict"] for r in first]  # noqa: E731
+    minutes = [r["run_total_seconds"] / 60 for r in first]
+    steps = [r["grpo_train_seconds"] / r["grpo_steps"] for r in first]
+    seeds = [json.loads((REPO / "bench" / "results" / "variants" / f"seed-{s}.json").read_text()) for s in (1, 2, 3407)]
     return {
-        "minutes": f"~{round(first['run_total_seconds'] / 60)} minutes on\n2 cores with AVX512-BF16, seed {first['seed']}: "
-                   f"held-out accuracy {run[0]:.2f} before, {run[1]:.2f} primed, {run[2]:.2f} after",
+        "minutes": f"{min(minutes):.0f}-{max(minutes):.0f} minutes on the 2-core machines measured",
+        "machines": " and ".join(f"an {re.search(r'(AMD EPYC|Intel Xeon)', r['machine']).group(1)}" for r in first)
+                    + " with AVX512-BF16",
+        "step": f"({min(steps):.1f}-{max(steps):.1f} s a GRPO step;",
+        "accuracy": f"held-out accuracy {_range(of('before'), 2, same=True)} before, {_range(of('primed'), 2)} primed, "
+                    f"{_range(of('after'), 2)} after on those two machines",
+        "seeds": f"seeds 1, 2 and 3407 on the EPYC ended at "
+                 f"{_range([s['variants']['default']['after']['accuracy_strict'] for s in seeds], 2)} after GRPO",
         "gain": f"(+{min(gains):.2f} to +{max(gains):.2f}, paired p < {bound:g})",
         "equal time": f"({_range([r['prime_only']['accuracy_strict'] for r in SEEDS])} against "
                       f"{_range([r['after']['accuracy_strict'] for r in SEEDS])}, sampled at T=0.8)",
