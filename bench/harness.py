@@ -3,9 +3,14 @@ RSS, ratios against a peer measured in the same run, and the report written wher
 
     result = run_child("bench.vs_trl", ["--child", "trl", "--preset", "tiny"], label="trl")  # + wall_s
     write_report(out, {"command": command_line("bench.vs_trl"), **results, "ratios_vs_trl": ratios(...)})
+
+A bench of variants (vs_trl, vllm_cpu) is `variant_parser` + `bench_variants`: the parent runs each variant as
+`python -m bench.NAME --child VARIANT ... --result FILE`, the child runs one. The per-seed tables (tools_table,
+variants_table) share `run_cli` and the table cells `accuracy_cell` / `paired_cell`.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -62,3 +67,92 @@ def write_report(out: Path, report: dict) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     return out
+
+
+# --------------------------------------------------------------------------- a bench of variants, parent and child
+
+
+def variant_parser(doc: str, variants: str, steps: int, generations: int, out: Path) -> argparse.ArgumentParser:
+    """The arguments every variant bench takes (a bench adds its own after): which variants, the run's shape,
+    `--set` overrides for every variant, where the report goes, and the hidden `--child` / `--result` pair."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--variants", default=variants, help="comma-separated: " + variants.replace(",", ", "))
+    p.add_argument("--preset", default="smollm2_cpu")
+    p.add_argument("--steps", type=int, default=steps, help="GRPO steps per variant; the first is not counted")
+    p.add_argument("--generations", type=int, default=generations, help="completions per prompt (G)")
+    p.add_argument("--tokens", type=int, default=64, help="max completion tokens (L)")
+    p.add_argument("--set", action="append", help="extra config override for every variant")
+    p.add_argument("--out", type=Path, default=out)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    return p
+
+
+def child_argv(variant: str, args, extra: tuple[str, ...] = ()) -> list[str]:
+    """The child's command line: the variant, the shared shape (+ the bench's own `extra` argument names), `--set`s."""
+    argv = ["--child", variant]
+    for name in ("preset", "steps", "generations", "tokens", *extra):
+        argv += [f"--{name}", str(getattr(args, name))]
+    for assignment in args.set or []:
+        argv += ["--set", assignment]
+    return argv
+
+
+def bench_variants(module: str, args, child, table, memory: tuple[str, str], references: tuple[str, ...],
+                   extra: tuple[str, ...] = ()) -> int:
+    """A child (`--child`): `child(variant, args)`'s result written for the parent. The parent: each variant of
+    `--variants` in its own process, the report (settings, results, ratios against each of `references` run,
+    on step_s and the `memory` key) written to `--out`, `table(results)` printed. `memory`: (its label, its key)."""
+    if args.child:
+        write_child_result(args.result, child(args.child, args))
+        return 0
+    label, key = memory
+    results = {}
+    for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
+        results[variant] = r = run_child(module, child_argv(variant, args, extra), f"{variant}: {args.steps} steps")
+        print(f"[bench] {variant}: {r['step_s']} s/step, {label} {r[key]} MB", file=sys.stderr)
+    report = {
+        "command": command_line(module),
+        "settings": {"preset": args.preset, "model": "SmolLM2-135M-Instruct", "generations": args.generations,
+                     "max_completion_tokens": args.tokens, "steps": args.steps, "counted_steps": max(1, args.steps - 1),
+                     **machine(), "extra": args.set or []},
+        **results,
+    }
+    for ref in references:
+        if ref in results:
+            report[f"ratios_vs_{ref}"] = ratios(results, ref, ("step_s", key))
+    write_report(args.out, report)
+    print(table(results))
+    print(f"\nwritten: {args.out}")
+    return 0
+
+
+# --------------------------------------------------------------------------- the per-seed tables (tools, variants)
+
+
+def run_cli(argv: list[str], log: Path, stdout: bool = False) -> "tuple[float, str | None]":
+    """`python -m ARGV` to its end, stderr (and stdout, unless `stdout`: then it is returned) into `log`; its wall
+    seconds and stdout. A failure stops the bench with one line naming the log."""
+    print("$ " + " ".join(argv), flush=True)
+    started = time.time()
+    with open(log, "w") as out:
+        proc = subprocess.run([sys.executable, "-m", *argv], stdout=subprocess.PIPE if stdout else out,
+                              stderr=out if stdout else subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        print(f"error: `{' '.join(argv)}` exited {proc.returncode}; its output: {log}", file=sys.stderr)
+        raise SystemExit(1)
+    return round(time.time() - started, 1), proc.stdout
+
+
+def accuracy_cell(col: dict, key: str = "accuracy_strict") -> str:
+    """`0.453 [0.37, 0.54]`: an accuracy and its 95 % interval."""
+    lo, hi = col[f"{key}_ci"]
+    return f"{col[key]:.3f} [{lo:.2f}, {hi:.2f}]"
+
+
+def paired_cell(got) -> str:
+    """`+36/-11 (p < 0.001)`: a paired change (newly right, newly wrong, McNemar p), or `-` without one."""
+    if not got:
+        return "-"
+    p = got[2]
+    return f"+{got[0]}/-{got[1]} (p {'< 0.001' if p < 0.001 else f'{p:.3f}'})"

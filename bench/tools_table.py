@@ -20,11 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
+from bench.harness import accuracy_cell, paired_cell, run_cli
 from lowvram_grpo.evaluation import mcnemar_p, paired_change
 from lowvram_grpo.run_dir import RunDir
 
@@ -32,18 +30,6 @@ OUT = Path("bench/results/tools")
 PRESET = "smollm2_tools_cpu"
 KEEP = ("accuracy_strict", "accuracy_strict_ci", "accuracy_lenient", "format_rate", "mean_completion_tokens", "tools",
         "n")
-
-
-def _cmd(argv: list[str], log: Path) -> tuple[float, str]:
-    """Run one CLI command to its end (stderr into `log`); its wall seconds and stdout. A failure stops the bench."""
-    print("$ " + " ".join(argv), flush=True)
-    started = time.time()
-    with open(log, "w") as err:
-        proc = subprocess.run([sys.executable, "-m", *argv], stdout=subprocess.PIPE, stderr=err, text=True)
-    if proc.returncode != 0:
-        print(f"error: `{' '.join(argv)}` exited {proc.returncode}; its output: {log}", file=sys.stderr)
-        raise SystemExit(1)
-    return round(time.time() - started, 1), proc.stdout
 
 
 def _column(numbers: dict) -> dict:
@@ -64,7 +50,7 @@ def run_seed(seed: int, root: Path) -> Path:
     if "run" not in record:
         argv = ["lowvram_grpo.run", "--preset", PRESET, "--set", f"train.seed={seed}", "--set",
                 f"lora.random_state={seed}", "--output-dir", str(run), "--overwrite"]
-        wall, _ = _cmd(argv, root / f"tools-{seed}.log")
+        wall, _ = run_cli(argv, root / f"tools-{seed}.log", stdout=True)
         s = RunDir(run, writer=False).complete_summary()
         record["run"] = {"command": "python -m " + " ".join(argv), "wall_seconds": wall, "steps": s["steps"],
                          "train_seconds": s["train_seconds"],
@@ -76,7 +62,7 @@ def run_seed(seed: int, root: Path) -> Path:
     if "without_tools" not in record:
         argv = ["lowvram_grpo.evaluate", "--adapter", f"primed={run / 'primed_adapter'}", "--adapter",
                 f"after={run / 'adapter'}", "--set", "tools.names=[]", "--json"]
-        wall, stdout = _cmd(argv, root / f"tools-{seed}-eval.log")
+        wall, stdout = run_cli(argv, root / f"tools-{seed}-eval.log", stdout=True)
         plain = {c["name"]: c for c in json.loads(stdout)["columns"]}  # base, primed, after: no tool
         s = RunDir(run, writer=False).complete_summary()
         with_tool = {"base": s["before"], "primed": s["primed"], "after": s["after"]}
@@ -88,18 +74,6 @@ def run_seed(seed: int, root: Path) -> Path:
             "grpo_without_tools": paired_change(plain["primed"], plain["after"], "accuracy_strict")}
         save()
     return out
-
-
-def _acc(col: dict) -> str:
-    lo, hi = col["accuracy_strict_ci"]
-    return f"{col['accuracy_strict']:.3f} [{lo:.2f}, {hi:.2f}]"
-
-
-def _pair(got) -> str:
-    if not got:
-        return "-"
-    p = got[2]
-    return f"+{got[0]}/-{got[1]} (p {'< 0.001' if p < 0.001 else f'{p:.3f}'})"
 
 
 def _calls(col: dict) -> str:
@@ -127,11 +101,11 @@ def table(records: list[dict]) -> str:
             col = run[name]
             key = {"before": "base"}.get(name, name)
             without = (plain or {}).get("columns", {}).get(key)
-            lines.append(f"| {r['seed']} | {name} | {_acc(col)} | {_calls(col)} | {col['format_rate']:.3f} | "
-                         f"{_acc(without) if without else '-'} | "
-                         f"{_pair((plain or {}).get('tool_vs_none', {}).get(key))} |")
-        lines.append(f"| {r['seed']} | GRPO: primed -> after | {_pair(run['grpo']['accuracy_strict'])} | | | "
-                     f"{_pair((plain or {}).get('grpo_without_tools'))} | |")
+            lines.append(f"| {r['seed']} | {name} | {accuracy_cell(col)} | {_calls(col)} | {col['format_rate']:.3f} | "
+                         f"{accuracy_cell(without) if without else '-'} | "
+                         f"{paired_cell((plain or {}).get('tool_vs_none', {}).get(key))} |")
+        lines.append(f"| {r['seed']} | GRPO: primed -> after | {paired_cell(run['grpo']['accuracy_strict'])} | | | "
+                     f"{paired_cell((plain or {}).get('grpo_without_tools'))} | |")
     done = [r for r in records if r.get("run") and r.get("without_tools")]
     if len(done) > 1:
         lines += _pooled(done)
@@ -157,9 +131,9 @@ def _pooled(records: list[dict]) -> list[str]:
         rows.append(f"| {n} seeds | {name} | {mean([c['accuracy_strict'] for c in cols]):.3f} (mean) | "
                     f"{mean(calls):.2f} calls per answer (mean) | {mean([c['format_rate'] for c in cols]):.3f} | "
                     f"{mean([c['accuracy_strict'] for c in plain]):.3f} (mean) | "
-                    f"{_pair(_sum([r['without_tools']['tool_vs_none'][key] for r in records]))} |")
-    rows.append(f"| {n} seeds | GRPO: primed -> after | {_pair(_sum([r['run']['grpo']['accuracy_strict'] for r in records]))}"
-                f" | | | {_pair(_sum([r['without_tools']['grpo_without_tools'] for r in records]))} | |")
+                    f"{paired_cell(_sum([r['without_tools']['tool_vs_none'][key] for r in records]))} |")
+    rows.append(f"| {n} seeds | GRPO: primed -> after | {paired_cell(_sum([r['run']['grpo']['accuracy_strict'] for r in records]))}"
+                f" | | | {paired_cell(_sum([r['without_tools']['grpo_without_tools'] for r in records]))} | |")
     return rows
 
 

@@ -19,11 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
+from bench.harness import accuracy_cell, paired_cell, run_cli
 from lowvram_grpo.evaluation import paired_change
 from lowvram_grpo.run_dir import RunDir
 
@@ -40,18 +38,6 @@ VARIANTS = {  # name: (label, extra --set overrides for a GRPO run from the defa
 ON_REQUEST = ("dynamic_total",)  # VARIANTS that `run` leaves out unless --only names them; `table` shows them where run
 KEEP = ("accuracy_strict", "accuracy_strict_ci", "accuracy_lenient", "accuracy_lenient_ci", "format_rate", "n")
 KEYS = ("accuracy_strict", "accuracy_lenient")
-
-
-def _cmd(argv: list[str], log: Path) -> float:
-    """Run one CLI command to its end, output into `log`; its wall seconds. A failure stops the bench."""
-    print("$ " + " ".join(argv), flush=True)
-    started = time.time()
-    with open(log, "w") as out:
-        proc = subprocess.run([sys.executable, "-m", *argv], stdout=out, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        print(f"error: `{' '.join(argv)}` exited {proc.returncode}; its output: {log}", file=sys.stderr)
-        raise SystemExit(1)
-    return round(time.time() - started, 1)
 
 
 def _column(numbers: dict) -> dict:
@@ -92,7 +78,7 @@ def run_seed(seed: int, root: Path, only: tuple[str, ...] = ()) -> Path:
             wall = None  # finished by an earlier `run` whose record was lost: numbers only
         else:
             argv.append("--overwrite")
-            wall = _cmd(argv, root / f"default-{seed}.log")
+            wall, _ = run_cli(argv, root / f"default-{seed}.log")
         s = RunDir(default, writer=False).complete_summary()
         record["before"], record["primed"] = _column(s["before"]), _column(s["primed"])
         record["_verdicts"] = {c: {k: s[c].get(k) for k in ("strict_correct", "lenient_correct")}
@@ -106,7 +92,7 @@ def run_seed(seed: int, root: Path, only: tuple[str, ...] = ()) -> Path:
 
     if "control" not in record["variants"]:
         argv = ["lowvram_grpo.baseline", str(default), "--control", "random-reward"]
-        wall = _cmd(argv, root / f"control-{seed}.log")
+        wall, _ = run_cli(argv, root / f"control-{seed}.log")
         c = json.loads((default / "control_random_reward" / "summary.json").read_text())
         record["variants"]["control"] = _entry("random-reward control", "python -m " + " ".join(argv), wall,
                                                c["control_random_reward"], primed, default_after, c["steps"],
@@ -120,7 +106,7 @@ def run_seed(seed: int, root: Path, only: tuple[str, ...] = ()) -> Path:
         argv = ["lowvram_grpo.run", "--preset", PRESET, *seeded, "--init-adapter", str(default / "primed_adapter"),
                 "--set", "prime.steps=0", *[a for s in sets for a in ("--set", s)], "--output-dir", str(folder),
                 "--overwrite"]
-        wall = _cmd(argv, root / f"{name}-{seed}.log")
+        wall, _ = run_cli(argv, root / f"{name}-{seed}.log")
         s = RunDir(folder, writer=False).complete_summary()
         record["variants"][name] = _entry(label, "python -m " + " ".join(argv), wall, s["after"], primed,
                                           default_after, s["steps"], s["train_seconds"], _rollouts(folder))
@@ -128,23 +114,11 @@ def run_seed(seed: int, root: Path, only: tuple[str, ...] = ()) -> Path:
     return out
 
 
-def _acc(col: dict, key: str) -> str:
-    lo, hi = col[f"{key}_ci"]
-    return f"{col[key]:.3f} [{lo:.2f}, {hi:.2f}]"
-
-
-def _pair(got) -> str:
-    if not got:
-        return "-"
-    p = got[2]
-    return f"+{got[0]}/-{got[1]} (p {'< 0.001' if p < 0.001 else f'{p:.3f}'})"
-
-
 def table(records: list[dict]) -> str:
     lines = ["| seed | variant | after, strict [95 % CI] | vs primed (right/wrong, p) | vs default's after | "
              "format | GRPO s (steps) | extra rollouts |", "|---|---|---|---|---|---|---|---|"]
     for r in records:
-        lines.append(f"| {r['seed']} | primed (start of each) | {_acc(r['primed'], 'accuracy_strict')} | | | "
+        lines.append(f"| {r['seed']} | primed (start of each) | {accuracy_cell(r['primed'], 'accuracy_strict')} | | | "
                      f"{r['primed']['format_rate']:.3f} | | |")
         for name in ("default", "control", *VARIANTS):
             v = r["variants"].get(name)
@@ -153,10 +127,10 @@ def table(records: list[dict]) -> str:
             if v is None:
                 lines.append(f"| {r['seed']} | {name} | not run | | | | | |")
                 continue
-            vs_default = "" if name == "default" else _pair(v["vs_default"]["accuracy_strict"])
+            vs_default = "" if name == "default" else paired_cell(v["vs_default"]["accuracy_strict"])
             extra = v.get("extra_rollouts")
-            lines.append(f"| {r['seed']} | {v['label']} | {_acc(v['after'], 'accuracy_strict')} | "
-                         f"{_pair(v['vs_primed']['accuracy_strict'])} | {vs_default} | {v['after']['format_rate']:.3f} | "
+            lines.append(f"| {r['seed']} | {v['label']} | {accuracy_cell(v['after'], 'accuracy_strict')} | "
+                         f"{paired_cell(v['vs_primed']['accuracy_strict'])} | {vs_default} | {v['after']['format_rate']:.3f} | "
                          f"{v['train_seconds']:.0f} ({v['steps']}) | {'' if extra is None else int(extra)} |")
     return "\n".join(lines)
 

@@ -24,7 +24,6 @@ what TRL's own vLLM path does each step, for comparison with the adapter-only sy
 """
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import shutil
@@ -35,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.harness import REPO, command_line, machine, ratios, run_child, write_child_result, write_report
+from bench.harness import REPO, bench_variants, variant_parser
 
 PARTS = ("generate", "sync", "rewards", "logps_nograd", "forward", "backward")
 
@@ -279,14 +278,6 @@ def child(variant: str, args) -> dict:
     return result
 
 
-def child_args(variant: str, args) -> list[str]:
-    argv = ["--child", variant, "--preset", args.preset, "--steps", str(args.steps), "--generations",
-            str(args.generations), "--tokens", str(args.tokens), "--heldout", str(args.heldout)]
-    for assignment in args.set or []:
-        argv += ["--set", assignment]
-    return argv
-
-
 def table(results: dict) -> str:
     ref = results.get("transformers")
     trl = results.get("trl")
@@ -308,43 +299,12 @@ def table(results: dict) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", default="transformers,vllm,trl", help="comma-separated: transformers, vllm, trl")
-    p.add_argument("--preset", default="smollm2_cpu")
-    p.add_argument("--steps", type=int, default=5, help="GRPO steps per variant; the first is not counted")
-    p.add_argument("--generations", type=int, default=8, help="completions per prompt (G)")
-    p.add_argument("--tokens", type=int, default=64, help="max completion tokens (L)")
+    p = variant_parser(__doc__, "transformers,vllm,trl", steps=5, generations=8,
+                       out=REPO / "bench" / "results" / "vllm_cpu.json")
     p.add_argument("--heldout", type=int, default=4, help="held-out questions answered after training")
-    p.add_argument("--set", action="append", help="extra config override for every variant")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "vllm_cpu.json")
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args()
-
-    if args.child:
-        write_child_result(args.result, child(args.child, args))
-        return 0
-
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    results = {}
-    for variant in variants:
-        results[variant] = r = run_child("bench.vllm_cpu", child_args(variant, args), f"{variant}: {args.steps} steps")
-        print(f"[bench] {variant}: {r['step_s']} s/step, peak PSS (all processes) {r['peak_pss_all_processes_mb']} MB",
-              file=sys.stderr)
-    report = {
-        "command": command_line("bench.vllm_cpu"),
-        "settings": {"preset": args.preset, "model": "SmolLM2-135M-Instruct", "generations": args.generations,
-                     "max_completion_tokens": args.tokens, "steps": args.steps, "counted_steps": max(1, args.steps - 1),
-                     **machine(), "extra": args.set or []},
-        **results,
-    }
-    for ref in ("transformers", "trl"):
-        if ref in results:
-            report[f"ratios_vs_{ref}"] = ratios(results, ref, ("step_s", "peak_pss_all_processes_mb"))
-    write_report(args.out, report)
-    print(table(results))
-    print(f"\nwritten: {args.out}")
-    return 0
+    return bench_variants("bench.vllm_cpu", p.parse_args(), child, table,
+                          memory=("peak PSS (all processes)", "peak_pss_all_processes_mb"),
+                          references=("transformers", "trl"), extra=("heldout",))
 
 
 if __name__ == "__main__":

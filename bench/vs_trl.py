@@ -21,14 +21,13 @@ steps after the first (warm-up) and the process's peak RSS (`ru_maxrss`), and th
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import command_line, machine, peak_rss_mb, ratios, run_child, write_child_result, write_report
+from bench.harness import bench_variants, peak_rss_mb, variant_parser
 
 PARTS = ("generate", "rewards", "logps_nograd", "forward", "backward")
 
@@ -233,14 +232,6 @@ def child(variant: str, args) -> dict:
 # --------------------------------------------------------------------------- the parent side
 
 
-def child_args(variant: str, args) -> list[str]:
-    argv = ["--child", variant, "--preset", args.preset, "--steps", str(args.steps),
-            "--generations", str(args.generations), "--tokens", str(args.tokens)]
-    for assignment in args.set or []:
-        argv += ["--set", assignment]
-    return argv
-
-
 def table(results: dict) -> str:
     trl = results.get("trl")
     lines = ["| variant | s/step (median) | generate | rewards | log-probs (no grad) | train forward | backward "
@@ -256,40 +247,9 @@ def table(results: dict) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", default="ours,trl,trl_nogc,unsloth", help="comma-separated: ours, trl, trl_nogc, unsloth")
-    p.add_argument("--preset", default="smollm2_cpu")
-    p.add_argument("--steps", type=int, default=4, help="GRPO steps per variant; the first is not counted")
-    p.add_argument("--generations", type=int, default=4, help="completions per prompt (G)")
-    p.add_argument("--tokens", type=int, default=64, help="max completion tokens (L)")
-    p.add_argument("--set", action="append", help="extra config override for every variant")
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "vs_trl.json")
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args()
-
-    if args.child:
-        write_child_result(args.result, child(args.child, args))
-        return 0
-
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    results = {}
-    for variant in variants:
-        results[variant] = r = run_child("bench.vs_trl", child_args(variant, args), f"{variant}: {args.steps} steps")
-        print(f"[bench] {variant}: {r['step_s']} s/step, peak RSS {r['peak_rss_mb']} MB", file=sys.stderr)
-    report = {
-        "command": command_line("bench.vs_trl"),
-        "settings": {"preset": args.preset, "model": "SmolLM2-135M-Instruct", "generations": args.generations,
-                     "max_completion_tokens": args.tokens, "steps": args.steps, "counted_steps": max(1, args.steps - 1),
-                     **machine(), "extra": args.set or []},
-        **results,
-    }
-    if "trl" in results:
-        report["ratios_vs_trl"] = ratios(results, "trl", ("step_s", "peak_rss_mb"))
-    write_report(args.out, report)
-    print(table(results))
-    print(f"\nwritten: {args.out}")
-    return 0
+    args = variant_parser(__doc__, "ours,trl,trl_nogc,unsloth", steps=4, generations=4,
+                          out=Path(__file__).resolve().parent / "results" / "vs_trl.json").parse_args()
+    return bench_variants("bench.vs_trl", args, child, table, memory=("peak RSS", "peak_rss_mb"), references=("trl",))
 
 
 if __name__ == "__main__":
