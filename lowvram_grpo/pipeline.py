@@ -44,7 +44,8 @@ from .errors import ConfigError, DataError, EngineStopped, Interrupted, LowvramE
 from .hardware import detect
 from .memory import OOM_PHASES
 from .resolve import resolve as resolve_settings
-from .rewards import check_rewards, load_reward_models
+from .reward_models import load_reward_models
+from .rewards import check_rewards
 from .tools import check_tool_prompts, prompt_tools, uses_tools
 from .run_dir import RunDir, resume_command
 from .stops import StopRequested

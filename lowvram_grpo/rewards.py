@@ -21,7 +21,7 @@ TRL 1.15's reward contract, all of it (GRPOTrainer._calculate_rewards): a reward
 (`TRL_KEYWORDS`); it returns one value per completion, any iterable of them (list, tuple, numpy array,
 tensor), each a real number or None ("does not apply to this sample": TRL leaves it out of that
 completion's sum; NaN reads the same). A name with a '/' (a hub id) or of a local folder in
-`rewards.names` is a reward model, scored as TRL scores one given by name (`RewardModel`).
+`rewards.names` is a reward model, scored as TRL scores one given by name (`reward_models.RewardModel`).
 A preset may add its own rewards from a file (`rewards.module: my_rewards.py`), selectable by name.
 TRL gets every function through `guarded`, which refuses, with one line naming the function, only what
 TRL itself would fail on (a failure, a wrong count, a value that is not a number), or scores it 0
@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .errors import ConfigError, RewardError
+from .reward_models import RewardModel, is_reward_model, model_id_name
 from .user_files import first_line, import_user_file
 from . import answers
 
@@ -325,12 +326,6 @@ def module_reward_names(module) -> list[str]:
                   if not n.startswith("_") and inspect.isfunction(f) and f.__module__ == module.__name__)
 
 
-def is_reward_model(name: str) -> bool:
-    """A name in rewards.names that is a reward model (a hub id has a '/', a local folder exists), as TRL
-    takes a string: not a function's name."""
-    return "/" in name or Path(name).expanduser().is_dir()
-
-
 def lookup_reward(name: str, module=None) -> RewardFn:
     """A reward by name: a built-in one, a function (or callable) of the user's reward file, or a reward model."""
     if is_reward_model(name):
@@ -352,57 +347,7 @@ def lookup_reward(name: str, module=None) -> RewardFn:
 def logged_name(name: str) -> str:
     """The name TRL logs a reward under (`rewards/<name>/mean`): a reward model's last path part, as TRL
     names one by its model id."""
-    return name.rstrip("/").rsplit("/", 1)[-1] if is_reward_model(name) else name
-
-
-class RewardModel:
-    """A reward model given by name (hub id or local folder), scored the way TRL 1.15 scores one
-    (GRPOTrainer: `AutoModelForSequenceClassification.from_pretrained(name, num_labels=1)` with its own
-    tokenizer, pad token = eos when it has none; prompt + completion through the chat template when
-    conversational, else concatenated; right padding, no special tokens added; the first logit). Loaded
-    once per process (`load(device)`, before anything is written), shared by training and evaluation. The
-    device is resolve()'s (`Resolved.reward_model_device`); only a caller outside a run that names none
-    (a notebook scoring by hand) gets torch's guess."""
-
-    _loaded: dict[str, tuple] = {}
-
-    def __init__(self, name: str):
-        self.name = name
-        self.__name__ = logged_name(name)
-
-    def load(self, device: Optional[str] = None) -> tuple:
-        if self.name not in self._loaded:
-            from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-            try:
-                model = AutoModelForSequenceClassification.from_pretrained(self.name, num_labels=1)
-                tokenizer = AutoTokenizer.from_pretrained(self.name)
-            except Exception as exc:
-                raise RewardError(f"reward model {self.name!r} in rewards.names cannot be loaded ({_first_line(exc)}): "
-                                  "give a sequence-classification model's hub id or folder") from None
-            if tokenizer.pad_token_id is None:
-                tokenizer.pad_token = tokenizer.eos_token
-            model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
-            import torch
-
-            if device is None:  # outside a run (no Resolved): where torch finds a card
-                device = "cuda" if torch.cuda.is_available() else "cpu"
-            model.to(device).eval()
-            self._loaded[self.name] = (model, tokenizer)
-        return self._loaded[self.name]
-
-    def __call__(self, prompts, completions, **kwargs) -> list[float]:
-        import torch
-        from trl.data_utils import apply_chat_template, is_conversational
-
-        model, tokenizer = self.load()
-        if is_conversational({"prompt": prompts[0]}):
-            texts = [apply_chat_template({"messages": p + c}, tokenizer)["text"] for p, c in zip(prompts, completions)]
-        else:
-            texts = [p + c for p, c in zip(prompts, completions)]
-        inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
-        with torch.inference_mode():
-            return model(**inputs.to(model.device)).logits[:, 0].tolist()
+    return model_id_name(name) if is_reward_model(name) else name
 
 
 # --------------------------------------------------------------------------- the random-reward control
@@ -483,17 +428,6 @@ def _check_rewards(rewards_config, rows: list[dict], source: str) -> None:
                               "rewards.names (your own in rewards.module)")
         if fn is not REWARDS.get(name):
             probe_reward(fn, name, rows[0])
-
-
-def load_reward_models(rewards_config, device: Optional[str] = None) -> None:
-    """Load the reward models named in rewards.names (after the policy model, before anything is written) on
-    `device`: the run's `Resolved.reward_model_device`."""
-    for name in rewards_config.names:
-        if is_reward_model(name):
-            try:
-                RewardModel(name).load(device)
-            except RewardError as exc:
-                raise ConfigError(str(exc)) from None
 
 
 def reward_functions(rewards_config, warn=None) -> list[RewardFn]:

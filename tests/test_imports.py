@@ -69,3 +69,90 @@ def test_only_the_entry_points_import_the_cli_module():
     graph = import_graph()
     users = sorted(m for m, targets in graph.items() if "lowvram_grpo.run" in targets)
     assert users == ["lowvram_grpo.__main__"], users
+
+
+# --------------------------------------------------------------------------- the pure modules' import guards
+
+# What a user's reward or tools file is checked and run with must import without the training stack: --dry-run,
+# the doctor and the checks import them before (or without) any model.
+PURE_MODULES = ("lowvram_grpo.rewards", "lowvram_grpo.tools")
+HEAVY_PACKAGES = ("trl", "torch", "transformers", "peft", "datasets", "vllm", "unsloth", "bitsandbytes")
+OFF_LIMITS = ("lowvram_grpo.backends", "lowvram_grpo.trl_compat", "lowvram_grpo.training")  # and their submodules
+# Modules a pure one may reach whose heavy imports sit inside functions, run only on request (by name, and why):
+# their module-level imports are still checked.
+LAZY_BOUNDARIES = {
+    "lowvram_grpo.reward_models": "scores a reward model named in rewards.names: transformers, torch, trl.data_utils",
+}
+
+
+def _off_limits(name: str) -> bool:
+    return any(name == m or name.startswith(m + ".") for m in OFF_LIMITS)
+
+
+def _heavy_imports(path: Path, module_level_only: bool) -> list[str]:
+    """'line N: import X' for each import of a heavy package in `path` (inside functions too, unless
+    `module_level_only`)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if module_level_only else list(ast.walk(tree))
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        found += [f"line {node.lineno}: {n}" for n in names if n.split(".")[0] in HEAVY_PACKAGES]
+    return found
+
+
+def pure_module_problems(module: str, graph: dict[str, set[str]], modules: dict[str, Path]) -> list[str]:
+    """What `module` reaches that it must not: a package module off limits (through any import of any module it
+    reaches, at module level or inside a function, relative ones included), or an import of a heavy package
+    (inside functions too, except in LAZY_BOUNDARIES, where only module-level imports count)."""
+    problems, reached = [], _reachable(graph, module) - {module}
+    for name in sorted(reached | {module}):
+        if name != module and _off_limits(name):
+            by = sorted(m for m in reached | {module} if name in graph[m])
+            problems.append(f"{module} reaches {name} (imported by {', '.join(by)})")
+            continue
+        for hit in _heavy_imports(modules[name], module_level_only=name in LAZY_BOUNDARIES):
+            problems.append(f"{module} reaches {name}, {hit}" if name != module else f"{module}, {hit}")
+    return problems
+
+
+def test_rewards_and_tools_reach_no_heavy_module_by_any_import():
+    """Read from the source: a `from .trl_compat import X` inside a function of rewards.py (or of any module it
+    imports) fails here, though importing rewards would not load it."""
+    graph, modules = import_graph(), _modules()
+    for name in LAZY_BOUNDARIES:
+        assert name in modules, f"LAZY_BOUNDARIES names {name}, which is not a module of the package"
+    problems = [p for module in PURE_MODULES for p in pure_module_problems(module, graph, modules)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_guard_sees_relative_and_lazy_imports():
+    """The walk the guard uses resolves `from .x import y` and imports inside functions: training (which imports
+    trl_compat inside the package) is caught as reaching trl_compat, and reward_models' function-level transformers
+    import is what makes it a boundary."""
+    graph, modules = import_graph(), _modules()
+    assert any("lowvram_grpo.trl_compat" in p for p in pure_module_problems("lowvram_grpo.training", graph, modules))
+    assert _heavy_imports(modules["lowvram_grpo.reward_models"], module_level_only=False)
+    assert not _heavy_imports(modules["lowvram_grpo.reward_models"], module_level_only=True)
+
+
+def test_importing_rewards_or_tools_loads_no_heavy_module():
+    """Each imported in a fresh interpreter: afterwards sys.modules holds none of the heavy packages and none of
+    the package's backends, trl_compat or training."""
+    import json
+    import subprocess
+    import sys
+
+    for module in PURE_MODULES:
+        code = f"import importlib, json, sys; importlib.import_module({module!r}); print(json.dumps(sorted(sys.modules)))"
+        out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        loaded = json.loads(out.stdout.splitlines()[-1])
+        assert module in loaded
+        heavy = sorted(m for m in loaded if m.split(".")[0] in HEAVY_PACKAGES or _off_limits(m))
+        assert not heavy, f"importing {module} loads {heavy}"
