@@ -1,34 +1,56 @@
-"""The README's layout section matches the tree: every module and folder of the package is named there,
-and nothing it names is missing (a reader finds from it where data enters, the model is built, settings
-are decided, rewards are computed and outputs are written)."""
+"""The README's layout is a short map: a line a room (where data enters, settings are decided, the model is built,
+rewards and tools run, training, evaluation, where outputs are written, the commands) naming the modules of each,
+plus the top-level folders; every module and folder is named in it and nothing it names is missing. And every step
+time or job time of the default job that the README, docs/ and presets/ state is the measured one."""
 import json
 import math
 import re
+import subprocess
 from pathlib import Path
 
 from conftest import REPO
 
+MAP_MAX_LINES = 20  # the map stays a map: a line a room, not a line a module
 
-def _layout_names() -> set[str]:
+
+def _layout() -> tuple[str, list[str]]:
+    """The README's layout section (heading to the next heading) and the lines of its map (the code block)."""
     text = (REPO / "README.md").read_text()
-    block = text[text.index("## Layout"):]
-    block = block[block.index("```") + 3:]
-    block = block[:block.index("```")]
-    names = set()
-    for line in block.splitlines():
-        match = re.match(r"^  (\S+)", line)  # the package's entries are indented two spaces
-        if match:
-            names.add(match.group(1).rstrip("/"))
-    return names
+    section = text[text.index("## Layout"):]
+    if "\n## " in section[4:]:
+        section = section[:section.index("\n## ", 4)]
+    block = section[section.index("```") + 3:]
+    block = block[block.index("\n") + 1:block.index("```")]
+    return section, [line for line in block.splitlines() if line.strip()]
+
+
+def _top_level_folders() -> set[str]:
+    """The repository's folders as git tracks them (not runs/, caches, build output); the tree's without git."""
+    try:
+        files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+        names = {line.split("/")[0] for line in files.splitlines() if "/" in line}
+    except (OSError, subprocess.CalledProcessError):
+        names = {p.name for p in REPO.iterdir() if p.is_dir() and not p.name.endswith((".egg-info", "__pycache__"))}
+    return {name for name in names if not name.startswith(".") and (REPO / name).is_dir()}
 
 
 def test_every_package_module_and_folder_is_in_the_readme_layout():
+    """Every module of the package is named in the map (on its room's line), every sub-package and top-level folder
+    as `NAME/`; every `.py` the map names is a module of the package and every folder a line starts with is there;
+    and the map has at most MAP_MAX_LINES lines (before: a line a module, 50 of the README's 200)."""
+    section, lines = _layout()
+    assert len(lines) <= MAP_MAX_LINES, f"the README's layout map has {len(lines)} lines: at most {MAP_MAX_LINES}"
     package = REPO / "lowvram_grpo"
-    present = {p.name for p in package.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
-    present |= {p.name for p in package.iterdir() if p.is_dir() and not p.name.startswith("__")}
-    named = _layout_names()
-    assert present - named == set(), f"add to the README's layout: {sorted(present - named)}"
-    assert named - present == set(), f"the README's layout names what is not there: {sorted(named - present)}"
+    modules = {p.name for p in package.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+    folders = {p.name for p in package.iterdir() if p.is_dir() and not p.name.startswith("__")}
+    folders |= _top_level_folders()
+    named_modules = set(re.findall(r"(?<![\w./])(\w+\.py)\b", section))
+    named_folders = set(re.findall(r"(?<![\w./])(\w+)/", section))
+    assert modules - named_modules == set(), f"add to the README's layout map: {sorted(modules - named_modules)}"
+    assert folders - named_folders == set(), f"add to the README's layout map: {sorted(folders - named_folders)}"
+    assert named_modules - modules == set(), f"the README's layout names what is not there: {sorted(named_modules - modules)}"
+    rooms = {m.group(1) for line in lines if (m := re.match(r"^(\w+)/\s", line))}
+    assert rooms - folders == set(), f"the README's layout names folders that are not there: {sorted(rooms - folders)}"
 
 
 def _where_questions_enter(module, tmp_path):
@@ -61,21 +83,25 @@ def _where_outputs_are_written(module, tmp_path):
     assert run.read_summary()["after"]["accuracy_strict"] == 0.5 and run.file("summary.json").is_file()
 
 
+def _where_tools_run(module, tmp_path):
+    assert module.calculator("6 * 7") == "42"
+
+
 LAYOUT_ROLES = {"where questions enter": _where_questions_enter, "where settings are decided": _where_settings_are_decided,
                 "where the model is built": _where_the_model_is_built, "where rewards are computed": _where_rewards_are_computed,
-                "where outputs are written": _where_outputs_are_written}
+                "where tools run": _where_tools_run, "where outputs are written": _where_outputs_are_written}
 
 
 def test_the_layout_says_where_the_main_things_happen(tmp_path):
-    """Each role the layout names is on the line of the module that does it: the module is imported and does
-    it (before, the test only looked for the phrases anywhere in the README)."""
+    """Each role the map names is on one line of the map, and the first module that line names is imported and
+    does it (before, the test only looked for the phrases anywhere in the README)."""
     import importlib
 
-    text = (REPO / "README.md").read_text()
+    _, lines = _layout()
     for phrase, does_it in LAYOUT_ROLES.items():
-        lines = [line for line in text.splitlines() if phrase in line]
-        assert len(lines) == 1 and re.match(r"^  \S", lines[0]), (phrase, lines)  # one entry of the layout names it
-        name = lines[0].split()[0].rstrip("/").removesuffix(".py")
+        found = [line for line in lines if phrase in line]
+        assert len(found) == 1, (phrase, found)  # one room of the map names it
+        name = re.search(r"(\w+)(?:\.py\b|/)", found[0]).group(1)
         does_it(importlib.import_module(f"lowvram_grpo.{name}"), tmp_path / name)
 
 
@@ -109,9 +135,15 @@ def _range(values, digits: int = 2, same: bool = False) -> str:
     return low if low == high else f"{low}-{high}"
 
 
+FIRST_COMMAND = REPO / "bench" / "results" / "readme_first_command"
+
+
 def first_command_records() -> list[dict]:
-    """The README's first command as timed on each machine measured (bench/results/readme_first_command/)."""
-    return [json.loads(p.read_text()) for p in sorted((REPO / "bench" / "results" / "readme_first_command").glob("*.json"))]
+    """The README's first command as timed on each machine measured: a record per machine in
+    bench/results/readme_first_command/, or the one record of readme_first_command.json where there is no folder."""
+    if FIRST_COMMAND.is_dir():
+        return [json.loads(p.read_text()) for p in sorted(FIRST_COMMAND.glob("*.json"))]
+    return [json.loads(FIRST_COMMAND.with_suffix(".json").read_text())]
 
 
 def _readme_results() -> dict[str, str]:
@@ -165,3 +197,50 @@ def test_every_number_the_readme_states_comes_from_a_results_file():
         section = section.replace(squash(phrase), " ")
     left = set(re.findall(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?!\w)", section))  # not a name's (SmolLM2-135M)
     assert left <= SETTINGS, f"numbers in the README's section with no results file behind them: {sorted(left - SETTINGS)}"
+
+
+# --------------------------------------------------------------------------- the default job's time, wherever stated
+
+def default_job_times() -> dict[str, str]:
+    """The default job's GRPO step and whole run (the README's first command, `python -m lowvram_grpo.run`) as docs/
+    and presets/ state them: ranges over the machines measured, '17.3-24.5 s a GRPO step', '18-28 minutes'."""
+    first = first_command_records()
+    assert {r["preset"] for r in first} == {"smollm2_cpu"} and first
+    return {"step": _range([r["grpo_train_seconds"] / r["grpo_steps"] for r in first], 1) + " s a GRPO step",
+            "minutes": _range([r["run_total_seconds"] / 60 for r in first], 0) + " minutes"}
+
+
+# where each file states the default job's time today: how many times each phrase of default_job_times() stands there
+STATED_TIMES = {"docs/results.md": 3, "presets/smollm2_cpu.yaml": 1}
+# how the default job's time was stated before the records: none may come back (each was contradicted by them)
+STALE_TIMES = [r"~1[1-8](?:\.\d)? s/step on 2 cores", r"48 GRPO steps of ~[\d.]+ s", r"fits? in 15 minutes",
+               r"the 15 minutes the job", r"the job: ~\d+ minutes", r"\(~\d+ minutes on\s+2 cores"]
+# the older code's times the docs keep, each tied to its own results file (bench/results/seeds.json, code 8ae5c13)
+SEEDS_MINUTES = "About 13\nminutes a run then (`bench/results/seeds.json`"
+
+
+def _flat(path: Path) -> str:
+    """The file's text with line breaks (and a YAML comment's `#` on the next line) as one space."""
+    return re.sub(r"\s*\n\s*(?:#\s*)?", " ", path.read_text())
+
+
+def test_the_default_jobs_time_stated_in_docs_and_presets_is_the_measured_one():
+    """docs/results.md and the smollm2_cpu preset state the default job's GRPO step and whole-run time as the range
+    over bench/results/readme_first_command/'s machines; no file of docs/, presets/ or the README states it the old
+    way (before: docs/results.md said 48 steps of ~11.5 s fit 15 minutes, the preset ~17 s/step and ~18 minutes,
+    where the records say 17.3-24.5 s and 18-28 minutes); the older code's ~13 minutes is seeds.json's."""
+    times = default_job_times()
+    for name, count in STATED_TIMES.items():
+        text = _flat(REPO / name)
+        for what, phrase in times.items():
+            assert text.count(phrase) == count, f"{name} states the default job's {what} as {phrase!r} {count} times"
+        assert text.count(f"{times['step']}") == text.count(f"{times['minutes']}")
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "presets").glob("*.yaml"))]:
+        text = _flat(path)
+        for stale in STALE_TIMES:
+            assert not re.search(stale, text), f"{path.relative_to(REPO)}: {re.search(stale, text).group(0)!r} is not what " \
+                                               f"the records say ({times['step']}, {times['minutes']})"
+        for step in re.findall(r"([\d.]+-[\d.]+) s a GRPO step", text):  # a range of step times is the default job's
+            assert f"{step} s a GRPO step" == times["step"], (path.name, step)
+    totals = [r["total_seconds"] / 60 for r in SEEDS]
+    assert round(sum(totals) / len(totals)) == 13 and squash_ws(SEEDS_MINUTES) in squash_ws((REPO / "docs" / "results.md").read_text())
