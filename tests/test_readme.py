@@ -244,3 +244,20 @@ def test_the_default_jobs_time_stated_in_docs_and_presets_is_the_measured_one():
             assert f"{step} s a GRPO step" == times["step"], (path.name, step)
     totals = [r["total_seconds"] / 60 for r in SEEDS]
     assert round(sum(totals) / len(totals)) == 13 and squash_ws(SEEDS_MINUTES) in squash_ws((REPO / "docs" / "results.md").read_text())
+
+
+def test_the_presets_levers_figures_are_levers_r1s():
+    """The smollm2_cpu preset's reason for 2 prompts a step (held-out +7 points against -1 with 1 prompt, 11.8 s a step
+    against 7.0) is bench/results/levers-r1.json's two_prompts_heavy against correct_heavy: another job (30 GRPO steps
+    from one priming, code cdecca7) than the default job's time two comments below."""
+    levers = {r["variant"]: r for r in json.loads((REPO / "bench" / "results" / "levers-r1.json").read_text())}
+    two, one = levers["two_prompts_heavy"], levers["correct_heavy"]
+    points = [round(100 * (r["after"]["accuracy_strict"] - r["primed"]["accuracy_strict"])) for r in (two, one)]
+    phrase = (f"{points[0]:+d} points in {two['grpo_steps']} steps with 2 prompts vs {points[1]:+d} with 1, "
+              f"at {two['s_per_step']:.1f} s a step there vs {one['s_per_step']:.1f}")
+    assert phrase in _flat(REPO / "presets" / "smollm2_cpu.yaml"), phrase
+
+
+def test_the_readme_stays_short():
+    """Issue 43: at most 170 lines, newcomer first (it was 201 with a line a module in the layout)."""
+    assert len((REPO / "README.md").read_text().splitlines()) <= 170
