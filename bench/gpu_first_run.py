@@ -316,7 +316,7 @@ def build_checkpoint(shape, directory: Path, log=print) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    from lowvram_grpo.memory import model_shape
+    from lowvram_grpo.model_shapes import model_shape
 
     directory = Path(directory)
     if (directory / "config.json").is_file() and _same_shape(model_shape(str(directory)), shape):
@@ -794,7 +794,7 @@ def settle(args):
     written: the preset with the kit's data settings, its model's shape, the variants in the order they run."""
     from lowvram_grpo.config import load_config
     from lowvram_grpo.errors import ConfigError
-    from lowvram_grpo.memory import model_shape
+    from lowvram_grpo.model_shapes import model_shape
 
     config = load_config(args.preset, DATA)
     shape = model_shape(config.model.name)  # a PlanError names the shapes it knows

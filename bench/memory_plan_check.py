@@ -141,7 +141,8 @@ def measure(case: str) -> dict:
     from lowvram_grpo.resolve import resolve
     from lowvram_grpo.config import load_config
     from lowvram_grpo.data import drop_long_prompts, load_questions, to_prompt_rows
-    from lowvram_grpo.memory import activation_bytes_per_token_layer, plan
+    from lowvram_grpo.memory import plan
+    from lowvram_grpo.memory_plan_terms import activation_bytes_per_token_layer
     from lowvram_grpo.training import build_trainer
 
     torch.set_num_threads(1)

@@ -34,7 +34,7 @@ EVAL_TO_TRAIN_WARNING = 5  # warn when evaluation generates this many times the 
 def _context_length(name: str) -> Optional[int]:
     """The model's own context (max_position_embeddings) where it is known without loading: a local
     checkpoint's config.json, or the shape table (memory.py) for the built-ins and known hub models."""
-    from .memory import local_model_config, model_shape
+    from .model_shapes import local_model_config, model_shape
 
     try:
         raw = local_model_config(name)
@@ -47,7 +47,7 @@ def _context_length(name: str) -> Optional[int]:
 
 def _architecture(name: str) -> Optional[str]:
     """'llama' when the model is known to have Llama-style module names without loading it, else None."""
-    from .memory import local_model_config, model_shape
+    from .model_shapes import local_model_config, model_shape
 
     try:
         raw = local_model_config(name)
@@ -218,7 +218,7 @@ def before_load(config) -> None:
     check_init_adapter(config)
     check_lengths(config, _context_length(config.model.name))
     if _architecture(config.model.name) == "llama":
-        from .memory import model_shape
+        from .model_shapes import model_shape
 
         check_lora(config, model_shape(config.model.name).linear_dims())
 

@@ -370,7 +370,8 @@ def plan_lines(resolved, facts: CudaFacts) -> list[Line]:
     max_model_len it starts vLLM with comes from the free and total memory (unsloth_sizing.vllm_budget)."""
     from .errors import PlanError
     from .hardware import with_memory
-    from .memory import format_plan, plan, with_settings
+    from .memory import format_plan, plan
+    from .memory_fit import with_settings
     from .resolve import resolve
 
     card = facts.cards[0]
@@ -406,7 +407,7 @@ def plan_lines(resolved, facts: CudaFacts) -> list[Line]:
     if vllm:
         lines.extend(vllm_length_lines(planned, p.shape, card))
     if resolved.generation == "vllm":  # our engine starts after the trainer loaded and asks for its own share
-        from .memory import engine_gpu_memory_utilization
+        from .memory_plan_terms import engine_gpu_memory_utilization
 
         engine_util = engine_gpu_memory_utilization(p.shape, planned, card.total_bytes / GIB)
         demand = engine_util * card.total_bytes + p.terms["weights"].bytes + p.terms["cuda"].bytes
@@ -463,7 +464,8 @@ def download_need(resolved) -> tuple[int, Optional[Path], str]:
     unsloth backend with a 4-bit base downloads unsloth's pre-quantized twin, anything else the 16-bit
     weights), or a built-in model not built yet; 0 for a local checkpoint or a cached one."""
     from .builtin_models import is_builtin
-    from .memory import NF4_BYTES_PER_PARAM, model_shape
+    from .memory_plan_terms import NF4_BYTES_PER_PARAM
+    from .model_shapes import model_shape
     from .model_cache import cache_dir
 
     name = resolved.config.model.name
@@ -492,7 +494,8 @@ def checkpoint_bytes(resolved) -> int:
     """Disk a run's checkpoints take at most: train.keep_checkpoints (+1 while the next is written) of LoRA
     weights (fp32; twice with TRL's frozen 'ref' copy when train.beta > 0 on the hf backend), the optimizer
     state, plus adapter/ and primed_adapter/."""
-    from .memory import OPTIMIZER_BYTES_PER_PARAM, lora_param_count, model_shape
+    from .memory_plan_terms import OPTIMIZER_BYTES_PER_PARAM, lora_param_count
+    from .model_shapes import model_shape
 
     config = resolved.config
     lora = lora_param_count(model_shape(config.model.name), config)
@@ -543,7 +546,8 @@ def diagnose(preset: Optional[str], overrides: list[str], backend: str = "auto",
     from .config import load_config
     from .errors import PlanError, ResolveError
     from .hardware import ANY_GPU, detect
-    from .memory import default_preset, plan
+    from .memory import plan
+    from .memory_fit import default_preset
     from .resolve import resolve
 
     lines: list[Line] = []

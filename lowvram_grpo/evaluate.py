@@ -117,7 +117,7 @@ def build_config(args, columns: list[Column], without_tools: bool = False):
         overrides.append(f"data.eval_size={args.limit}")
     source = args.preset or run_config_path(columns)
     if source is None:
-        from .memory import default_preset
+        from .memory_fit import default_preset
 
         source = default_preset()
     return load_config(str(source), overrides)

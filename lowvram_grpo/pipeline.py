@@ -42,7 +42,7 @@ from .config import RunConfig, check_trackers_installed
 from .data import drop_long_prompts, load_questions, prompt_text, prompt_tokens, to_prompt_rows
 from .errors import ConfigError, DataError, EngineStopped, Interrupted, LowvramError, RewardError, TrainingStopped
 from .hardware import detect
-from .memory import OOM_PHASES
+from .oom import OOM_PHASES
 from .resolve import resolve as resolve_settings
 from .reward_models import load_reward_models
 from .rewards import check_rewards
@@ -241,7 +241,7 @@ class GRPORun:
     def _failures_reported(self, phase: str):
         """What only a GPU or the vLLM engine raises, in `phase`, as one line that says what is kept and how
         to go on: a CUDA out-of-memory (memory.py), the vLLM engine's process dying (OutOfMemory, EngineStopped)."""
-        from .memory import out_of_memory_reported
+        from .oom import out_of_memory_reported
 
         with out_of_memory_reported(self.memory_plan, self.config, self.run_dir, phase, adapter=self.adapter_dir):
             try:

@@ -97,7 +97,8 @@ def resume_run(args, restart: bool = False) -> int:
 def auto_fit(resolved):
     """--auto-fit: the settings re-resolved with the memory plan's suggestions applied, saying which."""
     from .errors import ConfigError
-    from .memory import apply_suggestions, plan
+    from .memory import plan
+    from .memory_fit import apply_suggestions
 
     config, card = resolved.config, resolved.vram_gib
     if card is None:
@@ -155,7 +156,8 @@ def _main(args, restart: bool = False) -> int:
     from .config import load_config
     from .errors import ConfigError
     from .hardware import planning_hardware
-    from .memory import default_preset, plan_text
+    from .memory import plan_text
+    from .memory_fit import default_preset
     from .resolve import resolve
 
     if args.list_presets:

@@ -93,7 +93,7 @@ def test_the_stand_in_checkpoint_has_the_tables_shape_for_llama_and_qwen(tmp_pat
 
     from bench import gpu_first_run
     from bench.gpu_first_run import _same_shape, build_checkpoint
-    from lowvram_grpo.memory import ModelShape, model_shape
+    from lowvram_grpo.model_shapes import ModelShape, model_shape
 
     monkeypatch.setattr(gpu_first_run, "SHARD_BYTES", 100_000)
 

@@ -198,7 +198,9 @@ def test_hf_4bit_plan_counts_the_fp32_parts_prepare_model_for_kbit_training_make
     """Loaded for real in 4-bit on the CPU (bitsandbytes): every parameter that is not NF4 and not LoRA is
     fp32 after PEFT's prepare_model_for_kbit_training, as the plan now counts them."""
     from lowvram_grpo.backends import load_model
-    from lowvram_grpo.memory import NF4_BYTES_PER_PARAM, model_shape, plan
+    from lowvram_grpo.memory import plan
+    from lowvram_grpo.memory_plan_terms import NF4_BYTES_PER_PARAM
+    from lowvram_grpo.model_shapes import model_shape
 
     config = load_config("tiny", ["memory.load_in_4bit=true"])
     handle = load_model(resolve(config, detect(), "hf"))

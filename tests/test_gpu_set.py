@@ -266,7 +266,7 @@ def test_the_hf_backends_vllm_engine_arguments_validate_in_vllm(combos, tmp_path
     from lowvram_grpo.backends.base import SamplingParams
     from lowvram_grpo.backends.vllm import (engine_kwargs, eval_sampling_kwargs, rollout_sampling_kwargs,
                                                    settings_for)
-    from lowvram_grpo.memory import model_shape
+    from lowvram_grpo.model_shapes import model_shape
 
     checked = 0
     for preset, name, path, resolved in combos[0]:

@@ -107,7 +107,7 @@ def test_vllms_share_and_max_model_len_are_unsloth_zoos_run_on_the_installed_sou
     """For cards with and without memory taken by a display or another process, every utilization and length the
     presets use: our vllm_budget gives unsloth_zoo's utilization (a share of the FREE memory) and max_model_len
     (exact for Llama; Qwen2's q/k/v biases, which our shapes leave out, may move it by one 256-token block)."""
-    from lowvram_grpo.memory import model_shape
+    from lowvram_grpo.model_shapes import model_shape
     from lowvram_grpo.resolve import vllm_lora_rank
     from lowvram_grpo.unsloth_sizing import vllm_budget
 
@@ -131,7 +131,7 @@ def test_vllms_share_and_max_model_len_are_unsloth_zoos_run_on_the_installed_sou
 
 
 def test_our_unsloth_weight_estimate_is_unsloth_zoos_meta_device_count():
-    from lowvram_grpo.memory import model_shape
+    from lowvram_grpo.model_shapes import model_shape
     from lowvram_grpo.unsloth_sizing import unsloth_weight_bytes
 
     import torch

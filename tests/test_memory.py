@@ -1,6 +1,6 @@
-"""The memory plan (lowvram_grpo.memory): its arithmetic, the published figures it is checked against,
-its suggestions, the CLI's --dry-run / --vram / --auto-fit / --export, the OOM report, and the CUDA
-path's wiring at its boundary (the arguments built for GPU libraries; nothing here ran on a GPU)."""
+"""The memory plan (lowvram_grpo.memory, with model_shapes, memory_plan_terms, memory_fit and oom): its
+arithmetic, the published figures it is checked against, its suggestions, the CLI's --dry-run / --vram /
+--auto-fit / --export, the OOM report, and the CUDA path's wiring at its boundary (the arguments built for GPU libraries; nothing here ran on a GPU)."""
 import ast
 import dataclasses
 import importlib.util
@@ -15,8 +15,12 @@ import yaml
 from conftest import REPO, run_cli
 from lowvram_grpo.config import list_presets, load_config
 from lowvram_grpo.hardware import ANY_GPU, profile
-from lowvram_grpo.memory import (GIB, PlanError, apply_suggestions, format_plan, logits_bytes_held_whole,
-                                 model_shape, oom_message, plan, shape_from_config_json)
+from lowvram_grpo.errors import PlanError
+from lowvram_grpo.memory import format_plan, plan
+from lowvram_grpo.memory_fit import apply_suggestions
+from lowvram_grpo.memory_plan_terms import GIB, logits_bytes_held_whole
+from lowvram_grpo.model_shapes import model_shape, shape_from_config_json
+from lowvram_grpo.oom import oom_message
 from lowvram_grpo.resolve import resolve
 
 GPU_PRESETS = ["llama8b_4bit", "qwen3b_4bit", "qwen1_5b_4bit"]
@@ -279,7 +283,7 @@ def test_an_out_of_memory_while_generating_is_told_apart_from_the_training_step(
 
     from lowvram_grpo.backends.vllm.rollouts import TRLRollouts
     from lowvram_grpo.errors import OutOfMemory
-    from lowvram_grpo.memory import OOM_PHASES, oom_phase, out_of_memory_reported
+    from lowvram_grpo.oom import OOM_PHASES, oom_phase, out_of_memory_reported
     from lowvram_grpo.trl_compat import TRL_ROLLOUT_METHODS
 
     class OutOfMemoryOnUse:
@@ -487,8 +491,8 @@ def test_the_hf_backends_own_vllm_engine_is_planned_as_the_engine_asks_vllm():
     vLLM while the engine asked for ~0.3 GiB of KV cache, which vLLM then used instead, and counted G
     sequences where the engine asks for max(G, eval batch)."""
     from lowvram_grpo.backends.vllm import settings_for
-    from lowvram_grpo.memory import (KV_BLOCK_TOKENS, VLLM_PROCESS_BYTES, engine_kv_cache_bytes, engine_sequences,
-                                     engine_share_bytes)
+    from lowvram_grpo.memory_plan_terms import (KV_BLOCK_TOKENS, VLLM_PROCESS_BYTES, engine_kv_cache_bytes,
+                                                engine_sequences, engine_share_bytes)
 
     config = load_config("qwen1_5b_4bit", ["model.generation=vllm", "model.fast_inference=false"])
     with_vllm = planned(config, 22, backend="hf")
@@ -634,7 +638,7 @@ def test_priming_is_planned_with_its_own_optimizer_and_batch():
     """Priming (prime.steps > 0) runs before GRPO with vLLM loaded, a torch AdamW of its own (fp32 state, 8 bytes
     per LoRA parameter) and prime.batch_size examples of up to model.max_seq_length tokens. Defect: outside the
     plan; a T4 run with prime.batch_size=64 was planned to fit."""
-    from lowvram_grpo.memory import activation_bytes_per_token_layer, lora_param_count
+    from lowvram_grpo.memory_plan_terms import activation_bytes_per_token_layer, lora_param_count
 
     base = plan(resolve(load_config("llama8b_4bit", ["prime.steps=30"]), profile("t4")))
     peak, shape = base.priming, base.shape

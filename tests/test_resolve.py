@@ -156,7 +156,7 @@ def test_resolve_imports_no_torch():
 @pytest.mark.parametrize("hw, preset", [("cpu", "smollm2_cpu"), ("t4", "llama8b_4bit"), ("rtx4090", "llama8b_4bit"),
                                         ("rtx3060-12gb", "llama8b_4bit"), ("rtx4060-8gb", "qwen3b_4bit")])
 def test_without_a_preset_the_largest_that_fits_the_card_runs(hw, preset):
-    from lowvram_grpo.memory import default_preset
+    from lowvram_grpo.memory_fit import default_preset
 
     assert default_preset(profile(hw)) == preset
 

@@ -9,7 +9,8 @@ from lowvram_grpo.backends.vllm import CPU_HEAD_SIZES, VLLMEngineError, check_se
 from lowvram_grpo.backends.vllm.rollouts import _runs
 from lowvram_grpo.config import load_config
 from lowvram_grpo.hardware import profile
-from lowvram_grpo.memory import engine_kv_cache_bytes, model_shape, shape_from_config
+from lowvram_grpo.memory_plan_terms import engine_kv_cache_bytes
+from lowvram_grpo.model_shapes import model_shape, shape_from_config
 from lowvram_grpo.resolve import ResolveError, resolve
 from lowvram_grpo.run import main
 

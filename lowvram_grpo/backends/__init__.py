@@ -68,7 +68,8 @@ def check_export_fits_host(kind, model_name: str, available: "int | None" = None
     heavy when this machine's available RAM cannot hold them (a Colab T4 has ~12.7 GB; Llama-3.1-8B needs ~16)."""
     if kind != "merged16":
         return
-    from ..memory import PlanError, model_shape
+    from ..errors import PlanError
+    from ..model_shapes import model_shape
 
     try:
         needed = model_shape(model_name).params * 2

@@ -163,7 +163,7 @@ class TRLRollouts:
 def start_for_run(handle, log=print) -> TRLRollouts:
     """Start the engine for `handle`'s base checkpoint, make it the handle's generation engine (the
     before/after evaluation samples through it) and return the rollouts for build_trainer."""
-    from ...memory import shape_from_config
+    from ...model_shapes import shape_from_config
 
     config, resolved = handle.config, handle.resolved
     if isinstance(handle.engine, LocalVLLMEngine) and handle.engine.llm is not None:  # a handle trained before

@@ -59,7 +59,7 @@ def settings_for(resolved, shape, model_path: str) -> EngineSettings:
     (resolve.vllm_lora_rank), and exactly the memory the plan counts (memory.engine_*): the KV cache in
     bytes and, on CUDA, the engine's own share of the card as gpu_memory_utilization. `shape`: the
     model's memory.ModelShape (from the loaded model's config, so a hub id needs no local config.json)."""
-    from ...memory import engine_gpu_memory_utilization, engine_kv_cache_bytes, engine_sequences
+    from ...memory_plan_terms import engine_gpu_memory_utilization, engine_kv_cache_bytes, engine_sequences
 
     config, cuda = resolved.config, resolved.device == "cuda"
     return EngineSettings(
@@ -148,7 +148,7 @@ def check_run_servable(resolved) -> None:
         return
     from ...builtin_models import resolve_model_path
     from ...errors import BackendError
-    from ...memory import model_shape
+    from ...model_shapes import model_shape
 
     try:
         check_servable(model_shape(resolve_model_path(resolved.config.model.name)), resolved.device)
