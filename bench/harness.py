@@ -144,6 +144,18 @@ def run_cli(argv: list[str], log: Path, stdout: bool = False) -> "tuple[float, s
     return round(time.time() - started, 1), proc.stdout
 
 
+def seed_table_parser(module: str, doc: str, out: Path, root: Path) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """`python -m MODULE run --seed S [--root ROOT]` (one seed, each step only if its result is not there yet) and
+    `python -m MODULE table` (the docs' table from OUT/seed-*.json); the parser and its `run` subparser."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    one = sub.add_parser("run", help="run (or finish) one seed")
+    one.add_argument("--seed", type=int, required=True)
+    one.add_argument("--root", type=Path, default=root)
+    sub.add_parser("table", help=f"print the table from {out}/seed-*.json")
+    return parser, one
+
+
 def accuracy_cell(col: dict, key: str = "accuracy_strict") -> str:
     """`0.453 [0.37, 0.54]`: an accuracy and its 95 % interval."""
     lo, hi = col[f"{key}_ci"]

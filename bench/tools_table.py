@@ -17,12 +17,11 @@ paired changes), so `table` needs only the committed JSON.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
 
-from bench.harness import accuracy_cell, paired_cell, run_cli
+from bench.harness import accuracy_cell, paired_cell, run_cli, seed_table_parser
 from lowvram_grpo.evaluation import mcnemar_p, paired_change
 from lowvram_grpo.run_dir import RunDir
 
@@ -138,12 +137,7 @@ def _pooled(records: list[dict]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.tools_table", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="what", required=True)
-    one = sub.add_parser("run", help="run (or finish) one seed")
-    one.add_argument("--seed", type=int, required=True)
-    one.add_argument("--root", type=Path, default=Path("runs/tools"))
-    sub.add_parser("table", help="print the table from bench/results/tools/seed-*.json")
+    parser, _ = seed_table_parser("bench.tools_table", __doc__, OUT, Path("runs/tools"))
     args = parser.parse_args(argv)
     if args.what == "run":
         os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -16,12 +16,11 @@ default's after, seconds, steps, rollouts), so `table` needs only the committed 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
 
-from bench.harness import accuracy_cell, paired_cell, run_cli
+from bench.harness import accuracy_cell, paired_cell, run_cli, seed_table_parser
 from lowvram_grpo.evaluation import paired_change
 from lowvram_grpo.run_dir import RunDir
 
@@ -136,14 +135,9 @@ def table(records: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.variants_table", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="what", required=True)
-    one = sub.add_parser("run", help="run (or finish) one seed")
-    one.add_argument("--seed", type=int, required=True)
-    one.add_argument("--root", type=Path, default=Path("runs/variants"))
+    parser, one = seed_table_parser("bench.variants_table", __doc__, OUT, Path("runs/variants"))
     one.add_argument("--only", default="", help=f"comma-separated, among default, control, {', '.join(VARIANTS)}: "
                      "what to run this time (default: all); the default and the control always come first")
-    sub.add_parser("table", help="print the table from bench/results/variants/seed-*.json")
     args = parser.parse_args(argv)
     if args.what == "run":
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
