@@ -156,3 +156,14 @@ def test_importing_rewards_or_tools_loads_no_heavy_module():
         assert module in loaded
         heavy = sorted(m for m in loaded if m.split(".")[0] in HEAVY_PACKAGES or _off_limits(m))
         assert not heavy, f"importing {module} loads {heavy}"
+
+
+def test_the_memory_plan_stays_arithmetic():
+    """The plan's modules reach no trl_compat, backend or training by any import (the out-of-memory line, oom.py,
+    reads TRL's rollout frame names from trl_compat when a run runs out of memory: it is not part of the plan)."""
+    graph = import_graph()
+    plan_modules = ("lowvram_grpo.memory", "lowvram_grpo.memory_plan_terms", "lowvram_grpo.memory_fit",
+                    "lowvram_grpo.model_shapes")
+    reached = {m: sorted(n for n in _reachable(graph, m) if _off_limits(n)) for m in plan_modules}
+    assert reached == {m: [] for m in plan_modules}, reached
+    assert "lowvram_grpo.trl_compat" in graph["lowvram_grpo.oom"]
