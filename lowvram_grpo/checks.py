@@ -122,15 +122,9 @@ def check_init_adapter(config) -> None:
 def check_reward_names(config) -> None:
     """Every name in rewards.names is a built-in reward, a function of the rewards.module file, or a reward
     model; importing that file is where the user's code first runs (never when a config is built)."""
-    from . import rewards
+    from .user_code import of
 
-    try:
-        module = rewards.load_reward_module(config.rewards.module) if config.rewards.module else None
-        for name in config.rewards.names:
-            if not rewards.is_reward_model(name):
-                rewards.lookup_reward(name, module)
-    except rewards.RewardError as exc:
-        raise ConfigError(str(exc)) from None
+    of(config)  # looked up once for the run (user_code.load): an unknown name or a broken file is one line
     by = config.train.dynamic_sampling_reward
     if by is not None and by not in config.rewards.names:
         raise ConfigError(f"train.dynamic_sampling_reward must be one of the run's rewards.names "
@@ -155,14 +149,15 @@ def check_tools(config) -> None:
     if cap is not None and cap > budget:
         raise ConfigError(f"tools.max_tokens_per_turn={cap} is above train.max_completion_length={budget}, which "
                           f"caps the whole trajectory: set it at most {budget}, or null for {budget}")
-    functions = tools.selected_tools(config.tools)
     from transformers.utils.chat_template_utils import get_json_schema
 
-    named = list(zip(config.tools.names, [tools.bounded(fn, config.tools.timeout_seconds) for fn in functions]))
-    cls = tools.environment_class(config.environment)
+    from .user_code import of
+
+    user = of(config)  # the run's tools and environment, looked up once (user_code.load)
+    named = list(zip(config.tools.names, user.tool_functions()))
+    cls = user.environment
     if cls is not None:
-        probe = tools.build_environment(tools.bounded_environment(cls, config.tools.timeout_seconds),
-                                        config.environment.module)
+        probe = user.build_environment(user.bounded_environment())
         for name, _ in tools.environment_methods(type(probe)):
             clash = next((n for n, fn in named if fn.__name__ == name), None)
             if clash is not None:

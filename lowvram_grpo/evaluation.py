@@ -10,7 +10,7 @@ the trained adapter (`lora_request=handle.load_lora(saved)`), so the columns dif
 Reported per column:
 
 - `reward_mean`: the mean total reward, from the very reward functions and weights the trainer used
-  (`rewards.reward_functions(config.rewards)`: built-in ones and a `rewards.module` file's alike), called
+  (`user_code.of(config).reward_functions()`: built-in ones and a `rewards.module` file's alike), called
   with the keywords TRL passes (conversational prompts and completions, the dataset columns, completion
   ids, a trainer state at step 0 for every column, so a step-dependent reward is one yardstick);
 - `accuracy_strict`: the answer inside a closed <answer>...</answer> block is right;
@@ -39,7 +39,8 @@ from typing import Optional
 from . import host_memory, stops
 from . import answers
 from .backends.base import Completion, LoraRequest, ModelHandle, SamplingParams
-from .rewards import call_reward, completion_text, format_ok, reward_functions
+from .rewards import call_reward, completion_text, format_ok
+from .user_code import of as user_code_of
 
 METRICS = ("reward_mean", "accuracy_strict", "accuracy_lenient", "format_rate", "mean_completion_tokens")
 WITH_INTERVAL = ("accuracy_strict", "accuracy_lenient")
@@ -172,9 +173,9 @@ def _reward_keywords(rows: list[dict], completions: list[str], config, tokenizer
 
 def score(rows: list[dict], generated: list[Completion], config, reward_funcs=None, tokenizer=None) -> dict:
     """The summary numbers for completions of `rows`. `reward_funcs`: what the trainer was handed
-    (default: resolved from `config.rewards` the same way, `rewards.reward_functions`)."""
+    (default: the run's, `user_code.of(config).reward_functions()`)."""
     if reward_funcs is None:
-        reward_funcs = reward_functions(config.rewards)
+        reward_funcs = user_code_of(config).reward_functions()
     texts = [c.text for c in generated]
     prompts = [r["prompt"] for r in rows]
     # as TRL passes them: messages for chat prompts, plain text for TRL's standard (text) prompts

@@ -46,7 +46,8 @@ from .oom import OOM_PHASES
 from .resolve import resolve as resolve_settings
 from .reward_models import load_reward_models
 from .rewards import check_rewards
-from .tools import check_tool_prompts, prompt_tools, uses_tools
+from .tools import check_tool_prompts, uses_tools
+from .user_code import load as load_user_code
 from .run_dir import RunDir, resume_command
 from .stops import StopRequested
 
@@ -89,6 +90,7 @@ class GRPORun:
             self.run_dir.check_free(overwrite=existing == "overwrite")
         self.overwrite = existing == "overwrite"
         check_trackers_installed(config.train)
+        self.user = load_user_code(config)  # the user's reward, tool and environment files: imported and looked up once
         checks.before_load(config)  # settings that cannot work together (lengths, LoRA vs the model's shape)
         self.resolved = resolve_settings(config, hardware or detect(), backend, num_processes=_num_processes())
         check_export(export, self.resolved.backend)
@@ -100,7 +102,7 @@ class GRPORun:
         self.export_kind = export
         self.train_questions, self.eval_questions = load_questions(config.data)  # data in; fails before any write
         check_rewards(config.rewards, to_prompt_rows(self.train_questions, config.data.system_prompt),
-                      config.data.dataset or "built-in problems")  # each reward as TRL will call it, on this data
+                      config.data.dataset or "built-in problems", self.user.reward_fns)  # as TRL will call each, on this data
         if uses_tools(config):  # TRL runs tools for chat-message prompts only
             check_tool_prompts(to_prompt_rows(self.train_questions[:1], config.data.system_prompt),
                                config.data.dataset or "built-in problems")
@@ -161,7 +163,7 @@ class GRPORun:
             with stops.deferred("once the vLLM engine has started"):  # then it is closed, not left behind
                 self.rollouts = start_for_run(self.handle, self.log)  # also the handle's engine for evaluation
         self._check_prompts(self.handle.tokenizer)  # the loaded model's tokenizer decides which prompts are kept
-        tools = prompt_tools(self.config)  # their schemas (the environment's methods too) are in every prompt TRL renders
+        tools = self.user.prompt_tools()  # their schemas (the environment's methods too) are in every prompt TRL renders
         limit = self.config.train.max_prompt_length
         rows = to_prompt_rows(self.train_questions, self.config.data.system_prompt)
         self.train_rows, dropped = drop_long_prompts(rows, self.handle.tokenizer, limit, tools)
@@ -188,7 +190,7 @@ class GRPORun:
         if tokenizer is None:
             return
         checks.check_tool_template(self.config, tokenizer)
-        tools = prompt_tools(self.config)
+        tools = self.user.prompt_tools()
         limit = self.config.train.max_prompt_length
         rows = to_prompt_rows(self.train_questions, self.config.data.system_prompt)
         lengths = (prompt_tokens(tokenizer, row["prompt"], tools) for row in rows)

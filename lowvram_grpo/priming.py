@@ -34,7 +34,8 @@ from .data import Question, prompt_of
 from .errors import RunDirError
 from .rewards import xml_formatted
 from .run_dir import PRIME_STATE
-from .tools import calculator, prompt_tools, uses_tools
+from .tools import calculator, uses_tools
+from .user_code import of as user_code_of
 
 _ANNOTATION = re.compile(r"<<([^=<>]+)=[^<>]*>>")  # GSM8K's calculator annotations: <<48/2=24>>
 _NUMBER = r"\d+(?:\.\d+)?"
@@ -191,7 +192,7 @@ def prime(handle, questions: list[Question], config, log=print, max_seconds: Opt
         log("priming skipped: the training data has no worked solutions with gold answers")
         return {"steps": 0}
     model, tokenizer = handle.model, handle.tokenizer
-    tools = prompt_tools(config) if uses_tools(config) else None
+    tools = user_code_of(config).prompt_tools() if uses_tools(config) else None
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
     model.train()

@@ -402,25 +402,27 @@ def probe_reward(fn: RewardFn, name: str, row: Optional[dict] = None) -> None:
         raise RewardError(f"{exc} (called once on the first training row, as TRL will call it)") from None
 
 
-def check_rewards(rewards_config, rows: list[dict], source: str) -> None:
+def check_rewards(rewards_config, rows: list[dict], source: str, functions=None) -> None:
     """Before anything heavy: each configured reward against the run's training rows (RewardError): a
     built-in answer reward needs gold answers, a local reward model's folder must be there, and a user's
     function is called once on the first row."""
     try:
-        _check_rewards(rewards_config, rows, source)
+        _check_rewards(rewards_config, rows, source, functions)
     except RewardError as exc:  # bad input, refused before anything is written: exit 2
         raise ConfigError(str(exc)) from None
 
 
-def _check_rewards(rewards_config, rows: list[dict], source: str) -> None:
-    module = load_reward_module(rewards_config.module) if rewards_config.module else None
-    for name in rewards_config.names:
+def _check_rewards(rewards_config, rows: list[dict], source: str, functions=None) -> None:
+    """`functions`: (name, function) for rewards.names, already looked up (user_code.UserCode.reward_fns)."""
+    if functions is None:
+        module = load_reward_module(rewards_config.module) if rewards_config.module else None
+        functions = [(name, None if is_reward_model(name) else lookup_reward(name, module)) for name in rewards_config.names]
+    for name, fn in functions:
         if is_reward_model(name):
             folder = Path(name).expanduser()
             if name.startswith((".", "/", "~")) and not (folder / "config.json").is_file():
                 raise RewardError(f"reward model {name!r} in rewards.names: no model folder (config.json) there")
             continue
-        fn = lookup_reward(name, module)
         if name in NEEDS_GOLD and not any(row.get("answer") is not None for row in rows):
             columns = ", ".join(repr(k) for k in rows[0] if k != "prompt") or "none"
             raise RewardError(f"reward {name!r} needs gold answers and the data {source} gives none (its other columns: "
@@ -428,10 +430,3 @@ def _check_rewards(rewards_config, rows: list[dict], source: str) -> None:
                               "rewards.names (your own in rewards.module)")
         if fn is not REWARDS.get(name):
             probe_reward(fn, name, rows[0])
-
-
-def reward_functions(rewards_config, warn=None) -> list[RewardFn]:
-    """The configured rewards, in order, each wrapped by `guarded` (what TRL is handed)."""
-    module = load_reward_module(rewards_config.module) if rewards_config.module else None
-    return [guarded(lookup_reward(name, module), logged_name(name), rewards_config.on_error, warn)
-            for name in rewards_config.names]

@@ -15,20 +15,21 @@ import json
 from typing import Optional
 
 from .backends.base import Completion, LoraRequest, SamplingParams
-from .tools import bounded_environment, build_environment, environment_class, environment_methods, tool_functions
+from .tools import environment_methods
+from .user_code import of as user_code_of
 
 
 def _tools_for(config, rows: list[dict]) -> tuple[list[list], list[list[dict]]]:
     """Per row: the tools it may call and its conversation (an environment's reset text appended)."""
-    functions = tool_functions(config.tools)
-    cls = environment_class(config.environment)
-    bounded_cls = bounded_environment(cls, config.tools.timeout_seconds) if cls is not None else None
+    user = user_code_of(config)  # the run's tools and environment, looked up once (user_code.load)
+    functions = user.tool_functions()
+    bounded_cls = user.bounded_environment()
     tools, conversations = [], []
     for row in rows:
         messages = [dict(m) for m in row["prompt"]]
         found = list(functions)
         if bounded_cls is not None:
-            env = build_environment(bounded_cls, config.environment.module)
+            env = user.build_environment(bounded_cls)
             observation = env.reset(**row)
             if isinstance(observation, str) and isinstance(messages[-1].get("content"), str):
                 messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}

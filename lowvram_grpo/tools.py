@@ -304,17 +304,6 @@ def build_environment(cls: type, where: str):
                           f"it: {first_line(exc)}") from None
 
 
-def prompt_tools(config) -> list[Callable]:
-    """The tools a prompt renders (their schemas go into every prompt TRL renders): the bounded tools.names
-    functions, then the environment's tool methods, bound to a probe instance."""
-    found = tool_functions(config.tools)
-    cls = environment_class(config.environment)
-    if cls is not None:
-        probe = build_environment(bounded_environment(cls, config.tools.timeout_seconds), config.environment.module)
-        found += [getattr(probe, name) for name, _ in environment_methods(type(probe))]
-    return found
-
-
 def check_tool_prompts(rows: list[dict], source: str) -> None:
     """TRL runs tools only for conversational prompts (chat messages): text prompts are refused (ConfigError)."""
     if rows and isinstance(rows[0].get("prompt"), str):

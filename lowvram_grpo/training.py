@@ -29,10 +29,10 @@ from trl import GRPOConfig
 
 from .guards import NonFiniteGuard, StopOnSignal
 from .host_memory import ReleaseHostMemory
-from .rewards import reward_functions
 from .run_dir import RunDir
 from .tool_metrics import with_tool_use
-from .tools import bounded_environment, environment_class, environment_methods, tool_functions
+from .tools import environment_methods
+from .user_code import of as user_code_of
 from .signals import ALL_RIGHT_KEY, ALL_WRONG_KEY
 from .trl_compat import DynamicSampling, TrainerHooks, grpo_trainer_base, install_logprob_fallback, trainer_name
 
@@ -439,14 +439,14 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward
     install_logprob_fallback()  # TRL's log-prob kernel is Triton (GPU only): route CPU tensors to PyTorch
     asked = grpo_config_kwargs(handle.resolved, run_dir.path)
     asked.update(tool_config_kwargs(config.tools, bool(config.environment.name), asked["use_vllm"]))  # TRL's rounds
-    tools = tool_functions(config.tools)  # each call bounded in time, every answer text (tools.bounded)
-    environment = environment_class(config.environment)  # TRL builds it (one per concurrent rollout), methods bounded
-    environment = bounded_environment(environment, config.tools.timeout_seconds) if environment is not None else None
+    user = user_code_of(config)  # the run's callables, looked up once (user_code.load)
+    tools = user.tool_functions()  # each call bounded in time, every answer text (tools.bounded)
+    environment = user.bounded_environment()  # TRL builds it (one per concurrent rollout), methods bounded
     counted = tools + [fn for _, fn in environment_methods(environment)] if environment is not None else tools
     # each checked: one finite number per completion; correctness also logs all-right / all-wrong groups, and with
     # tools the first also logs the batch's tool use and keeps a transcript (tool_metrics.py)
     scored, tool_use = with_tool_use(
-        with_group_outcomes(reward_funcs or reward_functions(config.rewards), config.train.num_generations), counted)
+        with_group_outcomes(reward_funcs or user.reward_functions(), config.train.num_generations), counted)
     trainer = trainer_class()(
         model=handle.model,
         processing_class=handle.tokenizer,

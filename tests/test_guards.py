@@ -84,7 +84,8 @@ def user_rewards(tmp_path):
 def test_a_users_reward_file_is_loaded_probed_and_selectable_by_name(user_rewards, tmp_path, monkeypatch):
     from lowvram_grpo.data import load_questions, to_prompt_rows
     from lowvram_grpo.errors import ConfigError
-    from lowvram_grpo.rewards import check_rewards, load_reward_module, reward_functions
+    from lowvram_grpo.rewards import check_rewards, load_reward_module
+    from lowvram_grpo.user_code import load as load_user_code
 
     config = load_config("tiny", [f"rewards.module={user_rewards}", "rewards.names=[says_four, brevity]"])
     assert config.rewards.module == str(user_rewards)
@@ -114,7 +115,7 @@ def test_a_users_reward_file_is_loaded_probed_and_selectable_by_name(user_reward
     monkeypatch.undo()
 
     # selectable by name: what TRL is handed, in order, under the names it logs, scoring as the file says
-    says, brevity = reward_functions(config.rewards)
+    says, brevity = load_user_code(config).reward_functions()
     assert (says.__name__, brevity.__name__) == ("says_four", "brevity")
     chat = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
     assert says(prompts=["p", "p"], completions=[chat("<answer>4</answer>"), chat("<answer>5</answer>")]) == [1.0, 0.0]

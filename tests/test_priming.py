@@ -116,14 +116,15 @@ def test_priming_with_the_calculator_trains_on_transcripts_that_call_it(tiny_mod
     results (masked), the formatted answer (trained)."""
     from lowvram_grpo.priming import calculations, example_pieces
     from lowvram_grpo.rewards import xml_formatted
-    from lowvram_grpo.tools import calculator, prompt_tools
+    from lowvram_grpo.tools import calculator
+    from lowvram_grpo.user_code import of
 
     config = load_config("tiny", ["tools.names=[calculator]"])
     handle = load_model(resolve(config, detect(), "hf"))
     tok = handle.tokenizer
     train, _ = load_questions(config.data)
     question = next(q for q in train if len(calculations(q.solution)) == 2)  # a two-step problem: two calls
-    pieces = example_pieces(tok, question, config.data.system_prompt, prompt_tools(config))
+    pieces = example_pieces(tok, question, config.data.system_prompt, of(config).prompt_tools())
     assert [trained for _, trained in pieces] == [False, True, False, True]
     head, call, results, answer = (text for text, _ in pieces)
     assert "<tools>" in head and '"calculator"' in head and head.endswith("<|im_start|>assistant\n")
