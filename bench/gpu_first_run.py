@@ -4,7 +4,7 @@
     python -m bench.gpu_first_run --preset qwen1_5b_4bit --variants hf-nf4 --steps 2
     python -m bench.gpu_first_run --preset tiny                          # the same code on a CPU (the test suite)
 
-1. A random-weight checkpoint of the preset's model shape (memory.model_shape, the table the plan uses;
+1. A random-weight checkpoint of the preset's model shape (model_shapes.model_shape, the table the plan uses;
    memory and speed do not depend on the values) with a stand-in tokenizer of the model's vocabulary size
    (the tiny model's BPE, filled up to that size), in a temporary folder (`--model-dir` keeps it for reuse).
    The system prompt is padded so the longest prompt is just under train.max_prompt_length, and random
@@ -309,7 +309,7 @@ def stand_in_tokenizer(vocab: int):
 
 
 def build_checkpoint(shape, directory: Path, log=print) -> Path:
-    """A random bf16 checkpoint of `shape` (a memory.ModelShape) with the stand-in tokenizer, in `directory`;
+    """A random bf16 checkpoint of `shape` (a model_shapes.ModelShape) with the stand-in tokenizer, in `directory`;
     kept when one of this shape is there already. Written tensor by tensor in safetensors shards of at most
     SHARD_BYTES, so building Llama-3.1-8B's 16 GB needs ~2 GB of RAM (a Colab runtime has 12); on the CPU."""
     import torch

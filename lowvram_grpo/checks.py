@@ -14,7 +14,7 @@ and a value that works:
   tool calls (after).
 
 `before_load(config)` uses what is known without loading: the shape table or a local checkpoint's
-config.json (memory.model_shape) and the module names of the Llama/Qwen/Mistral family. `after_load`
+config.json (model_shapes.model_shape) and the module names of the Llama/Qwen/Mistral family. `after_load`
 checks the loaded model itself (any architecture), before get_peft_model and before anything is written.
 `surprises(config, n_train)` returns the warnings for legal settings a user probably did not mean.
 Pure Python; imports nothing heavy.
@@ -61,7 +61,7 @@ def _architecture(name: str) -> Optional[str]:
 
 def check_lengths(config, context: Optional[int]) -> None:
     t, m = config.train, config.model
-    need = t.max_prompt_length + t.max_completion_length
+    need = t.rollout_tokens
     if need > m.max_seq_length:
         raise ConfigError(
             f"train.max_prompt_length ({t.max_prompt_length}) + train.max_completion_length ({t.max_completion_length}) "
@@ -246,7 +246,7 @@ def surprises(config, n_train_available: Optional[int] = None) -> list[str]:
     evals = 0
     if config.eval.enabled:
         evals = config.data.eval_size * (3 if config.prime.steps > 0 else 2) * (1 + config.eval.samples)
-    trained = config.train.max_steps * (config.train.per_device_train_batch_size or config.train.num_generations) \
+    trained = config.train.max_steps * config.train.batch_size \
         * config.train.gradient_accumulation_steps
     if evals > EVAL_TO_TRAIN_WARNING * trained:
         extra = f" x (1 + eval.samples={config.eval.samples})" if config.eval.samples else ""

@@ -226,7 +226,13 @@ class TrainConfig:
 
     @property
     def batch_size(self) -> int:
+        """Completions per micro-step: per_device_train_batch_size, else one prompt's group (num_generations)."""
         return self.per_device_train_batch_size or self.num_generations
+
+    @property
+    def rollout_tokens(self) -> int:
+        """Prompt + completion: the longest sequence a rollout makes (model.max_seq_length must hold it)."""
+        return self.max_prompt_length + self.max_completion_length
 
     @property
     def generation_batch_size(self) -> int:
@@ -536,6 +542,12 @@ class RunConfig:
     prime: PrimeConfig = field(default_factory=PrimeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+
+    @property
+    def turn_tokens(self) -> int:
+        """Most new tokens of one tool-calling turn: tools.max_tokens_per_turn, else train.max_completion_length
+        (TRL's cap for each turn; its tool loop cuts the whole trajectory there either way)."""
+        return self.tools.max_tokens_per_turn or self.train.max_completion_length
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -378,7 +378,7 @@ def plan_lines(resolved, facts: CudaFacts) -> list[Line]:
     free = card.free_bytes / GIB
     config = with_settings(resolved.config, {"memory.vram_gb": None})
     util = config.memory.gpu_memory_utilization
-    vllm = resolved.generation == "unsloth_vllm"  # our own engine (generation vllm) sizes itself: memory.engine_*
+    vllm = resolved.generation == "unsloth_vllm"  # our own engine (generation vllm) sizes itself: memory_plan_terms.engine_*
     planned = resolve(config, with_memory(resolved.hardware, round(free, 2)), resolved.requested_backend,
                       resolved.num_processes)
     try:
@@ -427,7 +427,7 @@ def vllm_length_lines(resolved, shape, card: Card) -> list[Line]:
     config = resolved.config
     budget = vllm_budget(shape, config.memory.gpu_memory_utilization, card.free_bytes, card.total_bytes,
                          config.model.max_seq_length, resolved.vllm_max_lora_rank or config.lora.r, resolved.load_in_4bit)
-    need = config.train.max_prompt_length + config.train.max_completion_length
+    need = config.train.rollout_tokens
     text = (f"vLLM starts with gpu_memory_utilization {budget.utilization:.3f} ({budget.share_bytes / GIB:.1f} GiB) and "
             f"max_model_len {budget.max_model_len} (unsloth_zoo's KV-cache estimate holds {budget.kv_tokens} tokens)")
     if budget.max_model_len >= need:

@@ -91,7 +91,7 @@ class AdapterError(LowvramError, ValueError):
 
 
 class OutOfMemory(LowvramError, RuntimeError):
-    """CUDA ran out of memory during training; the message is memory.oom_message's one line."""
+    """CUDA ran out of memory during training; the message is oom.oom_message's one line."""
 
 
 class EngineStopped(LowvramError, RuntimeError):

@@ -86,12 +86,6 @@ def paired_change(start: dict, end: dict, key: str) -> Optional[tuple[int, int, 
     return gained, lost, mcnemar_p(gained, lost)
 
 
-def turn_tokens(config) -> int:
-    """Most new tokens of one turn when answering with tools: tools.max_tokens_per_turn, as in training, else
-    train.max_completion_length (TRL's cap for each turn)."""
-    return config.tools.max_tokens_per_turn or config.train.max_completion_length
-
-
 def protocol(config) -> dict:
     """How the held-out answers are decoded, as stored beside every column's numbers."""
     ev = config.eval
@@ -105,7 +99,7 @@ def protocol(config) -> dict:
         described["tools"] = {"names": list(config.tools.names), "environment": config.environment.name,
                               "max_turns": config.tools.max_turns}
         if config.tools.max_tokens_per_turn is not None:
-            described["tools"]["max_tokens_per_turn"] = described["max_tokens"] = turn_tokens(config)
+            described["tools"]["max_tokens_per_turn"] = described["max_tokens"] = config.turn_tokens
     return described
 
 
@@ -141,7 +135,7 @@ def generate_answers(handle: ModelHandle, rows: list[dict], config, lora_request
         batch = rows[start:start + ev.batch_size]
         params = SamplingParams(
             temperature=temperature, top_p=ev.top_p if temperature > 0 else 1.0,
-            max_tokens=turn_tokens(config) if with_tools else config.train.max_completion_length,
+            max_tokens=config.turn_tokens if with_tools else config.train.max_completion_length,
             seed=ev.seed + start,  # per batch, identical for before and after
         )
         if with_tools:

@@ -65,7 +65,7 @@ def _kv_text(p: MemoryPlan) -> str:
              else f"rollout {rollout} sequences, evaluation off")
     holds = "holds" if p.kv_cache_bytes >= p.kv_largest_bytes else "does NOT hold"
     return (f"vLLM's KV cache {max(p.kv_cache_bytes, 0) / GIB:.2f} GiB {holds} the {p.kv_decided_by} batch: "
-            f"{p.kv_sequences} sequences x {min(t.max_prompt_length + t.max_completion_length, p.config.model.max_seq_length)} "
+            f"{p.kv_sequences} sequences x {min(t.rollout_tokens, p.config.model.max_seq_length)} "
             f"tokens = {p.kv_largest_bytes / GIB:.2f} GiB (the larger batch decides: {other})")
 
 

@@ -310,7 +310,7 @@ class MemoryPlan:
     def rollout_tokens(self) -> int:
         """Prompt + completion tokens a rollout may take."""
         t = self.config.train
-        return t.max_prompt_length + t.max_completion_length
+        return t.rollout_tokens
 
     def short_max_model_len(self) -> Optional[str]:
         """A warning when unsloth_zoo starts vLLM with a max_model_len below prompt + completion, else None."""
@@ -340,7 +340,7 @@ class _Sizes:
 
 def _sizes(resolved) -> _Sizes:
     t, config = resolved.config.train, resolved.config
-    seq_len = min(t.max_prompt_length + t.max_completion_length, config.model.max_seq_length)
+    seq_len = min(t.rollout_tokens, config.model.max_seq_length)
     return _Sizes(batch=resolved.per_device_train_batch_size,
                   generation_batch=resolved.generation_batch_size // resolved.num_processes, seq_len=seq_len,
                   completion=min(t.max_completion_length, seq_len), compute_bytes=resolved.compute_bytes)

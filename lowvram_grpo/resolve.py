@@ -320,7 +320,7 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
     if generation == "vllm" and hardware.cuda:
         notes.append("model.generation=vllm: the engine asks vLLM for its KV cache in bytes (kv_cache_memory_bytes) and "
                      "passes its own share of the card as gpu_memory_utilization; memory.gpu_memory_utilization is unsloth's")
-    per_device = config.train.per_device_train_batch_size or config.train.num_generations
+    per_device = config.train.batch_size
     accumulation = config.train.gradient_accumulation_steps
     vram = config.memory.vram_gb if config.memory.vram_gb is not None else hardware.total_gib
     return Resolved(

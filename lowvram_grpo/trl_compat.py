@@ -31,7 +31,7 @@ one warning line. The reaches, and why each is needed:
   `_calculate_rewards(inputs, prompts, completions, completion_ids_list)` wrapped, so groups whose rewards are
   all equal are replaced by newly drawn groups with signal in the batch TRL trains on (its section below).
 - `TRL_ROLLOUT_METHODS`: the names of GRPOTrainer's private methods that generate and score the rollouts.
-  memory.oom_phase reads them in an out-of-memory traceback to tell the rollout from the training step;
+  oom.oom_phase reads them in an out-of-memory traceback to tell the rollout from the training step;
   `check_versions` refuses a TRL whose GRPOTrainer lacks one (its out-of-memory advice would be wrong).
 """
 from __future__ import annotations
@@ -209,9 +209,9 @@ def install_logprob_fallback() -> None:
     setattr(trl_utils, LOGPROB_ATTRIBUTE, ChunkedLogProbDispatch)
 
 
-# --------------------------------------------------------------------------- TRL's rollout methods (memory.oom_phase)
+# --------------------------------------------------------------------------- TRL's rollout methods (oom.oom_phase)
 # TRL 1.15's private GRPOTrainer methods that generate and score the rollouts: an out-of-memory raised inside one
-# of them is the rollout's, not the training step's (memory.oom_phase matches these names against the frames of
+# of them is the rollout's, not the training step's (oom.oom_phase matches these names against the frames of
 # the traceback; unsloth's generated trainer keeps TRL's method names). check_versions refuses a TRL that lacks
 # one; tests/test_memory.py raises inside the real methods.
 TRL_ROLLOUT_METHODS = ("_generate_and_score_completions", "_generate", "_generate_single_turn")

@@ -279,7 +279,7 @@ def test_a_max_model_len_unsloth_shrinks_below_prompt_plus_completion_is_a_warni
 
 
 def test_the_hf_backends_own_engine_blocks_when_its_share_is_not_free_beside_the_trainer():
-    """Our engine passes its own share as gpu_memory_utilization (memory.engine_gpu_memory_utilization) and starts
+    """Our engine passes its own share as gpu_memory_utilization (memory_plan_terms.engine_gpu_memory_utilization) and starts
     after the trainer loaded: a T4 with 2 GiB free cannot hold both."""
     ours = _resolved("qwen1_5b_4bit", "t4", ["model.generation=vllm"], backend="hf")
     assert not any(line.text.startswith("the vLLM engine asks") for line in plan_lines(ours, facts(card("Tesla T4", (7, 5), 14.7, 14.0))))

@@ -86,7 +86,7 @@ def test_the_capped_run_ends_with_the_out_of_memory_line_and_resume_finishes_it(
 
 
 def test_the_stand_in_checkpoint_has_the_tables_shape_for_llama_and_qwen(tmp_path, monkeypatch):
-    """build_checkpoint writes config.json through transformers' own config classes; memory.model_shape
+    """build_checkpoint writes config.json through transformers' own config classes; model_shapes.model_shape
     reads it back (as the plan reads any local checkpoint) and it equals the table's shape. Shards of at
     most SHARD_BYTES (small here, so there are several) load as one model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

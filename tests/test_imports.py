@@ -167,3 +167,39 @@ def test_the_memory_plan_stays_arithmetic():
     reached = {m: sorted(n for n in _reachable(graph, m) if _off_limits(n)) for m in plan_modules}
     assert reached == {m: [] for m in plan_modules}, reached
     assert "lowvram_grpo.trl_compat" in graph["lowvram_grpo.oom"]
+
+
+# Values derived from several settings are computed in one place (config.py's properties, resolve.py), never again
+# where they are used: prompt + completion (TrainConfig.rollout_tokens), the batch default
+# (TrainConfig.batch_size), the per-turn cap (RunConfig.turn_tokens).
+DERIVED_HOMES = {"config.py", "resolve.py"}
+
+
+def _attr(node) -> str:
+    return node.attr if isinstance(node, ast.Attribute) else ""
+
+
+def _derivations(tree) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and \
+                {_attr(node.left), _attr(node.right)} == {"max_prompt_length", "max_completion_length"}:
+            found.append((node.lineno, "max_prompt_length + max_completion_length: use train.rollout_tokens"))
+        if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
+            names = {_attr(v) for v in node.values}
+            if "per_device_train_batch_size" in names:
+                found.append((node.lineno, "per_device_train_batch_size or ...: use train.batch_size"))
+            if "max_tokens_per_turn" in names:
+                found.append((node.lineno, "max_tokens_per_turn or ...: use config.turn_tokens"))
+    return found
+
+
+def test_derived_settings_are_computed_only_where_they_are_decided():
+    offenders = [f"{path.relative_to(REPO)}:{line}: {what}"
+                 for path in sorted((REPO / "lowvram_grpo").rglob("*.py")) if path.name not in DERIVED_HOMES
+                 for line, what in _derivations(ast.parse(path.read_text()))]
+    assert not offenders, "\n".join(offenders)
+    # the check sees what it looks for
+    sample = "need = t.max_prompt_length + t.max_completion_length\nb = c.per_device_train_batch_size or c.num_generations\n" \
+             "cap = config.tools.max_tokens_per_turn or config.train.max_completion_length\n"
+    assert [line for line, _ in _derivations(ast.parse(sample))] == [1, 2, 3]

@@ -46,7 +46,7 @@ def test_private_reaches_live_only_here():
 
 
 def test_the_rollout_methods_oom_phase_names_are_trls_own(monkeypatch):
-    """memory.oom_phase tells a rollout's out-of-memory by these names (tests/test_memory.py raises inside
+    """oom.oom_phase tells a rollout's out-of-memory by these names (tests/test_memory.py raises inside
     them): each is a method TRL's GRPOTrainer defines, and a TRL without one is refused with the fix."""
     import trl
 

@@ -37,7 +37,7 @@ Choices, and why:
   `sync_every` or more steps old (or none was synced yet), a new version is synced. The version and
   the step it was taken at are logged per step (`vllm/adapter_version`, `vllm/adapter_step`).
 - The KV cache is sized from the run (max(rollout batch, eval batch) sequences x max_model_len, rounded
-  up to vLLM's 32-token blocks, x the loaded model's bytes per token: memory.engine_kv_cache_bytes, the
+  up to vLLM's 32-token blocks, x the loaded model's bytes per token: memory_plan_terms.engine_kv_cache_bytes, the
   function the memory plan counts), passed as `kv_cache_memory_bytes` (on CPU what
   VLLM_CPU_KVCACHE_SPACE sets, in whole GiB; a VLLM_CPU_KVCACHE_SPACE in the environment is removed
   while the engine starts so the config decides). Without it vLLM reserves `gpu_memory_utilization`
@@ -53,7 +53,7 @@ Choices, and why:
   not be the policy.
 - GPU (not run here: no GPU was lent): with kv_cache_memory_bytes set, vLLM 0.31 sizes nothing from
   `gpu_memory_utilization` but refuses to start unless that share of the card is free; the engine
-  passes its own share (memory.engine_gpu_memory_utilization), so that check asks whether it fits
+  passes its own share (memory_plan_terms.engine_gpu_memory_utilization), so that check asks whether it fits
   beside the trainer loaded before it. Sleep mode
   (`enable_sleep_mode`): after each rollout `llm.sleep(level=1)` moves vLLM's weights to CPU RAM and
   drops its KV cache, `wake_up()` before the next, so the training pass has the card.

@@ -1,5 +1,5 @@
 """What the hf backend's vLLM engine is started with, decided before it starts: the settings (from the
-resolved run and the model's shape, sized as the memory plan counts: memory.engine_*), vLLM's `LLM(...)`
+resolved run and the model's shape, sized as the memory plan counts: memory_plan_terms.engine_*), vLLM's `LLM(...)`
 and `SamplingParams` arguments, and the models vLLM's CPU build cannot serve. No vLLM import."""
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class EngineSettings:
 
 
 def check_servable(shape, device: str) -> None:
-    """Refuse, before starting anything, a model (memory.ModelShape) vLLM's CPU attention has no kernel for."""
+    """Refuse, before starting anything, a model (model_shapes.ModelShape) vLLM's CPU attention has no kernel for."""
     if device != "cpu":
         return
     if shape.dim_per_head not in CPU_HEAD_SIZES:
@@ -56,9 +56,9 @@ def check_servable(shape, device: str) -> None:
 
 def settings_for(resolved, shape, model_path: str) -> EngineSettings:
     """The engine settings for a run: rollout and eval batches, lengths, the LoRA rank vLLM takes
-    (resolve.vllm_lora_rank), and exactly the memory the plan counts (memory.engine_*): the KV cache in
+    (resolve.vllm_lora_rank), and exactly the memory the plan counts (memory_plan_terms.engine_*): the KV cache in
     bytes and, on CUDA, the engine's own share of the card as gpu_memory_utilization. `shape`: the
-    model's memory.ModelShape (from the loaded model's config, so a hub id needs no local config.json)."""
+    model's model_shapes.ModelShape (from the loaded model's config, so a hub id needs no local config.json)."""
     from ...memory_plan_terms import engine_gpu_memory_utilization, engine_kv_cache_bytes, engine_sequences
 
     config, cuda = resolved.config, resolved.device == "cuda"
