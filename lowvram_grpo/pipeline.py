@@ -500,9 +500,9 @@ class GRPORun:
         from .model_card import write_card
         from .report import write_report
 
+        card = write_card(self.run_dir.path, summary)  # README.md, over TRL's; before the report, which a stop may cut
         self._enter("report")
         report = write_report(self.run_dir.path)  # report.md + plots from metrics.jsonl and summary.json
-        card = write_card(self.run_dir.path, summary)  # README.md, over the card TRL's trainer wrote
         self.log(f"\nadapter: {self.adapter_dir}\nsummary: {self.run_dir.file('summary.json')}\nreport:  {report}"
                  f"\ncard:    {card}")
         self.release()

@@ -173,7 +173,9 @@ class RunDir:
         `--overwrite`, at the new run's first write."""
         if not self.writer or not self.path.is_dir():
             return
-        doomed = [self.path / name for name in (CONFIG, SUMMARY, METRICS, REPORT, ADAPTER, PRIMED_ADAPTER, "runs", *PLOT_FILES)]
+        doomed = [self.path / name for name in (CONFIG, SUMMARY, METRICS, REPORT, ADAPTER, PRIMED_ADAPTER, "runs", *PLOT_FILES,
+                                                 "README.md")]  # the run's model card (TRL's, then model_card.py's)
+        doomed += list(self.path.glob("vllm_gen_lora*"))  # unsloth's rollout LoRA folder, moved here after training
         doomed += [p for _, p in self.checkpoint_dirs() + self.prime_checkpoint_dirs()] + list(self.path.glob("export-*"))
         doomed += list(self.path.glob(f"{STAGING_PREFIX}*")) + list(self.path.glob(".adapter.*")) + list(self.path.glob(".primed_adapter.*"))
         for path in doomed:

@@ -54,6 +54,7 @@ def test_overwrite_replaces_only_the_runs_own_files(tiny_run, tmp_path):
     (out / "notes.txt").write_text("mine")  # the user's own file in the folder
     shutil.copytree(out / "adapter", out / "checkpoint-99")  # a stale checkpoint --resume must never pick up later
     (out / ".checkpoint-staging-1-x").mkdir()
+    (out / "README.md").write_text("the old run's card")  # the run's model card goes with the run
     proc = run_cli("--preset", "tiny", "--max-steps", "1", "--set", "eval.enabled=false", "--overwrite",
                    "--output-dir", str(out), env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -63,6 +64,7 @@ def test_overwrite_replaces_only_the_runs_own_files(tiny_run, tmp_path):
     assert "max_steps: 1" in (out / "config.yaml").read_text()
     assert not (out / "checkpoint-99").exists() and not (out / ".checkpoint-staging-1-x").exists()
     assert (out / "notes.txt").read_text() == "mine"
+    assert "old run" not in (out / "README.md").read_text() and "builtin:tiny" in (out / "README.md").read_text()
 
 
 # A reward that, from the second step on, touches MARKER and waits for RELEASE, so the run is mid-training

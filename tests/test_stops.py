@@ -253,6 +253,8 @@ def test_report(tmp_path, signum):
     proc, marker = _paused(tmp_path, [*TINY, *NO_EVAL, "--output-dir", str(out)], "lowvram_grpo.report:write_report")
     line = _stop(proc, tmp_path, signum, marker)
     assert "while writing the report: the run is complete" in line, line
+    card = (out / "README.md").read_text()  # the run's model card is written before the report, not TRL's left behind
+    assert "builtin:tiny" in card and "huggingface.co/None" not in card
     assert line.endswith(f"write its report with: python -m lowvram_grpo.report {out}")
     assert RunDir(out).locked_by() is None
     _goes_on(line, "write its report with:")
