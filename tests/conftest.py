@@ -9,6 +9,9 @@ tiny Llama and SmolLM2. None of those is replaced. What stands in for what, prec
   hardware.BF16_MIN_COMPUTE_CAPABILITY is raised to show the doctor reads the one rule (test_doctor);
 - GPU-only failures: tests/inject_failures.py raises CUDA's own out-of-memory error from inside a real
   forward or generate (nothing of the package patched); test_memory raises it inside TRL's real methods;
+  tests/sm75_vllm_start.py gives the pinned unsloth_zoo load_vllm and vLLM a T4's readings (torch.cuda, vLLM's
+  CUDA platform, an empty `vllm._C_stable_libtorch`, a CUDA toolkit's files) and stands in for unsloth's GPU loader
+  and vLLM's engine past the sampler's FlashInfer check (test_gpu_wheels; each injection named there);
 - failures of real libraries, injected where they happen: math-verify's parse/verify raising
   (test_answers), another TRL version string or a missing Trainer method (test_trl_compat), a missing wheel
   (find_spec, test_smollm2), a filesystem without renameat2 (lora_io._exchange_paths, test_resume), a package

@@ -193,8 +193,9 @@ def test_unsloth_asks_for_flashinfers_sampler_below_sm80_which_vllm_refuses_and_
 
 
 def test_a_failure_inside_unsloths_vllm_start_is_one_line_and_other_load_errors_stay_as_they_are(tmp_path):
-    """The exception the real load_vllm raises (here: no usable vLLM on this CPU; on a T4 the FlashInfer RuntimeError,
-    both from inside load_vllm) becomes EngineStopped's one line with the way on; a model loader's own error does not."""
+    """The exception the real load_vllm raises where nothing is injected (on this CPU: its "vLLM is required"
+    ImportError, as unsloth's import blocked the vLLM whose CUDA kernels cannot load here) becomes EngineStopped's one
+    line with the way on; a model loader's own error does not. The T4's FlashInfer RuntimeError: the tests below."""
     import unsloth  # noqa: F401  (before unsloth_zoo, as the backend imports it)
     from transformers import AutoConfig
     from unsloth_zoo.vllm_utils import load_vllm
@@ -221,6 +222,70 @@ def test_a_failure_inside_unsloths_vllm_start_is_one_line_and_other_load_errors_
     with pytest.raises(OSError) as other:  # the model's own loading: not the engine's
         AutoConfig.from_pretrained(str(tmp_path / "no-model"))
     assert vllm_start_failure(other.value) is None
+
+
+SM75_START = REPO / "tests" / "sm75_vllm_start.py"
+# What tests/sm75_vllm_start.py injects, each named there with why a CPU lacks it: a new one must be added here too.
+SM75_INJECTED = ["vllm._C_stable_libtorch", "torch.cuda readings", "unsloth_zoo DEVICE_TYPE", "vllm current_platform",
+                 "vllm HAS_TRITON", "CUDA toolkit layout", "vllm.LLM", "unsloth GPU loader"]
+SAMPLER_SOURCE = os.path.join("vllm", "v1", "sample", "ops", "topk_topp_sampler.py")
+FLASHINFER_ON_SM75 = ("FlashInfer top-p/top-k sampling unavailable: unsupported compute capability 7.5. "
+                      "Unset VLLM_USE_FLASHINFER_SAMPLER=1.")
+
+
+def _sm75_start(mode: str) -> dict:
+    """tests/sm75_vllm_start.py MODE in a process of its own (its injections precede unsloth's import), without the
+    two FlashInfer variables of this environment: the load decides them."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("UNSLOTH_VLLM_NO_FLASHINFER", "VLLM_USE_FLASHINFER_SAMPLER")}
+    proc = subprocess.run([sys.executable, str(SM75_START), mode], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and results, (proc.stdout[-2000:], proc.stderr[-3000:])
+    result = json.loads(results[-1][len("RESULT "):])
+    assert result["injected"] == SM75_INJECTED
+    return result
+
+
+def test_on_a_t4_without_our_switch_the_real_load_vllm_fails_on_vllms_flashinfer_check_and_the_run_stops_in_one_line():
+    """Our load_model, the pinned load_vllm and vLLM 0.31's code, on a CPU with a T4's readings injected (what and why:
+    tests/sm75_vllm_start.py): without UNSLOTH_VLLM_NO_FLASHINFER, load_vllm sets VLLM_USE_FLASHINFER_SAMPLER=1 for
+    sm75, vLLM's config picks Model Runner V2, whose sampler check raises vLLM's RuntimeError from its own source;
+    load_vllm re-raises it, and load_model turns it into EngineStopped's one line naming the cause and the way on."""
+    result = _sm75_start("bypassed")
+    assert result["engine_environment"] == {} and result["outcome"] == "EngineStopped"
+    seen = result["seen"]
+    assert seen["sampler_env"] == "1" and seen["capability"] == "7.5"  # what load_vllm set; vLLM's CUDA platform
+    assert seen["v2"] is True and seen["logprobs_mode"] == "processed_logprobs"  # V1 would skip FlashInfer's check
+    assert "flashinfer" not in seen  # the check raised
+    vllm_raised = result["vllm_raised"]
+    assert vllm_raised["type"] == "RuntimeError" and vllm_raised["message"] == FLASHINFER_ON_SM75
+    assert vllm_raised["file"].endswith(SAMPLER_SOURCE) and vllm_raised["function"] == "flashinfer_sampler_supported"
+    unsloth_raised = result["load_vllm_raised"]
+    assert unsloth_raised["type"] == "RuntimeError" and unsloth_raised["message"] == FLASHINFER_ON_SM75
+    assert unsloth_raised["file"].endswith(os.path.join("unsloth_zoo", "vllm_utils.py")) and unsloth_raised["function"] == "load_vllm"
+    error = result["error"]
+    assert "\n" not in error
+    assert error.startswith("unsloth could not start vLLM for model.fast_inference on Tesla T4 (sm75): RuntimeError: "
+                            + FLASHINFER_ON_SM75 + "; ")
+    assert ("unsloth_zoo's load_vllm sets VLLM_USE_FLASHINFER_SAMPLER=1 itself, so unsetting it does not help: set "
+            "UNSLOTH_VLLM_NO_FLASHINFER=1 in the environment to keep vLLM's FlashInfer off") in error
+    assert "nothing is written yet" in error and "--set model.fast_inference=false" in error
+
+
+def test_with_resolves_t4_decision_the_real_load_vllm_keeps_flashinfers_sampler_off_and_vllm_does_not_raise():
+    """The same load as a T4 run has it: resolve's UNSLOTH_VLLM_NO_FLASHINFER=1 reaches the pinned load_vllm through
+    load_model, which sets VLLM_USE_FLASHINFER_SAMPLER=0; vLLM's sampler check then declines FlashInfer without
+    raising, and the engine stand-in gets past the point where the load failed above."""
+    result = _sm75_start("kept")
+    assert result["engine_environment"] == {"UNSLOTH_VLLM_NO_FLASHINFER": "1"}
+    assert result["outcome"] == "engine built", result
+    seen = result["seen"]
+    assert seen["sampler_env"] == "0" and seen["capability"] == "7.5" and seen["v2"] is True
+    assert seen["flashinfer"] is False
 
 
 VLLM_ERROR = """

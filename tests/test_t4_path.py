@@ -53,3 +53,26 @@ def test_a_merged16_export_that_cannot_fit_the_hosts_ram_is_refused_before_anyth
     check_export_fits_host("merged16", name, available=int(32e9))
     check_export_fits_host("gguf", name, available=int(1e9))  # unsloth's GGUF writer streams: not this check
     assert host_available_bytes() > 0  # read from /proc/meminfo here
+
+
+def test_a_start_that_failed_on_flashinfer_says_what_the_switch_did(monkeypatch):
+    """vLLM's advice with its FlashInfer error, "Unset VLLM_USE_FLASHINFER_SAMPLER=1", cannot work: unsloth_zoo's
+    load_vllm sets it. The line says what UNSLOTH_VLLM_NO_FLASHINFER was for the load (the pinned load_vllm raising
+    this error on sm75, through our load_model: tests/test_gpu_wheels.py)."""
+    from lowvram_grpo.backends.unsloth_backend import engine_did_not_start
+
+    resolved = resolve(load_config("qwen1_5b_4bit", []), profile("t4"), "unsloth")
+    cause = ("RuntimeError: FlashInfer top-p/top-k sampling unavailable: unsupported compute capability 7.5. "
+             "Unset VLLM_USE_FLASHINFER_SAMPLER=1.")
+    monkeypatch.delenv("UNSLOTH_VLLM_NO_FLASHINFER", raising=False)
+    not_set = str(engine_did_not_start(resolved, cause))
+    assert ("unsloth_zoo's load_vllm sets VLLM_USE_FLASHINFER_SAMPLER=1 itself, so unsetting it does not help: set "
+            "UNSLOTH_VLLM_NO_FLASHINFER=1 in the environment") in not_set
+    monkeypatch.setenv("UNSLOTH_VLLM_NO_FLASHINFER", "1")
+    ignored = str(engine_did_not_start(resolved, cause))
+    assert "UNSLOTH_VLLM_NO_FLASHINFER=1 was set for this load and unsloth_zoo still asked vLLM for FlashInfer" in ignored
+    other = str(engine_did_not_start(resolved, "RuntimeError: CUDA out of memory"))
+    assert "FlashInfer" not in other and "--set memory.gpu_memory_utilization=LOWER" in other
+    for line in (not_set, ignored, other):
+        assert "\n" not in line and line.startswith("unsloth could not start vLLM for model.fast_inference on Tesla T4")
+        assert "nothing is written yet" in line and line.count("--set model.fast_inference=false") == 1

@@ -219,9 +219,28 @@ def engine_did_not_start(resolved, cause: str):
     card = f"{resolved.hardware.gpu_name} ({resolved.hardware.sm})" if resolved.cuda else "this machine"
     memory = ("; or give vLLM less of the card: --set memory.gpu_memory_utilization=LOWER"
               if "memory" in cause.lower() else "")
-    return EngineStopped(f"unsloth could not start vLLM for model.fast_inference on {card}: {cause}; nothing is "
-                         f"written yet; run without vLLM (generation through transformers, slower): --set "
-                         f"model.fast_inference=false{memory}; `lowvram-grpo doctor` lists this card's notes")
+    return EngineStopped(f"unsloth could not start vLLM for model.fast_inference on {card}: {cause}; "
+                         f"{_flashinfer_way_on(cause)}nothing is written yet; run without vLLM (generation through "
+                         f"transformers, slower): --set model.fast_inference=false{memory}; `lowvram-grpo doctor` "
+                         f"lists this card's notes")
+
+
+def _flashinfer_way_on(cause: str) -> str:
+    """For a start that failed on vLLM's FlashInfer (its sampler refuses the card: below sm80, <= 16 SMs, no JIT
+    target): what the variable load_vllm read says. vLLM's own advice, "Unset VLLM_USE_FLASHINFER_SAMPLER=1", cannot
+    work: unsloth_zoo's load_vllm sets that variable itself unless UNSLOTH_VLLM_NO_FLASHINFER is set (resolve sets
+    it below sm80, engine_environment; tests/test_gpu_wheels.py drives both through the pinned load_vllm)."""
+    from ..resolve import NO_FLASHINFER_ENV
+
+    if "flashinfer" not in cause.lower():
+        return ""
+    if os.environ.get(NO_FLASHINFER_ENV, "0") != "0":
+        return (f"{NO_FLASHINFER_ENV}=1 was set for this load and unsloth_zoo still asked vLLM for FlashInfer: the "
+                f"installed unsloth_zoo is not requirements.txt's (whose load_vllm keeps FlashInfer off with it); ")
+    unset = ("unsloth_zoo's load_vllm sets VLLM_USE_FLASHINFER_SAMPLER=1 itself, so unsetting it does not help: "
+             if "VLLM_USE_FLASHINFER_SAMPLER" in cause else "")
+    return (f"{unset}set {NO_FLASHINFER_ENV}=1 in the environment to keep vLLM's FlashInfer off on this card (this "
+            f"run did not: resolve sets it below sm80 only); ")
 
 
 def rollout_lora_dir() -> Path:
