@@ -489,7 +489,8 @@ def _measure(job: dict) -> int:
     from transformers.generation.utils import GenerationMixin
 
     phases.watch_generation(GenerationMixin)
-    phases.watch_generation(handle.model)  # the instance's own: unsloth binds its generate onto the model
+    phases.watch_generation(handle.model)  # the instance's own: unsloth binds its generate onto the model (and
+    # decoding.install ours)
     if "vllm" in sys.modules:
         import vllm
 
@@ -556,8 +557,7 @@ def capped(job: dict) -> int:
     run_dir, info = RunDir(job["run_dir"]), {}
     generate = GenerationMixin.generate
 
-    @functools.wraps(generate)
-    def arm_then_generate(*args, **kwargs):
+    def arm() -> None:
         checkpoint = None if info else run_dir.latest_checkpoint()
         if checkpoint is not None:
             held = memory.allocated()
@@ -565,9 +565,23 @@ def capped(job: dict) -> int:
             info.update(held_gib=round(held / GIB, 4), cap_gib=round(limit / GIB, 4), armed_after=checkpoint.name,
                         how=type(memory).__name__)
             memory.cap(limit)
+
+    @functools.wraps(generate)
+    def arm_then_generate(*args, **kwargs):
+        arm()
         return generate(*args, **kwargs)
 
     GenerationMixin.generate = arm_then_generate
+    from lowvram_grpo import decoding  # our decode loop (decode.loop=lowvram) generates without transformers' generate
+
+    decode = decoding.decode
+
+    @functools.wraps(decode)
+    def arm_then_decode(*args, **kwargs):
+        arm()
+        return decode(*args, **kwargs)
+
+    decoding.decode = arm_then_decode
     code = run_main(job["argv"])
     write_json(Path(job["part"]), {"exit_code": code, **info})
     return code

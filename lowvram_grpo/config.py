@@ -511,6 +511,31 @@ class MemoryConfig:
                f"memory.vllm_cpu_threads must be >= 1 or null (all cores); got {self.vllm_cpu_threads}")
 
 
+@dataclass
+class DecodeConfig:
+    """How transformers generates (rollouts, priming's samples, held-out answers) where it generates: the hf
+    backend without vLLM (decoding.py). Each lever one setting; `auto` is decided per device in resolve()."""
+
+    loop: str = _help(
+        "'auto' (ours on a CPU, where it was measured faster; transformers' generate on CUDA until measured there), "
+        "'lowvram' (decoding.py: prefill, then one forward per token, no per-token logits-processor machinery) or "
+        "'transformers' (its generate, the plain path).", "auto")
+    sampler: str = _help(
+        "Our loop's draw of a sampled token: 'auto' (= inverse_cdf), 'inverse_cdf' (one uniform number per row through "
+        "the cumulative distribution) or 'multinomial' (torch.multinomial as transformers: a full-vocabulary "
+        "exponential draw per token). Same distribution, different random stream.", "auto")
+    merge_lora: str = _help(
+        "Our loop's sampled tokens (rollouts, eval.samples) from the adapter merged into a copy of the 16-bit weights "
+        "(one matmul per projection instead of three; the copy costs the projections' weights once more while it "
+        "generates): 'auto' (on a CPU with a 16-bit base), 'true' (16-bit bases only; never into 4-bit) or 'false'. "
+        "Greedy answers always use the unmerged adapter.", "auto")
+
+    def __post_init__(self):
+        _one_of("decode", "loop", self.loop, ("auto", "lowvram", "transformers"))
+        _one_of("decode", "sampler", self.sampler, ("auto", "inverse_cdf", "multinomial"))
+        _one_of("decode", "merge_lora", self.merge_lora, ("auto", "true", "false"))
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "lora": LoraConfig,
@@ -522,6 +547,7 @@ SECTIONS: dict[str, type] = {
     "prime": PrimeConfig,
     "eval": EvalConfig,
     "memory": MemoryConfig,
+    "decode": DecodeConfig,
 }
 
 
@@ -542,6 +568,7 @@ class RunConfig:
     prime: PrimeConfig = field(default_factory=PrimeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
 
     @property
     def turn_tokens(self) -> int:

@@ -45,6 +45,9 @@ Decisions, and why:
   the default CPU job it peaked at 1.7 GB RSS against glibc's 4.0 GB (both trimmed between steps), with
   GRPO steps 0.90x as long (bench/host_memory.py, docs/results.md). On a GPU run `auto` keeps the system allocator: mimalloc under CUDA, bitsandbytes and
   vLLM has not run on a GPU here. The CLI starts the process on it (allocator.py).
+- decode (choose_decode): where transformers generates on the hf backend, our decode loop (decoding.py) on a CPU,
+  the inverse-CDF sampler, LoRA merged into a copy of 16-bit weights for sampled tokens: each measured there
+  (bench/decode_step.py). On CUDA transformers' generate until a card measures ours.
 - batch sizes: per_device_train_batch_size defaults to num_generations (one prompt's group per
   micro-step); the generation batch is per_device x gradient_accumulation x processes.
 - train.dynamic_sampling (DAPO): the hf backend in one process only (`check_dynamic_sampling` says why).
@@ -105,6 +108,9 @@ class Resolved:
     generation_batch_size: int
     host_allocator: str = "system"    # 'mimalloc' | 'system': the run process's malloc (allocator.py)
     vllm_flashinfer: Optional[bool] = None  # unsloth's engine may use FlashInfer (False: kept off, below sm80); None without it
+    decode_loop: str = "transformers"   # 'lowvram' (decoding.py) | 'transformers' (its generate): choose_decode
+    decode_sampler: str = "multinomial"  # 'inverse_cdf' | 'multinomial'
+    decode_merge_lora: bool = False      # sampled tokens from the adapter merged into a copy of 16-bit weights
     notes: tuple[str, ...] = ()
 
     @property
@@ -125,6 +131,13 @@ class Resolved:
     def engine_environment(self) -> dict:
         """Environment variables unsloth's vLLM start must see (set by the unsloth backend before from_pretrained)."""
         return {NO_FLASHINFER_ENV: "1"} if self.vllm_flashinfer is False else {}
+
+    @property
+    def decode(self):
+        """decoding.DecodeSettings: what backends.load_model installs on the model."""
+        from .decoding import DecodeSettings
+
+        return DecodeSettings(loop=self.decode_loop, sampler=self.decode_sampler, merge_lora=self.decode_merge_lora)
 
     @property
     def reward_model_device(self) -> str:
@@ -160,6 +173,7 @@ class Resolved:
                                                           f", FlashInfer {'allowed' if self.vllm_flashinfer else 'off'}")
                                                        + ")"
                                                        if self.vllm_max_model_len is not None else "")
+                 + (f"; decode: {self.decode.describe()}" if self.generation == "transformers" else "")
                  + f"; batch {self.per_device_train_batch_size} completions/micro-step x {self.gradient_accumulation_steps} "
                    f"accumulation x {self.num_processes} process(es) = {self.generation_batch_size} per generation; "
                    f"host allocator {self.host_allocator}"]
@@ -218,6 +232,34 @@ def choose_host_allocator(asked: str, hardware: Hardware) -> str:
     if asked == "auto":
         return "mimalloc" if hardware.mimalloc_library is not None and not hardware.cuda else "system"
     return asked
+
+
+def choose_decode(config: RunConfig, hardware: Hardware, backend: str, generation: str) -> tuple[str, str, bool]:
+    """(loop, sampler, merge_lora) for transformers' generation (decoding.py). Our loop where transformers generates
+    on the hf backend: measured faster on CPU (bench/decode_step.py); on CUDA transformers' generate stays the default
+    until a card measures ours (bench/gpu_first_run.py). unsloth's backend patches generate with its own fast path;
+    vLLM engines do not use this. merge_lora: a copy of the 16-bit weights merged for sampling, by default on a CPU
+    (host RAM; on a GPU the copy would take card memory the plan has not counted); never into 4-bit weights."""
+    asked = config.decode
+    applies = backend == "hf" and generation == "transformers"
+    if asked.loop == "lowvram" and not applies:
+        where = "the unsloth backend generates with its own patched generate" if backend != "hf" else \
+            f"model.generation={generation} generates with vLLM"
+        raise ResolveError(f"decode.loop=lowvram is the hf backend's transformers generation and {where}: "
+                           "set decode.loop=auto")
+    if asked.merge_lora == "true" and config.memory.load_in_4bit:
+        raise ResolveError("decode.merge_lora=true needs 16-bit base weights and memory.load_in_4bit is on (LoRA is never "
+                           "merged into 4-bit weights): set decode.merge_lora=auto or memory.load_in_4bit=false")
+    if asked.loop == "auto":
+        loop = "lowvram" if applies and not hardware.cuda else "transformers"
+    else:
+        loop = asked.loop if applies else "transformers"
+    sampler = "inverse_cdf" if asked.sampler == "auto" else asked.sampler
+    merge = (asked.merge_lora == "true" or (asked.merge_lora == "auto" and not hardware.cuda
+                                             and not config.memory.load_in_4bit))
+    if loop != "lowvram":
+        sampler, merge = "multinomial", False
+    return loop, sampler, merge
 
 
 def check_dynamic_sampling(config: RunConfig, backend: str, num_processes: int) -> None:
@@ -320,6 +362,7 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
     if generation == "vllm" and hardware.cuda:
         notes.append("model.generation=vllm: the engine asks vLLM for its KV cache in bytes (kv_cache_memory_bytes) and "
                      "passes its own share of the card as gpu_memory_utilization; memory.gpu_memory_utilization is unsloth's")
+    decode_loop, decode_sampler, decode_merge = choose_decode(config, hardware, chosen, generation)
     per_device = config.train.batch_size
     accumulation = config.train.gradient_accumulation_steps
     vram = config.memory.vram_gb if config.memory.vram_gb is not None else hardware.total_gib
@@ -333,6 +376,7 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
         num_processes=num_processes, generation_batch_size=per_device * accumulation * num_processes,
         host_allocator=choose_host_allocator(config.memory.host_allocator, hardware), vllm_flashinfer=flashinfer,
+        decode_loop=decode_loop, decode_sampler=decode_sampler, decode_merge_lora=decode_merge,
         notes=tuple(notes),
     )
 

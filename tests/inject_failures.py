@@ -12,8 +12,8 @@ FAILURE is one of:
 The error is the one CUDA's caching allocator raises (its type and message), thrown from inside the
 model's forward where an allocation fails on a card, so it travels through transformers, TRL,
 accelerate and the pipeline exactly as a real one does. Nothing of the package is patched: only
-torch's global module hook, `Trainer.train` and `GenerationMixin.generate` are watched to know the
-phase. The CLI's `main` (not `cli`, which may restart the process on another allocator) runs it.
+torch's global module hook, `Trainer.train`, `GenerationMixin.generate` and our decode loop
+(`decoding.decode`) are watched to know the phase. The CLI's `main` (not `cli`, which may restart the process on another allocator) runs it.
 """
 from __future__ import annotations
 
@@ -59,6 +59,9 @@ def _has_checkpoint(output_dir: Path) -> bool:
 def install(failure: str, output_dir: Path) -> None:
     _watch(transformers.Trainer, "train", "training", after="trained")
     _watch(GenerationMixin, "generate", "generating")
+    from lowvram_grpo import decoding
+
+    _watch(decoding, "decode", "generating")  # our decode loop (decode.loop=lowvram) does not go through generate
 
     def due() -> bool:
         if failure == "oom-training":

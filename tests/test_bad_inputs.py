@@ -257,6 +257,9 @@ CONFIG_CASES = [
     ("memory.vllm_kv_cache_gb", "0", "memory.vllm_kv_cache_gb must be > 0 or null"),
     ("memory.vllm_cpu_threads", "0", "memory.vllm_cpu_threads must be >= 1 or null"),
     ("memory.host_allocator", "jemalloc", "memory.host_allocator must be one of"),
+    ("decode.loop", "fast", "decode.loop must be one of"),
+    ("decode.sampler", "gumbel", "decode.sampler must be one of"),
+    ("decode.merge_lora", "always", "decode.merge_lora must be one of"),
 ]
 
 # ---------------------------------------------------------------- a user's reward file: (id, extra --set values, fragment)

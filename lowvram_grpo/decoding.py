@@ -1,0 +1,276 @@
+"""The transformers generation path at the machine's pace: one decode loop for the rollouts, priming's samples and
+the held-out answers, wherever a model generates with transformers (the hf backend; not vLLM, not unsloth's own).
+
+`install(model, settings)` (backends.load_model, after resolve() decided `settings`) makes the model's `generate`
+this loop, so TRL's rollouts (TRL 1.15 calls the unwrapped model's `generate` with its GenerationConfig), our
+evaluation and priming reach it with no change of theirs; a call this loop does not cover (beams, a repetition
+penalty, min_p, logits processors, scores asked for ...) goes to transformers' own `generate`, unchanged.
+
+The loop: one prefill of the left-padded prompts, then one forward per new token on the KV cache, as transformers'
+`generate` does (the same position ids, cache positions and attention mask, so greedy answers are identical to
+it, tests/test_decoding.py), without its per-token machinery. Its levers, each one setting of `decode:`:
+
+- `sampler`: 'inverse_cdf' draws one uniform number per row and inverts the cumulative distribution of the
+  (temperature, top-k, top-p) probabilities; 'multinomial' is transformers' draw (torch.multinomial, which draws a
+  full-vocabulary exponential per token: ~13 ms of a ~53 ms decode step of 16 SmolLM2 sequences on 2 CPU cores).
+  Same distribution, a different random stream (tests/test_decoding.py compares token frequencies).
+- `merge_lora`: sampled tokens (rollouts, eval.samples) come from the adapter merged into a copy of the 16-bit
+  weights, made once per call: one matmul per layer instead of three (the base's and LoRA's A and B) and no
+  dropout/scale ops. Never into 4-bit weights (resolve refuses it); greedy answers always use the unmerged adapter,
+  so the held-out columns are exactly those of the unmerged model. The merged copy holds the projections' weights
+  once more while it generates (SmolLM2-135M: ~0.2 GB).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+SAMPLERS = ("inverse_cdf", "multinomial")
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """What resolve() decided for this run's transformers generation (config.DecodeConfig's `auto`s made concrete)."""
+
+    loop: str          # 'lowvram' (this module's loop) | 'transformers' (transformers' generate, untouched)
+    sampler: str       # one of SAMPLERS
+    merge_lora: bool   # sampled tokens from the adapter merged into a copy of the 16-bit weights
+
+    def describe(self) -> str:
+        if self.loop == "transformers":
+            return "transformers' generate"
+        return (f"own decode loop, {self.sampler.replace('_', '-')} sampler, "
+                f"LoRA {'merged' if self.merge_lora else 'unmerged'} when sampling")
+
+
+# --------------------------------------------------------------------------- sampling
+
+def filtered_scores(logits, temperature: float, top_k: int, top_p: float):
+    """Float32 scores after transformers' warpers in its order (temperature, top-k, top-p), removed tokens at -inf:
+    TemperatureLogitsWarper, TopKLogitsWarper (keep scores >= the k-th largest), TopPLogitsWarper (drop the
+    ascending-sorted tokens whose cumulative probability is <= 1 - top_p, always keeping the most likely)."""
+    import torch
+
+    scores = logits.float()
+    if temperature != 1.0:
+        scores = scores / temperature
+    if top_k and 0 < top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        ascending, order = torch.sort(scores, descending=False)
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - top_p)
+        remove[..., -1:] = False
+        scores = scores.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    return scores
+
+
+def sample_inverse_cdf(scores, generator=None):
+    """One token per row from softmax(scores): one uniform draw per row, inverted through the cumulative
+    distribution (float64, so 49,152 additions round at ~1e-16, not float32's ~1e-7). `searchsorted(right=True)`
+    returns the first token whose cumulative probability exceeds the draw: never a token of probability 0."""
+    import torch
+
+    cdf = scores.softmax(dim=-1).double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    if not bool(torch.isfinite(total).all()):  # NaN/inf logits (weights blown up): torch.multinomial's error, which
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")  # guards.explain reads
+    draw = torch.rand((scores.shape[0], 1), dtype=torch.float64, device=scores.device, generator=generator)
+    return torch.searchsorted(cdf, draw * total, right=True).clamp_(max=scores.shape[-1] - 1).squeeze(-1)
+
+
+def sample_multinomial(scores, generator=None):
+    """transformers' draw: torch.multinomial on the softmax."""
+    import torch
+
+    return torch.multinomial(scores.softmax(dim=-1), num_samples=1, generator=generator).squeeze(-1)
+
+
+def next_tokens(logits, *, do_sample: bool, temperature: float, top_k: int, top_p: float, sampler: str):
+    if not do_sample:
+        return logits.argmax(dim=-1)
+    scores = filtered_scores(logits, temperature, top_k, top_p)
+    return (sample_inverse_cdf if sampler == "inverse_cdf" else sample_multinomial)(scores)
+
+
+# --------------------------------------------------------------------------- merged LoRA for sampling
+
+def _lora_layers(model):
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in model.modules() if isinstance(m, LoraLayer)]
+
+
+def mergeable(model) -> Optional[str]:
+    """Why the active adapter cannot be merged into a copy of the weights here, or None."""
+    import torch
+
+    layers = _lora_layers(model)
+    if not layers:
+        return "no LoRA layers"
+    for layer in layers:
+        weight = getattr(layer.get_base_layer(), "weight", None)
+        if weight is None or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return "its base weights are quantized"
+        if any(layer.use_dora.get(name) for name in layer.active_adapters if name in layer.use_dora):
+            return "DoRA adapters are not merged here"
+    return None
+
+
+@contextlib.contextmanager
+def merged_weights(model):
+    """Within: every LoRA layer's base weight is a new tensor W + scale * B @ A of the active adapter(s) and the
+    adapter layers are off, so a forward reads one weight per projection. After: the original weight tensors
+    are put back untouched (never W + dBA - dBA, which would drift in 16-bit)."""
+    import torch
+
+    layers = [layer for layer in _lora_layers(model) if not layer.disable_adapters and layer.active_adapters]
+    if not layers:
+        yield
+        return
+    swapped = []
+    try:
+        with torch.no_grad():
+            for layer in layers:
+                base = layer.get_base_layer()
+                original = base.weight.data
+                delta = sum(layer.get_delta_weight(name).float() for name in layer.active_adapters if name in layer.lora_A)
+                merged = (original.float() + delta).to(original.dtype)
+                base.weight.data = merged
+                swapped.append((layer, base, original))
+                layer._disable_adapters = True  # peft's own flag, read by LoraLayer.forward
+        yield
+    finally:
+        for layer, base, original in swapped:
+            base.weight.data = original
+            layer._disable_adapters = False
+
+
+# --------------------------------------------------------------------------- the loop
+
+def decode(model, input_ids, attention_mask, *, max_new_tokens: int, do_sample: bool, temperature: float = 1.0,
+           top_k: int = 0, top_p: float = 1.0, eos_token_ids=(), pad_token_id: Optional[int] = None,
+           settings: DecodeSettings):
+    """Prompt + new tokens, [batch, prompt + generated], as transformers' generate returns them: rows that ended
+    (an eos token) continue with `pad_token_id`; the loop stops when every row ended or at max_new_tokens.
+
+    Shapes: input_ids/attention_mask [B, P] left-padded; one prefill [B, P] -> logits [B, V] of the last
+    position; then per token [B, 1] -> [B, V]."""
+    import torch
+    from transformers import DynamicCache
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    batch, prompt_len = input_ids.shape
+    device = input_ids.device
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    mask = torch.cat([attention_mask, attention_mask.new_ones(batch, max_new_tokens)], dim=1)   # [B, P + N]
+    positions = attention_mask.long().cumsum(-1) - 1                                          # [B, P]
+    positions.masked_fill_(attention_mask == 0, 1)                                             # as transformers
+    stop = torch.tensor(sorted(set(eos_token_ids)), device=device) if eos_token_ids else None
+    running = torch.ones(batch, dtype=torch.bool, device=device)
+    cache = DynamicCache(config=inner.config)
+    out = inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
+                use_cache=True, cache_position=torch.arange(prompt_len, device=device), logits_to_keep=1)
+    logits = out.logits[:, -1]                                                                 # [B, V]
+    last = positions[:, -1:]                                                                   # [B, 1]
+    new = []
+    for step in range(max_new_tokens):
+        token = next_tokens(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                            sampler=settings.sampler)                                          # [B]
+        if pad_token_id is not None:
+            token = torch.where(running, token, torch.full_like(token, pad_token_id))
+        new.append(token)
+        if stop is not None:
+            running &= ~torch.isin(token, stop)
+            if not bool(running.any()):
+                break
+        if step == max_new_tokens - 1:
+            break
+        last = last + 1
+        width = prompt_len + step + 1
+        out = inner(input_ids=token[:, None], attention_mask=mask[:, :width], position_ids=last,
+                    past_key_values=cache, use_cache=True,
+                    cache_position=torch.tensor([prompt_len + step], device=device))
+        logits = out.logits[:, -1]
+    if not new:
+        return input_ids
+    return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1)
+
+
+# --------------------------------------------------------------------------- model.generate
+
+UNSUPPORTED = {  # generation options this loop does not implement: such a call goes to transformers' generate
+    "num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "min_p": None, "typical_p": 1.0,
+    "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "no_repeat_ngram_size": 0, "min_new_tokens": None, "min_length": 0,
+    "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "output_scores": False, "output_logits": False, "return_dict_in_generate": False,
+    "output_attentions": False, "output_hidden_states": False, "penalty_alpha": None, "diversity_penalty": 0.0,
+    "stop_strings": None, "guidance_scale": None, "sequence_bias": None, "encoder_repetition_penalty": 1.0,
+    "exponential_decay_length_penalty": None, "renormalize_logits": False, "max_length": None,
+    "remove_invalid_values": False, "encoder_no_repeat_ngram_size": 0, "use_cache": True,
+}
+_CALL_ONLY = ("input_ids", "attention_mask", "generation_config", "use_cache", "pad_token_id", "eos_token_id",
+              "max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "bos_token_id", "cache_implementation",
+              "disable_compile")
+
+
+def _plan(model, kwargs) -> Optional[dict]:
+    """The loop's arguments for a generate(**kwargs) call, or None when it asks for something the loop lacks.
+    The call's settings are read as transformers' generate reads them (its _prepare_generation_config: the call's
+    config or kwargs, then the model's generation_config, then transformers' defaults, e.g. top_k 50 when unset)."""
+    if any(key not in _CALL_ONLY for key in kwargs) or kwargs.get("input_ids") is None:
+        return None
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    extra = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "generation_config")}
+    config, model_kwargs = inner._prepare_generation_config(kwargs.get("generation_config"), **extra)
+    if set(model_kwargs) - {"use_cache"}:
+        return None
+    for key, neutral in UNSUPPORTED.items():
+        value = getattr(config, key, neutral)
+        if value is None or value == neutral or (key == "max_length" and config.max_new_tokens is not None):
+            continue  # transformers: max_new_tokens wins over max_length
+        return None
+    if config.max_new_tokens is None:
+        return None
+    eos = config.eos_token_id
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
+    return dict(max_new_tokens=int(config.max_new_tokens), do_sample=bool(config.do_sample),
+                temperature=float(config.temperature), top_k=int(config.top_k or 0), top_p=float(config.top_p),
+                eos_token_ids=eos, pad_token_id=pad)
+
+
+def install(model, settings: DecodeSettings) -> None:
+    """Make `model.generate` (a PEFT model) this module's loop for the calls it covers; idempotent.
+    `model._lowvram_decode_calls` counts them (the tests check TRL's rollouts reach it)."""
+    if settings.loop != "lowvram" or getattr(model, "_lowvram_decode", None) is not None:
+        return
+    import torch
+
+    plain = model.generate
+    merge = settings.merge_lora and mergeable(model) is None
+
+    @functools.wraps(plain)
+    def generate(*args, **kwargs):
+        plan = None if args else _plan(model, kwargs)
+        if plan is None:
+            return plain(*args, **kwargs)
+        model._lowvram_decode_calls += 1
+        was_training = model.training
+        model.eval()
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.no_grad())
+                if merge and plan["do_sample"]:
+                    stack.enter_context(merged_weights(model))
+                return decode(model, kwargs["input_ids"], kwargs.get("attention_mask"), settings=settings, **plan)
+        finally:
+            model.train(was_training)
+
+    model._lowvram_decode = settings
+    model._lowvram_decode_calls = 0
+    model.generate = generate

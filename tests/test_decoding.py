@@ -1,0 +1,263 @@
+"""Our decode loop (decoding.py) against transformers' generate, on the real models: greedy answers identical
+(token for token, with and without an adapter, on SmolLM2's held-out questions), sampled tokens from the same
+distribution (token frequencies at temperature 1, fixed seeds), the filters equal to transformers' warpers, the
+merged weights put back untouched, calls it does not cover left to transformers, and TRL's rollouts reaching it."""
+import pytest
+import torch
+
+from lowvram_grpo import decoding
+from lowvram_grpo.config import load_config
+from lowvram_grpo.hardware import detect
+from lowvram_grpo.resolve import resolve
+
+
+def _handle(preset: str, sets=()):
+    from lowvram_grpo.backends import load_model, prepare_backend
+
+    resolved = resolve(load_config(preset, list(sets)), detect(), "hf")
+    prepare_backend(resolved.backend)
+    return load_model(resolved, log=lambda *_: None)
+
+
+def _perturb_adapter(model, scale: float, seed: int = 0) -> None:
+    """A trained-looking adapter: LoRA's B starts at zero (the adapter changes nothing); give it values."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+
+
+def _plain_generate(model, **kwargs):
+    """transformers' own generate on the same model object (the class's method, not the installed loop), in eval
+    mode as TransformersEngine and TRL generate (in train mode with checkpointing, transformers drops the cache)."""
+    was_training = model.training
+    model.eval()
+    try:
+        return type(model).generate(model, **kwargs)
+    finally:
+        model.train(was_training)
+
+
+def _encode(tokenizer, texts):
+    tokenizer.padding_side = "left"
+    return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+
+# --------------------------------------------------------------------------- the levers as resolved
+
+def test_resolve_decides_the_levers_per_device_and_refuses_what_cannot_hold():
+    from lowvram_grpo.errors import ResolveError
+    from lowvram_grpo.hardware import profile
+
+    cpu = resolve(load_config("smollm2_cpu", []), detect(), "hf")
+    assert (cpu.decode_loop, cpu.decode_sampler, cpu.decode_merge_lora) == ("lowvram", "inverse_cdf", True)
+    assert "own decode loop, inverse-cdf sampler, LoRA merged when sampling" in cpu.describe()
+    plain = resolve(load_config("smollm2_cpu", ["decode.loop=transformers"]), detect(), "hf")
+    assert (plain.decode_loop, plain.decode_merge_lora) == ("transformers", False)
+    four_bit = resolve(load_config("smollm2_cpu", ["memory.load_in_4bit=true"]), detect(), "hf")
+    assert four_bit.decode_loop == "lowvram" and not four_bit.decode_merge_lora  # never merged into 4-bit
+    with pytest.raises(ResolveError, match="never merged into 4-bit"):
+        resolve(load_config("smollm2_cpu", ["memory.load_in_4bit=true", "decode.merge_lora=true"]), detect(), "hf")
+    gpu = resolve(load_config("qwen1_5b_4bit", []), profile("t4"), "hf")
+    assert gpu.decode_loop == "transformers" and not gpu.decode_merge_lora  # CUDA: not measured yet
+    with pytest.raises(ResolveError, match="decode.loop=lowvram"):
+        resolve(load_config("qwen1_5b_4bit", ["decode.loop=lowvram"]), profile("t4"), "unsloth")
+
+
+# --------------------------------------------------------------------------- sampling
+
+def test_filters_equal_transformers_warpers():
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper, TemperatureLogitsWarper
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 500, generator=generator) * 3
+    for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.7, 40, 1.0), (1.0, 0, 0.9), (1.3, 25, 0.8), (1.0, 1, 0.5)]:
+        expected = logits.clone()
+        if temperature != 1.0:
+            expected = TemperatureLogitsWarper(temperature)(None, expected)
+        if top_k:
+            expected = TopKLogitsWarper(top_k)(None, expected)
+        if top_p < 1.0:
+            expected = TopPLogitsWarper(top_p)(None, expected)
+        assert torch.equal(decoding.filtered_scores(logits, temperature, top_k, top_p), expected)
+
+
+def _chi2_sf(stat: float, dof: int) -> float:
+    """P(chi-square with `dof` degrees of freedom >= stat): the regularized upper incomplete gamma Q(dof/2, stat/2)."""
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def _chi_square_p(observed: list[float], expected: list[float]) -> float:
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    return _chi2_sf(stat, len(observed) - 1)
+
+
+def _two_sample_p(a: list[float], b: list[float]) -> float:
+    """Chi-square test of homogeneity of two frequency tables over the same bins."""
+    total_a, total_b = sum(a), sum(b)
+    stat = 0.0
+    for x, y in zip(a, b):
+        column = x + y
+        for observed, total in ((x, total_a), (y, total_b)):
+            expected = column * total / (total_a + total_b)
+            stat += (observed - expected) ** 2 / expected
+    return _chi2_sf(stat, len(a) - 1)
+
+
+def test_inverse_cdf_draws_the_softmax_distribution():
+    """20,000 draws from a peaked 49,152-token distribution (SmolLM2's vocabulary size): frequencies fit the
+    probabilities (chi-square over the tokens expected >= 5 times, the rest pooled), and never a removed token."""
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 49152, generator=generator) * 4
+    logits[0, :6] += 12  # a few likely tokens, a long tail
+    probs = logits.softmax(-1)[0].double()
+    torch.manual_seed(2)
+    draws = decoding.sample_inverse_cdf(logits.expand(20000, -1).contiguous())
+    counts = torch.bincount(draws, minlength=probs.numel()).double()
+    expected = probs * len(draws)
+    big = expected >= 5
+    observed = counts[big].tolist() + [counts[~big].sum().item()]
+    wanted = expected[big].tolist() + [expected[~big].sum().item()]
+    assert _chi_square_p(observed, wanted) > 1e-3
+    filtered = decoding.filtered_scores(logits, 1.0, 3, 1.0)
+    top3 = set(torch.topk(logits[0], 3).indices.tolist())
+    assert set(decoding.sample_inverse_cdf(filtered.expand(2000, -1).contiguous()).tolist()) == top3
+
+
+# --------------------------------------------------------------------------- the loop on the real models
+
+@pytest.fixture(scope="module")
+def smollm2():
+    handle = _handle("smollm2_cpu")
+    assert handle.model._lowvram_decode == handle.resolved.decode  # installed by load_model
+    return handle
+
+
+def _held_out_prompts(handle, n: int):
+    from lowvram_grpo.data import load_questions, to_prompt_rows
+
+    config = handle.config
+    _, held_out = load_questions(config.data)
+    rows = to_prompt_rows(held_out[:n], config.data.system_prompt)
+    return [handle.tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
+
+
+@pytest.mark.slow
+def test_greedy_answers_are_token_for_token_those_of_transformers_generate(smollm2):
+    """The preset's first 64 held-out questions in batches of 32 (eval.batch_size), the adapter off (the 'before'
+    column) and on (a perturbed adapter, as after training): identical token ids, to the last pad."""
+    model, tokenizer = smollm2.model, smollm2.tokenizer
+    texts = _held_out_prompts(smollm2, 64)
+    kwargs = dict(max_new_tokens=smollm2.config.train.max_completion_length * 2, do_sample=False,
+                  pad_token_id=tokenizer.pad_token_id, use_cache=True)
+    _perturb_adapter(model, 0.02)
+    calls = model._lowvram_decode_calls
+    for adapter in (False, True):
+        for start in range(0, len(texts), 32):
+            batch = _encode(tokenizer, texts[start:start + 32])
+            with torch.no_grad(), (model.disable_adapter() if not adapter else torch.enable_grad()):
+                ours = model.generate(**batch, **kwargs)
+                theirs = _plain_generate(model, **batch, **kwargs)
+            assert torch.equal(ours, theirs), f"adapter {adapter}, batch at {start}"
+    assert model._lowvram_decode_calls == calls + 4
+    _perturb_adapter(model, 0.0)
+
+
+@pytest.mark.slow
+def test_sampled_first_tokens_have_transformers_distribution_merged_or_not(smollm2):
+    """One held-out prompt, 768 completions' first tokens at temperature 1 from transformers' generate
+    (multinomial, adapter unmerged) and from our loop (inverse-CDF draw, adapter merged): the two frequency
+    tables agree (two-sample chi-square over the tokens seen >= 10 times in all, the rest pooled)."""
+    model, tokenizer = smollm2.model, smollm2.tokenizer
+    assert smollm2.resolved.decode_merge_lora
+    _perturb_adapter(model, 0.02, seed=3)
+    batch = _encode(tokenizer, _held_out_prompts(smollm2, 1) * 128)
+    kwargs = dict(max_new_tokens=1, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                  pad_token_id=tokenizer.pad_token_id)
+    width = batch["input_ids"].shape[1]
+    ours, theirs = [], []
+    torch.manual_seed(11)
+    with torch.no_grad():
+        for _ in range(6):
+            ours += model.generate(**batch, **kwargs)[:, width].tolist()
+            theirs += _plain_generate(model, **batch, **kwargs)[:, width].tolist()
+    _perturb_adapter(model, 0.0)
+    tokens = sorted(set(ours) | set(theirs))
+    seen = {t: ours.count(t) + theirs.count(t) for t in tokens}
+    frequent = [t for t in tokens if seen[t] >= 10]
+    assert len(frequent) >= 3, "a distribution worth comparing"
+    rows = [[ours.count(t) for t in frequent] + [sum(ours.count(t) for t in tokens if t not in frequent)],
+            [theirs.count(t) for t in frequent] + [sum(theirs.count(t) for t in tokens if t not in frequent)]]
+    assert _two_sample_p(*rows) > 1e-3, rows
+
+
+def test_merged_weights_are_the_adapters_and_are_put_back_untouched(tiny_model_dir):
+    handle = _handle("tiny", ["decode.merge_lora=true"])
+    model = handle.model
+    _perturb_adapter(model, 0.05)
+    layers = decoding._lora_layers(model)
+    originals = [layer.get_base_layer().weight.data for layer in layers]
+    copies = [w.clone() for w in originals]
+    ids = torch.tensor([[1, 5, 9, 14, 3]])
+    with torch.no_grad():
+        unmerged = model(input_ids=ids).logits
+        with decoding.merged_weights(model):
+            merged = model(input_ids=ids).logits
+            assert all(layer.get_base_layer().weight.data_ptr() != w.data_ptr() for layer, w in zip(layers, originals))
+        after = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
+    tolerance = 1e-4 if originals[0].dtype == torch.float32 else 5e-2
+    assert torch.allclose(merged, unmerged, atol=tolerance, rtol=0)
+    assert not torch.allclose(base, unmerged, atol=10 * tolerance, rtol=0)  # the adapter matters
+    assert all(layer.get_base_layer().weight.data_ptr() == w.data_ptr() for layer, w in zip(layers, originals))
+    assert all(torch.equal(w, c) for w, c in zip(originals, copies))
+    assert torch.equal(after, unmerged)
+
+
+def test_calls_it_does_not_cover_go_to_transformers(tiny_model_dir):
+    handle = _handle("tiny")
+    model, tokenizer = handle.model, handle.tokenizer
+    batch = _encode(tokenizer, ["a b c", "d e"])
+    before = model._lowvram_decode_calls
+    with torch.no_grad():
+        model.generate(**batch, max_new_tokens=3, do_sample=False, repetition_penalty=1.3)
+        model.generate(**batch, max_new_tokens=3, do_sample=True, min_p=0.1)
+        model.generate(**batch, max_new_tokens=3, num_beams=2)
+        assert model._lowvram_decode_calls == before
+        model.generate(**batch, max_new_tokens=3, do_sample=True, top_k=5)
+    assert model._lowvram_decode_calls == before + 1
+
+
+def test_rows_that_ended_are_padded_and_the_loop_stops_when_all_ended(tiny_model_dir):
+    """Every token an end of sequence: each row has one new token, then nothing (the loop stops at once),
+    as transformers stops; with an eos that never comes, max_new_tokens tokens."""
+    handle = _handle("tiny")
+    model, tokenizer = handle.model, handle.tokenizer
+    batch = _encode(tokenizer, ["a b c", "d e"])
+    vocab = model.get_base_model().config.vocab_size
+    with torch.no_grad():
+        first = _plain_generate(model, **batch, max_new_tokens=1, do_sample=False)[:, -1].tolist()
+        out = model.generate(**batch, max_new_tokens=6, do_sample=False, eos_token_id=first, pad_token_id=0)
+        assert out.shape[1] == batch["input_ids"].shape[1] + 1
+        out = model.generate(**batch, max_new_tokens=6, do_sample=False, eos_token_id=vocab + 5, pad_token_id=0)
+        theirs = _plain_generate(model, **batch, max_new_tokens=6, do_sample=False, eos_token_id=vocab + 5, pad_token_id=0)
+    assert out.shape[1] == batch["input_ids"].shape[1] + 6 and torch.equal(out, theirs)
+
+
+@pytest.mark.slow
+def test_trls_rollouts_reach_the_loop_in_a_real_run(tmp_path, tiny_model_dir):
+    """A real tiny GRPO run (TRL's own generation path, no vLLM): its rollouts come from our loop, sampled from the
+    merged adapter; with decode.loop=transformers, none do."""
+    from lowvram_grpo.pipeline import run
+
+    counts = {}
+    for loop in ("auto", "transformers"):
+        config = load_config("tiny", ["train.max_steps=2", "eval.enabled=false", f"decode.loop={loop}",
+                                      "decode.merge_lora=true"][: 3 if loop == "transformers" else 4])
+        result = run(config, tmp_path / loop, backend="hf", log=lambda *_: None)
+        counts[loop] = getattr(result.handle.model, "_lowvram_decode_calls", None)
+    assert counts["auto"] >= 2 and counts["transformers"] is None, counts
+
