@@ -32,9 +32,11 @@ from bench.harness import REPO, command_line, machine, write_report
 OUT = REPO / "bench" / "results" / "decode_step.json"
 VARIANTS = {  # name: decode settings (config keys) on top of the preset's; one lever more on each line
     "transformers": ["decode.loop=transformers"],
-    "loop": ["decode.loop=lowvram", "decode.sampler=multinomial", "decode.merge_lora=false"],
-    "loop+inverse_cdf": ["decode.loop=lowvram", "decode.sampler=inverse_cdf", "decode.merge_lora=false"],
-    "loop+inverse_cdf+merged": ["decode.loop=lowvram", "decode.sampler=inverse_cdf", "decode.merge_lora=true"],
+    "loop": ["decode.loop=lowvram", "decode.sampler=multinomial", "decode.merge_lora=false", "decode.fused=false"],
+    "loop+inverse_cdf": ["decode.loop=lowvram", "decode.sampler=inverse_cdf", "decode.merge_lora=false",
+                         "decode.fused=false"],
+    "loop+inverse_cdf+merged": ["decode.loop=lowvram", "decode.sampler=inverse_cdf", "decode.merge_lora=true",
+                                "decode.fused=false"],
     "default": [],  # what resolve decides on this machine
 }
 

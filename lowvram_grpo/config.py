@@ -529,11 +529,16 @@ class DecodeConfig:
         "(one matmul per projection instead of three; the copy costs the projections' weights once more while it "
         "generates): 'auto' (on a CPU with a 16-bit base), 'true' (16-bit bases only; never into 4-bit) or 'false'. "
         "Greedy answers always use the unmerged adapter.", "auto")
+    fused: str = _help(
+        "Our loop's sampled tokens through Llama-family layers written out (fused_decode.py: the merged q/k/v and "
+        "gate/up projections each one matmul, ~30 ops a layer instead of transformers' ~500; llama, mistral and qwen2 "
+        "models, else the plain loop): 'auto' (wherever decode.merge_lora is on), 'true' or 'false'.", "auto")
 
     def __post_init__(self):
         _one_of("decode", "loop", self.loop, ("auto", "lowvram", "transformers"))
         _one_of("decode", "sampler", self.sampler, ("auto", "inverse_cdf", "multinomial"))
         _one_of("decode", "merge_lora", self.merge_lora, ("auto", "true", "false"))
+        _one_of("decode", "fused", self.fused, ("auto", "true", "false"))
 
 
 SECTIONS: dict[str, type] = {

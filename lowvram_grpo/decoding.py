@@ -19,6 +19,8 @@ it, tests/test_decoding.py), without its per-token machinery. Its levers, each o
   dropout/scale ops. Never into 4-bit weights (resolve refuses it); greedy answers always use the unmerged adapter,
   so the held-out columns are exactly those of the unmerged model. The merged copy holds the projections' weights
   once more while it generates (SmolLM2-135M: ~0.2 GB).
+- `fused`: sampled tokens through fused_decode.py's Llama-family layers (merged weights, q/k/v and gate/up each one
+  matmul, ~30 ops a layer instead of transformers' ~500) where the architecture is covered; else the loop above.
 """
 from __future__ import annotations
 
@@ -37,12 +39,14 @@ class DecodeSettings:
     loop: str          # 'lowvram' (this module's loop) | 'transformers' (transformers' generate, untouched)
     sampler: str       # one of SAMPLERS
     merge_lora: bool   # sampled tokens from the adapter merged into a copy of the 16-bit weights
+    fused: bool = False  # sampled tokens through fused_decode.py's layers (merged, q/k/v and gate/up fused)
 
     def describe(self) -> str:
         if self.loop == "transformers":
             return "transformers' generate"
         return (f"own decode loop, {self.sampler.replace('_', '-')} sampler, "
-                f"LoRA {'merged' if self.merge_lora else 'unmerged'} when sampling")
+                f"LoRA {'merged' if self.merge_lora else 'unmerged'} when sampling"
+                + (", fused layers when sampling" if self.fused else ""))
 
 
 # --------------------------------------------------------------------------- sampling
@@ -251,8 +255,12 @@ def install(model, settings: DecodeSettings) -> None:
         return
     import torch
 
+    from . import fused_decode
+
     plain = model.generate
     merge = settings.merge_lora and mergeable(model) is None
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    fused = settings.fused and merge and fused_decode.unsupported(inner) is None
 
     @functools.wraps(plain)
     def generate(*args, **kwargs):
@@ -263,6 +271,15 @@ def install(model, settings: DecodeSettings) -> None:
         was_training = model.training
         model.eval()
         try:
+            if fused and plan["do_sample"]:
+                def pick(logits):
+                    return next_tokens(logits, do_sample=True, temperature=plan["temperature"], top_k=plan["top_k"],
+                                       top_p=plan["top_p"], sampler=settings.sampler)
+
+                with torch.no_grad():
+                    return fused_decode.decode(inner, kwargs["input_ids"], kwargs.get("attention_mask"),
+                                               max_new_tokens=plan["max_new_tokens"], eos_token_ids=plan["eos_token_ids"],
+                                               pad_token_id=plan["pad_token_id"], pick=pick)
             with contextlib.ExitStack() as stack:
                 stack.enter_context(torch.no_grad())
                 if merge and plan["do_sample"]:

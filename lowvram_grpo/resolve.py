@@ -111,6 +111,7 @@ class Resolved:
     decode_loop: str = "transformers"   # 'lowvram' (decoding.py) | 'transformers' (its generate): choose_decode
     decode_sampler: str = "multinomial"  # 'inverse_cdf' | 'multinomial'
     decode_merge_lora: bool = False      # sampled tokens from the adapter merged into a copy of 16-bit weights
+    decode_fused: bool = False           # sampled tokens through fused_decode.py's layers (needs the merge)
     notes: tuple[str, ...] = ()
 
     @property
@@ -137,7 +138,8 @@ class Resolved:
         """decoding.DecodeSettings: what backends.load_model installs on the model."""
         from .decoding import DecodeSettings
 
-        return DecodeSettings(loop=self.decode_loop, sampler=self.decode_sampler, merge_lora=self.decode_merge_lora)
+        return DecodeSettings(loop=self.decode_loop, sampler=self.decode_sampler, merge_lora=self.decode_merge_lora,
+                              fused=self.decode_fused)
 
     @property
     def reward_model_device(self) -> str:
@@ -234,12 +236,13 @@ def choose_host_allocator(asked: str, hardware: Hardware) -> str:
     return asked
 
 
-def choose_decode(config: RunConfig, hardware: Hardware, backend: str, generation: str) -> tuple[str, str, bool]:
-    """(loop, sampler, merge_lora) for transformers' generation (decoding.py). Our loop where transformers generates
+def choose_decode(config: RunConfig, hardware: Hardware, backend: str, generation: str) -> tuple[str, str, bool, bool]:
+    """(loop, sampler, merge_lora, fused) for transformers' generation (decoding.py). Our loop where transformers generates
     on the hf backend: measured faster on CPU (bench/decode_step.py); on CUDA transformers' generate stays the default
     until a card measures ours (bench/gpu_first_run.py). unsloth's backend patches generate with its own fast path;
     vLLM engines do not use this. merge_lora: a copy of the 16-bit weights merged for sampling, by default on a CPU
-    (host RAM; on a GPU the copy would take card memory the plan has not counted); never into 4-bit weights."""
+    (host RAM; on a GPU the copy would take card memory the plan has not counted); never into 4-bit weights.
+    fused: the merged weights' fused layers (fused_decode.py) wherever the merge is on."""
     asked = config.decode
     applies = backend == "hf" and generation == "transformers"
     if asked.loop == "lowvram" and not applies:
@@ -257,9 +260,13 @@ def choose_decode(config: RunConfig, hardware: Hardware, backend: str, generatio
     sampler = "inverse_cdf" if asked.sampler == "auto" else asked.sampler
     merge = (asked.merge_lora == "true" or (asked.merge_lora == "auto" and not hardware.cuda
                                              and not config.memory.load_in_4bit))
+    if asked.fused == "true" and not merge:
+        raise ResolveError("decode.fused=true samples from the merged weights and decode.merge_lora is off here: set "
+                           "decode.merge_lora=true (16-bit base) or decode.fused=auto")
+    fused = merge and asked.fused != "false"
     if loop != "lowvram":
-        sampler, merge = "multinomial", False
-    return loop, sampler, merge
+        sampler, merge, fused = "multinomial", False, False
+    return loop, sampler, merge, fused
 
 
 def check_dynamic_sampling(config: RunConfig, backend: str, num_processes: int) -> None:
@@ -362,7 +369,7 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
     if generation == "vllm" and hardware.cuda:
         notes.append("model.generation=vllm: the engine asks vLLM for its KV cache in bytes (kv_cache_memory_bytes) and "
                      "passes its own share of the card as gpu_memory_utilization; memory.gpu_memory_utilization is unsloth's")
-    decode_loop, decode_sampler, decode_merge = choose_decode(config, hardware, chosen, generation)
+    decode_loop, decode_sampler, decode_merge, decode_fused = choose_decode(config, hardware, chosen, generation)
     per_device = config.train.batch_size
     accumulation = config.train.gradient_accumulation_steps
     vram = config.memory.vram_gb if config.memory.vram_gb is not None else hardware.total_gib
@@ -376,7 +383,7 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
         num_processes=num_processes, generation_batch_size=per_device * accumulation * num_processes,
         host_allocator=choose_host_allocator(config.memory.host_allocator, hardware), vllm_flashinfer=flashinfer,
-        decode_loop=decode_loop, decode_sampler=decode_sampler, decode_merge_lora=decode_merge,
+        decode_loop=decode_loop, decode_sampler=decode_sampler, decode_merge_lora=decode_merge, decode_fused=decode_fused,
         notes=tuple(notes),
     )
 

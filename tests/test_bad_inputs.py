@@ -260,6 +260,7 @@ CONFIG_CASES = [
     ("decode.loop", "fast", "decode.loop must be one of"),
     ("decode.sampler", "gumbel", "decode.sampler must be one of"),
     ("decode.merge_lora", "always", "decode.merge_lora must be one of"),
+    ("decode.fused", "maybe", "decode.fused must be one of"),
 ]
 
 # ---------------------------------------------------------------- a user's reward file: (id, extra --set values, fragment)

@@ -51,12 +51,16 @@ def test_resolve_decides_the_levers_per_device_and_refuses_what_cannot_hold():
     from lowvram_grpo.hardware import profile
 
     cpu = resolve(load_config("smollm2_cpu", []), detect(), "hf")
-    assert (cpu.decode_loop, cpu.decode_sampler, cpu.decode_merge_lora) == ("lowvram", "inverse_cdf", True)
-    assert "own decode loop, inverse-cdf sampler, LoRA merged when sampling" in cpu.describe()
+    assert (cpu.decode_loop, cpu.decode_sampler, cpu.decode_merge_lora, cpu.decode_fused) == (
+        "lowvram", "inverse_cdf", True, True)
+    assert "own decode loop, inverse-cdf sampler, LoRA merged when sampling, fused layers when sampling" in cpu.describe()
     plain = resolve(load_config("smollm2_cpu", ["decode.loop=transformers"]), detect(), "hf")
     assert (plain.decode_loop, plain.decode_merge_lora) == ("transformers", False)
     four_bit = resolve(load_config("smollm2_cpu", ["memory.load_in_4bit=true"]), detect(), "hf")
     assert four_bit.decode_loop == "lowvram" and not four_bit.decode_merge_lora  # never merged into 4-bit
+    assert not four_bit.decode_fused
+    with pytest.raises(ResolveError, match="decode.fused=true samples from the merged weights"):
+        resolve(load_config("smollm2_cpu", ["memory.load_in_4bit=true", "decode.fused=true"]), detect(), "hf")
     with pytest.raises(ResolveError, match="never merged into 4-bit"):
         resolve(load_config("smollm2_cpu", ["memory.load_in_4bit=true", "decode.merge_lora=true"]), detect(), "hf")
     gpu = resolve(load_config("qwen1_5b_4bit", []), profile("t4"), "hf")
@@ -168,10 +172,11 @@ def test_greedy_answers_are_token_for_token_those_of_transformers_generate(smoll
 @pytest.mark.slow
 def test_sampled_first_tokens_have_transformers_distribution_merged_or_not(smollm2):
     """One held-out prompt, 768 completions' first tokens at temperature 1 from transformers' generate
-    (multinomial, adapter unmerged) and from our loop (inverse-CDF draw, adapter merged): the two frequency
-    tables agree (two-sample chi-square over the tokens seen >= 10 times in all, the rest pooled)."""
+    (multinomial, adapter unmerged) and from our loop (inverse-CDF draw, adapter merged, fused layers: the
+    default here): the two frequency tables agree (two-sample chi-square over the tokens seen >= 10 times in
+    all, the rest pooled)."""
     model, tokenizer = smollm2.model, smollm2.tokenizer
-    assert smollm2.resolved.decode_merge_lora
+    assert smollm2.resolved.decode_merge_lora and smollm2.resolved.decode_fused
     _perturb_adapter(model, 0.02, seed=3)
     batch = _encode(tokenizer, _held_out_prompts(smollm2, 1) * 128)
     kwargs = dict(max_new_tokens=1, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
@@ -261,3 +266,68 @@ def test_trls_rollouts_reach_the_loop_in_a_real_run(tmp_path, tiny_model_dir):
         counts[loop] = getattr(result.handle.model, "_lowvram_decode_calls", None)
     assert counts["auto"] >= 2 and counts["transformers"] is None, counts
 
+
+
+# --------------------------------------------------------------------------- the fused layers (fused_decode.py)
+
+def _peft_tiny(kind: str):
+    """A small random float32 model of `kind` with LoRA on all seven projections, B perturbed (a trained adapter)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=101, max_position_embeddings=256)
+    if kind == "qwen2":
+        base = Qwen2ForCausalLM(Qwen2Config(**shape))
+    else:
+        base = LlamaForCausalLM(LlamaConfig(**shape, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                                   "original_max_position_embeddings": 64}))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    _perturb_adapter(model, 0.1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fused_layers_compute_transformers_logits_with_the_adapter(kind):
+    """float32, a left-padded batch: the fused layers' logits after the prefill and after each new token equal
+    transformers' forward of the PEFT model (adapter unmerged, its own KV cache) to float32 rounding, and the
+    greedy tokens are the same; for qwen2 with its q/k/v biases, for llama with llama3 RoPE scaling."""
+    from lowvram_grpo import fused_decode
+
+    model = _peft_tiny(kind)
+    inner = model.get_base_model()
+    assert fused_decode.unsupported(inner) is None
+    ids = torch.tensor([[0, 0, 5, 9, 14, 3], [7, 1, 8, 2, 9, 4]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    seen = []
+
+    def pick(logits):
+        seen.append(logits)
+        return logits.argmax(-1)
+
+    with torch.no_grad():
+        ours = fused_decode.decode(inner, ids, mask, max_new_tokens=5, eos_token_ids=[], pad_token_id=0, pick=pick)
+        theirs = _plain_generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        assert torch.equal(ours, theirs)
+        for step, logits in enumerate(seen):
+            width = ids.shape[1] + step
+            full = torch.cat([mask, mask.new_ones(2, step)], 1)
+            positions = (full.cumsum(-1) - 1).clamp(min=0)
+            reference = model(input_ids=ours[:, :width], attention_mask=full, position_ids=positions).logits[:, -1]
+            assert torch.allclose(logits, reference, atol=1e-4, rtol=1e-4), (step, (logits - reference).abs().max())
+
+
+def test_fused_layers_refuse_what_they_do_not_cover():
+    from lowvram_grpo import fused_decode
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=50, use_sliding_window=True, sliding_window=8)
+    assert "sliding" in fused_decode.unsupported(Qwen2ForCausalLM(config))
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    assert "model_type gpt2" in fused_decode.unsupported(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
