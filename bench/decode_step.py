@@ -64,6 +64,22 @@ def weight_read_floor(model, passes: int = 5) -> tuple[float, int]:
     return best, nbytes
 
 
+def profile_ops(model, timed, tokens: int, top: int = 12) -> dict:
+    """The long call under torch.profiler: the ops that took the most time, per token step (the prefill included,
+    spread over the steps), and how many ops a token step runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        wall = timed(tokens)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total_us = sum(e.self_cpu_time_total for e in events)
+    return {"wall_ms_per_token_under_profiler": round(wall * 1e3 / tokens, 2),
+            "ops_per_token": round(sum(e.count for e in events) / tokens),
+            "top": [{"op": e.key, "ms_per_token": round(e.self_cpu_time_total / 1e3 / tokens, 2),
+                     "calls_per_token": round(e.count / tokens, 1),
+                     "share": round(e.self_cpu_time_total / total_us, 3)} for e in events[:top]]}
+
+
 def reinstall(model, resolved) -> None:
     from lowvram_grpo import decoding
 
@@ -80,6 +96,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--set", action="append", default=[], help="extra KEY=VALUE settings for every variant")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile the last variant's long call (torch.profiler): its top ops per token step")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
 
@@ -130,6 +148,7 @@ def main(argv=None) -> int:
                          "prefill_and_first_token_ms": round(one * 1e3, 1),
                          "x_floor": round(step / floor_s, 2)}
         print(f"[bench] {name}: {step * 1e3:.1f} ms a token step ({step / floor_s:.2f}x the floor)", file=sys.stderr)
+    profile = profile_ops(model, timed, args.tokens) if args.profile else None
     if "transformers" in results:
         for r in results.values():
             r["speedup_vs_transformers"] = round(results["transformers"]["step_ms"] / r["step_ms"], 2)
@@ -142,6 +161,7 @@ def main(argv=None) -> int:
                   "gb_per_s": round(floor_bytes / floor_s / 1e9, 1),
                   "how": "best of 5 passes of a max over every parameter tensor's bytes as int16 (tied ones once)"},
         "variants": results,
+        **({"profile_of_last_variant": profile} if profile else {}),
     }
     print(json.dumps(results, indent=1))
     write_report(args.out, report)
