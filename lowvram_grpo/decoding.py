@@ -157,9 +157,11 @@ def merged_weights(model):
 
 def decode(model, input_ids, attention_mask, *, max_new_tokens: int, do_sample: bool, temperature: float = 1.0,
            top_k: int = 0, top_p: float = 1.0, eos_token_ids=(), pad_token_id: Optional[int] = None,
-           settings: DecodeSettings):
+           settings: DecodeSettings, fused: bool = False):
     """Prompt + new tokens, [batch, prompt + generated], as transformers' generate returns them: rows that ended
     (an eos token) continue with `pad_token_id`; the loop stops when every row ended or at max_new_tokens.
+    `fused`: sampled tokens through fused_decode.py's layers (install decided the model is covered). Every token
+    our loop generates passes here (the OOM injector and the kit's capped run watch this function).
 
     Shapes: input_ids/attention_mask [B, P] left-padded; one prefill [B, P] -> logits [B, V] of the last
     position; then per token [B, 1] -> [B, V]."""
@@ -167,6 +169,15 @@ def decode(model, input_ids, attention_mask, *, max_new_tokens: int, do_sample: 
     from transformers import DynamicCache
 
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if fused and do_sample:
+        from . import fused_decode
+
+        def pick(logits):
+            return next_tokens(logits, do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
+                               sampler=settings.sampler)
+
+        return fused_decode.decode(inner, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                                   eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, pick=pick)
     batch, prompt_len = input_ids.shape
     device = input_ids.device
     if attention_mask is None:
@@ -271,20 +282,12 @@ def install(model, settings: DecodeSettings) -> None:
         was_training = model.training
         model.eval()
         try:
-            if fused and plan["do_sample"]:
-                def pick(logits):
-                    return next_tokens(logits, do_sample=True, temperature=plan["temperature"], top_k=plan["top_k"],
-                                       top_p=plan["top_p"], sampler=settings.sampler)
-
-                with torch.no_grad():
-                    return fused_decode.decode(inner, kwargs["input_ids"], kwargs.get("attention_mask"),
-                                               max_new_tokens=plan["max_new_tokens"], eos_token_ids=plan["eos_token_ids"],
-                                               pad_token_id=plan["pad_token_id"], pick=pick)
             with contextlib.ExitStack() as stack:
                 stack.enter_context(torch.no_grad())
-                if merge and plan["do_sample"]:
+                if merge and plan["do_sample"] and not fused:
                     stack.enter_context(merged_weights(model))
-                return decode(model, kwargs["input_ids"], kwargs.get("attention_mask"), settings=settings, **plan)
+                return decode(model, kwargs["input_ids"], kwargs.get("attention_mask"), settings=settings, fused=fused,
+                              **plan)
         finally:
             model.train(was_training)
 

@@ -3,7 +3,7 @@
     python tests/inject_failures.py FAILURE CLI-ARGS...     (run from the repository root)
 
 FAILURE is one of:
-- `oom-training`:   torch.cuda.OutOfMemoryError raised by a decoder layer's forward in a training step
+- `oom-training`:   torch.cuda.OutOfMemoryError raised by a decoder layer's (or the rotary module's) forward in a training step
                     (gradients on, inside Trainer.train, not generating), once a checkpoint exists;
 - `oom-rollout`:    the same error while TRL generates the rollouts (inside Trainer.train, inside
                     `generate`), once a checkpoint exists;
@@ -71,7 +71,8 @@ def install(failure: str, output_dir: Path) -> None:
         return state["trained"] and not state["training"] and state["generating"]
 
     def hook(module, args):
-        if type(module).__name__.endswith("DecoderLayer") and not state["fired"] and due():
+        # a decoder layer, or the rotary module: our fused layers (fused_decode.py) run no decoder-layer module
+        if type(module).__name__.endswith(("DecoderLayer", "RotaryEmbedding")) and not state["fired"] and due():
             state["fired"] = True
             raise torch.cuda.OutOfMemoryError(CUDA_OOM)
 

@@ -121,11 +121,14 @@ def test_save_lora_is_atomic_and_leaves_no_staging_dirs(trained, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
 
 
-def test_sampling_inside_the_trainer_keeps_the_kv_cache_under_gradient_checkpointing(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("loop", ["transformers", "lowvram"])
+def test_sampling_inside_the_trainer_keeps_the_kv_cache_under_gradient_checkpointing(tmp_path, tiny_model_dir, loop):
     """In train mode with gradient checkpointing on, transformers (5.17) drops every layer's KV cache
     while generate still feeds only the newest token: SmolLM2 then answers "1------". TRL samples in
     train mode but turns checkpointing off around generate; this guards that (a TRL/transformers
-    upgrade that loses it would train on garbage samples): every decoding step reads the cache."""
+    upgrade that loses it would train on garbage samples): every decoding step reads the cache. The same for
+    our decode loop on transformers' layers (decode.fused=false: the fused layers do not run those modules; their
+    own cache is checked against transformers' logits in tests/test_decoding.py)."""
     from datasets import Dataset  # noqa: F401  (imported by build_trainer; keeps import order obvious)
 
     from lowvram_grpo.backends import load_model
@@ -134,11 +137,13 @@ def test_sampling_inside_the_trainer_keeps_the_kv_cache_under_gradient_checkpoin
     from lowvram_grpo.data import load_questions, to_prompt_rows
     from lowvram_grpo.training import build_trainer
 
-    config = load_config("tiny", ["train.max_steps=1", "eval.enabled=false", "memory.gradient_checkpointing=true"])
+    config = load_config("tiny", ["train.max_steps=1", "eval.enabled=false", "memory.gradient_checkpointing=true",
+                                  f"decode.loop={loop}", "decode.fused=false"])
     handle = load_model(resolve(config, detect(), "hf"))
     train_q, _ = load_questions(config.data)
     trainer = build_trainer(handle, to_prompt_rows(train_q, config.data.system_prompt), tmp_path)
     assert trainer.args.gradient_checkpointing
+    assert (getattr(handle.model, "_lowvram_decode", None) is not None) == (loop == "lowvram")
 
     seen = []  # (in generation?, layer training flag, cache given?) per call of the first decoder layer
     in_generation = [False]
