@@ -34,8 +34,10 @@ def test_prime_only_for_the_runs_training_time(primed_run):
     steps, seconds = result["priming"]["steps"], result["priming"]["seconds"]
     assert steps >= 1 and len(result["priming"]["losses"]) == steps
     assert seconds >= budget - 0.1  # it primed until the budget was spent ...
-    assert result["priming"]["last_step_started"] < budget  # ... and started no step after that (before: the
-    # mean step stood in for the last one, which failed when two steps took unequal times: CI, 2.3 s in 2 steps)
+    # ... and started no step after that (before: the mean step stood in for the last one, which failed when two
+    # steps took unequal times: CI, 2.3 s in 2 steps). The budget is read back from summary fields rounded to 0.1 s
+    # and 0.01 s, so it is known to +-0.06 s (CI: a step started at 0.460 s of a budget read as 0.46)
+    assert result["priming"]["last_step_started"] < budget + 0.06
     numbers = result["prime_only"]
     assert {"accuracy_strict", "accuracy_lenient", "accuracy_strict_ci", "accuracy_lenient_ci"} <= numbers.keys()
     assert numbers["n"] == run["after"]["n"]
