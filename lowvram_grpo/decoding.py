@@ -168,14 +168,15 @@ def decode(model, input_ids, attention_mask, *, max_new_tokens: int, do_sample: 
     import torch
     from transformers import DynamicCache
 
+    from . import fused_decode
+
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def pick(logits):                                                                          # [B, V] -> [B]
+        return next_tokens(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                           sampler=settings.sampler)
+
     if fused and do_sample:
-        from . import fused_decode
-
-        def pick(logits):
-            return next_tokens(logits, do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
-                               sampler=settings.sampler)
-
         return fused_decode.decode(inner, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                                    eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, pick=pick)
     batch, prompt_len = input_ids.shape
@@ -185,35 +186,19 @@ def decode(model, input_ids, attention_mask, *, max_new_tokens: int, do_sample: 
     mask = torch.cat([attention_mask, attention_mask.new_ones(batch, max_new_tokens)], dim=1)   # [B, P + N]
     positions = attention_mask.long().cumsum(-1) - 1                                          # [B, P]
     positions.masked_fill_(attention_mask == 0, 1)                                             # as transformers
-    stop = torch.tensor(sorted(set(eos_token_ids)), device=device) if eos_token_ids else None
-    running = torch.ones(batch, dtype=torch.bool, device=device)
     cache = DynamicCache(config=inner.config)
     out = inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
                 use_cache=True, cache_position=torch.arange(prompt_len, device=device), logits_to_keep=1)
-    logits = out.logits[:, -1]                                                                 # [B, V]
-    last = positions[:, -1:]                                                                   # [B, 1]
-    new = []
-    for step in range(max_new_tokens):
-        token = next_tokens(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                            sampler=settings.sampler)                                          # [B]
-        if pad_token_id is not None:
-            token = torch.where(running, token, torch.full_like(token, pad_token_id))
-        new.append(token)
-        if stop is not None:
-            running &= ~torch.isin(token, stop)
-            if not bool(running.any()):
-                break
-        if step == max_new_tokens - 1:
-            break
-        last = last + 1
-        width = prompt_len + step + 1
-        out = inner(input_ids=token[:, None], attention_mask=mask[:, :width], position_ids=last,
+
+    def forward_next(token, last, step):
+        out = inner(input_ids=token[:, None], attention_mask=mask[:, :prompt_len + step + 1], position_ids=last,
                     past_key_values=cache, use_cache=True,
                     cache_position=torch.tensor([prompt_len + step], device=device))
-        logits = out.logits[:, -1]
-    if not new:
-        return input_ids
-    return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1)
+        return out.logits[:, -1]
+
+    return fused_decode.token_loop(input_ids, positions[:, -1:], out.logits[:, -1], forward_next, pick,
+                                   max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+                                   pad_token_id=pad_token_id)
 
 
 # --------------------------------------------------------------------------- model.generate

@@ -174,12 +174,27 @@ def decode(inner, input_ids, attention_mask, *, max_new_tokens: int, eos_token_i
     prefill_mask = (causal[None] & valid[:, None, :prompt_len]) | torch.eye(prompt_len, dtype=torch.bool,
                                                                              device=device)[None]
     logits = layers.forward(input_ids, positions, 0, prefill_mask[:, None])               # [B, V]
+
+    def forward_next(token, last, step):
+        width = prompt_len + step + 1
+        return layers.forward(token[:, None], last, width - 1, valid[:, None, None, :width])
+
+    return token_loop(input_ids, positions[:, -1:], logits, forward_next, pick, max_new_tokens=max_new_tokens,
+                      eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
+
+
+def token_loop(input_ids, last, logits, forward_next, pick, *, max_new_tokens: int, eos_token_ids, pad_token_id):
+    """The per-token loop both decoders share (decoding.decode on transformers' layers, decode here): pick a token
+    from `logits` [B, V], pad the rows that ended, stop when every row ended or at max_new_tokens, else
+    `forward_next(token [B], position [B, 1], step) -> logits [B, V]`. Returns prompt + new tokens [B, P + n]."""
+    import torch
+
+    device = input_ids.device
     stop = torch.tensor(sorted(set(eos_token_ids)), device=device) if eos_token_ids else None
-    running = torch.ones(batch, dtype=torch.bool, device=device)
-    last = positions[:, -1:]
+    running = torch.ones(input_ids.shape[0], dtype=torch.bool, device=device)
     new = []
     for step in range(max_new_tokens):
-        token = pick(logits)
+        token = pick(logits)                                                              # [B]
         if pad_token_id is not None:
             token = torch.where(running, token, torch.full_like(token, pad_token_id))
         new.append(token)
@@ -190,6 +205,7 @@ def decode(inner, input_ids, attention_mask, *, max_new_tokens: int, eos_token_i
         if step == max_new_tokens - 1:
             break
         last = last + 1
-        width = prompt_len + step + 1
-        logits = layers.forward(token[:, None], last, width - 1, valid[:, None, None, :width])
+        logits = forward_next(token, last, step)
+    if not new:
+        return input_ids
     return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1)
