@@ -94,7 +94,7 @@ class GRPORun:
         checks.before_load(config)  # settings that cannot work together (lengths, LoRA vs the model's shape)
         self.resolved = resolve_settings(config, hardware or detect(), backend, num_processes=_num_processes())
         check_export(export, self.resolved.backend)
-        check_export_fits_host(export, config.model.name)  # before the model downloads, not after training
+        check_export_fits_host(export, config.model.name, self.resolved.backend)  # before the model downloads, not after training
         if self.resolved.generation == "vllm":
             from .backends.vllm import check_run_servable
 
@@ -445,7 +445,7 @@ class GRPORun:
         kind = kind or self.export_kind
         if not kind or not self.run_dir.writer:
             return None
-        check_export_fits_host(kind, self.config.model.name)  # the notebook's export cell asks here
+        check_export_fits_host(kind, self.config.model.name, self.resolved.backend)  # the notebook's export cell asks here
         self._enter("exporting")
         written = export_model(self.handle, self.adapter_dir, self.run_dir.export_dir(kind), kind)
         self.log(f"exported ({kind}): {written}")

@@ -41,18 +41,50 @@ def test_dry_run_on_a_t4_says_flashinfer_is_off_and_why():
     assert a100.returncode == 0 and "FlashInfer allowed" in a100.stdout and "kept off" not in a100.stdout
 
 
-def test_a_merged16_export_that_cannot_fit_the_hosts_ram_is_refused_before_anything_loads():
-    """Colab's ~12.7 GB of RAM cannot hold Llama-3.1-8B's 16-bit weights (~16 GB): refused in one line."""
+@pytest.mark.parametrize("backend, available_gb, refused", [
+    ("hf", 12.7, r"--export merged16 needs ~16\.1 GB of host RAM for .*'s 16-bit weights and this machine has 12\.7 GB "
+                 r"available: leave --export out"),
+    ("hf", 32.0, None),
+    ("unsloth", 12.7, None),  # Colab's RAM: unsloth's merge streams one tensor at a time
+    ("unsloth", 1.5, r"--export merged16 needs ~2\.1 GB of host RAM for .*'s largest 16-bit tensor and the merged copy "
+                     r"\(unsloth merges one tensor at a time\) and this machine has 1\.5 GB available"),
+])
+def test_merged16_host_ram_is_checked_for_what_each_backends_merge_holds(backend, available_gb, refused):
+    """The hf backend's merge_and_unload holds Llama-3.1-8B's whole 16-bit base (~16.1 GB; Colab has ~12.7 GB); unsloth's
+    streamed merge (unsloth_zoo merge_and_overwrite_lora) one tensor and its merged copy (the embedding: ~2.1 GB)."""
     from lowvram_grpo.backends import check_export_fits_host, host_available_bytes
     from lowvram_grpo.errors import BackendError
 
     name = load_config("llama8b_4bit").model.name
-    with pytest.raises(BackendError, match=r"--export merged16 needs ~16\.1 GB of host RAM for .*and this machine has "
-                                           r"12\.7 GB available: leave --export out"):
-        check_export_fits_host("merged16", name, available=int(12.7e9))
-    check_export_fits_host("merged16", name, available=int(32e9))
-    check_export_fits_host("gguf", name, available=int(1e9))  # unsloth's GGUF writer streams: not this check
+    if refused:
+        with pytest.raises(BackendError, match=refused):
+            check_export_fits_host("merged16", name, backend, available=int(available_gb * 1e9))
+    else:
+        check_export_fits_host("merged16", name, backend, available=int(available_gb * 1e9))
+    check_export_fits_host("gguf", name, backend, available=int(1e8))  # unsloth's GGUF writer streams: not this check
     assert host_available_bytes() > 0  # read from /proc/meminfo here
+
+
+@pytest.mark.parametrize("backend", ["hf", "unsloth"])
+def test_a_colab_run_with_merged16_is_refused_on_hf_and_accepted_on_unsloth_before_anything_is_written(
+        backend, tmp_path, monkeypatch):
+    """GRPORun as `--export merged16` builds it for llama8b_4bit on a T4 with Colab's host RAM (12.7 GB available,
+    the reading of /proc/meminfo injected): the hf backend refuses in one line before the model or data loads and
+    writes nothing; unsloth's run goes on (its merge streams)."""
+    from lowvram_grpo import backends
+    from lowvram_grpo.errors import BackendError
+    from lowvram_grpo.pipeline import GRPORun
+
+    monkeypatch.setattr(backends, "host_available_bytes", lambda: int(12.7e9))
+    config = load_config("llama8b_4bit", ["data.dataset=null", "data.eval_dataset=null", "data.eval_size=8"])
+    out = tmp_path / "run"
+    if backend == "hf":
+        with pytest.raises(BackendError, match=r"needs ~16\.1 GB of host RAM .* this machine has 12\.7 GB available"):
+            GRPORun(config, out, backend=backend, log=lambda *a: None, hardware=profile("t4"), export="merged16")
+    else:
+        grpo = GRPORun(config, out, backend=backend, log=lambda *a: None, hardware=profile("t4"), export="merged16")
+        assert grpo.resolved.backend == "unsloth" and grpo.export_kind == "merged16"
+    assert not out.exists()
 
 
 def test_a_start_that_failed_on_flashinfer_says_what_the_switch_did(monkeypatch):

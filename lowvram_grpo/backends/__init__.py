@@ -65,22 +65,45 @@ def host_available_bytes() -> "int | None":
     return None
 
 
-def check_export_fits_host(kind, model_name: str, available: "int | None" = None) -> None:
-    """--export merged16 writes the base in 16 bits with the adapter merged in: the base's 16-bit weights pass
-    through host RAM (unsloth downloads them; the hf backend loads them on the CPU). Refused before anything
-    heavy when this machine's available RAM cannot hold them (a Colab T4 has ~12.7 GB; Llama-3.1-8B needs ~16)."""
+def export_host_bytes(kind, model_name: str, backend: str) -> "int | None":
+    """The host RAM `--export kind` of `model_name` holds at once on `backend`, in bytes; None when nothing of size
+    passes through it (gguf, no export) or the architecture is one the plan has no shape for.
+
+    - hf: PEFT's merge_and_unload builds the whole base in bfloat16 on the CPU (hf_backend.export_merged16): every
+      parameter, 2 bytes each (~16.1 GB for Llama-3.1-8B).
+    - unsloth: its merged save streams. `save_pretrained_merged` is unsloth_generic_save_pretrained_merged
+      (unsloth/save.py patch_saving_functions), whose unsloth_generic_save calls unsloth_zoo's
+      merge_and_overwrite_lora(..., low_disk_space_usage=True); that downloads the 16-bit shards and merges each in
+      place (unsloth_zoo/saving_utils.py _merge_and_overwrite_lora: the shard mmap'd for writing, one
+      `file.get_tensor(key)` at a time, merged and written back with _write_tensor_direct_torch). What it holds is
+      one tensor and its merged copy: the largest weight (the embedding or LM head) twice in 16 bits."""
     if kind != "merged16":
-        return
+        return None
     from ..errors import PlanError
     from ..model_shapes import model_shape
 
     try:
-        needed = model_shape(model_name).params * 2
+        shape = model_shape(model_name)
     except PlanError:  # an architecture the plan has no shape for: nothing to check against
+        return None
+    if backend == "unsloth":
+        largest = max([shape.vocab * shape.hidden, *(a * b for a, b in shape.linear_dims().values())])
+        return 2 * largest * 2
+    return shape.params * 2
+
+
+def check_export_fits_host(kind, model_name: str, backend: str, available: "int | None" = None) -> None:
+    """Refuse, before anything heavy, an export whose host RAM (export_host_bytes: the whole 16-bit base on the hf
+    backend, one tensor on unsloth's streamed merge) this machine's available RAM cannot hold (a Colab T4 has
+    ~12.7 GB; Llama-3.1-8B's merge on the hf backend needs ~16)."""
+    needed = export_host_bytes(kind, model_name, backend)
+    if needed is None:
         return
     available = host_available_bytes() if available is None else available
     if available is not None and needed > available:
-        raise BackendError(f"--export merged16 needs ~{needed / 1e9:.1f} GB of host RAM for {model_name}'s 16-bit weights "
+        what = ("largest 16-bit tensor and the merged copy (unsloth merges one tensor at a time)"
+                if backend == "unsloth" else "16-bit weights")
+        raise BackendError(f"--export {kind} needs ~{needed / 1e9:.1f} GB of host RAM for {model_name}'s {what} "
                            f"and this machine has {available / 1e9:.1f} GB available: leave --export out (the run's "
                            "adapter/ loads on the same base anywhere) and export on a machine with more RAM")
 
