@@ -11,6 +11,10 @@ a desktop card that also drives a display has ~0.3-1 GiB less) and all of it fre
 present also records the memory free when it was detected (`torch.cuda.mem_get_info`, as unsloth_zoo's
 load_vllm and the doctor read it): the memory plan is made on that.
 
+The card present also records its build toolchain, read once: the CUDA release of the nvcc FlashInfer would
+JIT-compile with (toolchain.nvcc_cuda_version) and torch's CUDA build (`torch.version.cuda`); a named profile
+knows neither (None), so resolve keeps FlashInfer off for it (resolve.choose_flashinfer).
+
 The process's environment is read here too, once: `UNSLOTH_VLLM_STANDBY` (unsloth_zoo's standby mode: it
 raises vLLM's gpu_memory_utilization to its own share and puts vLLM to sleep between rollouts), recorded
 as `vllm_standby` by `detect()` and by `planning_hardware()` for a named profile (the shell a dry-run is
@@ -43,6 +47,9 @@ class Hardware:
     vllm_bnb_plugin_installed: bool = False          # vllm-bnb-plugin: vLLM >= 0.28 serves bitsandbytes 4-bit only with it
     mimalloc_library: Optional[str] = None           # libmimalloc.so to preload (allocator.py), when installed
     vllm_standby: Optional[str] = None               # UNSLOTH_VLLM_STANDBY's value when set and not "0" (unsloth_vllm_standby)
+    nvcc_cuda: Optional[tuple[int, int]] = None      # the CUDA release of the nvcc FlashInfer JIT-compiles with; None: none
+                                                     # found (the card present) or not known (a named profile)
+    torch_cuda: Optional[str] = None                 # torch.version.cuda ('13.0'); None: a CPU build, or a named profile
 
     @property
     def cuda(self) -> bool:
@@ -152,6 +159,8 @@ def detect() -> Hardware:
         return Hardware(name="present", device="cpu", cpu_bf16=cpu_has_native_bf16(),
                         unsloth_installed=unsloth, vllm_installed=vllm, vllm_bnb_plugin_installed=plugin,
                         mimalloc_library=mimalloc, vllm_standby=unsloth_vllm_standby())
+    from .toolchain import nvcc_cuda_version  # nvcc --version: read only where a card is present
+
     props = torch.cuda.get_device_properties(0)
     free, _ = torch.cuda.mem_get_info(0)  # what unsloth_zoo's load_vllm reads (its get_mem_info) and the doctor shows
     return Hardware(name="present", device="cuda", gpu_name=props.name,
@@ -159,7 +168,8 @@ def detect() -> Hardware:
                     free_gib=free / 2 ** 30,
                     gpu_count=torch.cuda.device_count(), cpu_bf16=False, unsloth_installed=unsloth,
                     vllm_installed=vllm, vllm_bnb_plugin_installed=plugin, mimalloc_library=mimalloc,
-                    vllm_standby=unsloth_vllm_standby())
+                    vllm_standby=unsloth_vllm_standby(), nvcc_cuda=nvcc_cuda_version(os.environ),
+                    torch_cuda=torch.version.cuda)
 
 
 def with_memory(hardware: Hardware, total_gib: float) -> Hardware:

@@ -36,6 +36,10 @@ Decisions, and why:
   tested on, bench/vllm_cpu.py measured a GRPO step slower with vLLM rollouts: docs/results.md) and
   unsloth_vllm where fast_inference runs. On CPU a 4-bit base is refused (vLLM's CPU build would
   serve 16-bit weights, so the sampler would not be the policy being trained).
+- FlashInfer (choose_flashinfer): where unsloth's vLLM generates, allowed only from sm80 with an nvcc of torch's CUDA
+  major; otherwise kept off (UNSLOTH_VLLM_NO_FLASHINFER=1 in `engine_environment`, which the unsloth backend sets
+  before from_pretrained): below sm80 vLLM 0.31 has none and the load would fail, from sm80 without such an nvcc
+  unsloth_zoo would still ask FlashInfer to JIT-compile during vLLM's start.
 - vLLM's max model length: model.max_seq_length (prompt + completion), never the model's own 128K.
 - reward models (a hub id or folder in rewards.names): on the run's device (`reward_model_device`), as TRL
   places one beside the policy; not re-decided from torch where it is loaded.
@@ -76,7 +80,9 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # (vllm/v1/attention/backends/flashinfer.py supports_compute_capability: sm75 excluded until flashinfer#3621).
 # unsloth_zoo 2026.10.9's load_vllm still sets VLLM_USE_FLASHINFER_SAMPLER=1 below it (vllm >= 0.11), and vLLM
 # then raises at load ("FlashInfer top-p/top-k sampling unavailable: unsupported compute capability 7.5"); its
-# UNSLOTH_VLLM_NO_FLASHINFER=1 keeps FlashInfer off. tests/test_gpu_wheels.py reads these lines in the pinned wheels.
+# UNSLOTH_VLLM_NO_FLASHINFER=1 keeps FlashInfer off. From sm80 load_vllm asks for it when nvcc, ninja and libcuda merely
+# exist, whatever their CUDA versions: choose_flashinfer keeps it off unless nvcc's CUDA major is torch's.
+# tests/test_gpu_wheels.py reads these lines in the pinned wheels.
 FLASHINFER_MIN_COMPUTE_CAPABILITY = (8, 0)
 NO_FLASHINFER_ENV = "UNSLOTH_VLLM_NO_FLASHINFER"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -226,6 +232,41 @@ def vllm_lora_rank(r: int) -> int:
                        "without vLLM (model.fast_inference=false / model.generation=transformers)")
 
 
+def cuda_major(version: Optional[str]) -> Optional[int]:
+    """The major of a CUDA version string ('13.0' -> 13); None for None or a string that does not start with one."""
+    head = str(version or "").split(".")[0]
+    return int(head) if head.isdigit() else None
+
+
+def choose_flashinfer(hardware: Hardware) -> tuple[bool, str]:
+    """(may unsloth's vLLM use FlashInfer, why not) for `hardware`'s card and build toolchain. Off below sm80 (vLLM 0.31 has
+    none there and unsloth_zoo still asks for its sampler: the load fails). From sm80 unsloth_zoo 2026.10.9's load_vllm
+    asks for it whenever nvcc, ninja and libcuda merely exist (vllm_utils.py 4680-4690, then 4743-4746
+    VLLM_USE_FLASHINFER_SAMPLER=1), and FlashInfer JIT-compiles its kernels with that nvcc during vLLM's start: minutes,
+    and an nvcc of another CUDA major than torch's builds for another runtime and may fail. So on only where nvcc's
+    CUDA major equals torch's; with no nvcc, or a toolchain not known (a named profile), off. Off costs the FlashInfer
+    sampler (unsloth's comment beside its switch: 280 vs 330 tokens/s on a T4); vLLM then samples with PyTorch."""
+    if hardware.compute_capability < FLASHINFER_MIN_COMPUTE_CAPABILITY:
+        return False, ("vLLM 0.31 has no FlashInfer below sm80 and unsloth would ask for its sampler, failing the load; "
+                       "vLLM samples with PyTorch and attends with Triton here")
+    torch_major = cuda_major(hardware.torch_cuda)
+    if hardware.name != "present" and (hardware.nvcc_cuda is None or torch_major is None):
+        why = ("the nvcc and torch CUDA build of a named card are not known here (on the card itself resolve compares "
+               "them and allows it where their CUDA majors agree); unsloth_zoo asks for it whenever nvcc merely exists")
+    elif hardware.nvcc_cuda is None:
+        why = "no nvcc found, and FlashInfer JIT-compiles its kernels with it"
+    elif torch_major is None:
+        why = (f"torch's CUDA build is not known ({hardware.torch_cuda!r}), so nvcc's CUDA {hardware.nvcc_cuda[0]} cannot "
+               "be matched to it; unsloth_zoo asks for it whenever nvcc merely exists")
+    elif hardware.nvcc_cuda[0] != torch_major:
+        why = (f"nvcc here is CUDA {hardware.nvcc_cuda[0]}.{hardware.nvcc_cuda[1]} and torch is built with CUDA "
+               f"{hardware.torch_cuda}: FlashInfer's JIT build during vLLM's start would take minutes and compile for "
+               "another CUDA runtime, and may fail; unsloth_zoo asks for it whenever nvcc merely exists")
+    else:
+        return True, ""
+    return False, why + "; vLLM samples with PyTorch"
+
+
 def choose_host_allocator(asked: str, hardware: Hardware) -> str:
     """'mimalloc' or 'system' for memory.host_allocator (auto | mimalloc | system) on `hardware`."""
     if asked == "mimalloc" and hardware.mimalloc_library is None:
@@ -361,11 +402,9 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
     if generation == "unsloth_vllm":
         notes.append("unsloth 2026.10.9's GRPO trainer turns TRL's vLLM importance-sampling correction off "
                      "(vllm_importance_sampling_correction=False; docs/unsloth_grpo_changes.md)")
-        flashinfer = hardware.compute_capability >= FLASHINFER_MIN_COMPUTE_CAPABILITY
+        flashinfer, why = choose_flashinfer(hardware)
         if not flashinfer:
-            notes.append(f"vLLM's FlashInfer kept off on {hardware.sm} ({NO_FLASHINFER_ENV}=1): vLLM 0.31 has no FlashInfer "
-                         "below sm80 and unsloth would ask for its sampler, failing the load; vLLM samples with PyTorch "
-                         "and attends with Triton here")
+            notes.append(f"vLLM's FlashInfer kept off on {hardware.sm} ({NO_FLASHINFER_ENV}=1): {why}")
     if generation == "vllm" and hardware.cuda:
         notes.append("model.generation=vllm: the engine asks vLLM for its KV cache in bytes (kv_cache_memory_bytes) and "
                      "passes its own share of the card as gpu_memory_utilization; memory.gpu_memory_utilization is unsloth's")

@@ -9,8 +9,9 @@ every import and fails minutes into the run, so the doctor says so first:
 - no C compiler, or no Python headers: a blocker for a run on a GPU (`apt-get install build-essential
   python3-dev`, or the conda / pyenv Python's own headers);
 - FlashInfer where vLLM generates, per compute capability (`flashinfer_lines`): below sm80 vLLM 0.31 has none
-  (resolve keeps unsloth from asking for it: Triton attention, the PyTorch sampler); from sm80 without nvcc or
-  ninja a note on the unsloth backend (unsloth_zoo's load_vllm then keeps vLLM off FlashInfer: FLASH_ATTN
+  (resolve keeps unsloth from asking for it: Triton attention, the PyTorch sampler); from sm80 on the unsloth
+  backend resolve keeps it off too where nvcc is missing or of another CUDA major than torch (choose_flashinfer:
+  the line says which); with it allowed, without ninja a note on the unsloth backend (unsloth_zoo's load_vllm then keeps vLLM off FlashInfer: FLASH_ATTN
   attention and the PyTorch sampler), a warning for the hf backend's own engine (VLLM_USE_FLASHINFER_SAMPLER=0);
   with both, nvcc's CUDA release against torch's (a CUDA 12 nvcc beside cu13 torch).
 """
@@ -111,6 +112,11 @@ def flashinfer_lines(resolved, environ, torch_cuda: Optional[str] = None):
             return [_block(f"VLLM_USE_FLASHINFER_SAMPLER={environ['VLLM_USE_FLASHINFER_SAMPLER']} is set and {sm} has "
                            "no FlashInfer in vLLM 0.31: its engine raises at load", "unset VLLM_USE_FLASHINFER_SAMPLER")]
         return []
+    if resolved.generation == "unsloth_vllm" and resolved.vllm_flashinfer is False:  # resolve kept it off: why
+        from .resolve import choose_flashinfer
+
+        return [_ok(f"vLLM without FlashInfer on {sm} ({NO_FLASHINFER_ENV}=1, set for this run): "
+                    f"{choose_flashinfer(resolved.hardware)[1]}")]
     if not _find("flashinfer"):
         return []
     missing = [n for n, ok in (("nvcc", _has_nvcc(environ)),

@@ -406,7 +406,21 @@ def test_flashinfer_notes_follow_the_compute_capability_and_compare_nvcc_with_to
     assert flashinfer_lines(own, {"PATH": str(tmp_path)}) == []  # vLLM falls back by itself when not forced
     (forced,) = flashinfer_lines(own, {"PATH": str(tmp_path), "VLLM_USE_FLASHINFER_SAMPLER": "1"})
     assert forced.status == "BLOCK" and "unset VLLM_USE_FLASHINFER_SAMPLER" in forced.fix
-    rtx = _resolved("qwen1_5b_4bit", "rtx4090")
+    import dataclasses
+
+    def rtx_with(nvcc, torch_cuda):  # the card present, as detect() reads its nvcc and torch's CUDA build
+        hardware = dataclasses.replace(profile("rtx4090"), name="present", nvcc_cuda=nvcc, torch_cuda=torch_cuda)
+        return resolve(load_config("qwen1_5b_4bit", []), hardware, "auto")
+
+    for kept_off, said in ((rtx_with((12, 4), "13.0"), "nvcc here is CUDA 12.4 and torch is built with CUDA 13.0"),
+                           (rtx_with(None, "13.0"), "no nvcc found"),
+                           (_resolved("qwen1_5b_4bit", "rtx4090"), "a named card are not known here")):
+        assert kept_off.vllm_flashinfer is False  # resolve decided it (choose_flashinfer); the doctor says so
+        (line,) = flashinfer_lines(kept_off, {"PATH": _tools(tmp_path / f"kept{len(said)}", "13.0")}, torch_cuda="13.0")
+        assert line.status == "ok" and "vLLM without FlashInfer on sm89 (UNSLOTH_VLLM_NO_FLASHINFER=1, set for this run)" \
+            in line.text and said in line.text
+    rtx = rtx_with((13, 0), "13.0")
+    assert rtx.vllm_flashinfer is True
     if importlib.util.find_spec("flashinfer") is None:  # the CPU set has no FlashInfer: nothing to compile
         assert flashinfer_lines(rtx, {"PATH": str(tmp_path)}, torch_cuda="13.0") == []
         return

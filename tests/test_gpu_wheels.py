@@ -192,6 +192,33 @@ def test_unsloth_asks_for_flashinfers_sampler_below_sm80_which_vllm_refuses_and_
     assert "if not envs.VLLM_USE_FLASHINFER_SAMPLER:\n        logger.info_once(" in sampler  # 0: no FlashInfer, no raise
 
 
+def test_from_sm80_unsloth_asks_for_flashinfer_whenever_nvcc_exists_and_our_switch_comes_first():
+    """resolve.choose_flashinfer, read against the pinned load_vllm (unsloth_zoo/vllm_utils.py ~4664-4757): its
+    FlashInfer probe checks only that nvcc, ninja and libcuda exist (no `nvcc --version`, no CUDA release against
+    torch's), then from sm80 sets VLLM_USE_FLASHINFER_SAMPLER=1, so FlashInfer JIT-compiles with whatever nvcc is
+    found; UNSLOTH_VLLM_NO_FLASHINFER is read before that probe and, set, turns the sampler off and hides FlashInfer's
+    import, so resolve's decision holds on every card."""
+    from lowvram_grpo.resolve import NO_FLASHINFER_ENV
+
+    load = _functions(VLLM_UTILS, ["load_vllm"])
+    switch = load.index(f'_no_flashinfer = os.environ.get("{NO_FLASHINFER_ENV}", "0") != "0"')
+    off, probe = load.index("elif _no_flashinfer:"), load.index('elif importlib.util.find_spec("flashinfer"):')
+    assert switch < off < probe
+    kept_off = load[off:probe]
+    assert 'os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"' in kept_off and "_block_flashinfer_import()" in kept_off
+    decided = load[probe:load.index("else:\n            # Not installed", probe)]
+    checks = decided[:decided.index("if not _has_nvcc or not _has_ninja or not _can_link:")]
+    assert 'shutil.which("nvcc") is not None' in checks and 'shutil.which("ninja") is not None' in checks
+    assert "_can_link_libcuda()" in checks
+    assert "--version" not in checks and "release" not in checks and "torch.version.cuda" not in checks, \
+        "unsloth_zoo now reads nvcc's CUDA release: resolve.choose_flashinfer may defer to it"
+    sm80 = re.search(r'# Flashinfer sampler maybe makes it somewhat faster on newer GPUs\n(?:\s+#.*\n)*'
+                     r'\s+if major_version >= 8:\n\s+os\.environ\["VLLM_USE_FLASHINFER_SAMPLER"\] = "1"', decided)
+    assert sm80, "unsloth_zoo no longer forces the FlashInfer sampler from sm80: resolve.choose_flashinfer may be dropped"
+    link = _functions(VLLM_UTILS, ["_can_link_libcuda"])
+    assert "--version" not in link and "release" not in link  # a file's presence, not its CUDA release
+
+
 def test_a_failure_inside_unsloths_vllm_start_is_one_line_and_other_load_errors_stay_as_they_are(tmp_path):
     """The exception the real load_vllm raises where nothing is injected (on this CPU: its "vLLM is required"
     ImportError, as unsloth's import blocked the vLLM whose CUDA kernels cannot load here) becomes EngineStopped's one

@@ -3,6 +3,8 @@
 unsloth_zoo 2026.10.9 asks vLLM 0.31 for its FlashInfer sampler on every card, and vLLM has no FlashInfer below
 sm80: the load fails with a RuntimeError. resolve keeps FlashInfer off there (UNSLOTH_VLLM_NO_FLASHINFER=1, which
 the unsloth backend sets before from_pretrained); tests/test_gpu_wheels.py reads the pinned wheels' lines for it."""
+import dataclasses
+
 import pytest
 
 from conftest import run_cli
@@ -14,7 +16,9 @@ from lowvram_grpo.resolve import resolve
 @pytest.mark.parametrize("card, off", [("t4", True), ("v100-16gb", None), ("rtx3060-12gb", False), ("a100-40gb", False),
                                        ("h100-80gb", False)])
 def test_flashinfer_is_kept_off_below_sm80_when_unsloths_vllm_generates(card, off):
-    resolved = resolve(load_config("qwen1_5b_4bit", []), profile(card), "auto")
+    # the toolchain of a card where FlashInfer may run (nvcc of torch's CUDA major: choose_flashinfer)
+    hardware = dataclasses.replace(profile(card), nvcc_cuda=(13, 0), torch_cuda="13.0")
+    resolved = resolve(load_config("qwen1_5b_4bit", []), hardware, "auto")
     if off is None:  # the V100: vLLM 0.31 does not run there at all (generation through transformers)
         assert resolved.generation == "transformers" and resolved.vllm_flashinfer is None
         assert resolved.engine_environment == {}
@@ -37,8 +41,56 @@ def test_dry_run_on_a_t4_says_flashinfer_is_off_and_why():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "FlashInfer off" in proc.stdout
     assert "vLLM's FlashInfer kept off on sm75 (UNSLOTH_VLLM_NO_FLASHINFER=1)" in proc.stdout
-    a100 = run_cli("--preset", "llama8b_4bit", "--dry-run", "--gpu", "a100-40gb")
-    assert a100.returncode == 0 and "FlashInfer allowed" in a100.stdout and "kept off" not in a100.stdout
+    a100 = run_cli("--preset", "llama8b_4bit", "--dry-run", "--gpu", "a100-40gb")  # sm80, its toolchain not known here
+    assert a100.returncode == 0 and "FlashInfer off" in a100.stdout, a100.stderr[-2000:]
+    assert ("vLLM's FlashInfer kept off on sm80 (UNSLOTH_VLLM_NO_FLASHINFER=1): the nvcc and torch CUDA build of a named "
+            "card are not known here") in a100.stdout
+
+
+# (compute capability, nvcc's CUDA release (None: no nvcc), torch's CUDA build) -> FlashInfer allowed, why not
+FLASHINFER_TABLE = [
+    ((7, 5), (13, 0), "13.0", False, "vLLM 0.31 has no FlashInfer below sm80"),
+    ((7, 5), None, "13.0", False, "vLLM 0.31 has no FlashInfer below sm80"),
+    ((8, 0), (13, 0), "13.0", True, ""),
+    ((8, 6), (13, 1), "13.0", True, ""),
+    ((8, 9), (12, 8), "12.8", True, ""),   # the CUDA 12 install: nvcc 12 beside a cu128 torch
+    ((8, 6), (12, 4), "13.0", False, "nvcc here is CUDA 12.4 and torch is built with CUDA 13.0"),
+    ((8, 9), (12, 8), "13.0", False, "nvcc here is CUDA 12.8 and torch is built with CUDA 13.0"),
+    ((9, 0), (13, 0), "12.8", False, "nvcc here is CUDA 13.0 and torch is built with CUDA 12.8"),
+    ((8, 6), None, "13.0", False, "no nvcc found"),
+    ((9, 0), None, "12.8", False, "no nvcc found"),
+    ((8, 6), (13, 0), None, False, "torch's CUDA build is not known"),
+]
+
+
+@pytest.mark.parametrize("cc, nvcc, torch_cuda, allowed, why", FLASHINFER_TABLE)
+def test_flashinfer_is_allowed_only_from_sm80_with_an_nvcc_of_torchs_cuda_major(cc, nvcc, torch_cuda, allowed, why):
+    """resolve's decision for unsloth's vLLM on the card present (detect() reads nvcc --version and torch.version.cuda):
+    off below sm80, and from sm80 wherever FlashInfer's JIT build would run with no nvcc or another CUDA major than
+    torch's (unsloth_zoo asks for it whenever nvcc merely exists: tests/test_gpu_wheels.py reads those lines). What
+    --dry-run prints (Resolved.describe) says it, and the run's environment carries the switch."""
+    card = dataclasses.replace(profile("rtx3090"), name="present", gpu_name="a card", compute_capability=cc,
+                               nvcc_cuda=nvcc, torch_cuda=torch_cuda)
+    resolved = resolve(load_config("llama8b_4bit", []), card, "auto")
+    assert resolved.generation == "unsloth_vllm" and resolved.vllm_flashinfer is allowed
+    assert resolved.engine_environment == ({} if allowed else {"UNSLOTH_VLLM_NO_FLASHINFER": "1"})
+    shown = resolved.describe()
+    notes = [n for n in resolved.notes if "FlashInfer" in n]
+    if allowed:
+        assert "FlashInfer allowed" in shown and notes == []
+        return
+    sm = f"sm{cc[0]}{cc[1]}"
+    assert "FlashInfer off" in shown and f"note: vLLM's FlashInfer kept off on {sm} (UNSLOTH_VLLM_NO_FLASHINFER=1): " in shown
+    (note,) = notes
+    assert why in note and "\n" not in note
+
+
+def test_without_unsloths_vllm_flashinfer_is_not_decided_whatever_the_toolchain():
+    """The hf backend, or fast_inference off: no unsloth engine, no switch (the hf backend's own engine: the doctor)."""
+    card = dataclasses.replace(profile("rtx3090"), name="present", nvcc_cuda=(12, 4), torch_cuda="13.0")
+    for resolved in (resolve(load_config("llama8b_4bit", []), card, "hf"),
+                     resolve(load_config("llama8b_4bit", ["model.fast_inference=false"]), card, "unsloth")):
+        assert resolved.vllm_flashinfer is None and resolved.engine_environment == {}
 
 
 @pytest.mark.parametrize("backend, available_gb, refused", [
