@@ -242,13 +242,19 @@ class GRPORun:
     @contextlib.contextmanager
     def _failures_reported(self, phase: str):
         """What only a GPU or the vLLM engine raises, in `phase`, as one line that says what is kept and how
-        to go on: a CUDA out-of-memory (memory.py), the vLLM engine's process dying (OutOfMemory, EngineStopped)."""
+        to go on: a CUDA out-of-memory (memory.py), the vLLM engine's process dying (OutOfMemory, EngineStopped).
+        A stop is never an engine failure: a StopRequested raised inside vLLM's frames, or any error once a signal
+        was received (vLLM's processes end on the same SIGTERM), leaves as StopRequested for the stop line."""
         from .oom import out_of_memory_reported
 
         with out_of_memory_reported(self.memory_plan, self.config, self.run_dir, phase, adapter=self.adapter_dir):
             try:
                 yield
             except Exception as exc:
+                if isinstance(exc, StopRequested):  # raised inside vLLM's frames (a second Ctrl-C): the stop line
+                    raise
+                if stops.received() is not None:  # what vLLM made of the stop (its processes got the same SIGTERM)
+                    raise StopRequested(stops.received()) from None
                 if self.rollouts is None and not self.resolved.fast_inference:  # no vLLM engine in this run
                     raise
                 from .backends.vllm import engine_stop_cause

@@ -7,13 +7,18 @@ FAILURE is one of:
                     (gradients on, inside Trainer.train, not generating), once a checkpoint exists;
 - `oom-rollout`:    the same error while TRL generates the rollouts (inside Trainer.train, inside
                     `generate`), once a checkpoint exists;
-- `oom-evaluation`: the same error while the trained adapter is measured (generating after training).
+- `oom-evaluation`: the same error while the trained adapter is measured (generating after training);
+- `sigterm-in-vllm`: (model.generation=vllm) SIGTERM to the run's whole process group, as SLURM, systemd or
+                    `kill -TERM -PGID` send it, from inside vLLM's `LLM.generate` while it answers the held-out
+                    questions after training; vLLM's own processes get it too (only SIGINT/SIGHUP are blocked
+                    there) and the call goes on into vLLM's frames once its EngineCore has ended.
 
 The error is the one CUDA's caching allocator raises (its type and message), thrown from inside the
 model's forward where an allocation fails on a card, so it travels through transformers, TRL,
 accelerate and the pipeline exactly as a real one does. Nothing of the package is patched: only
 torch's global module hook, `Trainer.train`, `GenerationMixin.generate` and our decode loop
-(`decoding.decode`) are watched to know the phase. The CLI's `main` (not `cli`, which may restart the process on another allocator) runs it.
+(`decoding.decode`) are watched to know the phase (`sigterm-in-vllm`: `Trainer.train`, and vLLM's `LLM.generate`
+where the signal is sent). The CLI's `main` (not `cli`, which may restart the process on another allocator) runs it.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from transformers.generation.utils import GenerationMixin
 CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 14.74 GiB of which "
             "1.06 GiB is free. Of the allocated memory 12.31 GiB is allocated by PyTorch, and 0.94 GiB is reserved "
             "by PyTorch but unallocated.")
-FAILURES = ("oom-training", "oom-rollout", "oom-evaluation")
+FAILURES = ("oom-training", "oom-rollout", "oom-evaluation", "sigterm-in-vllm")
 
 state = {"training": False, "generating": False, "trained": False, "fired": False}
 
@@ -56,8 +61,46 @@ def _has_checkpoint(output_dir: Path) -> bool:
     return RunDir(output_dir).latest_checkpoint() is not None
 
 
+def _alive(process) -> bool:
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _sigterm_in_vllm() -> None:
+    """The first LLM.generate after training sends SIGTERM to the process group, waits (up to 60 s) for vLLM's
+    EngineCore to end on it, then goes on into vLLM's own generate."""
+    import os
+    import signal
+    import time
+
+    import psutil
+    import vllm
+
+    original = vllm.LLM.generate
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        if state["trained"] and not state["fired"]:
+            state["fired"] = True
+            cores = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::EngineCore")]
+            os.killpg(os.getpgrp(), signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            while any(_alive(p) for p in cores) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        return original(*args, **kwargs)
+
+    vllm.LLM.generate = generate
+
+
 def install(failure: str, output_dir: Path) -> None:
     _watch(transformers.Trainer, "train", "training", after="trained")
+    if failure == "sigterm-in-vllm":
+        _sigterm_in_vllm()
+        return
     _watch(GenerationMixin, "generate", "generating")
     from lowvram_grpo import decoding
 

@@ -304,6 +304,27 @@ def test_ctrl_c_stops_at_the_step_with_a_checkpoint_and_ends_the_engine(tmp_path
     assert len(pids) >= 2 and wait_gone(pids) == []
 
 
+def test_a_sigterm_to_the_group_inside_vllms_generate_is_the_stop_line_not_an_engine_failure(tmp_path):
+    """SIGTERM to the whole process group (SLURM, systemd, `kill -TERM -PGID`) sent from inside vLLM's LLM.generate
+    while it answers the held-out questions after training (tests/inject_failures.py sigterm-in-vllm): vLLM's own
+    EngineCore ends on it, and the call waiting in vLLM's frames fails. That is the stop the user asked for: the stop
+    line with what is kept and the command that goes on, exit 143, never "the vLLM engine stopped ..." (exit 1)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "inject_failures.py"), "sigterm-in-vllm", *RUN,
+                             "--max-steps", "1", "--output-dir", str(out)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=default_signals)
+    pids = engine_pids(proc, set())
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 143, log[-3000:]
+    lines = error_lines(log)
+    assert len(lines) == 1, log[-3000:]
+    assert lines[0].startswith("error: stopped by SIGTERM while measuring the trained adapter; kept: "), lines
+    assert lines[0].endswith(f"Continue with: python -m lowvram_grpo.run --resume {out}"), lines
+    assert f"adapter {out / 'adapter'}" in lines[0]
+    assert "vLLM engine stopped" not in log and (out / "adapter").is_dir()
+    assert len(pids) >= 2 and wait_gone(pids) == []
+
+
 def test_an_error_in_training_ends_the_engine(tmp_path):
     rewards = tmp_path / "boom.py"
     rewards.write_text(textwrap.dedent("""
