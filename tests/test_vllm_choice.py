@@ -192,3 +192,47 @@ def test_our_vllm_engine_with_a_4bit_base_is_refused_on_a_card_without_native_bf
                                profile("t4"), "hf"))
     check_run_servable(resolve(config, profile("rtx4090"), "hf"))
     check_run_servable(resolve(config, profile("l4"), "hf"))
+
+
+def test_a_stop_raised_inside_vllms_frames_on_unsloths_engine_is_the_stop_line_not_an_engine_failure(tmp_path):
+    """unsloth's engine runs vLLM inside the run's own process (a T4 run with fast_inference), so a signal's
+    StopRequested can be raised inside vLLM's frames, and the run's translation of vLLM's errors
+    (GRPORun._failures_reported, whose unsloth branch names any exception with a vLLM frame) sees it. A real SIGTERM
+    through stops' own handler while a vLLM function runs (vllm.utils.func_utils.run_once's wrapper calling ours):
+    the StopRequested leaves as itself and becomes the stop line, exit 143 (before: "the vLLM engine stopped ...:
+    StopRequested in vLLM", exit 1). On a CPU unsloth's engine cannot start (docs/gpu.md): the frame is vLLM's, the
+    engine is not; tests/test_vllm_engine.py drives our own engine's run through a group SIGTERM."""
+    import os
+    import signal
+    import time
+    import traceback
+
+    func_utils = pytest.importorskip("vllm.utils.func_utils", reason="vLLM is not installed (the CPU extra)")
+    from lowvram_grpo import stops
+    from lowvram_grpo.pipeline import GRPORun
+    from lowvram_grpo.stops import StopRequested
+
+    config = load_config("llama8b_4bit", ["data.dataset=null", "data.eval_dataset=null", "data.eval_size=8"])
+    grpo = GRPORun(config, tmp_path / "run", backend="unsloth", log=lambda *a: None, hardware=profile("t4"))
+    try:
+        assert grpo.resolved.fast_inference
+        grpo.phase = "measuring after"
+
+        @func_utils.run_once
+        def answering():  # what vLLM calls while it answers: the handler raises in the frame that runs
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # interrupted by the handler's StopRequested
+
+        previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            with stops.handled(), pytest.raises(StopRequested) as caught, grpo._failures_reported("evaluation"):
+                answering()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        frames = traceback.extract_tb(caught.value.__traceback__)
+        assert any(f"{os.sep}vllm{os.sep}utils{os.sep}func_utils.py" in f.filename for f in frames)
+        line = grpo.stopped(caught.value)
+        assert line.exit_code == 143 and str(line).startswith("stopped by SIGTERM while measuring the trained adapter: ")
+        assert "vLLM" not in str(line)
+    finally:
+        grpo.release()
