@@ -66,6 +66,11 @@ class ModelConfig:
     )
     vllm_sync_steps: int = _help("model.generation=vllm: hand the trained adapter to vLLM every this many optimizer steps "
                                  "(1 = rollouts always come from the policy being trained).", 1)
+    kv_cache_dtype: str = _help(
+        "vLLM's KV cache with unsloth's engine (fast_inference): fp8 (float8_kv_cache: half the bytes of 16-bit, so "
+        "twice the tokens in the same share; compute capability >= 8.0), the compute dtype, or auto (fp8 on sm80+ where "
+        "the memory plan's 16-bit cache is short of room, else the compute dtype). Other generation keeps the compute dtype.",
+        "auto")
 
     def __post_init__(self):
         _check(bool(self.name), "model.name is empty: give a hub id, a local path, or builtin:tiny")
@@ -77,6 +82,7 @@ class ModelConfig:
         _check(self.max_seq_length >= 16, f"model.max_seq_length must be >= 16; got {self.max_seq_length}")
         _one_of("model", "dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
         _one_of("model", "generation", self.generation, ("auto", "transformers", "vllm"))
+        _one_of("model", "kv_cache_dtype", self.kv_cache_dtype, ("auto", "fp8", "bfloat16", "float16", "float32"))
         _check(self.vllm_sync_steps >= 1, f"model.vllm_sync_steps must be >= 1 (1 = sync every step); got {self.vllm_sync_steps}")
 
 
@@ -211,9 +217,17 @@ class TrainConfig:
         "test: with graded format rewards such as xmlcount a group is almost never all equal); a name in "
         "rewards.names = that reward alone, DAPO's accuracy filter with `correctness`: groups all right or all "
         "wrong are redrawn, though the format rewards still spread them.", None)
+    is_correction: str = _help(
+        "Importance-sampling correction of vLLM rollouts (TRL's vllm_importance_sampling_correction, sequence_mask): each "
+        "completion re-weighted by the trainer's probability of it over the sampler's. auto = on wherever a vLLM engine "
+        "samples and the trainer scores (unsloth's fast_inference included, whose own default is off), off where the "
+        "trained model samples its own rollouts; on; off.", "auto")
     max_grad_norm: float = _help("Gradient clipping norm (the notebook uses 0.1).", 0.1)
     max_steps: int = _help("Optimizer steps to train.", 250)
-    save_steps: int = _help("Save a checkpoint (adapter, optimizer, RNG, data position, metrics) every this many steps; --resume continues from the newest.", 250)
+    save_steps: Optional[int] = _help(
+        "Save a checkpoint (adapter, optimizer, RNG, data position, metrics) every this many steps; --resume continues "
+        "from the newest. null (auto) = a checkpoint at least every ~15 minutes of the step time estimated for the "
+        "card (--dry-run says how many steps and why); a value spanning more than that is kept, with a note.", None)
     keep_checkpoints: int = _help("Checkpoints kept on disk (the newest); older ones are deleted after each save.", 2)
     max_nonfinite_steps: int = _help(
         "A step whose loss or gradient is NaN/inf is skipped (counted as skipped_nonfinite); this many in a row stop the run.", 3)
@@ -255,6 +269,9 @@ class TrainConfig:
         _check(self.beta >= 0, f"train.beta must be >= 0; got {self.beta}")
         _check(self.epsilon > 0, f"train.epsilon must be > 0 (e.g. 0.2); got {self.epsilon}")
         _one_of("train", "loss_type", self.loss_type, TRL_LOSS_TYPES)
+        # YAML 1.1 reads a bare on/off as a bool, which a str field receives as "true"/"false" (_coerce)
+        self.is_correction = {"true": "on", "false": "off"}.get(self.is_correction, self.is_correction)
+        _one_of("train", "is_correction", self.is_correction, ("auto", "on", "off"))
         _one_of("train", "importance_sampling_level", self.importance_sampling_level, ("token", "sequence"))
         _check(self.epsilon_high is None or self.epsilon_high > 0,
                f"train.epsilon_high must be > 0 (DAPO: 0.28) or null (= train.epsilon); got {self.epsilon_high}")
@@ -268,7 +285,8 @@ class TrainConfig:
         _check(0 <= self.warmup_ratio < 1, f"train.warmup_ratio must be in [0, 1); got {self.warmup_ratio}")
         _check(self.max_grad_norm > 0, f"train.max_grad_norm must be > 0; got {self.max_grad_norm}")
         _check(self.max_steps >= 1, f"train.max_steps must be >= 1; got {self.max_steps}")
-        _check(self.save_steps >= 1, f"train.save_steps must be >= 1; got {self.save_steps}")
+        _check(self.save_steps is None or self.save_steps >= 1,
+               f"train.save_steps must be >= 1 or null (auto); got {self.save_steps}")
         _check(self.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1 (--resume needs one); got {self.keep_checkpoints}")
         _check(self.max_nonfinite_steps >= 1, f"train.max_nonfinite_steps must be >= 1 (e.g. 3); got {self.max_nonfinite_steps}")
         _check(0 <= self.adam_beta1 < 1, f"train.adam_beta1 must be in [0, 1) (e.g. 0.9); got {self.adam_beta1}")
@@ -305,7 +323,18 @@ class DataConfig:
     solution_column: str = _help(
         "The column holding a worked solution (MATH's 'solution': its last \\boxed{...} is the gold answer when "
         "there is no answer column); used for priming. Optional.", "solution")
-    system_prompt: str = _help("System message of every prompt: tells the model the answer format.", NOTEBOOK_SYSTEM_PROMPT)
+    system_prompt: str = _help(
+        "System message of every prompt: tells the model the answer format. Left at the notebook's (xml) prompt with "
+        "answer_format: think, the think format's own prompt (rewards.THINK_SYSTEM_PROMPT) is used.", NOTEBOOK_SYSTEM_PROMPT)
+    answer_format: str = _help(
+        "The answer format trained and measured: 'xml' (the notebook's <reasoning>...</reasoning><answer>...</answer>) "
+        "or 'think' (a thinking model's <think>...</think> then the answer, e.g. Qwen3): the held-out accuracy reads "
+        "answers in it, priming writes its examples in it, and its built-in rewards are think_format and "
+        "think_correctness (the default rewards.names follow it).", "xml")
+    chat_template_kwargs: dict = _help(
+        "Extra keywords of the tokenizer's chat template, e.g. {enable_thinking: false} for Qwen3: passed wherever a "
+        "prompt is templated (TRL's rollouts, vLLM's, priming, the held-out answers, tool turns, reward models).",
+        factory=dict)
     num_train: Optional[int] = _help("Training questions to use (built-in: to generate). null = all of the file / 2000 built-in.", None)
     eval_size: int = _help("Questions held out for the before/after comparison.", 32)
     eval_dataset: Optional[str] = _help(
@@ -321,6 +350,31 @@ class DataConfig:
         _check(self.max_operand >= 2, f"data.max_operand must be >= 2; got {self.max_operand}")
         for key in ("question_column", "answer_column", "solution_column"):
             _check(bool(getattr(self, key).strip()), f"data.{key} is empty: name a column of the dataset")
+        from .answers import ANSWER_FORMATS  # plain-Python module, no heavy imports
+        from .rewards import THINK_SYSTEM_PROMPT
+
+        _one_of("data", "answer_format", self.answer_format, ANSWER_FORMATS)
+        for key, value in self.chat_template_kwargs.items():
+            _check(isinstance(key, str) and key.isidentifier(),
+                   f"data.chat_template_kwargs key {key!r} is not a name: give keywords of the chat template, e.g. {{enable_thinking: false}}")
+            _check(key not in TEMPLATE_CALL_KEYWORDS,
+                   f"data.chat_template_kwargs.{key} is an argument of apply_chat_template itself, set by the run: "
+                   "give only the template's own variables (e.g. enable_thinking)")
+            _check(value is None or isinstance(value, (bool, int, float, str)),
+                   f"data.chat_template_kwargs.{key} must be a bool, number or string; got {value!r}")
+        thinking = self.chat_template_kwargs.get("enable_thinking", True)
+        _check(not (self.answer_format == "think" and thinking is False),
+               "data.answer_format=think with data.chat_template_kwargs.enable_thinking=false: the template then "
+               "closes an empty <think> block itself, so no completion is in the think format; drop one of the two")
+        if self.answer_format == "think" and self.system_prompt == NOTEBOOK_SYSTEM_PROMPT:
+            self.system_prompt = THINK_SYSTEM_PROMPT
+
+
+# apply_chat_template's own arguments, which the run sets: not template variables (data.chat_template_kwargs).
+TEMPLATE_CALL_KEYWORDS = ("conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                          "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                          "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+DEFAULT_REWARDS = ["xmlcount", "soft_format", "strict_format", "int", "correctness"]
 
 
 @dataclass
@@ -330,7 +384,7 @@ class RewardsConfig:
     names: list[str] = _help(
         "Reward functions summed into the GRPO reward: built-in names, your rewards.module's functions, or a reward "
         "model (a hub id or a local folder of a sequence-classification model, scored as TRL scores one).",
-        factory=lambda: ["xmlcount", "soft_format", "strict_format", "int", "correctness"],
+        factory=lambda: list(DEFAULT_REWARDS),
     )
     weights: Optional[list[float]] = _help("One weight per name; null = all 1.0.", None)
     module: Optional[str] = _help(
@@ -462,8 +516,17 @@ class EvalConfig:
     sample_temperature: float = _help("Temperature of the eval.samples answers.", 0.8)
     batch_size: int = _help("Prompts generated at once during evaluation.", 8)
     enabled: bool = _help("Measure before/after at all (off = faster smoke runs; summary.json then has no numbers).", True)
+    every_steps: Optional[int] = _help(
+        "The held-out curve during GRPO: every N steps (and at the last) the adapter is measured under this protocol on "
+        "eval.validation_size validation questions (taken from the training data, never trained on, never the held-out "
+        "ones), into metrics.jsonl, the trackers and the report; the best is kept as best_adapter/. 0 = off; null = "
+        "on where it costs under 10% of the run (resolve.py estimates it; --dry-run says which).", None)
+    validation_size: int = _help("Validation questions of the held-out curve (eval.every_steps).", 32)
 
     def __post_init__(self):
+        _check(self.every_steps is None or self.every_steps >= 0,
+               f"eval.every_steps must be >= 0 (0 = off) or null (auto); got {self.every_steps}")
+        _check(self.validation_size >= 1, f"eval.validation_size must be >= 1; got {self.validation_size}")
         _check(self.temperature >= 0, f"eval.temperature must be >= 0 (0 = greedy); got {self.temperature}")
         _check(0 < self.top_p <= 1, f"eval.top_p must be in (0, 1]; got {self.top_p}")
         _check(self.samples >= 0, f"eval.samples must be >= 0 (0 = off, k = mean@k and pass@k); got {self.samples}")
@@ -474,6 +537,23 @@ class EvalConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass
+class LogConfig:
+    """What a run keeps of its GRPO completions: completions.jsonl (completions.py states the size policy)."""
+
+    completions_every: int = _help(
+        "completions.jsonl: write the completions of every Nth logged GRPO step (and of the last); 0 = none.", 1)
+    completions_groups: int = _help("completions.jsonl: the first K prompt groups of a written step (all their completions).", 2)
+    completions_max_mb: float = _help(
+        "completions.jsonl's cap in MB: before a step would pass it, every other written step is dropped from the file "
+        "and completions_every doubles, so the file covers the whole run, more thinly.", 4.0)
+
+    def __post_init__(self):
+        _check(self.completions_every >= 0, f"log.completions_every must be >= 0 (0 = none); got {self.completions_every}")
+        _check(self.completions_groups >= 1, f"log.completions_groups must be >= 1; got {self.completions_groups}")
+        _check(self.completions_max_mb > 0, f"log.completions_max_mb must be > 0; got {self.completions_max_mb}")
 
 
 @dataclass
@@ -531,8 +611,8 @@ class DecodeConfig:
         "Greedy answers always use the unmerged adapter.", "auto")
     fused: str = _help(
         "Our loop's sampled tokens through Llama-family layers written out (fused_decode.py: the merged q/k/v and "
-        "gate/up projections each one matmul, ~30 ops a layer instead of transformers' ~500; llama, mistral and qwen2 "
-        "models, else the plain loop): 'auto' (wherever decode.merge_lora is on), 'true' or 'false'.", "auto")
+        "gate/up projections each one matmul, ~30 ops a layer instead of transformers' ~500; llama, mistral, qwen2 "
+        "and qwen3 models, else the plain loop): 'auto' (wherever decode.merge_lora is on), 'true' or 'false'.", "auto")
 
     def __post_init__(self):
         _one_of("decode", "loop", self.loop, ("auto", "lowvram", "transformers"))
@@ -551,6 +631,7 @@ SECTIONS: dict[str, type] = {
     "environment": EnvironmentConfig,
     "prime": PrimeConfig,
     "eval": EvalConfig,
+    "log": LogConfig,
     "memory": MemoryConfig,
     "decode": DecodeConfig,
 }
@@ -572,6 +653,7 @@ class RunConfig:
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     prime: PrimeConfig = field(default_factory=PrimeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
@@ -580,6 +662,17 @@ class RunConfig:
         """Most new tokens of one tool-calling turn: tools.max_tokens_per_turn, else train.max_completion_length
         (TRL's cap for each turn; its tool loop cuts the whole trajectory there either way)."""
         return self.tools.max_tokens_per_turn or self.train.max_completion_length
+
+    def __post_init__(self):
+        from .rewards import FORMAT_REWARDS  # plain-Python module, no heavy imports
+
+        answer_format = self.data.answer_format
+        if answer_format != "xml" and self.rewards.names == DEFAULT_REWARDS and self.rewards.weights is None:
+            self.rewards.names = list(FORMAT_REWARDS[answer_format])  # the default rewards follow the answer format
+        other = [n for n in self.rewards.names
+                 if any(n in names for fmt, names in FORMAT_REWARDS.items() if fmt != answer_format)]
+        _check(not other, f"rewards.names {', '.join(other)} score another answer format than data.answer_format="
+                          f"{answer_format}: name {answer_format}'s own instead, e.g. --set rewards.names=[{','.join(FORMAT_REWARDS[answer_format])}]")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -624,6 +717,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{where} must be a list of {_type_name(item_tp)}, e.g. [a, b]; got {value!r}")
         return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, e.g. {{enable_thinking: false}}; got {value!r}")
+        return dict(value)
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return _finite(float(value), where)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string

@@ -434,6 +434,21 @@ def load_questions(data_config) -> tuple[list[Question], list[Question]]:
     return train, eval_set
 
 
+def split_validation(train: list[Question], held_out: list[Question], size: int) -> tuple[list[Question], list[Question]]:
+    """(training questions left, validation questions) for the held-out curve (eval.every_steps): the last `size`
+    training questions whose text is not one of the held-out questions', taken out of training, so the curve is
+    measured on questions neither trained on nor the held-out ones (the final comparison's stay untouched).
+    Deterministic: the training list is already in the data seed's order."""
+    asked = {q.question for q in held_out}
+    picked = [i for i in range(len(train) - 1, -1, -1) if train[i].question not in asked][:size]
+    if len(picked) < size or len(train) - size < 1:
+        raise DataError(f"eval.validation_size={size} validation questions leave {max(0, len(train) - size)} of the "
+                        f"{len(train)} training questions to train on: lower eval.validation_size, or set "
+                        "eval.every_steps=0 (no held-out curve)")
+    chosen = set(picked)
+    return [q for i, q in enumerate(train) if i not in chosen], [train[i] for i in sorted(picked)]
+
+
 def _held_out(spec: str, data_config) -> list[Question]:
     """`eval_size` questions of the separate eval dataset `spec`, shuffled by the data seed."""
     questions = _from_spec(spec, data_config)
@@ -485,19 +500,22 @@ def to_prompt_rows(questions: list[Question], system_prompt: str) -> list[dict]:
     return rows
 
 
-def prompt_tokens(tokenizer, prompt, tools=None) -> int:
+def prompt_tokens(tokenizer, prompt, tools=None, template_kwargs=None) -> int:
     """How many tokens the model is fed for `prompt`: the chat template's for messages (with the `tools`' schemas
-    in it when tools are given, as TRL renders them), the text's own otherwise."""
+    in it when tools are given, as TRL renders them, and `template_kwargs`: data.chat_template_kwargs), the text's
+    own otherwise."""
     if isinstance(prompt, str):
         return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    ids = tokenizer.apply_chat_template(prompt, tools=tools or None, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(prompt, tools=tools or None, add_generation_prompt=True, tokenize=True,
+                                        **(template_kwargs or {}))
     if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
         ids = ids["input_ids"]
     return len(ids)
 
 
-def drop_long_prompts(rows: list[dict], tokenizer, max_prompt_length: int, tools=None) -> tuple[list[dict], int]:
-    """Keep rows whose prompt (with the `tools`' schemas, when given) fits `max_prompt_length` tokens (TRL 1.15
-    no longer truncates)."""
-    kept = [row for row in rows if prompt_tokens(tokenizer, row["prompt"], tools) <= max_prompt_length]
+def drop_long_prompts(rows: list[dict], tokenizer, max_prompt_length: int, tools=None,
+                      template_kwargs=None) -> tuple[list[dict], int]:
+    """Keep rows whose prompt (with the `tools`' schemas, when given, and `template_kwargs`) fits
+    `max_prompt_length` tokens (TRL 1.15 no longer truncates)."""
+    kept = [row for row in rows if prompt_tokens(tokenizer, row["prompt"], tools, template_kwargs) <= max_prompt_length]
     return kept, len(rows) - len(kept)

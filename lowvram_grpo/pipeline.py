@@ -39,7 +39,7 @@ from typing import Optional
 from . import allocator, checks, stops
 from .backends import check_export, check_export_fits_host, export_model, load_model, prepare_backend
 from .config import RunConfig, check_trackers_installed
-from .data import drop_long_prompts, load_questions, prompt_text, prompt_tokens, to_prompt_rows
+from .data import drop_long_prompts, load_questions, prompt_text, prompt_tokens, split_validation, to_prompt_rows
 from .errors import ConfigError, DataError, EngineStopped, Interrupted, LowvramError, RewardError, TrainingStopped
 from .hardware import detect
 from .oom import OOM_PHASES
@@ -51,7 +51,7 @@ from .user_code import load as load_user_code
 from .run_dir import RunDir, resume_command
 from .stops import StopRequested
 
-STAGES = ("before", "primed", "after")
+STAGES = ("before", "primed", "after", "best")  # best: best_adapter/ (the held-out curve's best) on the held-out questions
 
 
 @dataclass
@@ -92,6 +92,7 @@ class GRPORun:
         check_trackers_installed(config.train)
         self.user = load_user_code(config)  # the user's reward, tool and environment files: imported and looked up once
         checks.before_load(config)  # settings that cannot work together (lengths, LoRA vs the model's shape)
+        checks.check_offline_model(config.model.name)  # offline, a hub model not in the cache cannot load
         self.resolved = resolve_settings(config, hardware or detect(), backend, num_processes=_num_processes())
         check_export(export, self.resolved.backend)
         check_export_fits_host(export, config.model.name, self.resolved.backend)  # before the model downloads, not after training
@@ -101,6 +102,10 @@ class GRPORun:
             check_run_servable(self.resolved)  # a model vLLM's CPU build has no kernels for: refused now
         self.export_kind = export
         self.train_questions, self.eval_questions = load_questions(config.data)  # data in; fails before any write
+        self.validation_questions: list = []  # the held-out curve's (validation.py): out of training, not held-out ones
+        if self.resolved.validation_every:
+            self.train_questions, self.validation_questions = split_validation(
+                self.train_questions, self.eval_questions, config.eval.validation_size)
         check_rewards(config.rewards, to_prompt_rows(self.train_questions, config.data.system_prompt),
                       config.data.dataset or "built-in problems", self.user.reward_fns)  # as TRL will call each, on this data
         if uses_tools(config):  # TRL runs tools for chat-message prompts only
@@ -120,6 +125,7 @@ class GRPORun:
         self.texts: dict[str, list[str]] = {stage: [] for stage in STAGES}
         self.priming: Optional[dict] = None
         self.train_seconds = 0.0
+        self.decode_graphs: Optional[dict] = None  # unsloth's decode CUDA-graph counters after GRPO (CUDA, unsloth backend)
         self.adapter_dir: Optional[Path] = None
 
     @property
@@ -166,10 +172,12 @@ class GRPORun:
         tools = self.user.prompt_tools()  # their schemas (the environment's methods too) are in every prompt TRL renders
         limit = self.config.train.max_prompt_length
         rows = to_prompt_rows(self.train_questions, self.config.data.system_prompt)
-        self.train_rows, dropped = drop_long_prompts(rows, self.handle.tokenizer, limit, tools)
+        self.train_rows, dropped = drop_long_prompts(rows, self.handle.tokenizer, limit, tools,
+                                                     self.config.data.chat_template_kwargs)
         if dropped:
             self.log(f"dropped {dropped} prompts longer than train.max_prompt_length={limit}")
         self.eval_rows = to_prompt_rows(self.eval_questions, self.config.data.system_prompt)
+        self.validation_rows = to_prompt_rows(self.validation_questions, self.config.data.system_prompt)
         return self.handle
 
     def _tokenizer_alone(self):
@@ -185,15 +193,17 @@ class GRPORun:
             return None
 
     def _check_prompts(self, tokenizer) -> None:
-        """With tools, the chat template renders and parses tool calls; some training prompt fits
+        """Chat prompts have a chat template (checks.check_chat_template); with tools, the chat template renders and
+        parses tool calls; some training prompt fits
         train.max_prompt_length (with the tools' schemas, which TRL renders into every prompt)."""
         if tokenizer is None:
             return
+        rows = to_prompt_rows(self.train_questions, self.config.data.system_prompt)
+        checks.check_chat_template(self.config, tokenizer, any(not isinstance(r["prompt"], str) for r in rows))
         checks.check_tool_template(self.config, tokenizer)
         tools = self.user.prompt_tools()
         limit = self.config.train.max_prompt_length
-        rows = to_prompt_rows(self.train_questions, self.config.data.system_prompt)
-        lengths = (prompt_tokens(tokenizer, row["prompt"], tools) for row in rows)
+        lengths = (prompt_tokens(tokenizer, row["prompt"], tools, self.config.data.chat_template_kwargs) for row in rows)
         shortest = None
         for length in lengths:  # stops at the first prompt that fits
             if length <= limit:
@@ -231,6 +241,8 @@ class GRPORun:
         self.run_dir.create()
         self.run_dir.write_config(self.config)
         self.run_dir.reset_metrics()  # a rerun into the same dir starts its log afresh
+        self.run_dir.reset_completions()
+        self.run_dir.reset_best()
         self.run_dir.write_summary(self._start_summary())
 
     def _start_summary(self) -> dict:
@@ -277,9 +289,11 @@ class GRPORun:
                "measuring before": "while measuring before training", "priming": "during priming",
                "measuring primed": "while measuring the primed adapter", "training": "during GRPO",
                "saving": "while saving the adapter", "measuring after": "while measuring the trained adapter",
+               "measuring best": "while measuring the best adapter",
                "exporting": "while exporting", "report": "while writing the report"}
     _WHERE = {"measuring before": "after this batch of answers", "measuring primed": "after this batch of answers",
-              "measuring after": "after this batch of answers", "starting": "once the run's files are written",
+              "measuring after": "after this batch of answers", "measuring best": "after this batch of answers",
+              "starting": "once the run's files are written",
               "saving": "once the adapter is saved", "exporting": "once the export is written",
               "report": "once the report is written", "priming": "after this priming step, with a checkpoint",
               "training": "after this step, with a checkpoint"}
@@ -324,6 +338,8 @@ class GRPORun:
         """A run resumed in its priming: its settings and the numbers measured before it (priming goes on in prime())."""
         self.run_dir.write_config(self.config)
         self.run_dir.reset_metrics()
+        self.run_dir.reset_completions()
+        self.run_dir.reset_best()
         start = self.run_dir.read_summary() or {}
         self.measured["before"] = start.get("before")
         self.texts["before"] = start.get("before_texts", [])
@@ -331,6 +347,8 @@ class GRPORun:
     def restore(self, checkpoint: Path) -> None:
         """A resumed run: the log as it was at `checkpoint`, and the numbers measured before GRPO."""
         self.run_dir.restore_metrics(checkpoint)
+        self.run_dir.restore_completions(self.run_dir.read_run_state(checkpoint).get("global_step", 0))
+        self.run_dir.restore_best(checkpoint)  # the best as it was at the checkpoint: the curve after it is measured again
         self.run_dir.write_config(self.config)  # with the --set keys the resume changed (config.RESUME_SETTABLE)
         start = self.run_dir.read_summary() or {}
         for stage in ("before", "primed"):
@@ -362,6 +380,39 @@ class GRPORun:
                 self.handle.release_lora(request)
         return self.measured[stage]
 
+    def measure_best(self) -> Optional[dict]:
+        """best_adapter/ (the held-out curve's best point, validation.py) on the held-out questions, as the `best`
+        column; where it is the last step's adapter (the same weights as adapter/) the after column's numbers."""
+        facts = self.run_dir.best_facts() if self.resolved.validation_every else None
+        if facts is None or not self.config.eval.enabled:
+            return None
+        if facts["step"] == self.trainer.state.global_step:
+            self.measured["best"], self.texts["best"] = self.measured["after"], self.texts["after"]
+            return self.measured["best"]
+        return self.measure("best", self.run_dir.best_adapter_dir)
+
+    def _best_summary(self) -> Optional[dict]:
+        """summary.json's `best_adapter`: where it is, its step (the argmax of the curve in metrics.jsonl), its
+        validation number, whether it is the last step's adapter; None without a curve."""
+        facts = self.run_dir.best_facts() if self.resolved.validation_every else None
+        if facts is None:
+            return None
+        return {"dir": str(self.run_dir.best_adapter_dir), "step": facts["step"], "criterion": facts["criterion"],
+                "validation": facts["value"], "same_as_after": facts["step"] == self.trainer.state.global_step,
+                "every_steps": self.resolved.validation_every, "validation_questions": len(self.validation_rows)}
+
+    def _best_changes(self) -> dict:
+        """The best column's paired changes: {'primed_to_best', 'before_to_best', 'after_to_best'} (evaluation's
+        paired_changes, each over the same held-out questions); {} without a best column."""
+        from .evaluation import paired_changes
+
+        before, primed, after, best = (self.measured[s] for s in ("before", "primed", "after", "best"))
+        if not best:
+            return {}
+        changes = {key.replace("_to_after", "_to_best"): value for key, value in paired_changes(before, best, primed).items()}
+        changes.update({"after_to_best": value for value in paired_changes(after, best).values()})
+        return changes
+
     def prime(self, resume_from: Optional[Path] = None) -> Optional[dict]:
         """Supervised priming (priming.py says why: so GRPO's groups have rewards that differ), saved to
         primed_adapter/ and measured; then the start summary, which a resumed run reuses. Priming writes
@@ -389,12 +440,24 @@ class GRPORun:
         from .training import build_trainer, describe_effective
 
         self._enter("training")
+        validation = None
+        if self.resolved.validation_every and self.validation_rows:
+            from .validation import Validation
+
+            validation = Validation(self.handle, self.validation_rows, self.config, self.run_dir,
+                                    self.resolved.validation_every, self.log)
         self.trainer = trainer = build_trainer(self.handle, self.train_rows, self.run_dir, rollouts=self.rollouts,
-                                               reward_funcs=self.trainer_rewards)
+                                               reward_funcs=self.trainer_rewards, validation=validation)
         self.log(describe_effective(trainer.effective_settings))
         if resume_from is not None:
-            trainer.nonfinite_guard.load(self.run_dir.read_run_state(resume_from))
+            state = self.run_dir.read_run_state(resume_from)
+            trainer.nonfinite_guard.load(state)
+            if trainer.completions_log is not None:
+                trainer.completions_log.load(state)
         if resume_from is not None and self._trained_to_the_end(trainer, resume_from):
+            if validation is not None:  # its last point, if a stop came while it was measured
+                with self._failures_reported("evaluation"):
+                    validation.catch_up(trainer.state.global_step, self.run_dir.read_metrics(required=False))
             return  # stopped after its last step (saving, measuring, exporting): its checkpoint is the trained adapter
         started = time.time()
         try:
@@ -408,6 +471,11 @@ class GRPORun:
                 raise
             raise stopped from None
         self.train_seconds = time.time() - started
+        if self.resolved.cuda and self.resolved.backend == "unsloth":  # what unsloth's decode CUDA graphs did
+            from .trl_compat import decode_graph_stats, describe_decode_graphs
+
+            self.decode_graphs = decode_graph_stats(self.handle.model)
+            self.log(describe_decode_graphs(self.decode_graphs, self.resolved.decode_graphs))
         trainer.nonfinite_guard.raise_if_stopped(trainer.state, self.run_dir.latest_checkpoint())
 
     def _rollout_files(self):
@@ -480,6 +548,7 @@ class GRPORun:
             "resolved": self.resolved.summary(),
             "host_allocator_active": allocator.active(),
             "grpo_settings": trainer.effective_settings,
+            **({"decode_graph_stats": self.decode_graphs} if self.resolved.cuda and self.resolved.backend == "unsloth" else {}),
             "skipped_nonfinite": trainer.nonfinite_guard.skipped,
             "reward_failures": {f.__name__: f.failures for f in trainer.reward_funcs if getattr(f, "failures", 0)},
             "samples": [
@@ -487,6 +556,8 @@ class GRPORun:
                 for row, b, a in list(zip(self.eval_rows, self.texts["before"], self.texts["after"]))[:2]
             ],
             "paired_changes": paired_changes(measured["before"], measured["after"], measured["primed"]),
+            "best_adapter": self._best_summary(),
+            "paired_changes_best": self._best_changes(),
             "what_changed": self._what_changed(),
         }
         result = RunResult(output_dir=self.run_dir.path, adapter_dir=self.adapter_dir, summary=summary, handle=self.handle)
@@ -582,6 +653,7 @@ def _steps(grpo: "GRPORun", handle, resume_from, prime_from=None) -> RunResult:
         grpo.train(resume_from)
         grpo.save()
         grpo.measure("after", grpo.adapter_dir)
+        grpo.measure_best()
         grpo.export()
         return grpo.finish()
 

@@ -55,6 +55,9 @@ Decisions, and why:
 - batch sizes: per_device_train_batch_size defaults to num_generations (one prompt's group per
   micro-step); the generation batch is per_device x gradient_accumulation x processes.
 - train.dynamic_sampling (DAPO): the hf backend in one process only (`check_dynamic_sampling` says why).
+- the held-out curve (eval.every_steps, validation.py): as asked; `null` (auto) is on where its estimated cost
+  (`validation_cost`) is under 10% of GRPO's time, with at least two points, else off (`choose_validation`; the note
+  says which, and --dry-run prints it).
 
 Decisions that differ from what was asked come with a one-line note (printed by --dry-run and at the
 start of a run). A config this hardware cannot run raises `ResolveError` (exit 2) saying what would.
@@ -62,6 +65,7 @@ start of a run). A config this hardware cannot run raises `ResolveError` (exit 2
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -85,6 +89,22 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # tests/test_gpu_wheels.py reads these lines in the pinned wheels.
 FLASHINFER_MIN_COMPUTE_CAPABILITY = (8, 0)
 NO_FLASHINFER_ENV = "UNSLOTH_VLLM_NO_FLASHINFER"
+# Importance-sampling correction (issue 54). TRL 1.15's GRPOConfig defaults vllm_importance_sampling_correction=True
+# (mode sequence_mask, clip_max 3.0); unsloth 2026.10.9's GRPOConfig defaults it to False (unsloth/models/rl.py), disables
+# TRL's own computation and applies the ratio in its loss when the flag is set (unsloth/models/rl_replacements.py;
+# unsloth_zoo/rl_replacements.py grpo_compute_loss / grpo_accumulated_loss, whose mode UNSLOTH_GRPO_VLLM_IS_MODE
+# overrides). tests/test_gpu_wheels.py reads those lines in the pinned wheels.
+IS_CORRECTION_CHOICES = ("auto", "on", "off")
+IS_MODE_ENV = "UNSLOTH_GRPO_VLLM_IS_MODE"
+IS_MODE = "sequence_mask"          # TRL 1.15's default: one ratio per completion, masked above clip_max
+IS_MODE_VESPO = "token_truncate"   # TRL refuses VESPO with a sequence mode (grpo_trainer.py: token_* only)
+# unsloth 2026.10.9's CUDA-graph decode (unsloth/models/_decode_graphs.py): inside an RL trainer's generate, on NVIDIA
+# CUDA, for these model types only (its _SUPPORTED_MODEL_TYPES; qwen2 shares the Llama attention but is "untested").
+DECODE_GRAPH_MODEL_TYPES = ("llama", "qwen3")
+DECODE_GRAPHS_ENV = "UNSLOTH_DECODE_CUDA_GRAPHS"
+# unsloth_zoo 2026.10.9's load_vllm: float8_kv_cache=True -> vLLM kv_cache_dtype="fp8", refused below sm80.
+FP8_KV_MIN_COMPUTE_CAPABILITY = (8, 0)
+KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float16", "float32")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -114,10 +134,20 @@ class Resolved:
     generation_batch_size: int
     host_allocator: str = "system"    # 'mimalloc' | 'system': the run process's malloc (allocator.py)
     vllm_flashinfer: Optional[bool] = None  # unsloth's engine may use FlashInfer (False: kept off, below sm80); None without it
+    save_steps: int = 1                # GRPO steps between checkpoints: choose_save_steps
+    step_seconds: Optional[float] = None  # the estimated seconds of a GRPO step it was chosen from (step_time.py)
     decode_loop: str = "transformers"   # 'lowvram' (decoding.py) | 'transformers' (its generate): choose_decode
     decode_sampler: str = "multinomial"  # 'inverse_cdf' | 'multinomial'
     decode_merge_lora: bool = False      # sampled tokens from the adapter merged into a copy of 16-bit weights
     decode_fused: bool = False           # sampled tokens through fused_decode.py's layers (needs the merge)
+    is_correction: bool = False          # vLLM's sampling log-probs corrected against the trainer's: choose_is_correction
+    is_mode: Optional[str] = None        # GRPOConfig vllm_importance_sampling_mode where is_correction is on
+    is_reason: str = ""
+    decode_graphs: bool = False          # unsloth captures its one-token decode step as CUDA graphs: choose_decode_graphs
+    decode_graphs_reason: str = ""
+    kv_cache_dtype: Optional[str] = None  # vLLM's KV cache: 'fp8' or the compute dtype; None without vLLM: choose_kv_cache_dtype
+    kv_cache_reason: str = ""
+    validation_every: int = 0            # the held-out curve: every N GRPO steps (0 = off): choose_validation
     notes: tuple[str, ...] = ()
 
     @property
@@ -138,6 +168,28 @@ class Resolved:
     def engine_environment(self) -> dict:
         """Environment variables unsloth's vLLM start must see (set by the unsloth backend before from_pretrained)."""
         return {NO_FLASHINFER_ENV: "1"} if self.vllm_flashinfer is False else {}
+
+    @property
+    def trainer_environment(self) -> dict:
+        """Environment variables unsloth's GRPO loss reads (set by the unsloth backend before training): the
+        importance-sampling mode where unsloth's engine generates with the correction on, so a value left in the shell
+        cannot replace the one decided (unsloth_zoo's grpo_accumulated_loss lets the variable override the config)."""
+        return {IS_MODE_ENV: self.is_mode} if self.generation == "unsloth_vllm" and self.is_correction else {}
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes per KV-cache element of the vLLM engine that generates: 1 with fp8, else the 16-bit (or compute)
+        dtype's; unsloth's engine keeps 16-bit KV whatever the compute dtype (memory_plan_terms.KV_BYTES)."""
+        if self.kv_cache_dtype == "fp8":
+            return 1
+        return 2 if self.generation == "unsloth_vllm" else self.compute_bytes
+
+    def levers(self) -> str:
+        """One line: the importance-sampling correction, unsloth's decode graphs and the KV-cache dtype, each with why."""
+        is_part = f"on ({self.is_mode})" if self.is_correction else "off"
+        kv_part = self.kv_cache_dtype or "no vLLM"
+        return (f"  IS correction {is_part}: {self.is_reason}; decode CUDA graphs {'on' if self.decode_graphs else 'off'}: "
+                f"{self.decode_graphs_reason}; KV cache {kv_part}: {self.kv_cache_reason}")
 
     @property
     def decode(self):
@@ -185,6 +237,12 @@ class Resolved:
                  + f"; batch {self.per_device_train_batch_size} completions/micro-step x {self.gradient_accumulation_steps} "
                    f"accumulation x {self.num_processes} process(es) = {self.generation_batch_size} per generation; "
                    f"host allocator {self.host_allocator}"]
+        lines.append(self.levers())
+        steps = min(self.save_steps, self.config.train.max_steps)
+        lines.append((f"  checkpoint every {steps} GRPO step(s)" if steps < self.config.train.max_steps else
+                      f"  checkpoint at the last GRPO step ({steps})") + (
+            f" (~{span_text(steps * self.step_seconds)} at ~{self.step_seconds:.0f} s a step, estimated)"
+            if self.step_seconds else ""))
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -267,6 +325,47 @@ def choose_flashinfer(hardware: Hardware) -> tuple[bool, str]:
     return False, why + "; vLLM samples with PyTorch"
 
 
+# A checkpoint at least every this many seconds of the estimated GRPO time (train.save_steps auto; an explicit value
+# above it is kept, with a note): a stop with no time to save (a Colab teardown, a kill) loses at most about this.
+CHECKPOINT_EVERY_S = 15 * 60
+SAVE_STEPS_WITHOUT_ESTIMATE = 10
+
+
+def span_text(seconds: float) -> str:
+    """'14 min', '6.2 h': a stretch of GRPO time."""
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{max(1, round(seconds / 60))} min"
+
+
+def choose_save_steps(config: RunConfig, hardware: Hardware, generation: str, completions: int,
+                      dtype: str) -> tuple[int, Optional[float], str]:
+    """(save_steps, the estimated seconds of a step, the note saying why) for train.save_steps: null (auto) = as many
+    steps as fit in CHECKPOINT_EVERY_S of step_time.step_seconds' conservative estimate for this card, generation and
+    `completions` a step per process (at least 1, at most train.max_steps); an explicit value is kept, with a note when
+    it spans more than CHECKPOINT_EVERY_S of the estimate. Without an estimate (a model the plan has no shape for),
+    auto is SAVE_STEPS_WITHOUT_ESTIMATE."""
+    from .step_time import step_seconds  # arithmetic on the model's shape (model_shapes), no torch
+
+    train = config.train
+    estimate = step_seconds(config, hardware, generation, completions, dtype)
+    seconds, what = estimate if estimate is not None else (None, "")
+    fits = None if seconds is None else max(1, min(train.max_steps, int(CHECKPOINT_EVERY_S // seconds)))
+    if train.save_steps is not None:
+        span = None if seconds is None else min(train.save_steps, train.max_steps) * seconds
+        if span is None or span <= CHECKPOINT_EVERY_S:
+            return train.save_steps, seconds, ""
+        last = " (no checkpoint before the last step)" if train.save_steps >= train.max_steps else ""
+        return train.save_steps, seconds, (
+            f"train.save_steps={train.save_steps} is ~{span_text(span)} of GRPO between checkpoints at ~{seconds:.0f} s a step "
+            f"(estimated for {what}){last}: a stop with no time to save (a Colab teardown, a kill) loses up to that; "
+            f"train.save_steps={fits} (or null, auto) checkpoints every ~{CHECKPOINT_EVERY_S // 60} minutes")
+    if seconds is None:
+        steps = min(train.max_steps, SAVE_STEPS_WITHOUT_ESTIMATE)
+        return steps, None, (f"train.save_steps auto -> {steps}: no step-time estimate for {config.model.name} (the plan "
+                             "has no shape for it)")
+    return fits, seconds, (f"train.save_steps auto -> {fits}: a checkpoint every ~{span_text(fits * seconds)} at "
+                           f"~{seconds:.0f} s a GRPO step, a conservative estimate for {what} (step_time.py), not measured")
+
+
 def choose_host_allocator(asked: str, hardware: Hardware) -> str:
     """'mimalloc' or 'system' for memory.host_allocator (auto | mimalloc | system) on `hardware`."""
     if asked == "mimalloc" and hardware.mimalloc_library is None:
@@ -308,6 +407,128 @@ def choose_decode(config: RunConfig, hardware: Hardware, backend: str, generatio
     if loop != "lowvram":
         sampler, merge, fused = "multinomial", False, False
     return loop, sampler, merge, fused
+
+
+def choose_is_correction(config: RunConfig, generation: str, strict: bool = True) -> tuple[bool, Optional[str], str]:
+    """(on, GRPOConfig's vllm_importance_sampling_mode, why) for train.is_correction (auto | on | off).
+
+    The correction re-weights each completion by the trainer's probability of it over the sampler's (TRL 1.15:
+    exp(trainer log-probs - vLLM's), one ratio per completion, masked above 3): it is needed wherever a vLLM engine
+    samples and the trainer scores, whose log-probs differ (0.03-0.04 nats a token on our CPU vLLM path,
+    docs/results.md). auto = on for both vLLM paths: unsloth's shared engine (whose GRPOConfig would leave it off) and
+    our own; off where the trained model generates its own rollouts (transformers' generate, unsloth's, our decode
+    loop), which gives TRL no sampler log-probs to correct with. `on` there is refused (strict) or, for a run that
+    lost its vLLM engine at load (without_vllm), turned off with the reason."""
+    asked = config.train.is_correction
+    sampled_elsewhere = generation in ("unsloth_vllm", "vllm")
+    mode = IS_MODE_VESPO if config.train.loss_type == "vespo" else IS_MODE
+    if asked == "off":
+        return False, None, ("train.is_correction=off: vLLM's and the trainer's log-probs differ uncorrected"
+                             if sampled_elsewhere else "train.is_correction=off")
+    if not sampled_elsewhere:
+        if asked == "on" and strict:
+            raise ResolveError("train.is_correction=on corrects a vLLM sampler's log-probs against the trainer's, and this "
+                               "run's rollouts come from the trained model itself (transformers' generate): set "
+                               "train.is_correction=auto, or generate with vLLM (model.fast_inference=true on the unsloth "
+                               "backend, model.generation=vllm on the hf backend)")
+        return False, None, "the trained model samples its own rollouts: no second sampler to correct for"
+    sampler = ("unsloth's vLLM engine samples with its own kernels (unsloth's GRPOConfig would leave the correction off)"
+               if generation == "unsloth_vllm" else "our vLLM engine samples from the base + synced adapter")
+    how = "auto -> on" if asked == "auto" else "train.is_correction=on"
+    return True, mode, f"{how}: {sampler} and the trainer scores with its own forward: their log-probs differ"
+
+
+def model_type_of(name: str) -> Optional[str]:
+    """transformers' model_type of model `name`: a local checkpoint's config.json, a built-in model (both Llamas), or
+    read off a hub id's name (llama, qwen3, qwen2, gemma3, gemma2, gemma, mistral); None when the name does not say."""
+    from .model_shapes import local_model_config  # pure Python (json), no circle
+
+    if name.startswith("builtin:"):
+        return "llama"  # the random tiny Llama and SmolLM2 (LlamaForCausalLM)
+    raw = local_model_config(name)
+    if raw is not None:
+        return raw.get("model_type")
+    key = name.lower().rsplit("/", 1)[-1]
+    for marker, model_type in (("qwen3", "qwen3"), ("qwen2", "qwen2"), ("llama", "llama"), ("smollm", "llama"),
+                               ("gemma-3", "gemma3"), ("gemma3", "gemma3"), ("gemma-2", "gemma2"), ("gemma2", "gemma2"),
+                               ("gemma", "gemma"), ("mistral", "mistral")):
+        if marker in key:
+            return model_type
+    return None
+
+
+def choose_decode_graphs(config: RunConfig, hardware: Hardware, backend: str, generation: str) -> tuple[bool, str]:
+    """(on, why): does unsloth 2026.10.9 capture the one-token decode step as CUDA graphs in this run's rollouts?
+    unsloth/models/_decode_graphs.py turns them on inside an RL trainer's generate on NVIDIA CUDA, for the model types
+    of DECODE_GRAPH_MODEL_TYPES only; vLLM rollouts never reach that generate. Decided, not changed: unsloth's own
+    default applies (UNSLOTH_DECODE_CUDA_GRAPHS, when set in the environment, overrides it; the backend logs that)."""
+    if backend != "unsloth":
+        return False, "they are unsloth's (its patched generate); the hf backend decodes with transformers or our loop"
+    if not hardware.cuda:
+        return False, "unsloth captures them on NVIDIA CUDA only"
+    if generation != "transformers":
+        return False, "vLLM samples the rollouts (with CUDA graphs of its own); unsloth's generate does not"
+    model_type = model_type_of(config.model.name)
+    supported = ", ".join(DECODE_GRAPH_MODEL_TYPES)
+    if model_type not in DECODE_GRAPH_MODEL_TYPES:
+        what = f"model type {model_type}" if model_type else f"the model type of {config.model.name} is unknown here"
+        return False, (f"{what}: unsloth 2026.10.9 captures {supported} only (_decode_graphs._SUPPORTED_MODEL_TYPES), "
+                       "the rest decode with its eager step")
+    return True, (f"unsloth backend on CUDA without vLLM, model type {model_type}: unsloth captures the decode step inside "
+                  "GRPO's generate")
+
+
+def choose_kv_cache_dtype(config: RunConfig, hardware: Hardware, generation: str, dtype: str) -> tuple[Optional[str], str, bool]:
+    """(KV-cache dtype, why, plan decides) for model.kv_cache_dtype (auto | fp8 | bfloat16 | float16 | float32).
+
+    fp8 is unsloth's engine's option (from_pretrained float8_kv_cache=True: unsloth_zoo's load_vllm starts vLLM with
+    kv_cache_dtype="fp8" and refuses it below sm80): half the bytes of a 16-bit KV cache, so twice the tokens in the
+    same share. Our own engine (model.generation=vllm) and transformers keep their cache in the compute dtype. auto:
+    the compute dtype, unless unsloth's engine runs on sm80+ with a card size known, where the plan decides (the third
+    value True; resolve turns it to fp8 when the 16-bit cache is short: kv_room_short)."""
+    asked = config.model.kv_cache_dtype
+    if generation != "unsloth_vllm":
+        if asked == "fp8":
+            where = ("the hf backend's vLLM engine keeps its KV cache in the compute dtype" if generation == "vllm"
+                     else "this run generates with transformers, whose KV cache is in the compute dtype")
+            raise ResolveError(f"model.kv_cache_dtype=fp8 is unsloth's vLLM engine's fp8 KV cache and {where}: set "
+                               "model.kv_cache_dtype=auto")
+        if asked not in ("auto", dtype):
+            raise ResolveError(f"model.kv_cache_dtype={asked}: the KV cache is kept in the compute dtype ({dtype}) here: "
+                               f"set model.kv_cache_dtype=auto or {dtype}")
+        if generation == "vllm":
+            return dtype, "our vLLM engine keeps its KV cache in the compute dtype", False
+        return None, "no vLLM engine (transformers' KV cache, compute dtype)", False
+    fp8_ok = hardware.cuda and hardware.compute_capability >= FP8_KV_MIN_COMPUTE_CAPABILITY
+    if asked == "fp8":
+        if not fp8_ok:
+            raise ResolveError(f"model.kv_cache_dtype=fp8 needs compute capability >= 8.0 (unsloth_zoo refuses a float8 "
+                               f"KV cache below) and {hardware.gpu_name} is {hardware.sm}: set model.kv_cache_dtype=auto")
+        return "fp8", "model.kv_cache_dtype=fp8: half the bytes of a 16-bit cache", False
+    if asked not in ("auto", dtype):
+        raise ResolveError(f"model.kv_cache_dtype={asked}: unsloth's vLLM keeps its KV cache in the compute dtype "
+                           f"({dtype}) or fp8: set model.kv_cache_dtype=auto, fp8 or {dtype}")
+    if asked == dtype:
+        return dtype, f"model.kv_cache_dtype={dtype}", False
+    if not fp8_ok:
+        return dtype, f"auto -> {dtype}: fp8 KV needs sm80+ and {hardware.gpu_name} is {hardware.sm}", False
+    return dtype, "", True
+
+
+def kv_room_short(resolved: "Resolved") -> Optional[str]:
+    """Why the memory plan of `resolved` (a 16-bit KV cache in unsloth's engine) is short of KV room, or None when it is
+    not: its cache holds neither the larger of a rollout and an evaluation batch at full length, or unsloth_zoo starts
+    vLLM with a max_model_len below model.max_seq_length. Raises PlanError for a model whose shape is unknown."""
+    from .memory_plan_terms import GIB, estimate  # arithmetic only; it never imports resolve
+
+    plan = estimate(resolved, resolved.vram_gib)
+    if plan.kv_cache_bytes is not None and plan.kv_largest_bytes and plan.kv_cache_bytes < plan.kv_largest_bytes:
+        return (f"the 16-bit cache ({max(plan.kv_cache_bytes, 0) / GIB:.2f} GiB) holds less than {plan.kv_sequences} "
+                f"sequences at full length ({plan.kv_largest_bytes / GIB:.2f} GiB)")
+    if plan.vllm_max_model_len is not None and plan.vllm_max_model_len < resolved.config.model.max_seq_length:
+        return (f"unsloth_zoo would start vLLM with max_model_len {plan.vllm_max_model_len} < model.max_seq_length "
+                f"{resolved.config.model.max_seq_length} at 16-bit")
+    return None
 
 
 def check_dynamic_sampling(config: RunConfig, backend: str, num_processes: int) -> None:
@@ -400,8 +621,6 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
                      f"for lora.r={config.lora.r} (the adapter keeps rank {config.lora.r})")
     flashinfer = None
     if generation == "unsloth_vllm":
-        notes.append("unsloth 2026.10.9's GRPO trainer turns TRL's vLLM importance-sampling correction off "
-                     "(vllm_importance_sampling_correction=False; docs/unsloth_grpo_changes.md)")
         flashinfer, why = choose_flashinfer(hardware)
         if not flashinfer:
             notes.append(f"vLLM's FlashInfer kept off on {hardware.sm} ({NO_FLASHINFER_ENV}=1): {why}")
@@ -409,10 +628,19 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         notes.append("model.generation=vllm: the engine asks vLLM for its KV cache in bytes (kv_cache_memory_bytes) and "
                      "passes its own share of the card as gpu_memory_utilization; memory.gpu_memory_utilization is unsloth's")
     decode_loop, decode_sampler, decode_merge, decode_fused = choose_decode(config, hardware, chosen, generation)
+    is_on, is_mode, is_reason = choose_is_correction(config, generation)
+    graphs, graphs_reason = choose_decode_graphs(config, hardware, chosen, generation)
+    kv_dtype, kv_reason, plan_decides = choose_kv_cache_dtype(config, hardware, generation, dtype)
     per_device = config.train.batch_size
     accumulation = config.train.gradient_accumulation_steps
+    validation_every, validation_note = choose_validation(config, per_device * accumulation * num_processes, num_processes)
+    if validation_note:
+        notes.append(validation_note)
+    save_steps, step_seconds, save_note = choose_save_steps(config, hardware, generation, per_device * accumulation, dtype)
+    if save_note:
+        notes.append(save_note)
     vram = config.memory.vram_gb if config.memory.vram_gb is not None else hardware.total_gib
-    return Resolved(
+    resolved = Resolved(
         config=config, hardware=hardware, requested_backend=backend, backend=chosen, device=hardware.device,
         dtype=dtype, bf16=bf16, fp16=fp16, load_in_4bit=config.memory.load_in_4bit,
         gradient_checkpointing=checkpointing, optim=optim, generation=generation,
@@ -422,9 +650,90 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
         num_processes=num_processes, generation_batch_size=per_device * accumulation * num_processes,
         host_allocator=choose_host_allocator(config.memory.host_allocator, hardware), vllm_flashinfer=flashinfer,
+        save_steps=save_steps, step_seconds=step_seconds,
         decode_loop=decode_loop, decode_sampler=decode_sampler, decode_merge_lora=decode_merge, decode_fused=decode_fused,
+        validation_every=validation_every, is_correction=is_on, is_mode=is_mode, is_reason=is_reason,
+        decode_graphs=graphs, decode_graphs_reason=graphs_reason, kv_cache_dtype=kv_dtype, kv_cache_reason=kv_reason,
         notes=tuple(notes),
     )
+    if plan_decides:  # auto on sm80+ with unsloth's engine: fp8 where the plan's 16-bit KV cache is short
+        resolved = dataclasses.replace(resolved, kv_cache_reason=_auto_kv_reason(resolved))
+        if resolved.kv_cache_reason.startswith("auto -> fp8"):
+            resolved = dataclasses.replace(resolved, kv_cache_dtype="fp8")
+    return resolved
+
+
+# eval.every_steps auto: on where the curve costs at most this share of the run, as estimated by validation_cost.
+VALIDATION_BUDGET = 0.10
+
+
+def validation_cost(every: int, steps: int, validation_size: int, generation_batch: int) -> float:
+    """The held-out curve's estimated share of GRPO's time: its greedy answers (validation_size at every `every`-th
+    step and the last) over the GRPO steps' completions (generation_batch a step), one answer counted as one
+    completion with its share of the training pass. Measured on the default CPU job (bench/results/
+    readme_first_command/): a held-out answer ~0.44 s at eval.batch_size 32, a GRPO step ~7.1 s for 16 completions,
+    ~0.44 s each."""
+    evaluations = -(-steps // every)  # every multiple of `every`, and the last step
+    return evaluations * validation_size / (steps * generation_batch)
+
+
+def choose_validation(config: RunConfig, generation_batch: int, num_processes: int = 1) -> tuple[int, str]:
+    """(every N steps, the note saying why) for the held-out curve: eval.every_steps as given (0 = off); null (auto) =
+    the smallest N whose curve has at least two points and costs at most VALIDATION_BUDGET of the run
+    (validation_cost), else off. Off, without a note, wherever eval.enabled is off; off under several processes
+    (accelerate: one process would measure while the others wait in the next step's collectives)."""
+    ev, steps = config.eval, config.train.max_steps
+    if not ev.enabled:
+        return 0, ""  # nothing is measured at all
+    if num_processes > 1:
+        return 0, "held-out curve off: it is measured in one process, and this run has several (accelerate)"
+    if ev.every_steps is not None:
+        if ev.every_steps == 0:
+            return 0, "held-out curve off (eval.every_steps=0)"
+        share = validation_cost(ev.every_steps, steps, ev.validation_size, generation_batch)
+        return ev.every_steps, (f"held-out curve every {ev.every_steps} steps on {ev.validation_size} validation "
+                                f"questions (eval.every_steps): estimated {share:.0%} of GRPO's time")
+    for every in range(1, steps // 2 + 1):  # two points at least: N <= steps / 2
+        share = validation_cost(every, steps, ev.validation_size, generation_batch)
+        if share <= VALIDATION_BUDGET:
+            return every, (f"eval.every_steps auto -> {every}: a held-out curve on {ev.validation_size} validation "
+                           f"questions, estimated {share:.0%} of GRPO's time (on where under {VALIDATION_BUDGET:.0%})")
+    least = validation_cost(max(1, steps // 2), steps, ev.validation_size, generation_batch)
+    return 0, (f"eval.every_steps auto -> off: a held-out curve of two points on {ev.validation_size} validation questions "
+               f"would cost an estimated {least:.0%} of GRPO's time (on where under {VALIDATION_BUDGET:.0%}); "
+               "--set eval.every_steps=N turns it on")
+
+
+def _auto_kv_reason(resolved: Resolved) -> str:
+    """model.kv_cache_dtype auto on sm80+ with unsloth's engine: 'auto -> fp8: ...' where the plan is short of KV room
+    at 16-bit (kv_room_short), else 'auto -> <dtype>: ...'."""
+    from .errors import PlanError
+
+    dtype = resolved.kv_cache_dtype
+    if resolved.vram_gib is None:
+        return f"auto -> {dtype}: the card's size is not known (--gpu NAME or memory.vram_gb plans for one)"
+    try:
+        short = kv_room_short(resolved)
+    except (PlanError, ResolveError) as exc:
+        return f"auto -> {dtype}: no memory plan to decide by ({str(exc).split(':')[0]})"
+    if short:
+        return f"auto -> fp8 ({resolved.hardware.sm}): {short}; fp8 halves it"
+    return f"auto -> {dtype}: the plan's 16-bit cache holds the rollout and evaluation batches at full length"
+
+
+def decode_graphs_environment_note(resolved, environ=None) -> Optional[str]:
+    """What UNSLOTH_DECODE_CUDA_GRAPHS set in the environment does against resolve's decode-graph decision on a CUDA run
+    (unsloth's _decode_graphs.enabled reads it at every generate: "1" everywhere, "0" nowhere), or None when it is not
+    set or agrees."""
+    value = (os.environ if environ is None else environ).get(DECODE_GRAPHS_ENV, "")
+    if not resolved.cuda or value not in ("0", "1"):
+        return None
+    if value == "0" and resolved.decode_graphs:
+        return f"{DECODE_GRAPHS_ENV}=0 in the environment: unsloth decodes eagerly although this run would get its graphs"
+    if value == "1" and not resolved.decode_graphs:
+        return (f"{DECODE_GRAPHS_ENV}=1 in the environment: unsloth captures graphs in every generate of a supported model "
+                f"type; decided off here ({resolved.decode_graphs_reason})")
+    return None
 
 
 def follow_loaded_dtype(resolved: Resolved, loaded: str) -> Resolved:
@@ -454,6 +763,17 @@ def for_unsloth_trainer(resolved: Resolved) -> Resolved:
 def without_vllm(resolved: Resolved, why: str) -> Resolved:
     """The settings with vLLM off: unsloth loaded the model without a `vllm_engine`, so GRPOConfig must
     not say use_vllm (unsloth's trainer would start TRL's own engine, a second copy of the weights)."""
+    is_on, is_mode, is_reason = choose_is_correction(resolved.config, "transformers", strict=False)
+    graphs, graphs_reason = choose_decode_graphs(resolved.config, resolved.hardware, resolved.backend, "transformers")
+    save_steps, step_seconds, save_note = choose_save_steps(  # transformers' generation: slower steps
+        resolved.config, resolved.hardware, "transformers",
+        resolved.per_device_train_batch_size * resolved.gradient_accumulation_steps, resolved.dtype)
+    kept = tuple(n for n in resolved.notes if not n.startswith("train.save_steps"))
+    resolved = dataclasses.replace(resolved, save_steps=save_steps, step_seconds=step_seconds,
+                                   notes=kept + ((save_note,) if save_note else ()))
     return dataclasses.replace(resolved, generation="transformers",
                                vllm_max_model_len=None, vllm_max_lora_rank=None, gpu_memory_utilization=None,
-                               vllm_flashinfer=None, notes=resolved.notes + (why,))
+                               vllm_flashinfer=None, is_correction=is_on, is_mode=is_mode, is_reason=is_reason,
+                               decode_graphs=graphs, decode_graphs_reason=graphs_reason, kv_cache_dtype=None,
+                               kv_cache_reason="no vLLM engine (transformers' KV cache, compute dtype)",
+                               notes=resolved.notes + (why,))

@@ -11,9 +11,12 @@ A run folder holds:
 - `metrics.jsonl`: one JSON object per logged GRPO step;
 - `summary.json`: `status: training` with the numbers measured before GRPO while it runs (a resumed run
   reuses them), then the whole summary with `status: complete`;
+- `completions.jsonl`: what the model wrote at logged GRPO steps, with each reward and the advantage (completions.py:
+  rows and size policy); appended, thinned by an atomic rewrite under its cap;
+- `best_adapter/`: the adapter of the best point of the held-out curve (validation.py), with `best_step.json`;
 - `checkpoint-N/`: what transformers' Trainer saves (adapter(s), optimizer, scheduler, RNG states,
-  trainer_state.json) plus our `run_state.json` (data position, the NaN guard's counters) and
-  `metrics.jsonl` as it was at that step. Built under a hidden staging name and renamed into place
+  trainer_state.json) plus our `run_state.json` (data position, the NaN guard's counters),
+  `metrics.jsonl` as it was at that step and `validation/best_adapter/` (best_adapter/ then). Built under a hidden staging name and renamed into place
   (lora_io.atomic_replace_dir), so a checkpoint that exists is complete; the newest `keep` are kept;
 - `prime-checkpoint-N/`: the priming after N steps (priming.py: LoRA weights, optimizer, RNG, losses), every
   `prime.save_steps`, at a stop and at its end, written the same atomic way; --resume continues priming from it;
@@ -55,8 +58,13 @@ from .errors import AdapterError, ConfigError, RunDirError
 from .lora_io import atomic_replace_dir, atomic_write_text, check_adapter_dir, remove_stale_staging
 
 CONFIG, SUMMARY, METRICS, RUN_STATE, REPORT = "config.yaml", "summary.json", "metrics.jsonl", "run_state.json", "report.md"
-ADAPTER, PRIMED_ADAPTER = "adapter", "primed_adapter"
-PLOT_FILES = ("reward.png", "kl.png", "completion_length.png", "clipped_ratio.png", "loss.png")  # report.py draws them
+ADAPTER, PRIMED_ADAPTER, BEST_ADAPTER = "adapter", "primed_adapter", "best_adapter"
+COMPLETIONS = "completions.jsonl"
+BEST_STEP = "best_step.json"  # inside best_adapter/: the GRPO step it is, and its validation numbers
+CHECKPOINT_BEST = "validation"  # checkpoint-N/validation/best_adapter: the best adapter as it was at step N
+TRL_COMPLETIONS = "completions"  # TRL's log_completions writes its parquet tables there (training.py turns it on)
+PLOT_FILES = ("reward.png", "kl.png", "completion_length.png", "clipped_ratio.png", "loss.png",
+              "validation.png")  # report.py draws them
 # what a run leaves that marks the folder as holding one (any of them)
 RUN_MARKERS = (CONFIG, SUMMARY, METRICS, ADAPTER, PRIMED_ADAPTER)
 STAGING_PREFIX = ".checkpoint-staging-"
@@ -174,10 +182,12 @@ class RunDir:
         if not self.writer or not self.path.is_dir():
             return
         doomed = [self.path / name for name in (CONFIG, SUMMARY, METRICS, REPORT, ADAPTER, PRIMED_ADAPTER, "runs", *PLOT_FILES,
-                                                 "README.md")]  # the run's model card (TRL's, then model_card.py's)
+                                                 "README.md",  # the run's model card (TRL's, then model_card.py's)
+                                                 COMPLETIONS, BEST_ADAPTER, TRL_COMPLETIONS)]
         doomed += list(self.path.glob("vllm_gen_lora*"))  # unsloth's rollout LoRA folder, moved here after training
         doomed += [p for _, p in self.checkpoint_dirs() + self.prime_checkpoint_dirs()] + list(self.path.glob("export-*"))
         doomed += list(self.path.glob(f"{STAGING_PREFIX}*")) + list(self.path.glob(".adapter.*")) + list(self.path.glob(".primed_adapter.*"))
+        doomed += list(self.path.glob(f".{BEST_ADAPTER}.*"))
         for path in doomed:
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
@@ -260,6 +270,10 @@ class RunDir:
     @property
     def primed_adapter_dir(self) -> Path:
         return self.path / PRIMED_ADAPTER
+
+    @property
+    def best_adapter_dir(self) -> Path:
+        return self.path / BEST_ADAPTER
 
     def export_dir(self, kind: str) -> Path:
         return self.path / f"export-{kind}"
@@ -365,6 +379,113 @@ class RunDir:
         self._write_text("README.md", text)
         return self.path / "README.md"
 
+    def add_to_metrics_row(self, step: int, values: dict) -> None:
+        """`values` merged into the logged row of `step` (the last one of that step), the file rewritten atomically:
+        a held-out point measured on resume for a step logged before the stop (validation.py)."""
+        rows = self.read_metrics(required=False)
+        for row in reversed(rows):
+            if row["step"] == step:
+                row.update(values)
+                break
+        else:
+            rows.append({"step": step, **values})
+        self._write_text(METRICS, "".join(json.dumps(row) + "\n" for row in rows))
+
+    # ------------------------------------------------------------------ completions.jsonl (completions.py's policy)
+    def reset_completions(self) -> None:
+        if self.writer:
+            (self.path / COMPLETIONS).unlink(missing_ok=True)
+
+    def completions_bytes(self) -> int:
+        path = self.path / COMPLETIONS
+        return path.stat().st_size if path.is_file() else 0
+
+    def append_completions(self, rows: list[dict]) -> None:
+        """Rows appended, one JSON object a line, in one write (a kill can leave a last line cut short:
+        read_completions skips it)."""
+        if self.writer and rows:
+            with (self.path / COMPLETIONS).open("a", encoding="utf-8") as fh:
+                fh.write("".join(json.dumps(row) + "\n" for row in rows))
+
+    def write_completions(self, rows: list[dict]) -> None:
+        """The whole file replaced atomically (completions.py thins it under its cap; a resume drops later steps)."""
+        self._write_text(COMPLETIONS, "".join(json.dumps(row) + "\n" for row in rows))
+
+    def read_completions(self) -> list[dict]:
+        """The rows of completions.jsonl ([] when absent). A last line without its newline that is not JSON is an
+        append a kill cut short and is skipped; any other line that is not a row raises RunDirError."""
+        text = self._read_text(COMPLETIONS)
+        if text is None:
+            return []
+        lines = text.split("\n")
+        rows = []
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                if number == len(lines):  # no newline after it: the append was cut short
+                    break
+                raise RunDirError(f"{self.path / COMPLETIONS} line {number} is not JSON ({exc.msg}): the file is damaged") from None
+            if not isinstance(row, dict) or "step" not in row:
+                raise RunDirError(f"{self.path / COMPLETIONS} line {number} is not a completion row (an object with a "
+                                  "'step'): the file is damaged")
+            rows.append(row)
+        return rows
+
+    def restore_completions(self, step: int) -> None:
+        """completions.jsonl without the rows of steps after `step` (a resumed run writes them again)."""
+        if self.writer and (self.path / COMPLETIONS).is_file():
+            self.write_completions([row for row in self.read_completions() if row["step"] <= step])
+
+    # ------------------------------------------------------------------ best_adapter/ (validation.py)
+    def validation_staging(self) -> Path:
+        """A fresh hidden folder to save the adapter being measured into (removed by the caller, or as a dead
+        process's leftover by remove_leftovers)."""
+        return Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-validation-", dir=self.path))
+
+    def keep_best(self, adapter: Path, facts: dict) -> Path:
+        """The complete adapter folder `adapter` becomes best_adapter/ (atomically, replacing the one before), with
+        `facts` (its step and validation numbers) as its best_step.json."""
+        if self.writer:
+            atomic_write_text(Path(adapter) / BEST_STEP, json.dumps(facts, indent=2) + "\n")
+            atomic_replace_dir(adapter, self.best_adapter_dir)
+        return self.best_adapter_dir
+
+    def best_facts(self) -> Optional[dict]:
+        """best_adapter/best_step.json ({'step': N, ...}), or None when there is no best adapter."""
+        path = self.best_adapter_dir / BEST_STEP
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise RunDirError(f"{path} cannot be read ({exc}): the file is damaged") from None
+
+    def reset_best(self) -> None:
+        """No best adapter (a run that starts its GRPO afresh)."""
+        if self.writer and self.best_adapter_dir.is_dir():
+            doomed = self.path / f"{STAGING_PREFIX}{os.getpid()}-deleting-{BEST_ADAPTER}"
+            os.rename(self.best_adapter_dir, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    def restore_best(self, checkpoint: Path) -> None:
+        """best_adapter/ as it was when `checkpoint` was written (none if it had none): a best measured after the
+        checkpoint is not kept, since the curve after it is measured again."""
+        if not self.writer:
+            return
+        saved = Path(checkpoint) / CHECKPOINT_BEST / BEST_ADAPTER
+        if not saved.is_dir():
+            self.reset_best()
+            return
+        root = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=self.path))
+        try:
+            shutil.copytree(saved, root / BEST_ADAPTER)
+            atomic_replace_dir(root / BEST_ADAPTER, self.best_adapter_dir)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_dirs(self) -> list[tuple[int, Path]]:
         """(step, path) of every checkpoint-N folder, oldest first."""
@@ -397,8 +518,8 @@ class RunDir:
     def save_checkpoint(self, step: int, write_trainer_files: Callable[[Path], None], run_state: dict, keep: int,
                         shared_staging: bool = False, barrier: Callable[[], None] = lambda: None) -> Path:
         """checkpoint-`step`, complete or absent: `write_trainer_files(root)` writes transformers' files under
-        a hidden staging root (into root/checkpoint-step), then our run_state.json and metrics copy join
-        them and the folder is renamed into place; older checkpoints beyond `keep` are deleted.
+        a hidden staging root (into root/checkpoint-step), then our run_state.json, metrics copy and best_adapter/
+        copy (as validation/best_adapter) join them and the folder is renamed into place; older checkpoints beyond `keep` are deleted.
         Several processes (`shared_staging`) write into one staging root named by the step, and only the
         writer renames it, after `barrier()`."""
         name = f"checkpoint-{step}"
@@ -416,6 +537,8 @@ class RunDir:
             if self.writer:
                 if (self.path / METRICS).is_file():
                     shutil.copyfile(self.path / METRICS, root / name / METRICS)
+                if self.best_adapter_dir.is_dir():  # one level down: transformers loads adapter sub-folders on resume
+                    shutil.copytree(self.best_adapter_dir, root / name / CHECKPOINT_BEST / BEST_ADAPTER)
                 atomic_write_text(root / name / RUN_STATE, json.dumps(run_state, indent=2) + "\n")
                 atomic_replace_dir(root / name, self.path / name)
         finally:

@@ -29,11 +29,13 @@ from trl import GRPOConfig
 
 from .guards import NonFiniteGuard, StopOnSignal
 from .host_memory import ReleaseHostMemory
+from .resolve import IS_MODE
 from .run_dir import RunDir
 from .tool_metrics import with_tool_use
 from .tools import environment_methods
 from .user_code import of as user_code_of
 from .signals import ALL_RIGHT_KEY, ALL_WRONG_KEY
+from .completions import CompletionsLog, with_completion_facts
 from .trl_compat import DynamicSampling, TrainerHooks, grpo_trainer_base, install_logprob_fallback, trainer_name
 
 
@@ -66,12 +68,16 @@ def grpo_config_kwargs(resolved, output_dir: Path) -> dict:
         max_grad_norm=t.max_grad_norm,
         max_steps=t.max_steps,
         save_strategy="steps",
-        save_steps=t.save_steps,
+        save_steps=resolved.save_steps,  # train.save_steps, or auto's choice (resolve.choose_save_steps)
         logging_steps=t.logging_steps,
         seed=t.seed,
         data_seed=t.seed,
         reward_weights=resolved.config.rewards.weight_list,
+        chat_template_kwargs=dict(resolved.config.data.chat_template_kwargs) or None,  # e.g. enable_thinking
         use_vllm=resolved.use_vllm,  # only unsloth's engine, which shares the weights; never a second TRL engine
+        # resolve.choose_is_correction: on wherever a vLLM engine samples (unsloth's GRPOConfig would default it off)
+        vllm_importance_sampling_correction=resolved.is_correction,
+        vllm_importance_sampling_mode=resolved.is_mode or IS_MODE,
         vllm_mode="colocate",
         vllm_gpu_memory_utilization=resolved.config.memory.gpu_memory_utilization,
         vllm_max_model_length=resolved.vllm_max_model_len,
@@ -81,6 +87,9 @@ def grpo_config_kwargs(resolved, output_dir: Path) -> dict:
         fp16=resolved.fp16,
         use_cpu=not resolved.cuda,
         report_to=t.trackers,  # TRL's integrations; metrics.jsonl is written either way
+        # TRL's completions table for the trackers that show one (W&B, trackio; never printed: completions.jsonl has them)
+        log_completions=bool(set(t.trackers) & set(COMPLETION_TRACKERS)) and resolved.config.log.completions_every > 0,
+        num_completions_to_print=0,
         disable_tqdm=True,  # our ProgressBar replaces HF's bar and its printed log dicts
         remove_unused_columns=False,
         dataloader_num_workers=0,
@@ -147,7 +156,7 @@ def describe_effective(effective: dict) -> str:
             f"dynamic_sampling={_dynamic_sampling_label(s.get('dynamic_sampling_max_draws', 0), s.get('dynamic_sampling_reward'))} "
             f"scale_rewards={s['scale_rewards']} num_generations={s['num_generations']} "
             f"generation_batch_size={s['generation_batch_size']} use_vllm={s['use_vllm']} bf16={s['bf16']} fp16={s['fp16']}")
-    if s["use_vllm"]:  # unsloth's trainer turns TRL's correction off by default; our own engine keeps it on
+    if s["use_vllm"] or s["vllm_importance_sampling_correction"]:  # resolve decides it for every vLLM path
         line += (f" vllm_importance_sampling_correction={s['vllm_importance_sampling_correction']}"
                  f" ({s['vllm_importance_sampling_mode']})")
     if effective["changed"]:
@@ -204,6 +213,66 @@ def metric_row(step: int, logs) -> dict | None:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             row[key] = value if math.isfinite(value) else None
     return row
+
+
+# Trackers TRL 1.15's log_completions sends its completions table to (GRPOTrainer.log); TensorBoard gets a text
+# summary from CompletionsWriter instead.
+COMPLETION_TRACKERS = ("wandb", "trackio")
+
+
+class CompletionsWriter(TrainerCallback):
+    """completions.jsonl (completions.py: its rows and size policy) at each logged GRPO step, from TRL's log of the
+    step's rollouts (trl_compat.completion_log); with TensorBoard, the first group of a written step as its text too."""
+
+    def __init__(self, policy, trainer):
+        self.policy, self.trainer = policy, trainer
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "reward" not in logs or not state.is_world_process_zero or not self.policy.due(state.global_step):
+            return
+        from .trl_compat import completion_log
+
+        written = self.policy.write(state.global_step, completion_log(self.trainer))
+        writer = next((getattr(cb, "tb_writer", None) for cb in self.trainer.callback_handler.callbacks
+                       if getattr(cb, "tb_writer", None) is not None), None)
+        if written and writer is not None:
+            from .completions import markdown_rows
+
+            writer.add_text("completions", markdown_rows(self.policy.run_dir.read_completions(), state.global_step),
+                            state.global_step)
+
+
+class ValidationCurve(TrainerCallback):
+    """The held-out curve (validation.py): measured at the end of the steps it is due (the step is then logged), its
+    numbers added to that step's logs before any tracker or metrics.jsonl sees them (this callback runs first); on
+    resume the checkpoint's step is measured first if its point is missing."""
+
+    def __init__(self, validation, run_dir: RunDir):
+        from .validation import due
+
+        self.validation, self.run_dir, self.due, self.pending = validation, run_dir, due, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        rows = self.run_dir.read_metrics(required=False)
+        if state.global_step > 0:
+            self.validation.catch_up(state.global_step, rows)
+        else:
+            self.validation.restore([])
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.pending is not None:  # its step logged no training row: into metrics.jsonl alone
+            self.run_dir.add_to_metrics_row(*self.pending)
+            self.pending = None
+        if self.due(state.global_step, self.validation.every, state.max_steps):
+            numbers = self.validation.measure(state.global_step)
+            if numbers is not None:
+                self.pending = (state.global_step, numbers)
+                control.should_log = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.pending is not None and logs is not None and "reward" in logs and self.pending[0] == state.global_step:
+            logs.update(self.pending[1])
+            self.pending = None
 
 
 class SignalWarnings(TrainerCallback):
@@ -386,6 +455,7 @@ class RunTrainer(DynamicSampling, TrainerHooks):
     run_dir: RunDir
     keep_checkpoints: int = 2
     data_per_step: dict
+    completions_log = None  # completions.CompletionsLog when log.completions_every > 0
 
     def run_state(self) -> dict:
         step = self.state.global_step
@@ -396,6 +466,7 @@ class RunTrainer(DynamicSampling, TrainerHooks):
             # where the data stands; transformers re-derives the dataloader position from global_step
             "data_position": {f"{k}_seen": v * step for k, v in self.data_per_step.items()},
             **self.nonfinite_guard.state(),
+            **(self.completions_log.state() if self.completions_log is not None else {}),
         }
 
     def save_checkpoint_with(self, step: int, write_trainer_files) -> Path:
@@ -424,13 +495,14 @@ def trainer_class() -> type:
     return _TRAINER_CLASSES[base]
 
 
-def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward_funcs=None):
+def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward_funcs=None, validation=None):
     """TRL's GRPOTrainer for the handle's PEFT model, with our checkpoints, guards (guards.py),
     progress bar, metrics file and training-signal warnings. `run_dir`: a RunDir or its path.
     `rollouts`: a backends.vllm.TRLRollouts when generation is 'vllm' (rollouts from our vLLM
     engine through TRL's rollout_func, the adapter synced to it). `reward_funcs`: the reward functions GRPO
     trains with instead of the configured ones (the random-reward control, baseline.py); train.dynamic_sampling
-    turns on trl_compat.DynamicSampling, mixed into every trainer built here."""
+    turns on trl_compat.DynamicSampling, mixed into every trainer built here. `validation`: a validation.Validation
+    measuring the held-out curve (None: no curve). With log.completions_every > 0 completions.jsonl is written."""
     from datasets import Dataset
 
     run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
@@ -447,6 +519,8 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward
     # tools the first also logs the batch's tool use and keeps a transcript (tool_metrics.py)
     scored, tool_use = with_tool_use(
         with_group_outcomes(reward_funcs or user.reward_functions(), config.train.num_generations), counted)
+    if config.log.completions_every > 0:  # each completion's truncation and gold answer into TRL's log (log_extra)
+        scored = with_completion_facts(scored, _stop_ids(handle))
     trainer = trainer_class()(
         model=handle.model,
         processing_class=handle.tokenizer,
@@ -474,6 +548,15 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward
         trainer.add_callback(ProgressBar(config.train.max_steps, beta=config.train.beta))
         trainer.add_callback(SignalWarnings(config.train.max_completion_length))
     trainer.add_callback(MetricsWriter(run_dir, tool_use))
+    if config.log.completions_every > 0 and trainer.is_world_process_zero():
+        trainer.completions_log = CompletionsLog(
+            run_dir, config.log.completions_every, config.log.completions_groups, config.log.completions_max_mb,
+            config.train.num_generations, dict(zip(trainer.reward_func_names, config.rewards.weight_list)),
+            config.train.max_steps, config.train.logging_steps)
+        trainer.add_callback(CompletionsWriter(trainer.completions_log, trainer))
+    trainer.validation = validation
+    if validation is not None:  # first: its numbers join the step's logs before the trackers and metrics.jsonl read them
+        trainer.callback_handler.callbacks.insert(0, ValidationCurve(validation, run_dir))
     trainer.add_callback(ReleaseHostMemory())  # freed step memory back to the OS: RSS stays flat (host_memory.py)
     if rollouts is not None:
         rollouts.attach(trainer)  # importance-sampling correction + vllm/adapter_version in metrics.jsonl
@@ -483,3 +566,12 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward
         trainer.dynamic_sampling_column = config.rewards.names.index(config.train.dynamic_sampling_reward)
     trainer.effective_settings = effective_grpo_settings(trainer, asked)
     return trainer
+
+
+def _stop_ids(handle) -> set:
+    """The token ids that end a completion, as TRL 1.15 counts them (GRPOTrainer.__init__: the model's generation
+    config's eos ids, the tokenizer's eos, and pad): one that ends without any was cut at max_completion_length."""
+    eos = getattr(getattr(handle.model, "generation_config", None), "eos_token_id", None)
+    ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    ids |= {handle.tokenizer.eos_token_id, handle.tokenizer.pad_token_id}
+    return ids - {None}

@@ -30,12 +30,19 @@ one warning line. The reaches, and why each is needed:
 - `DynamicSampling` (train.dynamic_sampling, DAPO): `_generate_and_score_completions(inputs)` and
   `_calculate_rewards(inputs, prompts, completions, completion_ids_list)` wrapped, so groups whose rewards are
   all equal are replaced by newly drawn groups with signal in the batch TRL trains on (its section below).
+- `completion_log(trainer)`: the latest rollouts as TRL 1.15 keeps them for its `log_completions` (the private
+  `_logs`: prompts, completions with their tool calls, each reward function's scores, advantages, what reward
+  functions logged through `log_extra`), which completions.jsonl is written from (its section below).
+- `decode_graph_stats(model)`: unsloth's private `unsloth.models._decode_graphs.stats` (its CUDA-graph decode
+  counters, kept on the model's CausalLM), summed for summary.json and the log of a CUDA run on the unsloth backend;
+  imported when called (unsloth is not in the CPU set), None where it is missing.
 - `TRL_ROLLOUT_METHODS`: the names of GRPOTrainer's private methods that generate and score the rollouts.
   oom.oom_phase reads them in an out-of-memory traceback to tell the rollout from the training step;
   `check_versions` refuses a TRL whose GRPOTrainer lacks one (its out-of-memory advice would be wrong).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import sys
@@ -72,6 +79,7 @@ def check_versions(warn=None) -> list[str]:
     if not hasattr(trl_utils, LOGPROB_ATTRIBUTE):
         missing.append(f"trl.trainer.utils.{LOGPROB_ATTRIBUTE}")
     missing += missing_rollout_methods(trl.GRPOTrainer)  # section: TRL's rollout methods (below)
+    missing += missing_completion_log(trl.GRPOTrainer)  # section: the completions of a step (below)
     if not is_unsloth_trainer(trl.GRPOTrainer):  # unsloth's generated trainer wraps them; dynamic sampling is refused
         missing += missing_dynamic_sampling_hooks(trl.GRPOTrainer)  # there (resolve): section dynamic sampling (below)
     pins = ", ".join(f"{k}=={v}" for k, v in WRITTEN_FOR.items())
@@ -382,4 +390,88 @@ class DynamicSampling:
         return merged
 
 
+# --------------------------------------------------------------------------- the completions of a step (log.completions_*)
+# TRL 1.15 keeps the latest generation batch's rollouts in the private `GRPOTrainer._logs` (its `log_completions`
+# machinery prints and uploads them from there): `prompt` and `completion` (as the reward functions saw them: text, or
+# messages, a tool-calling completion's tool calls and tool results included), `rewards` {reward function name: one
+# score per completion}, `advantages` (the whole batch's, gathered) and `extra` {column: one value per completion},
+# what reward functions logged through TRL's public `log_extra` keyword. Each a deque of at most generation_batch_size,
+# filled in _generate_and_score_completions whether log_completions is on or not. completions.jsonl
+# (training.CompletionsWriter) reads it through `completion_log` at each logged step; check_versions refuses a TRL whose
+# GRPOTrainer does not build and fill it so (read from its source: the attribute exists only on a built trainer).
+COMPLETION_LOG_KEYS = ("prompt", "completion", "rewards", "advantages", "extra")
+
+
+def missing_completion_log(trainer_class: type) -> list[str]:
+    """['GRPOTrainer._logs[...]'] when no __init__ / _generate_and_score_completions of `trainer_class`'s classes (its
+    MRO: unsloth's generated trainer wraps a copy of TRL's, which has them) builds / fills `_logs` with
+    COMPLETION_LOG_KEYS (as check_versions reports it); [] when one does."""
+    def sources(name: str) -> str:
+        found = []
+        for cls in trainer_class.__mro__:
+            method = cls.__dict__.get(name)
+            with contextlib.suppress(OSError, TypeError):
+                found.append(inspect.getsource(method) if method is not None else "")
+        return "\n".join(found)
+
+    built, filled = sources("__init__"), sources("_generate_and_score_completions")
+    absent = [key for key in COMPLETION_LOG_KEYS if f'"{key}": ' not in built or f'self._logs["{key}"]' not in filled]
+    return [f"GRPOTrainer._logs[{', '.join(absent)}]"] if absent else []
+
+
+def completion_log(trainer) -> dict:
+    """The latest generation batch as TRL logged it: {'prompt': [...], 'completion': [...], 'rewards': {name: [...]},
+    'advantages': [...], 'extra': {column: [...]}} as plain lists, one entry per completion (TRL's order: each
+    prompt's num_generations completions in a row). BackendError when the built trainer has no such log."""
+    logs = getattr(trainer, "_logs", None)
+    if not isinstance(logs, dict) or any(key not in logs for key in COMPLETION_LOG_KEYS):
+        raise BackendError(f"this GRPOTrainer keeps no completion log as trl {WRITTEN_FOR['trl']} does (_logs): install "
+                           "the pinned trl, or set log.completions_every=0")
+    return {"prompt": list(logs["prompt"]), "completion": list(logs["completion"]),
+            "rewards": {name: list(values) for name, values in logs["rewards"].items()},
+            "advantages": list(logs["advantages"]), "extra": {name: list(values) for name, values in logs["extra"].items()}}
+
+
 check_versions()
+
+
+# --------------------------------------------------------------------------- unsloth's decode graphs (summary, log)
+# unsloth 2026.10.9 (unsloth/models/_decode_graphs.py): `stats(model)` reads the counters a model's CausalLM keeps in
+# its __dict__ under this name (captures, replays, graphs, eager_steps, disabled); the state lives on the module the
+# decode forward runs on, under any PEFT wrapper, so every module holding one is read. tests/test_gpu_wheels.py reads
+# these lines in the pinned wheel.
+DECODE_GRAPHS_MODULE = "unsloth.models._decode_graphs"
+DECODE_GRAPHS_STATE = "_unsloth_decode_graphs"
+DECODE_GRAPH_COUNTERS = ("captures", "replays", "graphs", "eager_steps")
+
+
+def decode_graph_stats(model) -> dict | None:
+    """unsloth's decode CUDA-graph counters of `model` summed over the modules that hold them ({} where none was ever
+    captured or run: no graph state), plus `disabled` (the first reason unsloth gave, else None); None where unsloth's
+    module does not import (the CPU set) or lacks `stats` (another unsloth than requirements.txt's)."""
+    import importlib
+
+    try:
+        graphs = importlib.import_module(DECODE_GRAPHS_MODULE)
+    except ImportError:
+        return None
+    stats = getattr(graphs, "stats", None)
+    if not callable(stats):
+        return None
+    found = [stats(m) for m in model.modules() if DECODE_GRAPHS_STATE in getattr(m, "__dict__", {})]
+    if not found:
+        return {}
+    out = {key: sum(int(s.get(key) or 0) for s in found) for key in DECODE_GRAPH_COUNTERS}
+    out["disabled"] = next((s.get("disabled") for s in found if s.get("disabled")), None)
+    return out
+
+
+def describe_decode_graphs(stats: dict | None, decided: bool) -> str:
+    """One log line for a CUDA run on the unsloth backend: what unsloth's decode graphs did against what resolve decided."""
+    if stats is None:
+        return "unsloth decode CUDA graphs: unsloth's _decode_graphs.stats is not available here"
+    if not stats:
+        return f"unsloth decode CUDA graphs: none captured (decided {'on' if decided else 'off'})"
+    line = (f"unsloth decode CUDA graphs: {stats['captures']} captures, {stats['replays']} replays, "
+            f"{stats['eager_steps']} eager steps (decided {'on' if decided else 'off'})")
+    return line + (f"; disabled: {stats['disabled']}" if stats.get("disabled") else "")
