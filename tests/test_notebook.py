@@ -212,3 +212,66 @@ def test_the_t4_path_is_what_the_parameter_cell_applies_and_it_is_shorter_than_t
     assert t4.train.save_steps <= 10  # a cut session loses at most 10 steps
     docs = (REPO / "docs" / "gpu.md").read_text()
     assert " ".join(ast.literal_eval(assign.value)) in docs  # the estimate in docs/gpu.md is for these settings
+
+
+def _cells_up_to(notebook, marker: str):
+    last = next(i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and marker in c.source)
+    notebook.cells = notebook.cells[:last + 1]
+    return notebook
+
+
+def test_the_doctor_cell_checks_the_settings_the_run_gets(kernel_here, tmp_path):
+    """A preset that asks for vLLM (`fast_inference: true`, as llama8b_4bit does) cannot start on this CPU: the doctor
+    blocks it. With the setting its blocker advises (model.fast_inference=false) in the notebook's settings the doctor
+    cell passes, so it checked those settings and not the preset's defaults; without them the cell stops (before:
+    the cell checked `--preset` alone and stopped either way)."""
+    preset = tmp_path / "tiny_with_vllm.yaml"
+    preset.write_text((REPO / "presets" / "tiny.yaml").read_text().replace("fast_inference: false", "fast_inference: true"))
+    runs = {}
+    for name, settings in (("applied", "model.fast_inference=false"), ("without", "")):
+        notebook = _cells_up_to(nbformat.read(NOTEBOOK, as_version=4), "doctor(")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("LOWVRAM_GRPO_NOTEBOOK_PRESET", str(preset))
+            mp.setenv("LOWVRAM_GRPO_NOTEBOOK_SET", settings)
+            mp.delenv("LOWVRAM_GRPO_NOTEBOOK_STEPS", raising=False)
+            mp.setenv("LOWVRAM_GRPO_NOTEBOOK_OUTPUT", str(tmp_path / name))
+            try:
+                execute(notebook, kernel_here)
+                runs[name] = None
+            except nbclient.exceptions.CellExecutionError as exc:
+                runs[name] = exc
+        runs[name, "text"] = text_of(notebook)
+    assert runs["applied"] is None, runs["applied"]
+    assert (f"ready: the CPU path is ready: python -m lowvram_grpo.run --preset {preset} --set model.fast_inference=false"
+            in runs["applied", "text"])
+    assert runs["without"].ename == "NotReady" and "model.fast_inference uses vLLM" in runs["without", "text"]
+
+
+def test_the_t4_settings_merge_with_the_users(monkeypatch):
+    """The parameter cell on a T4 (torch's CUDA readings given as a T4's: no card here) with settings of the user's:
+    the T4 shortening stays for the keys the user did not set, the user's value wins for the keys both set (before:
+    any user setting dropped the T4 shortening, and 250 steps with 500 held-out questions ran). Without vLLM in the
+    install (this machine has no GPU set), the cell adds model.fast_inference=false and says so."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+
+    source = _cell(nbformat.read(NOTEBOOK, as_version=4), "T4_SETTINGS = ")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(name="Tesla T4", major=7, minor=5, total_memory=15 * 2 ** 30))
+    monkeypatch.setenv("LOWVRAM_GRPO_NOTEBOOK_PRESET", "llama8b_4bit")
+    monkeypatch.setenv("LOWVRAM_GRPO_NOTEBOOK_OUTPUT", "unused")
+    monkeypatch.delenv("LOWVRAM_GRPO_NOTEBOOK_STEPS", raising=False)
+    configs = {}
+    for mine in ("", "train.max_steps=30 train.learning_rate=1e-5"):
+        monkeypatch.setenv("LOWVRAM_GRPO_NOTEBOOK_SET", mine)
+        namespace = {"Path": Path}
+        exec(compile(source, "parameter-cell", "exec"), namespace)  # the cell's own code
+        configs[mine] = namespace["config"]
+        assert "model.fast_inference=false" in namespace["SETTINGS"] and not namespace["config"].model.fast_inference
+    shortened, merged = configs[""], configs["train.max_steps=30 train.learning_rate=1e-5"]
+    assert (shortened.train.max_steps, shortened.train.save_steps, shortened.data.eval_size) == (100, 10, 100)
+    assert (merged.train.max_steps, merged.train.save_steps, merged.data.eval_size) == (30, 10, 100)
+    assert merged.train.learning_rate == 1e-5

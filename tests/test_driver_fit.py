@@ -1,0 +1,132 @@
+"""Which install fits the driver (lowvram_grpo/driver_fit.py), decided from what nvidia-smi prints, before anything is
+installed: CUDA 13 drivers get requirements.txt, CUDA 12 drivers requirements-cuda12.txt (torch and vLLM 0.31's
+CUDA 12.9 builds), no driver or one too old for torch 2.13 the CPU set. The fixtures are nvidia-smi's own output
+as these drivers print it; `python -m lowvram_grpo.install` runs the decision against a stand-in nvidia-smi on PATH."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from lowvram_grpo.doctor import read_pins
+from lowvram_grpo.driver_fit import (CUDA12_FILE, CUDA13_FILE, MIN_DRIVER, SETS, Driver, build_major, driver_advice,
+                                     fit_install, hosted_runtime, parse_nvidia_smi)
+
+HEADER = """{date}
++-----------------------------------------------------------------------------------------+
+| NVIDIA-SMI {version:<22} Driver Version: {version:<14} CUDA Version: {cuda:<9}|
++-----------------------------------------+------------------------+----------------------+
+| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |
+| Fan  Temp   Perf          Pwr:Usage/Cap |           Memory-Usage | GPU-Util  Compute M. |
+|                                         |                        |               MIG M. |
+|=========================================+========================+======================|
+|   0  {gpu:<36}Off |   00000000:00:04.0 Off |                    0 |
+| N/A   37C    P8              9W /   70W |       0MiB /  15360MiB |      0%      Default |
++-----------------------------------------+------------------------+----------------------+
+"""
+# Recorded headers: Colab's T4 runtimes (535.104.05: CUDA 12.2; 550.54.15: CUDA 12.4), a 570 workstation (CUDA 12.8),
+# the H100 lent on 2026-11-26 (580.159.04: CUDA 13.0, ../shared/gpu/README.md), and a machine whose driver is not loaded.
+SMI = {
+    "12.2": HEADER.format(date="Tue Nov 24 10:02:11 2026", version="535.104.05", cuda="12.2", gpu="Tesla T4"),
+    "12.4": HEADER.format(date="Wed Nov 25 08:41:50 2026", version="550.54.15", cuda="12.4", gpu="Tesla T4"),
+    "12.8": HEADER.format(date="Wed Nov 25 19:13:07 2026", version="570.172.08", cuda="12.8",
+                          gpu="NVIDIA GeForce RTX 3090"),
+    "13.0": HEADER.format(date="Thu Nov 26 14:20:33 2026", version="580.159.04", cuda="13.0",
+                          gpu="NVIDIA H100 80GB HBM3"),
+    "none": "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that the latest "
+            "NVIDIA driver is installed and running.\n",
+    "11.4": HEADER.format(date="Mon Nov 23 09:00:00 2026", version="470.256.02", cuda="11.4", gpu="Tesla K80"),
+}
+
+#       header  driver        set          file          pip                                       vLLM
+TABLE = [
+    ("12.2", "535.104.05", "cuda12", CUDA12_FILE, ("install -q -r requirements-cuda12.txt",), True),
+    ("12.4", "550.54.15", "cuda12", CUDA12_FILE, ("install -q -r requirements-cuda12.txt",), True),
+    ("12.8", "570.172.08", "cuda12", CUDA12_FILE, ("install -q -r requirements-cuda12.txt",), True),
+    ("13.0", "580.159.04", "cuda13", CUDA13_FILE, ("install -q -r requirements.txt",), True),
+    ("none", None, "cpu", None, ("install -q torch==2.13.0", "install -q -r requirements-cpu.txt",
+                                 "install -q --no-deps -r requirements-cpu-nodeps.txt"), False),
+    ("11.4", "470.256.02", "cpu-old-driver", None, ("install -q torch==2.13.0", "install -q -r requirements-cpu.txt",
+                                                    "install -q --no-deps -r requirements-cpu-nodeps.txt"), False),
+]
+
+
+@pytest.mark.parametrize("header, driver, name, file, pip, vllm", TABLE, ids=[row[0] for row in TABLE])
+def test_the_install_that_fits_each_recorded_driver(header, driver, name, file, pip, vllm):
+    read = parse_nvidia_smi(SMI[header])
+    assert (read.version, read.cuda) == (driver, header) if driver else read is None
+    fit = fit_install(read)
+    assert (fit.name, fit.pinned.file if fit.pinned else None, fit.commands, fit.vllm) == (name, file, pip, vllm)
+    assert all((REPO / word).is_file() for command in pip for word in command.split() if word.startswith("requirements"))
+    assert "\n" not in fit.line and (driver or "no NVIDIA driver") in fit.line
+    if fit.gpu:  # the set's torch runs on this driver: same CUDA major, driver at least that major's minimum
+        assert fit.pinned.torch_cuda == read.cuda_major or fit.pinned.torch_cuda < read.cuda_major
+        assert tuple(map(int, driver.split("."))) >= tuple(map(int, MIN_DRIVER[fit.pinned.torch_cuda].split(".")))
+        assert fit.settings == () and "vLLM generates" in fit.line
+
+
+def test_a_set_without_vllm_says_so_in_one_line_and_turns_fast_inference_off(monkeypatch):
+    """Where no vLLM build fits the driver the set has none, and a run needs model.fast_inference=false."""
+    import lowvram_grpo.driver_fit as driver_fit
+
+    monkeypatch.setitem(driver_fit.SETS, 12, driver_fit.PinnedSet(CUDA12_FILE, "2.13.0+cu129", 12,
+                                                                  SETS[12].torch_index, None, None))
+    fit = fit_install(parse_nvidia_smi(SMI["12.4"]))
+    assert (fit.vllm, fit.settings) == (False, ("model.fast_inference=false",))
+    assert "\n" not in fit.line and fit.line.endswith("no vLLM: runs need --set model.fast_inference=false")
+    assert "--set model.fast_inference=false" in driver_advice(fit, None)
+
+
+def test_the_sets_torch_and_vllm_are_the_requirement_files_pins():
+    """driver_fit.SETS says which wheels each file installs: a pin bump in a file that SETS does not follow fails."""
+    for major, pinned in SETS.items():
+        pins = read_pins(REPO / pinned.file)
+        assert (pins["torch"], pins["vllm"]) == (pinned.torch, pinned.vllm), pinned.file
+        assert build_major(pins["torch"], 13) == pinned.torch_cuda == major
+        assert build_major(pins["vllm"], 13) == pinned.vllm_cuda == major
+    cuda13, cuda12 = read_pins(REPO / CUDA13_FILE), read_pins(REPO / CUDA12_FILE)
+    assert cuda12["torch"].split("+")[0] == cuda13["torch"] and cuda12["vllm"].split("+")[0] == cuda13["vllm"]
+    swapped = {"torch", "vllm", "torchvision", "torchaudio"}
+    assert {k: v for k, v in cuda12.items() if k not in swapped} == {k: v for k, v in cuda13.items() if k not in swapped}
+    assert f"/whl/cu{SETS[12].torch.split('+cu')[1]}" in (REPO / CUDA12_FILE).read_text()
+    assert f"v{cuda13['vllm']}/vllm-{SETS[12].vllm}-" in (REPO / CUDA12_FILE).read_text()
+
+
+def test_a_driver_update_is_never_advised_where_it_cannot_be_done():
+    """On Colab and Kaggle the driver is the host's: the install that fits it, no update; elsewhere both ways."""
+    fit = fit_install(parse_nvidia_smi(SMI["12.4"]))
+    for runtime in ("Colab", "Kaggle"):
+        advice = driver_advice(fit, runtime)
+        assert "pip install -r requirements-cuda12.txt" in advice and "update the NVIDIA driver" not in advice
+        assert f"a {runtime} runtime's NVIDIA driver is the host's and cannot be updated" in advice
+    both = driver_advice(fit, None)
+    assert "pip install -r requirements-cuda12.txt" in both and "update the NVIDIA driver to >= 580.65.06" in both
+    old = fit_install(parse_nvidia_smi(SMI["11.4"]))
+    assert "update" not in driver_advice(old, "Colab").replace("cannot be updated", "")
+    assert hosted_runtime({"COLAB_RELEASE_TAG": "release-colab_20261120-060000"}, lambda name: None) == "Colab"
+    assert hosted_runtime({"KAGGLE_KERNEL_RUN_TYPE": "Interactive"}, lambda name: None) == "Kaggle"
+    assert hosted_runtime({}, lambda name: object() if name == "google.colab" else None) == "Colab"
+    assert hosted_runtime({}, lambda name: None) is None
+
+
+def test_wheel_versions_name_their_cuda():
+    assert [build_major(v, 13) for v in ("2.13.0", "2.13.0+cu129", "2.13.0+cu126", "2.13.0+cu130", "2.13.0+cpu", None)] \
+        == [13, 12, 12, 13, None, None]
+    assert Driver("580.159.04", "13.0").cuda_major == 13 and Driver(None, None).cuda_major is None
+
+
+@pytest.mark.parametrize("header", ["12.4", "13.0", "none"])
+def test_the_install_command_reads_nvidia_smi_and_names_the_set(header, tmp_path):
+    """`python -m lowvram_grpo.install --dry-run` (the README's GPU install) with a stand-in nvidia-smi on PATH."""
+    import os
+
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text(f"#!/bin/sh\ncat <<'EOF'\n{SMI[header]}EOF\n" + ("exit 9\n" if header == "none" else ""))
+    (tools / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run([sys.executable, "-m", "lowvram_grpo.install", "--dry-run"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    fit = fit_install(parse_nvidia_smi(SMI[header]))
+    assert proc.stdout.splitlines() == [fit.line] + [f"pip {c}" for c in fit.commands]
