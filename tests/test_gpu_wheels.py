@@ -75,11 +75,11 @@ def _unsloth_zoo_load_vllm_sizing():
     namespace = {"os": os, "torch": torch, "math": math, "re": re}
     exec(_functions(VLLM_UTILS, names), namespace)
 
-    def sizing(config, free, total, util, max_seq_length, rank, load_in_4bit):
+    def sizing(config, free, total, util, max_seq_length, rank, load_in_4bit, float8_kv_cache=False):
         namespace["get_mem_info"] = lambda: (free, total)
         tokens, _, actual, kv_gb = namespace["approximate_vllm_memory_usage"](
             config, load_in_4bit=load_in_4bit, max_seq_length=max_seq_length, gpu_memory_utilization=util,
-            enable_lora=True, max_lora_rank=rank, max_loras=1, float8_kv_cache=False, account_for_gradients=True,
+            enable_lora=True, max_lora_rank=rank, max_loras=1, float8_kv_cache=float8_kv_cache, account_for_gradients=True,
             weight_bytes=namespace["vllm_weights_memory_usage"](config, load_in_4bit=load_in_4bit),
             max_num_batched_tokens=8192)
         return actual, tokens, namespace["_fit_max_seq_length_to_kv_cache"](max_seq_length, tokens)
@@ -128,6 +128,43 @@ def test_vllms_share_and_max_model_len_are_unsloth_zoos_run_on_the_installed_sou
                 seen_short |= max_model_len < length
                 seen_full |= max_model_len == length
     assert seen_short and seen_full  # both sides of the shrink were compared
+
+
+@pytest.mark.parametrize("model", ["unsloth/Meta-Llama-3.1-8B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct"])
+def test_with_an_fp8_kv_cache_vllms_length_is_unsloth_zoos_and_the_plans_kv_term_halves(model):
+    """model.kv_cache_dtype=fp8 (from_pretrained float8_kv_cache=True): unsloth_zoo's approximate_vllm_memory_usage counts
+    1.25 bytes a KV element, so the tokens in the same share and the max_model_len it starts vLLM with are ours with
+    float8_kv_cache (unsloth_sizing.vllm_budget); the share itself does not move. The plan's own KV term (vLLM's fp8
+    cache: 1 byte an element) is half the 16-bit one: memory_plan_terms via Resolved.kv_bytes."""
+    from lowvram_grpo.config import load_config
+    from lowvram_grpo.hardware import profile
+    from lowvram_grpo.memory_plan_terms import estimate
+    from lowvram_grpo.model_shapes import model_shape
+    from lowvram_grpo.resolve import resolve, vllm_lora_rank
+    from lowvram_grpo.unsloth_sizing import vllm_budget
+
+    sizing = _unsloth_zoo_load_vllm_sizing()
+    shape = model_shape(model)
+    config = _hf_config(shape)
+    tolerance = 256 if shape.name.startswith("Qwen") else 0
+    grew = 0
+    for total_gib, free_gib in ((23.6, 21.6), (23.6, 5.0), (11.8, 10.3), (7.6, 7.1)):
+        free, total = int(free_gib * GIB), int(total_gib * GIB)
+        for util in (0.3, 0.6, 0.9):
+            for length in (1024, 4096, 16384):
+                rank = vllm_lora_rank(32)
+                actual, tokens, max_model_len = sizing(config, free, total, util, length, rank, True, True)
+                ours = vllm_budget(shape, util, free, total, length, rank, True, float8_kv_cache=True)
+                sixteen = vllm_budget(shape, util, free, total, length, rank, True)
+                assert ours.utilization == pytest.approx(actual, rel=1e-12) == sixteen.utilization
+                assert abs(ours.kv_tokens - tokens) <= tolerance, (total_gib, free_gib, util, length)
+                assert abs(ours.max_model_len - max_model_len) <= tolerance, (total_gib, free_gib, util, length)
+                grew += ours.max_model_len > sixteen.max_model_len
+    assert grew  # somewhere fp8 let unsloth start vLLM with a longer max_model_len
+    name = "llama8b_4bit" if "Llama" in model else "qwen1_5b_4bit"
+    plans = [estimate(r, r.vram_gib) for r in (resolve(load_config(name, [f"model.kv_cache_dtype={kv}"]), profile("rtx4090"))
+                                               for kv in ("bfloat16", "fp8"))]
+    assert plans[0].kv_needed_bytes == 2 * plans[1].kv_needed_bytes
 
 
 def test_our_unsloth_weight_estimate_is_unsloth_zoos_meta_device_count():
@@ -363,3 +400,239 @@ def test_unsloths_rollout_lora_folder_is_the_one_we_move_into_the_run(tmp_path, 
     with rollout_files_moved_to(run):
         pass
     assert (tmp_path / "vllm_gen_lora_0").is_dir()
+
+
+# --------------------------------------------------------------------------- issue 54: the levers resolve decides
+
+UNSLOTH = SITE / "unsloth" / "models"
+ZOO_RL = SITE / "unsloth_zoo" / "rl_replacements.py"
+
+
+def test_unsloths_importance_sampling_correction_is_off_by_default_and_our_flag_and_mode_reach_its_loss():
+    """resolve.choose_is_correction sets GRPOConfig(vllm_importance_sampling_correction, vllm_importance_sampling_mode)
+    and, on unsloth's engine, UNSLOTH_GRPO_VLLM_IS_MODE. The pinned lines that make this the correction that runs:
+    unsloth's GRPOConfig default off (rl.py), TRL's own computation disabled and the rollout log-probs handed on under
+    the flag (rl_replacements.py), its compute_loss passing them to unsloth_zoo's grpo_accumulated_loss, which reads
+    the trainer's flag and the config's mode (overridden by the variable) into grpo_compute_loss, where the ratio
+    multiplies the loss; the sampling/* metrics are logged under the same flag."""
+    from lowvram_grpo.resolve import IS_MODE, IS_MODE_ENV, IS_MODE_VESPO
+
+    rl = (UNSLOTH / "rl.py").read_text()
+    assert '"vllm_importance_sampling_correction": False,' in rl  # unsloth's default: what auto overrides
+    replacements = (UNSLOTH / "rl_replacements.py").read_text()
+    assert 'replacement_string = "if False and self.use_vllm and self.vllm_importance_sampling_correction:"' in replacements
+    assert ('if self.use_vllm and getattr(self, "vllm_importance_sampling_correction", False):\n'
+            '                output["sampling_per_token_logps"] = sampling_per_token_logps') in replacements
+    assert 'sampling_per_token_logps = inputs.get("sampling_per_token_logps", None)' in replacements
+    assert "sampling_per_token_logps = sampling_per_token_logps," in replacements  # into grpo_accumulated_loss
+    logged = replacements[replacements.index('(self.use_vllm and getattr(self, "vllm_importance_sampling_correction", False))'):]
+    for key in ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+                "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+                "sampling/importance_sampling_ratio/max"):
+        assert f'self._metrics[mode]["{key}"]' in logged[:4000], key
+    accumulated = _functions(ZOO_RL, ["grpo_accumulated_loss"])
+    assert 'getattr(trainer, "vllm_importance_sampling_correction", False)' in accumulated  # the rollout log-probs kept
+    assert ('kwargs["vllm_importance_sampling_mode"] = getattr(trainer.args, "vllm_importance_sampling_mode", None) '
+            'or "token_truncate"') in accumulated
+    override = re.search(r'if os\.environ\.get\("(\w+)", ""\):\n\s+kwargs\["vllm_importance_sampling_mode"\] = '
+                         r'os\.environ\["(\w+)"\]', accumulated)
+    assert override and override.group(1) == override.group(2) == IS_MODE_ENV
+    modes = re.search(r'kwargs\["vllm_importance_sampling_mode"\] not in \(\s*([^)]*)\)', accumulated)
+    assert modes and {IS_MODE, IS_MODE_VESPO} <= set(re.findall(r'"(\w+)"', modes.group(1)))
+    assert 'kwargs["vllm_importance_sampling_correction"] = getattr(trainer, "vllm_importance_sampling_correction", False)' \
+        in accumulated and 'kwargs["use_vllm"] = trainer.use_vllm' in accumulated
+    compute = _functions(ZOO_RL, ["grpo_compute_loss"])
+    assert 'vllm_importance_sampling_correction = kwargs.get("vllm_importance_sampling_correction", False)' in compute
+    applied = compute[compute.rindex("if use_vllm and sampling_per_token_logps is not None and vllm_importance_sampling_correction:"):]
+    assert "loss_i = loss_i * importance_sampling_ratio" in applied[:400]
+    assert 'if vllm_importance_sampling_mode in ["sequence_mask", "sequence_truncate"]:' in compute
+
+
+def test_unsloths_decode_graphs_cover_the_model_types_resolve_names_under_the_switches_it_names():
+    """resolve.choose_decode_graphs / DECODE_GRAPH_MODEL_TYPES / DECODE_GRAPHS_ENV and trl_compat.decode_graph_stats,
+    against unsloth/models/_decode_graphs.py: the private set of model types (a literal), the environment switch and
+    its default (inside an RL trainer's generate on NVIDIA CUDA), rl.py's generate wrapped in that scope, the stats'
+    keys and where the state lives; and the lines docs/gpu.md cites for qwen2 (the Llama decode path, its biases)."""
+    from lowvram_grpo.resolve import DECODE_GRAPH_MODEL_TYPES, DECODE_GRAPHS_ENV
+    from lowvram_grpo.trl_compat import DECODE_GRAPH_COUNTERS, DECODE_GRAPHS_MODULE, DECODE_GRAPHS_STATE
+
+    path = UNSLOTH / "_decode_graphs.py"
+    text = path.read_text()
+    assert DECODE_GRAPHS_MODULE == "unsloth.models._decode_graphs"
+    types = [node for node in ast.parse(text).body if isinstance(node, ast.Assign)
+             and any(isinstance(t, ast.Name) and t.id == "_SUPPORTED_MODEL_TYPES" for t in node.targets)]
+    assert len(types) == 1 and ast.literal_eval(types[0].value) == set(DECODE_GRAPH_MODEL_TYPES)
+    enabled = _functions(path, ["enabled"])
+    assert f'flag = os.environ.get("{DECODE_GRAPHS_ENV}", "")' in enabled
+    assert 'if flag == "1":\n        return True\n    if flag == "0":\n        return False' in enabled
+    assert 'return _DEFAULT_OK and getattr(_TLS, "rl_depth", 0) > 0' in enabled
+    assert "return torch.version.hip is None and torch.cuda.is_available()" in _functions(path, ["_default_ok"])
+    assert 'PREALLOC = os.environ.get("UNSLOTH_DECODE_GRAPH_PREALLOC", "0") == "1"' in text  # the kit records it
+    assert "with _decode_graphs.rl_generation():\n                    out = original_generate(*args, **kwargs)" in \
+        (UNSLOTH / "rl.py").read_text()
+    stats = _functions(path, ["stats"])
+    assert f'state = getattr(model, "__dict__", {{}}).get("{DECODE_GRAPHS_STATE}")' in stats
+    assert set(re.findall(r'"(\w+)": (?:len\()?state\.', stats)) == set(DECODE_GRAPH_COUNTERS) | {"disabled"}
+    assert f'state = module.__dict__.get("{DECODE_GRAPHS_STATE}")' in _functions(path, ["_states"])  # on inner modules
+    # qwen2 (docs/gpu.md): excluded only by the set; it runs Llama's decode path, whose attention is graph-ready
+    assert "# Tested families only (Qwen2 shares the Llama attention but is untested here)." in text
+    qwen2 = (UNSLOTH / "qwen2.py").read_text()
+    assert "Qwen2ForCausalLM.forward = CausalLM_fast_forward(LlamaModel_fast_forward_inference)" in qwen2
+    assert "_decode_graphs.register_attention(LlamaAttention_fast_forward_inference)" in (UNSLOTH / "llama.py").read_text()
+    linear = (SITE / "unsloth" / "kernels" / "utils.py").read_text()
+    assert "    if bias is not None:\n        out += bias" in linear[linear.index("def fast_linear_forward("):]
+
+
+def test_the_stats_door_reads_the_installed_module():
+    """trl_compat.decode_graph_stats on a real module tree: the installed unsloth's `stats` sums the counters of the
+    modules holding a graph state ({} for a model that never decoded with graphs, as on a CPU)."""
+    import torch
+
+    import unsloth  # noqa: F401  (before unsloth_zoo / unsloth.models, as the backend imports it)
+    from unsloth.models import _decode_graphs
+
+    from lowvram_grpo.trl_compat import decode_graph_stats, describe_decode_graphs
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    assert decode_graph_stats(model) == {}
+    inner = _decode_graphs._state(model[1])  # what unsloth's decode_step creates on the CausalLM it runs on
+    inner.captures, inner.replays, inner.eager_steps = 2, 30, 3
+    inner.graphs[(1,)] = object()
+    assert decode_graph_stats(model) == {"captures": 2, "replays": 30, "graphs": 1, "eager_steps": 3, "disabled": None}
+    assert describe_decode_graphs(decode_graph_stats(model), True) == \
+        "unsloth decode CUDA graphs: 2 captures, 30 replays, 3 eager steps (decided on)"
+
+
+def test_float8_kv_cache_is_a_from_pretrained_parameter_that_load_vllm_turns_into_vllms_fp8_cache():
+    """resolve.choose_kv_cache_dtype / FP8_KV_MIN_COMPUTE_CAPABILITY and unsloth_backend.from_pretrained_kwargs against
+    the pinned source: FastLanguageModel.from_pretrained takes float8_kv_cache and hands it to load_vllm, which refuses it
+    below sm80, starts vLLM with kv_cache_dtype="fp8", and sizes with 1.25 bytes an element (unsloth_sizing)."""
+    from lowvram_grpo.resolve import FP8_KV_MIN_COMPUTE_CAPABILITY
+    from lowvram_grpo.unsloth_sizing import FP8_KV_ELEMENT_BYTES, KV_ELEMENT_BYTES
+
+    loader = (UNSLOTH / "loader.py").read_text()
+    language = loader[loader.index("class FastLanguageModel"):]
+    head = language[language.index("def from_pretrained("):]
+    assert "float8_kv_cache = False," in head[:head.index("):")] and "float8_kv_cache = float8_kv_cache," in head
+    llama = (UNSLOTH / "llama.py").read_text()
+    assert "float8_kv_cache = float8_kv_cache," in llama[llama.index("load_vllm"):]
+    load = _functions(VLLM_UTILS, ["load_vllm"])
+    floor = re.search(r"if float8_kv_cache and major_version < (\d+):", load)
+    assert floor and (int(floor.group(1)), 0) == FP8_KV_MIN_COMPUTE_CAPABILITY
+    assert 'kv_cache_dtype         = "fp8" if float8_kv_cache else "auto",' in load
+    sizing = _functions(VLLM_UTILS, ["approximate_vllm_memory_usage"])
+    assert f"float_bytes = {FP8_KV_ELEMENT_BYTES} if float8_kv_cache else {KV_ELEMENT_BYTES}" in sizing
+
+
+# --------------------------------------------------------------------------- the pinned wheels' CUDA (issue 49)
+# lowvram_grpo/driver_fit.SETS says which CUDA requirements.txt's torch and vLLM are built for (and so which driver the
+# set needs, and that a CUDA 12 driver gets requirements-cuda12.txt instead). Read here from the wheels themselves:
+# a pin bump that changes their CUDA fails until driver_fit (and requirements-cuda12.txt) follow it.
+
+def _elf_needed(path: Path) -> list[str]:
+    """The libraries an ELF64 little-endian shared object links (DT_NEEDED of its dynamic section), as `readelf -d`."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, f"{path} is not an ELF64 little-endian object"
+        (shoff,) = struct.unpack_from("<Q", data, 0x28)
+        shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+        # section headers: name, type, flags, addr, offset, size, link, info, addralign, entsize
+        sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+        needed = []
+        for section in sections:
+            if section[1] != 6:  # SHT_DYNAMIC
+                continue
+            strings = sections[section[6]][4]  # its string table's offset
+            for offset in range(section[4], section[4] + section[5], 16):
+                tag, value = struct.unpack_from("<qQ", data, offset)
+                if tag == 0:  # DT_NULL
+                    break
+                if tag == 1:  # DT_NEEDED
+                    start = strings + value
+                    needed.append(data[start:data.find(b"\0", start)].decode())
+        return needed
+
+
+def _cuda_extras(requires: list[str]) -> dict[str, set[int]]:
+    """{distribution: CUDA majors of its cuNN extras} of a Requires-Dist list (nvidia-cutlass-dsl[cu13] -> {13})."""
+    from packaging.requirements import Requirement
+
+    found = {}
+    for text in requires:
+        requirement = Requirement(text)
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+            continue
+        majors = {int(extra[2:]) for extra in requirement.extras if re.fullmatch(r"cu\d+", extra)}
+        if majors:
+            found[requirement.name] = majors
+    return found
+
+
+def test_the_pinned_vllm_is_built_for_the_cuda_driver_fit_says():
+    """vllm 0.31.0's installed wheel: its Requires-Dist asks for CUDA 13 builds (nvidia-cutlass-dsl[cu13],
+    humming-kernels[cu13]) and its compiled kernels link libcudart.so.13; driver_fit.SETS[13] says CUDA 13."""
+    import importlib.metadata
+
+    from lowvram_grpo.driver_fit import SETS, build_major
+
+    pinned = SETS[13]
+    dist = importlib.metadata.distribution("vllm")
+    assert dist.version == PINS["vllm"] == pinned.vllm
+    extras = _cuda_extras(dist.requires or [])
+    assert "nvidia-cutlass-dsl" in extras and set().union(*extras.values()) == {pinned.vllm_cuda}, extras
+    cudart = {}
+    for library in sorted((SITE / "vllm").glob("*.so")):
+        for name in _elf_needed(library):
+            if name.startswith("libcudart.so."):
+                cudart[library.name] = int(name.rsplit(".", 1)[1])
+    assert cudart and set(cudart.values()) == {pinned.vllm_cuda}, cudart
+    assert build_major(dist.version, pinned.vllm_cuda) == pinned.vllm_cuda  # no local label: the PyPI (CUDA 13) build
+
+
+def _pypi_wheel_metadata(name: str, filename: str) -> str:
+    """The METADATA of one wheel file on PyPI, from its PEP 658 `.metadata` file (the wheel itself is not fetched):
+    torch's wheel is ~900 MB, and the GPU set's venv holds its CPU build, whose metadata names no CUDA."""
+    import json
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    from pinned_wheels import RegistryUnreachable, registry_required
+
+    cert = os.environ.get("PIP_CERT")
+    context = ssl.create_default_context(cafile=cert) if cert else ssl.create_default_context()
+    try:
+        index = urllib.request.Request(f"https://pypi.org/simple/{name}/",
+                                       headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        with urllib.request.urlopen(index, timeout=60, context=context) as answer:
+            files = {f["filename"]: f for f in json.load(answer)["files"]}
+        assert filename in files, f"PyPI has no {filename}"
+        with urllib.request.urlopen(files[filename]["url"] + ".metadata", timeout=60, context=context) as answer:
+            return answer.read().decode()
+    except (urllib.error.URLError, OSError) as exc:
+        if registry_required():
+            raise RegistryUnreachable(f"PyPI could not be reached: {exc}") from None
+        pytest.skip(f"PyPI could not be reached: {exc}")
+
+
+def test_the_pinned_torch_is_built_for_the_cuda_driver_fit_says():
+    """torch 2.13.0's PyPI wheel for the GPU target (the one requirements.txt installs there): its Requires-Dist asks
+    for CUDA 13.0 (cuda-toolkit==13.0.x, nvidia-*-cu13); driver_fit.SETS[13] says CUDA 13, and the CUDA 12 set's torch
+    is the same version with a +cu12x label."""
+    from email.parser import Parser
+
+    from lowvram_grpo.driver_fit import SETS, build_major
+
+    pinned = SETS[13]
+    assert PINS["torch"] == pinned.torch and SETS[12].torch.split("+")[0] == pinned.torch
+    metadata = Parser().parsestr(_pypi_wheel_metadata("torch", f"torch-{pinned.torch}-cp311-cp311-manylinux_2_28_x86_64.whl"))
+    requires = metadata.get_all("Requires-Dist") or []
+    linux = [r for r in requires if "extra ==" not in r]
+    toolkit = [r for r in linux if r.startswith("cuda-toolkit")]
+    assert toolkit and all(re.search(rf"=={pinned.torch_cuda}\.\d", r) for r in toolkit), toolkit
+    suffixed = {m.group(1) for r in linux if (m := re.match(r"nvidia-[\w-]+?-cu(\d+)\b", r))}
+    assert suffixed == {str(pinned.torch_cuda)}, linux
+    assert build_major(pinned.torch, pinned.torch_cuda) == pinned.torch_cuda
+    assert build_major(SETS[12].torch, None) == SETS[12].torch_cuda == 12
