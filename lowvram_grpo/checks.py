@@ -47,16 +47,31 @@ def _context_length(name: str) -> Optional[int]:
 
 def _architecture(name: str) -> Optional[str]:
     """'llama' when the model is known to have Llama-style module names without loading it, else None."""
-    from .model_shapes import local_model_config, model_shape
+    from .model_shapes import STANDARD_MODULE_FAMILIES, local_model_config, model_shape
 
     try:
         raw = local_model_config(name)
         if raw is not None:
             return "llama" if any(a in LLAMA_STYLE for a in raw.get("architectures") or []) else None
-        model_shape(name)  # the shape table holds Llama-style models only
-        return "llama"
+        return "llama" if model_shape(name).family in STANDARD_MODULE_FAMILIES else None
     except PlanError:
         return None
+
+
+def check_offline_model(name: str) -> None:
+    """A hub id whose config.json is not in the local hub cache while HF_HUB_OFFLINE is set cannot load: a run
+    refuses it before anything loads, naming the file (model_shapes.cached_config_path); a dry-run plans from the
+    fallback table instead."""
+    from .model_shapes import HUB_ID, cached_config_path, hub_offline
+
+    if Path(name).expanduser().exists() or not HUB_ID.match(name) or not hub_offline():
+        return
+    if cached_config_path(name) is None:
+        from huggingface_hub import constants
+
+        raise ConfigError(f"model.name {name}: its config.json is not in the local hub cache ({constants.HF_HUB_CACHE}) "
+                          "and HF_HUB_OFFLINE is set: download it once online (hf download "
+                          f"{name}), or set model.name to a local checkpoint folder")
 
 
 def check_lengths(config, context: Optional[int]) -> None:
@@ -172,6 +187,27 @@ def check_tools(config) -> None:
             raise ConfigError(f"tool {name!r} cannot be shown to the model as a JSON schema (transformers' "
                               f"get_json_schema: {message}): give it a docstring with an Args: section describing "
                               "each parameter, and type hints of str, int, float, bool, list or dict") from None
+
+
+def check_chat_template(config, tokenizer, chat_prompts: bool) -> None:
+    """Before the weights load (with the tokenizer alone), when the prompts are chat messages (`chat_prompts`): the
+    tokenizer must have a chat template (a base model's often has none: transformers would fail at the first
+    rollout), and every `data.chat_template_kwargs` key must be a variable that template reads (a misspelt
+    `enable_thinking` would otherwise change nothing, silently)."""
+    if not chat_prompts:
+        return
+    name = config.model.name
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ConfigError(f"{name}'s tokenizer has no chat template and the prompts are chat messages: use the model's "
+                          "instruct (chat) version, whose tokenizer has one, or give text prompts (a 'prompt' column "
+                          "of plain text in data.dataset)")
+    sources = " ".join(template.values()) if isinstance(template, dict) else str(template)
+    unread = [key for key in config.data.chat_template_kwargs if key not in sources]
+    if unread:
+        raise ConfigError(f"data.chat_template_kwargs {', '.join(unread)}: {name}'s chat template never reads "
+                          f"{'it' if len(unread) == 1 else 'them'}; drop {'it' if len(unread) == 1 else 'them'} "
+                          "(or check the spelling against the template)")
 
 
 def check_tool_template(config, tokenizer) -> None:

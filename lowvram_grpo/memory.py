@@ -45,7 +45,8 @@ def format_plan(p: MemoryPlan, title: str = "") -> str:
     rows.append(("total", f"{p.total_gb:6.2f}", ""))
     width = max(len(r[0]) for r in rows)
     head = title or f"memory plan: {p.model} ({p.shape.params / 1e9:.2f}B params)"
-    lines = [head, f"  {'component':<{width}}  {'GiB':>6}  lower it with", f"  {'-' * width}  ------  -------------"]
+    lines = [head, *family_lines(p), f"  {'component':<{width}}  {'GiB':>6}  lower it with",
+             f"  {'-' * width}  ------  -------------"]
     lines += [f"  {label:<{width}}  {gib}  {settings}" for label, gib, settings in rows]
     lines.append(f"  {free_memory_text(p.resolved, p.vram_gb)}")
     if p.kv_cache_bytes is not None:
@@ -54,6 +55,36 @@ def format_plan(p: MemoryPlan, title: str = "") -> str:
         lines += [f"  {line}" for line in p.priming.lines()]
     lines.append(_verdict(p))
     return "\n".join(lines)
+
+
+def family_lines(p: MemoryPlan) -> list[str]:
+    """Where the shape came from, what of its family the plan counts, what it cannot know, and whether vLLM 0.31
+    serves the family as this run would use it (model_shapes.VLLM_FAMILIES)."""
+    from .memory_plan_terms import forced_float32
+    from .model_shapes import UNSLOTH_NO_VLLM, vllm_serves
+
+    shape, resolved = p.shape, p.resolved
+    lines = [f"  model: {shape.describe()}", f"  shape from: {shape.source or 'its config.json'}"]
+    if forced_float32(shape, resolved):
+        lines.append(f"  unsloth trains {shape.family} in float32 on a card without bf16 (its FORCE_FLOAT32 list): "
+                     "activations counted at 4 bytes")
+    lines += [f"  not known: {what}" for what in shape.unknown]
+    serves = vllm_serves(shape)
+    uses_vllm = resolved.generation in ("unsloth_vllm", "vllm")
+    if serves is None:
+        if uses_vllm:
+            lines.append(f"  not known: whether vLLM 0.31 serves {shape.family} with LoRA (not read in its wheel)")
+        return lines
+    where = f"vllm/model_executor/models/{serves.model_file} {serves.model_class}"
+    if not uses_vllm and shape.family in UNSLOTH_NO_VLLM:
+        lines.append(f"  vLLM: off for {shape.family}: {serves.why_not}")
+    elif uses_vllm and not serves.lora:
+        lines.append(f"  vLLM: {where} has no LoRA support in vLLM 0.31: set model.fast_inference=false")
+    elif uses_vllm:
+        bnb = "" if not resolved.load_in_4bit else (
+            ", 4-bit through vllm-bnb-plugin" if serves.bnb_4bit else ", NOT 4-bit: vllm-bnb-plugin cannot load it")
+        lines.append(f"  vLLM: serves {shape.family} with LoRA ({where}){bnb}")
+    return lines
 
 
 def _kv_text(p: MemoryPlan) -> str:

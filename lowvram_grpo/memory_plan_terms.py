@@ -338,40 +338,67 @@ class _Sizes:
     compute_bytes: int    # 2 for 16-bit compute on a GPU, 4 for fp32
 
 
-def _sizes(resolved) -> _Sizes:
+def forced_float32(shape: ModelShape, resolved) -> bool:
+    """unsloth trains this family in float32 where the card has no bf16 (its FORCE_FLOAT32 list: Gemma 3, Qwen3.5,
+    gpt-oss; model_shapes.UNSLOTH_FORCE_FLOAT32): the activations then take 4 bytes, not the card's 2."""
+    from .model_shapes import UNSLOTH_FORCE_FLOAT32
+
+    return resolved.backend == "unsloth" and resolved.dtype == "float16" and shape.family in UNSLOTH_FORCE_FLOAT32
+
+
+def _sizes(resolved, shape: Optional[ModelShape] = None) -> _Sizes:
     t, config = resolved.config.train, resolved.config
     seq_len = min(t.rollout_tokens, config.model.max_seq_length)
+    compute = 4 if shape is not None and forced_float32(shape, resolved) else resolved.compute_bytes
     return _Sizes(batch=resolved.per_device_train_batch_size,
                   generation_batch=resolved.generation_batch_size // resolved.num_processes, seq_len=seq_len,
-                  completion=min(t.max_completion_length, seq_len), compute_bytes=resolved.compute_bytes)
+                  completion=min(t.max_completion_length, seq_len), compute_bytes=compute)
 
 
 def lora_param_count(shape: ModelShape, config: RunConfig) -> int:
-    dims = {**shape.linear_dims(), "lm_head": (shape.hidden, shape.vocab)}
-    per_layer = sum(sum(dims[m]) for m in config.lora.target_modules if m in dims and m != "lm_head")
-    head = sum(dims["lm_head"]) if "lm_head" in config.lora.target_modules else 0
-    return config.lora.r * (per_layer * shape.layers + head)
+    """LoRA parameters of config.lora on the shape: r x (in + out) of each targeted module, in each layer that has
+    it (Qwen3.5's q/k/v/o only in its full-attention layers), and of lm_head when targeted."""
+    modules = {**shape.layer_modules(), "lm_head": (shape.hidden, shape.vocab, 1)}
+    return config.lora.r * sum((a + b) * n for m, (a, b, n) in modules.items() if m in config.lora.target_modules)
+
+
+def _layer_activation_elements(shape: ModelShape, layer_type: str) -> int:
+    """Elements per token one decoder layer of `layer_type` keeps for backward: norm inputs/outputs (some in fp32),
+    the residual (~8 x hidden); attention: q (with its gate), k, v, their q/k norms; a Gated DeltaNet layer: its
+    projections' outputs, the convolution's output, the core's and the gated norm's (7 x hidden + the mixer's: a
+    Llama-style layer's q is hidden wide, so 8 x hidden there); the MLP: gate, up, act(gate),
+    act x up (4 x intermediate), for each expert a token goes to in a mixture of experts (+ the router's logits)."""
+    from .model_shapes import LINEAR
+
+    la = shape.linear_attention
+    if layer_type == LINEAR and la is not None:
+        mixer = 2 * la.conv_dim + 3 * la.value_dim + 2 * la.value_heads
+    else:
+        q = shape.q_dim * (2 if shape.attention_gate else 1)
+        mixer = q + 2 * shape.kv_dim + ((shape.q_dim + shape.kv_dim) if shape.qk_norm else 0)
+    mlp = 4 * shape.intermediate * max(shape.experts_per_token, 1) + shape.experts if shape.experts else 4 * shape.intermediate
+    return 7 * shape.hidden + mixer + mlp
 
 
 def activation_bytes_per_token_layer(shape: ModelShape, compute_bytes: int) -> int:
-    """Tensors one decoder layer keeps for backward, per token: norm inputs/outputs (some in fp32), q,
-    attention output (~8 x hidden), k and v (2 x kv_dim), gate, up, act(gate), act x up (4 x intermediate)."""
-    return (8 * shape.hidden + 2 * shape.kv_dim + 4 * shape.intermediate) * compute_bytes
+    """Tensors the largest decoder layer keeps for backward, per token (_layer_activation_elements): for a
+    Llama-style layer 8 x hidden + 2 x kv_dim + 4 x intermediate."""
+    return max(_layer_activation_elements(shape, t) for t in set(shape.types)) * compute_bytes
 
 
 def _weights_term(shape: ModelShape, resolved, s: _Sizes) -> Term:
     if resolved.load_in_4bit:
         # hf: prepare_model_for_kbit_training casts embeddings, lm_head and norms to fp32
-        other_bytes = 4 if resolved.backend == "hf" else s.compute_bytes
+        other_bytes = 4 if resolved.backend == "hf" else resolved.compute_bytes  # 16-bit, also where unsloth computes in fp32
         size = int(shape.linear_params * NF4_BYTES_PER_PARAM + shape.other_params * other_bytes)
         label = "base weights, 4-bit NF4"
         detail = (f"{shape.linear_params / 1e9:.2f}B linear params x {NF4_BYTES_PER_PARAM:.3f} B + "
                   f"{shape.other_params / 1e9:.2f}B embedding/norm params x {other_bytes} B"
                   + (" (fp32: PEFT's prepare_model_for_kbit_training)" if resolved.backend == "hf" else ""))
     else:
-        size = shape.params * s.compute_bytes
-        label = f"base weights, {8 * s.compute_bytes}-bit"
-        detail = f"{shape.params / 1e9:.2f}B params x {s.compute_bytes} B"
+        size = shape.params * resolved.compute_bytes
+        label = f"base weights, {8 * resolved.compute_bytes}-bit"
+        detail = f"{shape.params / 1e9:.2f}B params x {resolved.compute_bytes} B"
     if resolved.fast_inference:
         label += " (shared with vLLM)"
     return Term("weights", label, size, detail, "model.name, memory.load_in_4bit")
@@ -383,7 +410,8 @@ def _activation_term(shape: ModelShape, resolved, s: _Sizes) -> Term:
     checkpoint = tokens * shape.hidden * s.compute_bytes  # one layer input
     mode = resolved.gradient_checkpointing  # 'unsloth' (offload) exists only on the unsloth backend
     if mode == "false":
-        size, how = shape.layers * layer, f"all {shape.layers} layers kept"
+        size = tokens * s.compute_bytes * sum(_layer_activation_elements(shape, t) for t in shape.types)
+        how = f"all {shape.layers} layers kept"
     elif mode == "true":
         size, how = shape.layers * checkpoint + layer, "layer inputs kept + one layer recomputed"
     else:
@@ -426,7 +454,7 @@ def _logits_term(shape: ModelShape, s: _Sizes, backend: str = "hf") -> Term:
 
 def _training_terms(shape: ModelShape, resolved) -> dict[str, Term]:
     config = resolved.config
-    s = _sizes(resolved)
+    s = _sizes(resolved, shape)
     lora = lora_param_count(shape, config)
     optim_bytes = OPTIMIZER_BYTES_PER_PARAM[resolved.optim]
     return {
@@ -458,7 +486,7 @@ def engine_kv_cache_bytes(shape: ModelShape, config: RunConfig, kv_bytes: int) -
     if config.memory.vllm_kv_cache_gb:
         return int(config.memory.vllm_kv_cache_gb * GIB)
     tokens = math.ceil(config.model.max_seq_length / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
-    return 2 * shape.layers * shape.kv_dim * kv_bytes * engine_sequences(config) * tokens  # K and V
+    return shape.kv_cache_bytes(engine_sequences(config), tokens, kv_bytes)  # K and V (+ linear-attention state)
 
 
 def _engine_weights_bytes(shape: ModelShape, load_in_4bit: bool) -> int:
@@ -491,7 +519,7 @@ def estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
                 "CUDA context, cuBLAS workspace, fragmentation (a constant)", "")
     outside_vllm = sum(t.bytes for k, t in terms.items() if k != "weights") + cuda.bytes
     weights = terms["weights"].bytes
-    s = _sizes(resolved)
+    s = _sizes(resolved, shape)
     elsewhere = used_elsewhere_gib(resolved)
     free = usable_gib(resolved, vram_gb)
 
@@ -523,8 +551,10 @@ def estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
     # unsloth's engine shares the trainer's weights and takes util x the free memory for them, its runtime and the
     # KV cache, which must hold the larger of a rollout batch and an evaluation batch at full length
     util = resolved.gpu_memory_utilization
-    kv_per_token = 2 * shape.layers * shape.kv_dim * KV_BYTES
-    kv_needed = s.generation_batch * s.seq_len * kv_per_token  # a rollout batch: it must fit
+    def kv_of(sequences: int) -> int:  # K and V of the attention layers (a window at most in sliding ones), + state
+        return shape.kv_cache_bytes(sequences, s.seq_len, resolved.kv_bytes)  # KV_BYTES, 1 with kv_cache_dtype fp8
+
+    kv_needed = kv_of(s.generation_batch)  # a rollout batch: it must fit
     sequences, decided_by = kv_batch(config, s.generation_batch)  # the larger batch: checked, a warning when short
     in_share, outside = weights + VLLM_RUNTIME_BYTES, outside_vllm
     priming_outside = 0
@@ -536,21 +566,22 @@ def estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
     free = free if free is not None else min_free
     # unsloth_zoo's load_vllm: util x the memory free at load, its max_model_len from the free and total memory
     budget = vllm_budget(shape, util, free * GIB, card * GIB, config.model.max_seq_length,
-                         resolved.vllm_max_lora_rank or config.lora.r, resolved.load_in_4bit)
+                         resolved.vllm_max_lora_rank or config.lora.r, resolved.load_in_4bit,
+                         float8_kv_cache=resolved.kv_cache_dtype == "fp8")
     reserved = int(budget.share_bytes)
     kv_cache = reserved - in_share
-    rollout = s.generation_batch * s.seq_len * kv_per_token
+    rollout = kv_of(s.generation_batch)
     evaluation = (f"an evaluation batch ({config.eval.batch_size} sequences) needs "
-                  f"{config.eval.batch_size * s.seq_len * kv_per_token / GIB:.2f} GiB" if config.eval.enabled
+                  f"{kv_of(config.eval.batch_size) / GIB:.2f} GiB" if config.eval.enabled
                   else "evaluation is off")
     terms["vllm"] = Term(
         "vllm", f"vLLM KV cache + runtime ({budget.utilization:.3g} x {card:.1f} GiB - weights)", max(reserved - weights, 0),
         f"unsloth_zoo gives vLLM gpu_memory_utilization {util:g} of the {free:.1f} GiB free at load, less the shared "
-        f"weights; KV cache {kv_cache / GIB:.2f} GiB: a rollout batch ({s.generation_batch} sequences x {s.seq_len} "
+        f"weights; KV cache {kv_cache / GIB:.2f} GiB ({resolved.kv_cache_dtype}): a rollout batch ({s.generation_batch} sequences x {s.seq_len} "
         f"tokens) needs {rollout / GIB:.2f} GiB, {evaluation}; max_model_len {budget.max_model_len}",
         "memory.gpu_memory_utilization")
     return finish(min_free, kv_cache_bytes=kv_cache, kv_needed_bytes=kv_needed, kv_sequences=sequences,
-                  kv_decided_by=decided_by, kv_largest_bytes=sequences * s.seq_len * kv_per_token, vllm_min_share_bytes=in_share + kv_needed, vllm_outside_bytes=max(outside, priming_outside),
+                  kv_decided_by=decided_by, kv_largest_bytes=kv_of(sequences), vllm_min_share_bytes=in_share + kv_needed, vllm_outside_bytes=max(outside, priming_outside),
                   vllm_max_model_len=budget.max_model_len, priming_counted=True)
 
 
@@ -560,5 +591,5 @@ def priming_inputs(shape, resolved, terms: dict) -> tuple[int, int]:
     config = resolved.config
     batch, tokens = config.prime.batch_size, config.model.max_seq_length
     sizes = _Sizes(batch=batch, generation_batch=batch, seq_len=tokens, completion=tokens,
-                   compute_bytes=resolved.compute_bytes)
+                   compute_bytes=_sizes(resolved, shape).compute_bytes)
     return _activation_term(shape, resolved, sizes).bytes, terms["lora"].bytes // LORA_BYTES_PER_PARAM

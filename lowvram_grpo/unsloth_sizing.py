@@ -25,6 +25,9 @@ GIB = 2 ** 30
 # unsloth_zoo.vllm_utils: its NF4 factor (16/5: 4-bit "should be 4.5 but use 5"), 2-byte LoRA and KV cache
 UNSLOTH_4BIT_FACTOR = 16 / 5
 KV_TOKEN_ROUNDING = 256
+# approximate_vllm_memory_usage's bytes per KV element: "float16 is 2 bytes. float8 is 1.25 bytes" (its estimate of fp8
+# with scales and slack; vLLM's fp8 cache itself stores 1 byte an element, what the plan's KV term counts)
+KV_ELEMENT_BYTES, FP8_KV_ELEMENT_BYTES = 2, 1.25
 CUDA_GRAPHS, CUDA_GRAPH_MIN, CUDA_GRAPH_MAX = 172, int(0.15 * 1024 ** 3), int(1.0 * 1024 ** 3)
 
 
@@ -66,10 +69,11 @@ def max_activation_bytes(shape, max_seq_length: int) -> float:
 
 
 def vllm_budget(shape, gpu_memory_utilization: float, free_bytes: float, total_bytes: float, max_seq_length: int,
-                max_lora_rank: int, load_in_4bit: bool) -> VllmBudget:
-    """approximate_vllm_memory_usage + _fit_max_seq_length_to_kv_cache for a text model with full attention
-    (Llama, Qwen2), fast_inference with LoRA, training=True, no fp8 KV cache, as unsloth's from_pretrained calls it
-    with our settings (model.max_seq_length, the vLLM-rounded lora rank, memory.gpu_memory_utilization)."""
+                max_lora_rank: int, load_in_4bit: bool, float8_kv_cache: bool = False) -> VllmBudget:
+    """approximate_vllm_memory_usage + _fit_max_seq_length_to_kv_cache for a dense text model (full, sliding-window
+    or linear-attention layers: Llama, Qwen2/3, Qwen3.5, Gemma 3), fast_inference with LoRA, training=True, as unsloth's from_pretrained calls it with our settings
+    (model.max_seq_length, the vLLM-rounded lora rank, memory.gpu_memory_utilization, float8_kv_cache: the resolved
+    model.kv_cache_dtype is fp8)."""
     free = gpu_memory_utilization * free_bytes
     maximum_activation = max_activation_bytes(shape, max_seq_length)
     if total_bytes - free < maximum_activation:
@@ -79,14 +83,40 @@ def vllm_budget(shape, gpu_memory_utilization: float, free_bytes: float, total_b
     left = free - (unsloth_weight_bytes(shape, load_in_4bit) + lora)
     left -= min(max(CUDA_GRAPHS * (shape.hidden * shape.layers * 4), CUDA_GRAPH_MIN), CUDA_GRAPH_MAX)
     left = max(left, 0)
-    per_token = (shape.dim_per_head + shape.dim_per_head) * shape.kv_heads * shape.layers * 2
-    tokens = int(0.95 * left / per_token) if left > 0 else 0
+    element_bytes = FP8_KV_ELEMENT_BYTES if float8_kv_cache else KV_ELEMENT_BYTES
+    # unsloth_zoo's _kv_cache_elements_per_token: the attention layers only (linear-attention ones hold a fixed state),
+    # sliding-window layers apart (real head_dim); a full-attention model gives int(0.95 x left / bytes per token)
+    full, sliding = shape.kv_elements_per_token()
+    tokens = kv_cache_tokens(0.95 * left, full * element_bytes, [(w, e * element_bytes) for w, e in sliding],
+                             shape.context or 0) if left > 0 else 0
     tokens = (tokens // KV_TOKEN_ROUNDING) * KV_TOKEN_ROUNDING
     if tokens <= 0:
         length = 256
     else:
         length = min(max_seq_length, tokens)
     return VllmBudget(free, utilization, left, tokens, length)
+
+
+def kv_cache_tokens(memory_bytes: float, full_bytes: float, sliding_bytes: list, context_length: int,
+                    in_flight_tokens: int = 2 * 8192) -> int:
+    """unsloth_zoo's _kv_cache_tokens: the longest single sequence a KV cache of `memory_bytes` holds, where
+    full-attention layers take `full_bytes` a token and each (window, bytes a token) sliding group keeps at most
+    window + in-flight tokens (vLLM's SlidingWindowSpec)."""
+    if memory_bytes <= 0:
+        return 0
+    caps = sorted((window + in_flight_tokens, b) for window, b in sliding_bytes)
+    growing = full_bytes + sum(b for _, b in caps)
+    used, start = 0, 0
+    for cap, b in caps:
+        if growing <= 0:
+            break
+        if used + (cap - start) * growing >= memory_bytes:
+            break
+        used += (cap - start) * growing
+        start, growing = cap, growing - b
+    if growing <= 0:
+        return max(context_length, start)
+    return int(start + (memory_bytes - used) / growing)
 
 
 # --------------------------------------------------------------------------- unsloth's GRPO log-prob chunks
