@@ -13,6 +13,7 @@
 # call); every call appends its lines to $STATE/steps.txt and the last returns it. At most 8 files in OUT per call.
 # --dry (or LOWVRAM_VLLM_WINDOW_DRY=1): no nvidia-smi, the parts' sha256 checked where they lie (nothing moved or
 # installed: this machine's packages run), a scaled-down checkpoint, the run with model.fast_inference=false.
+# LOWVRAM_VLLM_ENFORCE_EAGER=1 (call 4): vLLM starts without torch.compile and CUDA graphs (a shorter start).
 set -uo pipefail
 
 call="" out="" dry=${LOWVRAM_VLLM_WINDOW_DRY:-0}
@@ -20,7 +21,7 @@ usage="usage: bash bench/gpu_vllm_window.sh 1|2|3|4|all OUT_FOLDER [--dry]"
 for arg in "$@"; do
   case "$arg" in
     --dry) dry=1 ;;
-    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "error: unknown option $arg: $usage" >&2; exit 2 ;;
     *) if [ -z "$call" ]; then call=$arg
        elif [ -z "$out" ]; then out=$arg
@@ -45,6 +46,7 @@ py=${PYTHON:-python3}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
   VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 dryflag=""; [ "$dry" = 1 ] && dryflag="--dry"
+eager=""; [ "${LOWVRAM_VLLM_ENFORCE_EAGER:-0}" = 1 ] && eager="--enforce-eager"  # vLLM without compile / CUDA graphs
 # the card's Python path: the carried site (Python 3.12, for the image's torch 2.11) before the checkout; a dry run
 # uses this machine's packages (the site is still copied, as on the card)
 site_path() { if [ "$dry" = 1 ]; then echo "$root"; else echo "$state/gpu-site:$root"; fi; }
@@ -125,7 +127,7 @@ call_4() {
   pp=$(site_path); [ "$dry" = 1 ] || pp="$state/vsite:$pp"
   PYTHONPATH=$pp timeout -k 10 $((left + 50)) "$py" -m bench.gpu_vllm_window run --out "$o/window.json" \
     --model-dir "$state/model" --budget-s "$left" --run-dir "$state/run" --events "$o/events.jsonl" \
-    --calls-log "$state/steps.txt" --install "$state/install.json" $dryflag > "$o/run.log" 2>&1
+    --calls-log "$state/steps.txt" --install "$state/install.json" $dryflag $eager > "$o/run.log" 2>&1
   rc=$?
   grep -E '^(window:|  )' "$o/run.log" | tail -n 8 | tee -a "$state/steps.txt"
   step "ends: run exit $rc, $( [ -s "$o/window.json" ] && echo "window.json written" || echo "no window.json")"

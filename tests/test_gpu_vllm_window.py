@@ -44,6 +44,21 @@ def test_the_call_list_holds_for_this_checkout():
     assert report["calls"][-1]["command"] == 'bash bench/gpu_vllm_window.sh 4 "$OUT"'
 
 
+def test_docs_list_the_calls_of_the_code():
+    """docs/gpu.md's table of the window's calls is CALLS: carry, timeout and command in order, each size within the
+    limit and within a MiB of the recorded size plus the tree."""
+    import re
+
+    text = (REPO / "docs" / "gpu.md").read_text()
+    section = text[text.index("## unsloth + vLLM on CUDA: what ran, with vLLM 0.26 on torch 2.11"):]
+    rows = re.findall(r"^\| (\d) \| `([^`]+)` \| ([\d.]+) \| (\d+) \| `([^`]+)` \| [^|]+ \|$", section, re.M)
+    assert [(int(n), (carry,), int(timeout), command) for n, carry, _, timeout, command in rows] == [
+        (c.number, c.carry, c.timeout_s, c.command) for c in window.CALLS]
+    tree = window.tree_bytes(REPO) / MIB
+    for (_, _, mib, _, _), call in zip(rows, window.CALLS):
+        assert float(mib) <= window.LIMIT_MIB and abs(float(mib) - (sum(call.recorded_mib) + tree)) < 1.0
+
+
 def _sparse(path: Path, mib: float) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as handle:
