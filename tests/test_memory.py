@@ -462,7 +462,9 @@ def test_unsloth_load_arguments_for_the_gpu_preset(hw, dtype):
     fast = hw != "v100-16gb"  # vllm 0.31's CUDA 13 build has no kernels for sm70
     assert load == dict(model_name=resolved.config.model.name, max_seq_length=1024, dtype=getattr(torch, dtype),
                         load_in_4bit=True, fast_inference=fast, max_lora_rank=32, gpu_memory_utilization=0.6,
-                        use_gradient_checkpointing="unsloth")
+                        float8_kv_cache=hw == "rtx3060-12gb", use_gradient_checkpointing="unsloth")
+    # model.kv_cache_dtype auto: fp8 where the plan's 16-bit KV cache is short (the 12 GB card), sm80+ only
+    assert resolved.kv_cache_reason.startswith("auto -> fp8") is (hw == "rtx3060-12gb")
     peft = get_peft_model_kwargs(resolved)
     assert (peft["r"], peft["lora_alpha"], peft["use_gradient_checkpointing"]) == (32, 32, "unsloth")
 

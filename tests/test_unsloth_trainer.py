@@ -97,6 +97,8 @@ def unbroken(tmp_path_factory):
         texts = handle.fast_generate([[{{"role": "user", "content": "What is 7 * 8?"}}]], lora_request=request)
         print("GENERATED", json.dumps([str(t) for t in texts]))
         print("SAVED", saved)
+        from lowvram_grpo.trl_compat import decode_graph_stats
+        print("GRAPHS", json.dumps(decode_graph_stats(handle.model)))  # unsloth's counters, after its GRPO generate
     """)
     proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=900,
                           env=_env())
@@ -121,6 +123,16 @@ def test_the_unsloth_backend_trains_through_unsloths_patched_trainer(unbroken):
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]  # keep_checkpoints 2
     lora_b = [v for k, v in _tensors(run / "adapter").items() if "lora_B" in k]
     assert lora_b and any(bool(v.abs().sum() > 0) for v in lora_b), "GRPO moved nothing"
+    # issue 54's decisions as this run has them: no vLLM sampler (no correction), no CUDA (no decode graphs); unsloth's
+    # stats door answers from the real module (an empty state: its graphs are CUDA-only), and only a CUDA run's
+    # summary carries it
+    resolved = summary["resolved"]
+    assert resolved["is_correction"] is False and resolved["decode_graphs"] is False
+    assert resolved["decode_graphs_reason"] == "unsloth captures them on NVIDIA CUDA only"
+    assert summary["grpo_settings"]["settings"]["vllm_importance_sampling_correction"] is False
+    assert "decode_graph_stats" not in summary
+    graphs = [line for line in log.splitlines() if line.startswith("GRAPHS ")]
+    assert graphs and json.loads(graphs[-1][len("GRAPHS "):]) == {}
 
 
 def test_save_lora_load_lora_and_fast_generate_after_training(unbroken):
@@ -213,3 +225,55 @@ def test_tools_run_multi_turn_through_unsloths_patched_trainer_with_results_mask
     assert "importance_sampling_level=sequence" in proc.stdout and "loss_type=dr_grpo" in proc.stdout
     (turns,) = [line for line in proc.stdout.splitlines() if line.startswith("NEXT TURNS")]
     assert turns.startswith("NEXT TURNS [('transformers', 4, [")
+
+
+IS_FLAG = """
+import inspect, json, sys
+from pathlib import Path
+import dataclasses
+from lowvram_grpo.backends import load_model, prepare_backend
+from lowvram_grpo.config import load_config
+from lowvram_grpo.hardware import detect
+from lowvram_grpo.resolve import IS_MODE, resolve
+from lowvram_grpo.training import build_trainer
+from lowvram_grpo.data import load_questions, to_prompt_rows
+
+config = load_config("tiny", ["train.max_steps=1"])
+resolved = resolve(config, detect(), "unsloth")
+prepare_backend("unsloth")
+handle = load_model(resolved)
+if sys.argv[1] == "on":  # what resolve decides where unsloth's vLLM engine samples (no vLLM engine on a CPU)
+    handle.resolved = dataclasses.replace(handle.resolved, is_correction=True, is_mode=IS_MODE)
+train, _ = load_questions(config.data)
+trainer = build_trainer(handle, to_prompt_rows(train[:8], config.data.system_prompt), Path(sys.argv[2]))
+import unsloth_zoo.rl_replacements as zoo
+compute_loss = next(c.compute_loss for c in type(trainer).__mro__ if c.__name__ == "UnslothGRPOTrainer")
+print("RESULT", json.dumps({
+    "trainer": next(c.__name__ for c in type(trainer).__mro__ if c.__name__ == "UnslothGRPOTrainer"),
+    "flag": trainer.vllm_importance_sampling_correction, "args_flag": trainer.args.vllm_importance_sampling_correction,
+    "mode": trainer.args.vllm_importance_sampling_mode,
+    "loss_passes_rollout_logps": "sampling_per_token_logps = sampling_per_token_logps," in inspect.getsource(compute_loss),
+    "loss_logs_under_flag": 'getattr(self, "vllm_importance_sampling_correction", False)' in inspect.getsource(compute_loss),
+    "zoo_reads_trainer_flag": 'kwargs["vllm_importance_sampling_correction"] = getattr(trainer, '
+                              '"vllm_importance_sampling_correction", False)' in inspect.getsource(zoo.grpo_accumulated_loss),
+}))
+"""
+
+
+@pytest.mark.parametrize("decided", ["on", "off"])
+def test_the_decided_correction_reaches_the_attribute_unsloths_loss_reads(decided, tmp_path):
+    """Our GRPOConfig on unsloth's real generated UnslothGRPOTrainer (built on a CPU with the tiny model): the decided
+    flag is what the built trainer holds, unsloth's own default (False) does not replace an explicit True, and the code
+    that reads it is this trainer's compute_loss (the rollout log-probs passed on, the sampling/* metrics logged under
+    the flag) and unsloth_zoo's grpo_accumulated_loss (kwargs from the trainer's attribute, into grpo_compute_loss).
+    "on" stands for unsloth's vLLM engine (resolve's decision there), which a CPU cannot start: the loss's ratio itself
+    is read, not run (tests/test_gpu_wheels.py)."""
+    proc = subprocess.run([sys.executable, "-c", IS_FLAG, decided, str(tmp_path / "run")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=900, env=_env())
+    results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and results, (proc.stdout[-2000:], proc.stderr[-3000:])
+    result = json.loads(results[-1][len("RESULT "):])
+    assert result["trainer"] == "UnslothGRPOTrainer"
+    assert result["flag"] is result["args_flag"] is (decided == "on")
+    assert result["mode"] == "sequence_mask"
+    assert result["loss_passes_rollout_logps"] and result["loss_logs_under_flag"] and result["zoo_reads_trainer_flag"]

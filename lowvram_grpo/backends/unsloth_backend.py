@@ -89,6 +89,7 @@ def from_pretrained_kwargs(resolved, path: str) -> dict:
         fast_inference=resolved.fast_inference,
         max_lora_rank=resolved.vllm_max_lora_rank or config.lora.r,  # vLLM's accepted rank (resolve.vllm_lora_rank)
         gpu_memory_utilization=config.memory.gpu_memory_utilization,
+        float8_kv_cache=resolved.kv_cache_dtype == "fp8",  # resolve.choose_kv_cache_dtype (vLLM kv_cache_dtype="fp8")
         use_gradient_checkpointing=_checkpointing(resolved),
     )
 
@@ -140,6 +141,12 @@ def load_model(resolved, log=print) -> ModelHandle:
     path = resolve_model_path(resolved.config.model.name)
     kwargs = from_pretrained_kwargs(resolved, path)
     os.environ.update(resolved.engine_environment)  # read by unsloth_zoo's load_vllm (resolve: FlashInfer below sm80)
+    os.environ.update(resolved.trainer_environment)  # read by unsloth_zoo's GRPO loss (resolve: the IS mode)
+    from ..resolve import decode_graphs_environment_note
+
+    graphs_env = decode_graphs_environment_note(resolved)
+    if graphs_env:
+        log(f"note: {graphs_env}")
     try:
         model, tokenizer = FastLanguageModel.from_pretrained(**kwargs)
     except Exception as exc:

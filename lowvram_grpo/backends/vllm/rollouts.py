@@ -167,7 +167,7 @@ def start_for_run(handle, log=print) -> TRLRollouts:
 
     config, resolved = handle.config, handle.resolved
     if isinstance(handle.engine, LocalVLLMEngine) and handle.engine.llm is not None:  # a handle trained before
-        return TRLRollouts(handle.engine, sync_every=config.model.vllm_sync_steps)
+        return TRLRollouts(handle.engine, sync_every=config.model.vllm_sync_steps, importance_sampling=resolved.is_correction)
     shape = shape_from_config(handle.model.config.to_dict(), handle.base_model)  # the model loaded: hub ids too
     settings = settings_for(resolved, shape, handle.base_model)
     log(f"starting the vLLM engine: {settings.describe()} ...")
@@ -182,4 +182,4 @@ def start_for_run(handle, log=print) -> TRLRollouts:
                             "model.max_seq_length, or set model.generation=transformers; nothing was written") from None
     _OPEN.add(engine)
     handle.engine = engine
-    return TRLRollouts(engine, sync_every=config.model.vllm_sync_steps)
+    return TRLRollouts(engine, sync_every=config.model.vllm_sync_steps, importance_sampling=resolved.is_correction)
