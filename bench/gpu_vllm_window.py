@@ -273,7 +273,10 @@ def versions() -> dict:
         except md.PackageNotFoundError:
             version = None
         spec = importlib.util.find_spec(dist)
-        found[dist] = {"version": version, "from": str(Path(spec.origin).parent.parent) if spec and spec.origin else None}
+        where = None
+        if spec and spec.origin:  # the folder on the path it comes from (a package's parent, a module's folder)
+            where = str(Path(spec.origin).parent.parent if spec.submodule_search_locations else Path(spec.origin).parent)
+        found[dist] = {"version": version, "from": where}
     import torch
 
     found["torch_cuda"] = torch.version.cuda
@@ -490,7 +493,10 @@ def observe(rec: Recorder) -> None:
                  fast_inference=resolved.fast_inference, load_in_4bit=resolved.load_in_4bit, dtype=resolved.dtype)
         transformers_hooks(rec)  # the backend is prepared by now (unsloth imported first where it is the backend)
         if resolved.fast_inference:
-            vllm_hooks(rec)
+            try:
+                vllm_hooks(rec)
+            except Exception as exc:  # noqa: BLE001 (vLLM that does not import: the run shows what unsloth does then)
+                rec.emit("vllm_hooks_failed", error=f"{type(exc).__name__}: {exc}"[:500])
         return original(resolved, *args, **kwargs)
     _wrap(pipeline, "load_model", load_model)
 
@@ -711,6 +717,8 @@ def summarize(events: list[dict]) -> dict:
             row["engine_request"] = e.get("engine_request")
         elif kind in ("save_lora", "load_lora", "unsloth_load_lora", "vllm_adapter_load"):
             out["lora"].setdefault(kind, []).append(fields)
+        elif kind == "vllm_hooks_failed":
+            out["vllm_hooks_failed"] = e["error"]
         elif kind == "exit":
             out["exit_code"] = e["code"]
     for row in out["evaluation"].values():
@@ -791,6 +799,8 @@ def holds(report: dict, dry: bool) -> list[str]:
     if not (m.get("lora") or {}).get("save_lora") or not (m.get("lora") or {}).get("load_lora"):
         missing.append("save_lora / load_lora were not both called")
     if not dry:
+        if m.get("vllm_hooks_failed"):
+            missing.append(f"vLLM could not be observed ({m['vllm_hooks_failed']})")
         if not m.get("engine"):
             missing.append("unsloth did not start vLLM (no load_vllm)")
         if not any(s.get("rollout_tokens") for s in m.get("steps", [])):

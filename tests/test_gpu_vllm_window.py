@@ -242,6 +242,24 @@ def test_the_window_script_parses_and_refuses_bad_input(tmp_path):
         assert len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_the_module_refuses_bad_input_in_one_line_before_anything_runs(tmp_path):
+    (tmp_path / "model").mkdir()
+    for argv, fragment in (
+            (["run", "--out", str(tmp_path / "w.json"), "--model-dir", str(tmp_path / "model")],
+             "has no checkpoint: build it first with python -m bench.gpu_vllm_window build"),
+            (["run", "--out", str(tmp_path), "--model-dir", str(tmp_path / "model")], "is a directory: name a .json file"),
+            (["run", "--out", str(tmp_path / "w.json"), "--model-dir", str(tmp_path), "--dry", "--enforce-eager"],
+             "--enforce-eager is for vLLM on the card"),
+            (["run", "--out", str(tmp_path / "w.json"), "--model-dir", str(tmp_path), "--budget-s", "5"], "must be >= 10"),
+            (["calls", "--root", str(tmp_path)], "is not a git checkout"),
+            (["verify", str(tmp_path / "model")], "no MANIFEST in")):
+        proc = subprocess.run([sys.executable, "-m", "bench.gpu_vllm_window", *argv], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.startswith("error: ") and fragment in proc.stderr, (argv, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "w.json").exists()
+
+
 def test_the_last_call_on_a_fresh_machine_says_to_start_again(tmp_path):
     """Call 4 without what call 1 left (the machine was given back between calls): one line, exit 2, nothing run."""
     out = tmp_path / "out"
