@@ -1,0 +1,243 @@
+"""Issue 53, watching a run learn, on real tiny runs: completions.jsonl (completions.py) has a row per completion of
+every written step with every field, stays under its cap on a 200-step run and still covers it; a run whose reward is
+always 0 shows what the model wrote in the report; the held-out curve (eval.every_steps, validation.py) goes into
+metrics.jsonl, keeps best_adapter/ at the argmax of the curve (named in summary.json, measured on the held-out
+questions), and a run stopped between two measurements, or during one, and resumed ends with the curve whole and
+equal to an unbroken run's."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, run_cli
+from lowvram_grpo.run_dir import RunDir
+
+pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
+
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+FIELDS = {"step", "group", "prompt_id", "prompt", "answer", "completion", "rewards", "reward", "advantage", "truncated",
+          "tool_calls"}
+TINY = ["--preset", "tiny"]
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _check_prompts_once(rows):
+    """Each prompt in full on its id's first row in the file, null on the others."""
+    seen = set()
+    for row in rows:
+        assert (row["prompt"] is not None) == (row["prompt_id"] not in seen), row
+        seen.add(row["prompt_id"])
+
+
+def test_every_logged_step_has_its_completions_with_every_field(tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli(*TINY, "--max-steps", "3", "--set", "eval.enabled=false", "--output-dir", str(out), env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(out / "completions.jsonl")
+    logged = [r["step"] for r in _rows(out / "metrics.jsonl")]
+    assert logged == [1, 2, 3]
+    config = RunDir(out).read_config()
+    for step in logged:  # tiny: one prompt of 4 completions a step, so its only group
+        of_step = [r for r in rows if r["step"] == step]
+        assert len(of_step) == config.train.num_generations and {r["group"] for r in of_step} == {0}
+    for row in rows:
+        assert set(row) == FIELDS, set(row) ^ FIELDS
+        assert set(row["rewards"]) == set(config.rewards.names)
+        assert isinstance(row["completion"], str) and isinstance(row["advantage"], float)
+        assert row["truncated"] in (True, False) and row["tool_calls"] == [] and row["answer"] is not None
+        weights = dict(zip(config.rewards.names, config.rewards.weight_list))
+        assert row["reward"] == pytest.approx(sum(weights[k] * v for k, v in row["rewards"].items()))
+    _check_prompts_once(rows)
+    # the advantages are the ones TRL trained with: group-normalised, so they sum to ~0 over each group
+    for step in logged:
+        assert abs(sum(r["advantage"] for r in rows if r["step"] == step)) < 1e-3
+    # truncation as TRL counts it: the step's clipped_ratio is the share of its completions marked cut
+    for metrics_row in _rows(out / "metrics.jsonl"):
+        marked = [r["truncated"] for r in rows if r["step"] == metrics_row["step"]]
+        assert metrics_row["completions/clipped_ratio"] == pytest.approx(sum(marked) / len(marked))
+
+
+def test_a_200_step_run_stays_under_the_cap_and_covers_the_run(tmp_path):
+    out = tmp_path / "run"
+    cap_mb = 0.02
+    proc = run_cli(*TINY, "--max-steps", "200", "--set", "eval.enabled=false", "--set", "train.max_completion_length=4",
+                   "--set", "train.num_generations=2", "--set", f"log.completions_max_mb={cap_mb}",
+                   "--set", "train.save_steps=1000", "--output-dir", str(out), env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path = out / "completions.jsonl"
+    assert path.stat().st_size <= cap_mb * 1_000_000
+    rows = _rows(path)
+    steps = sorted({r["step"] for r in rows})
+    assert steps[-1] == 200 and steps[0] <= 64 and len(steps) >= 8, steps  # thinned, not cut: the whole run, thinly
+    every = min(b - a for a, b in zip(steps, steps[1:-1]))  # the policy's step after its doublings (the last is extra)
+    assert every & (every - 1) == 0 and every > 1 and all(s % every == 0 for s in steps[:-1]), steps
+    for row in rows:
+        assert set(row) == FIELDS
+    _check_prompts_once(rows)
+    assert sum(1 for r in _rows(out / "metrics.jsonl")) == 200
+
+
+REWARD_ZERO = """
+def zero(prompts, completions, **kwargs):
+    return [0.0] * len(completions)
+"""
+
+
+def test_a_run_whose_reward_is_always_0_shows_its_completions_in_the_report(tmp_path):
+    (tmp_path / "zero.py").write_text(REWARD_ZERO)
+    out = tmp_path / "run"
+    proc = run_cli(*TINY, "--max-steps", "3", "--set", "eval.enabled=false", "--set", f"rewards.module={tmp_path / 'zero.py'}",
+                   "--set", "rewards.names=[zero]", "--output-dir", str(out), env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(out / "completions.jsonl")
+    assert rows and all(r["reward"] == 0.0 and r["rewards"] == {"zero": 0.0} for r in rows)
+    report = (out / "report.md").read_text()
+    section = report[report.index("## Completions during GRPO"):]
+    assert "### Step 3 (latest; mean reward 0.000" in section
+    from lowvram_grpo.report import _printable
+
+    latest = [r for r in rows if r["step"] == 3]
+    for row in latest[:3]:  # what the model wrote, with its score
+        assert _printable(row["completion"]).strip() in section
+    # every step's mean is 0: the worst is the earliest, shown after the latest, 3 completions each
+    assert "### Step 1 (worst reward; mean reward 0.000" in section
+    assert section.count("reward 0.000 (zero 0.000)") == 6
+    assert "Ben" in section or "has" in section  # the question the completions answer
+
+
+def _curve(rows):
+    return [(r["step"], r["validation/reward_mean"]) for r in rows if "validation/reward_mean" in r]
+
+
+@pytest.fixture(scope="module")
+def no_gold(tmp_path_factory):
+    """Questions without gold answers (a CSV with a question column only) and a length reward: the curve's criterion
+    is the validation reward_mean, which moves from point to point (tiny's accuracy is 0 everywhere)."""
+    folder = tmp_path_factory.mktemp("data")
+    lines = ["question"] + [f"Write about item {i} and the number {i * 7}." for i in range(80)]
+    (folder / "q.csv").write_text("\n".join(lines) + "\n")
+    return ["--set", f"data.dataset={folder / 'q.csv'}", "--set", "rewards.names=[brevity]", "--set", "eval.every_steps=2",
+            "--set", "eval.validation_size=4", "--set", "train.save_steps=1", "--set", "train.keep_checkpoints=6"]
+
+
+@pytest.fixture(scope="module")
+def unbroken(no_gold, tmp_path_factory):
+    out = tmp_path_factory.mktemp("unbroken") / "run"
+    proc = run_cli(*TINY, "--max-steps", "6", *no_gold, "--output-dir", str(out), env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_the_curve_goes_into_metrics_and_best_adapter_is_its_argmax(unbroken):
+    rows = _rows(unbroken / "metrics.jsonl")
+    curve = _curve(rows)
+    assert [s for s, _ in curve] == [2, 4, 6] and len({v for _, v in curve}) > 1, curve
+    assert all(r["validation/n"] == 4 for r in rows if "validation/n" in r)
+    best_step = max(curve, key=lambda p: (p[1], -p[0]))[0]
+    summary = json.loads((unbroken / "summary.json").read_text())
+    assert summary["best_adapter"]["step"] == best_step
+    assert summary["best_adapter"]["dir"] == str(unbroken / "best_adapter")
+    assert json.loads((unbroken / "best_adapter" / "best_step.json").read_text())["step"] == best_step
+    assert summary["best_adapter"]["same_as_after"] == (best_step == 6)
+    assert summary["best"]["n"] == summary["after"]["n"]  # measured on the held-out questions too
+    # the best adapter is the weights of its step: its checkpoint's adapter, bit for bit
+    from safetensors.torch import load_file
+
+    best = load_file(str(unbroken / "best_adapter" / "adapter_model.safetensors"))
+    at_step = load_file(str(unbroken / f"checkpoint-{best_step}" / "adapter_model.safetensors"))
+    assert best.keys() == at_step.keys() and all((best[k] == at_step[k]).all() for k in best)
+    # the validation questions are none of the held-out ones and are not trained on
+    report = (unbroken / "report.md").read_text()
+    assert "## Held-out curve during GRPO" in report and f"Best: step {best_step}" in report
+    assert (unbroken / "validation.png").is_file()
+
+
+# Pauses the CALL-th call of evaluation.generate_answers for a few seconds after touching MARKER (the signal lands in
+# that measurement); SLOW_FROM: from this GRPO step on, each step's end touches MARKER (a stop between measurements).
+DRIVER = """
+import os, sys, time
+from pathlib import Path
+from lowvram_grpo import evaluation
+original, calls = evaluation.generate_answers, [0]
+def paused(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == int(os.environ.get("PAUSE_CALL", "0")):
+        Path(os.environ["MARKER"]).touch()
+        time.sleep(3)
+    return original(*args, **kwargs)
+evaluation.generate_answers = paused
+from transformers import TrainerCallback
+from lowvram_grpo import training
+build = training.build_trainer
+class Mark(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == int(os.environ.get("MARK_AT", "0")):
+            Path(os.environ["MARKER"]).touch()
+            time.sleep(3)
+def marked(*a, **k):
+    trainer = build(*a, **k)
+    trainer.callback_handler.callbacks.insert(0, Mark())  # before StopOnSignal: the stop comes at this step's end
+    return trainer
+training.build_trainer = marked
+from lowvram_grpo.run import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _stopped_then_resumed(tmp_path, no_gold, env):
+    script, out, marker = tmp_path / "driver.py", tmp_path / "run", tmp_path / "marker"
+    script.write_text(DRIVER)
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen([sys.executable, str(script), *TINY, "--max-steps", "6", *no_gold, "--output-dir", str(out)],
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=err,
+                                env={**os.environ, **ENV, "MARKER": str(marker), **env},
+                                preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in (signal.SIGTERM, signal.SIGINT)])
+        try:
+            deadline = time.time() + 300
+            while not marker.exists():
+                assert proc.poll() is None and time.time() < deadline, (tmp_path / "stderr.txt").read_text()[-3000:]
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+        finally:
+            proc.kill()
+            proc.wait()
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert proc.returncode == 143, stderr[-3000:]
+    stopped_rows = _rows(out / "metrics.jsonl")
+    resumed = run_cli("--resume", str(out), env=ENV)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return out, stopped_rows, resumed
+
+
+def _same_curve_and_best(out, unbroken):
+    rows, reference = _rows(out / "metrics.jsonl"), _rows(unbroken / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert _curve(rows) == pytest.approx(_curve(reference), abs=1e-6)  # whole, and the unbroken run's
+    summary, ref = (json.loads((d / "summary.json").read_text()) for d in (out, unbroken))
+    assert summary["best_adapter"]["step"] == ref["best_adapter"]["step"] == RunDir(out).best_facts()["step"]
+    completions = _rows(out / "completions.jsonl")
+    assert sorted({r["step"] for r in completions}) == list(range(1, 7))  # the steps after the checkpoint written once
+    assert len(completions) == 6 * RunDir(out).read_config().train.num_generations
+    _check_prompts_once(completions)
+
+
+def test_a_stop_between_two_measurements_and_resume_keep_the_curve_whole(tmp_path, no_gold, unbroken):
+    out, stopped_rows, _ = _stopped_then_resumed(tmp_path, no_gold, {"MARK_AT": "3"})
+    assert [s for s, _ in _curve(stopped_rows)] == [2]  # stopped after step 3: between the points of steps 2 and 4
+    _same_curve_and_best(out, unbroken)
+
+
+def test_a_stop_during_a_measurement_is_measured_on_resume(tmp_path, no_gold, unbroken):
+    # generate_answers' calls: 1 the held-out 'before', 2 step 2's point, 3 step 4's point: the signal lands in it
+    out, stopped_rows, resumed = _stopped_then_resumed(tmp_path, no_gold, {"PAUSE_CALL": "3"})
+    assert [r["step"] for r in stopped_rows][-1] == 4 and [s for s, _ in _curve(stopped_rows)] == [2]
+    assert "held-out curve: step 4's point measured on resume" in resumed.stdout
+    _same_curve_and_best(out, unbroken)
