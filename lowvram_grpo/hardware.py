@@ -12,7 +12,7 @@ present also records the memory free when it was detected (`torch.cuda.mem_get_i
 load_vllm and the doctor read it): the memory plan is made on that.
 
 The card present also records its build toolchain, read once: the CUDA release of the nvcc FlashInfer would
-JIT-compile with (toolchain.nvcc_cuda_version) and torch's CUDA build (`torch.version.cuda`); a named profile
+JIT-compile with (nvcc_cuda_version) and torch's CUDA build (`torch.version.cuda`); a named profile
 knows neither (None), so resolve keeps FlashInfer off for it (resolve.choose_flashinfer).
 
 The process's environment is read here too, once: `UNSLOTH_VLLM_STANDBY` (unsloth_zoo's standby mode: it
@@ -147,6 +147,26 @@ def unsloth_vllm_standby(environ=None) -> Optional[str]:
     return None if value == "0" else value
 
 
+def nvcc_cuda_version(environ) -> Optional[tuple[int, int]]:
+    """The CUDA release of the nvcc FlashInfer would JIT-compile with (`nvcc --version`: "release 13.0"), or None."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    nvcc = shutil.which("nvcc", path=environ.get("PATH")) or next(
+        (str(Path(root, "bin", "nvcc")) for root in (environ.get("CUDA_HOME", ""), environ.get("CUDA_PATH", ""),
+                                                     "/usr/local/cuda") if root and Path(root, "bin", "nvcc").is_file()), None)
+    if nvcc is None:
+        return None
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
 def detect() -> Hardware:
     """The machine this process runs on. Imports torch (fine before unsloth), not transformers or trl."""
     import torch
@@ -159,8 +179,6 @@ def detect() -> Hardware:
         return Hardware(name="present", device="cpu", cpu_bf16=cpu_has_native_bf16(),
                         unsloth_installed=unsloth, vllm_installed=vllm, vllm_bnb_plugin_installed=plugin,
                         mimalloc_library=mimalloc, vllm_standby=unsloth_vllm_standby())
-    from .toolchain import nvcc_cuda_version  # nvcc --version: read only where a card is present
-
     props = torch.cuda.get_device_properties(0)
     free, _ = torch.cuda.mem_get_info(0)  # what unsloth_zoo's load_vllm reads (its get_mem_info) and the doctor shows
     return Hardware(name="present", device="cuda", gpu_name=props.name,

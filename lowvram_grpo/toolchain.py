@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from .findings import block as _block, note as _note, ok as _ok, warn as _warn
+from .hardware import nvcc_cuda_version
 
 
 def c_compiler(environ=None) -> Optional[str]:
@@ -77,24 +78,6 @@ def toolchain_lines(resolved, environ=None, include_dir: Optional[Path] = None, 
     if resolved.generation in ("unsloth_vllm", "vllm"):
         lines += flashinfer_lines(resolved, environ, torch_cuda)
     return lines
-
-
-def nvcc_cuda_version(environ) -> Optional[tuple[int, int]]:
-    """The CUDA release of the nvcc FlashInfer would JIT-compile with (`nvcc --version`: "release 13.0"), or None."""
-    import re
-    import subprocess
-
-    nvcc = shutil.which("nvcc", path=environ.get("PATH")) or next(
-        (str(Path(root, "bin", "nvcc")) for root in (environ.get("CUDA_HOME", ""), environ.get("CUDA_PATH", ""),
-                                                     "/usr/local/cuda") if root and Path(root, "bin", "nvcc").is_file()), None)
-    if nvcc is None:
-        return None
-    try:
-        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    found = re.search(r"release (\d+)\.(\d+)", out)
-    return (int(found.group(1)), int(found.group(2))) if found else None
 
 
 def flashinfer_lines(resolved, environ, torch_cuda: Optional[str] = None):
