@@ -23,6 +23,11 @@ clips.' states 72. So a lenient verdict is never stricter than the strict one.
 One reading for the rewards (`answer_block`): the last closed <answer> block, else a block cut off before
 </answer>, else the whole completion. The `correctness` reward reads `stated_answer` from it and the `int`
 reward `bare_integer`, so the two never read different answers from one completion.
+
+The `think` answer format (`data.answer_format: think`, thinking models such as Qwen3): one <think>...</think>
+block, then the answer as text. Strict (`think_strict_answer`): the final answer after </think> of a well-formed
+completion (`think_ok`); lenient (`think_lenient_answer`): the answer stated after the last </think> in any form;
+the `think_correctness` reward reads `think_stated_answer`. `extractors(format)` gives a format's two readers.
 """
 from __future__ import annotations
 
@@ -179,3 +184,50 @@ def _math_verify(stated: str, gold: str) -> bool:
         raise CheckerError(f"math-verify failed comparing {stated[:80]!r} with {gold[:80]!r}: "
                            f"{type(failure).__name__}: {failure}"[:300])
     return False
+
+
+# --------------------------------------------------------------------------- the `think` format
+
+# `data.answer_format: think` (Qwen3-style thinking models): the completion is one <think>...</think> block, then the
+# answer as plain text ('<think>\n6 * 7 = 42\n</think>\n\nThe answer is 42.'). Well formed (`think_ok`): exactly one
+# opening and one closing tag, the opening one first, and a non-empty answer after the closing one.
+ANSWER_FORMATS = ("xml", "think")
+_THINK = re.compile(r"\s*<think>(.*?)</think>\s*(\S.*)", re.DOTALL)
+
+
+def think_tail(text: str) -> Optional[str]:
+    """The answer part of a `think` completion: the text after its last </think>; None without one (cut off
+    while thinking)."""
+    return text.rsplit("</think>", 1)[1] if "</think>" in text else None
+
+
+def think_ok(text: str) -> bool:
+    """A well-formed `think` completion: <think>...</think> at the start, exactly one of each tag, then an answer."""
+    return bool(_THINK.fullmatch(text)) and text.count("<think>") == 1 and text.count("</think>") == 1
+
+
+def think_strict_answer(text: str) -> Optional[str]:
+    """The answer a well-formed `think` completion states after </think> (its final answer, `final_answer`);
+    None when the completion is not well formed (`think_ok`)."""
+    return final_answer(think_tail(text)) if think_ok(text) else None
+
+
+def think_lenient_answer(text: str) -> Optional[str]:
+    """The answer stated after the last </think> in any form (`lenient_answer` of that text); without </think>,
+    of the whole completion."""
+    tail = think_tail(text)
+    return lenient_answer(text if tail is None else tail)
+
+
+def think_stated_answer(text: str) -> Optional[str]:
+    """The answer the `think_correctness` reward reads: the final answer of the text after the last </think>
+    (one closed thinking block is required; text before it is never read as the answer)."""
+    tail = think_tail(text)
+    return None if tail is None else final_answer(tail)
+
+
+def extractors(answer_format: str):
+    """(strict, lenient) answer readers of an answer format (`ANSWER_FORMATS`): what the held-out accuracy reads."""
+    if answer_format == "think":
+        return think_strict_answer, think_lenient_answer
+    return strict_answer, lenient_answer

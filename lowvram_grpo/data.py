@@ -449,6 +449,20 @@ def split_validation(train: list[Question], held_out: list[Question], size: int)
     return [q for i, q in enumerate(train) if i not in chosen], [train[i] for i in sorted(picked)]
 
 
+def validation_questions(data_config, train: list[Question], held_out: list[Question],
+                         size: int) -> tuple[list[Question], list[Question]]:
+    """(training questions, validation questions) for the held-out curve (eval.every_steps). Built-in problems: `size`
+    more problems generated after the training ones (the same generator and seed: the training and held-out questions
+    are the very ones a run without the curve gets, so the curve changes nothing that is trained); other data: taken
+    out of the training questions (split_validation). Either way none is a held-out question or trained on."""
+    if data_config.dataset in (None, "", "builtin", "builtin:arithmetic"):
+        n_train = data_config.num_train or BUILTIN_TRAIN_SIZE
+        before = 0 if getattr(data_config, "eval_dataset", None) else data_config.eval_size
+        extra = arithmetic_problems(before + n_train + size, data_config.seed, data_config.max_operand)[before + n_train:]
+        return train, extra
+    return split_validation(train, held_out, size)
+
+
 def _held_out(spec: str, data_config) -> list[Question]:
     """`eval_size` questions of the separate eval dataset `spec`, shuffled by the data seed."""
     questions = _from_spec(spec, data_config)

@@ -30,6 +30,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 SAMPLERS = ("inverse_cdf", "multinomial")
+# The model types whose greedy answers from this loop are token for token those of transformers' generate, checked
+# on a left-padded batch past the sliding window with a LoRA adapter (tests/test_families.py, tiny models of each,
+# float32). Any other architecture keeps transformers' generate, said once in the run's log (`install`).
+LOOP_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", "gemma3_text", "gemma4_text", "gpt_oss", "smollm3")
 
 
 @dataclass(frozen=True)
@@ -244,19 +248,31 @@ def _plan(model, kwargs) -> Optional[dict]:
                 eos_token_ids=eos, pad_token_id=pad)
 
 
-def install(model, settings: DecodeSettings) -> None:
+def install(model, settings: DecodeSettings, log=None) -> None:
     """Make `model.generate` (a PEFT model) this module's loop for the calls it covers; idempotent.
-    `model._lowvram_decode_calls` counts them (the tests check TRL's rollouts reach it)."""
+    `model._lowvram_decode_calls` counts them (the tests check TRL's rollouts reach it). A model type outside
+    `LOOP_TYPES` keeps transformers' generate, and asked-for fused layers the architecture lacks fall back to this
+    loop on transformers' layers: each said once through `log`."""
     if settings.loop != "lowvram" or getattr(model, "_lowvram_decode", None) is not None:
         return
     import torch
 
     from . import fused_decode
 
+    say = log or (lambda *_: None)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    model_type = getattr(inner.config, "model_type", None)
+    if model_type not in LOOP_TYPES:
+        say(f"decode.loop=lowvram: our decode loop is not checked equal to transformers' generate for model_type "
+            f"{model_type} (checked: {', '.join(LOOP_TYPES)}): this model generates with transformers' generate")
+        return
     plain = model.generate
     merge = settings.merge_lora and mergeable(model) is None
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    fused = settings.fused and merge and fused_decode.unsupported(inner) is None
+    why_not = fused_decode.unsupported(inner) if settings.fused and merge else None
+    fused = settings.fused and merge and why_not is None
+    if why_not is not None:
+        say(f"decode.fused: the fused layers do not cover {why_not}: sampled tokens go through transformers' layers "
+            "in our decode loop")
 
     @functools.wraps(plain)
     def generate(*args, **kwargs):

@@ -22,6 +22,9 @@ Reported per column:
   failed on (answers.CheckerError) counts as not right and is counted in `checker_failures` (present when
   not 0: verdicts the accuracies hold that are unchecked, not wrong);
 - `format_rate`: a reasoning block followed by an answer block;
+  with `data.answer_format: think` (a thinking model's format) the accuracies read the answer after </think>
+  (strict: of a well-formed <think>...</think> completion; answers.extractors) and `format_rate` counts
+  well-formed think completions (answers.think_ok);
 - `mean_completion_tokens`;
 - `n` and the per-question verdicts (`strict_correct`, `lenient_correct`: 0/1 in question order, for
   paired comparisons between columns: `paired_change`, an exact McNemar test);
@@ -39,7 +42,7 @@ from typing import Optional
 from . import host_memory, stops
 from . import answers
 from .backends.base import Completion, LoraRequest, ModelHandle, SamplingParams
-from .rewards import call_reward, completion_text, format_ok
+from .rewards import call_reward, completion_text, well_formed
 from .user_code import of as user_code_of
 
 METRICS = ("reward_mean", "accuracy_strict", "accuracy_lenient", "format_rate", "mean_completion_tokens")
@@ -100,6 +103,10 @@ def protocol(config) -> dict:
                               "max_turns": config.tools.max_turns}
         if config.tools.max_tokens_per_turn is not None:
             described["tools"]["max_tokens_per_turn"] = described["max_tokens"] = config.turn_tokens
+    if config.data.answer_format != "xml":  # answers read in another format (answers.extractors)
+        described["answer_format"] = config.data.answer_format
+    if config.data.chat_template_kwargs:
+        described["chat_template_kwargs"] = dict(config.data.chat_template_kwargs)
     return described
 
 
@@ -115,6 +122,8 @@ def protocol_label(described: Optional[dict]) -> str:
     samples = described.get("samples")
     if samples:
         text += f"; mean@{samples['k']} / pass@{samples['k']} over {samples['k']} samples at T={samples['temperature']:g}"
+    if described.get("answer_format"):
+        text += f"; answers read in the {described['answer_format']} format"
     return text
 
 
@@ -184,7 +193,7 @@ def score(rows: list[dict], generated: list[Completion], config, reward_funcs=No
     n = len(rows)
     numbers = {
         **({"reward_mean": sum(scored) / len(scored)} if scored else {}),
-        "format_rate": sum(1 for t in texts if format_ok(completion_text(t))) / n,
+        "format_rate": sum(1 for t in texts if well_formed(config.data.answer_format, completion_text(t))) / n,
         "mean_completion_tokens": sum(c.num_tokens for c in generated) / n,
         "n": n,
     }
@@ -192,7 +201,7 @@ def score(rows: list[dict], generated: list[Completion], config, reward_funcs=No
     if not graded:  # data without gold answers: no accuracy to measure
         return numbers
     failures: list[str] = []
-    strict, lenient = verdicts([r for r, _ in graded], [t for _, t in graded], failures)
+    strict, lenient = verdicts([r for r, _ in graded], [t for _, t in graded], failures, config.data.answer_format)
     k = len(graded)
     return {
         **numbers,
@@ -216,12 +225,15 @@ def _right(stated, gold, failures: Optional[list]) -> int:
         return 0
 
 
-def verdicts(rows: list[dict], texts: list[str], failures: Optional[list] = None) -> tuple[list[int], list[int]]:
-    """Per question: is the strict answer right, is the lenient answer right (0/1 each). A verdict the
-    checker failed on is 0, and its message is appended to `failures` (one per failed verdict)."""
+def verdicts(rows: list[dict], texts: list[str], failures: Optional[list] = None,
+             answer_format: str = "xml") -> tuple[list[int], list[int]]:
+    """Per question: is the strict answer right, is the lenient answer right (0/1 each), answers read in
+    `answer_format` (answers.extractors). A verdict the checker failed on is 0, and its message is appended to
+    `failures` (one per failed verdict)."""
     golds = [r["answer"] for r in rows]
-    strict = [_right(answers.strict_answer(t), g, failures) for t, g in zip(texts, golds)]
-    lenient = [_right(answers.lenient_answer(t), g, failures) for t, g in zip(texts, golds)]
+    strict_answer, lenient_answer = answers.extractors(answer_format)
+    strict = [_right(strict_answer(t), g, failures) for t, g in zip(texts, golds)]
+    lenient = [_right(lenient_answer(t), g, failures) for t, g in zip(texts, golds)]
     return strict, lenient
 
 
@@ -236,10 +248,11 @@ def mean_interval(values: list[float], z: float = Z95) -> tuple[float, float]:
     return (max(0.0, mean - half), min(1.0, mean + half))
 
 
-def sampled_numbers(rows: list[dict], texts: list[str], k: int) -> dict:
-    """mean@k and pass@k, strict and lenient, from k completions per row (row i's are texts[i*k:(i+1)*k])."""
+def sampled_numbers(rows: list[dict], texts: list[str], k: int, answer_format: str = "xml") -> dict:
+    """mean@k and pass@k, strict and lenient, from k completions per row (row i's are texts[i*k:(i+1)*k]), answers
+    read in `answer_format`."""
     repeated = [r for r in rows for _ in range(k)]
-    strict, lenient = verdicts(repeated, texts)
+    strict, lenient = verdicts(repeated, texts, answer_format=answer_format)
     n = len(rows)
     out: dict = {"k": k}
     for name, flat in (("strict", strict), ("lenient", lenient)):
@@ -266,7 +279,7 @@ def evaluate(handle: ModelHandle, rows: list[dict], config, lora_request: Option
     if k:
         repeated = [r for r in rows for _ in range(k)]
         sampled = generate_answers(handle, repeated, config, lora_request, temperature=config.eval.sample_temperature)
-        numbers["sampled"] = sampled_numbers(rows, [c.text for c in sampled], k)
+        numbers["sampled"] = sampled_numbers(rows, [c.text for c in sampled], k, config.data.answer_format)
     return numbers, [c.text for c in generated]
 
 

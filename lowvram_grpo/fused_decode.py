@@ -10,8 +10,9 @@ grouped-query heads, RMSNorm as transformers computes it. Greedy answers never c
 token those of transformers' generate); sampled ones come from the same distribution up to 16-bit rounding of
 the merged weights (tests/test_decoding.py compares the logits with transformers' forward at every step).
 
-Supported: model_type llama, mistral, qwen2 (q/k/v biases) with SiLU MLPs, no sliding window, no q/k norms, on
-16-bit weights (`unsupported()` says why not; the plain loop runs then).
+Supported: model_type llama, mistral, qwen2 (q/k/v biases) and qwen3 (RMSNorm of each head's query and key before
+RoPE, as Qwen3Attention) with SiLU MLPs, no sliding window, on 16-bit weights (`unsupported()` says why not; the
+plain loop runs then).
 
 Shapes: B rows, P prompt positions (left-padded), N new tokens, H query heads, KV key/value heads, D head size.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def unsupported(inner) -> Optional[str]:
@@ -36,12 +37,14 @@ def unsupported(inner) -> Optional[str]:
     if getattr(config, "use_sliding_window", False) or (getattr(config, "sliding_window", None) and
                                                         config.model_type == "mistral"):
         return "sliding-window attention"
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return f"layers other than full attention ({', '.join(sorted(set(config.layer_types) - {'full_attention'}))})"
     layers = getattr(getattr(inner, "model", None), "layers", None)
     if not layers:
         return "no decoder layers at model.layers"
     attention = layers[0].self_attn
-    if hasattr(attention, "q_norm"):
-        return "q/k norms"
+    if hasattr(attention, "q_norm") != (config.model_type == "qwen3"):
+        return "q/k norms other than Qwen3's"
     for module in (attention.q_proj, layers[0].mlp.gate_proj):
         base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
         weight = getattr(base, "weight", None)
@@ -79,6 +82,11 @@ def rms_norm(x, weight, eps: float):
     hidden = x.to(torch.float32)
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
     return weight * hidden.to(dtype)
+
+
+def _norm(module):
+    """(weight, eps) of an RMSNorm module, None for None."""
+    return None if module is None else (module.weight.detach(), module.variance_epsilon)
 
 
 def _rope(x, cos, sin):
@@ -119,6 +127,7 @@ class FusedLayers:
                 qkv=(qkv_weight, _cat_bias([q[1], k[1], v[1]], [q[0], k[0], v[0]])), o=o,
                 norm2=(layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon),
                 gate_up=(gate_up, _cat_bias([gate[1], up[1]], [gate[0], up[0]])), down=down,
+                q_norm=_norm(getattr(attention, "q_norm", None)), k_norm=_norm(getattr(attention, "k_norm", None)),
                 keys=torch.zeros(batch, self.kv_heads, length, self.head_dim, dtype=dtype, device=device),
                 values=torch.zeros(batch, self.kv_heads, length, self.head_dim, dtype=dtype, device=device),
             ))
@@ -141,8 +150,11 @@ class FusedLayers:
         for layer in self.layers:
             x = rms_norm(hidden, *layer["norm1"])
             qkv = F.linear(x, *layer["qkv"])                                              # [B, T, (H+2KV) D]
-            q = qkv[..., :q_size].view(batch, steps, self.heads, self.head_dim).transpose(1, 2)
-            k = qkv[..., q_size:q_size + kv_size].view(batch, steps, self.kv_heads, self.head_dim).transpose(1, 2)
+            q = qkv[..., :q_size].view(batch, steps, self.heads, self.head_dim)              # [B, T, H, D]
+            k = qkv[..., q_size:q_size + kv_size].view(batch, steps, self.kv_heads, self.head_dim)
+            if layer["q_norm"] is not None:                                               # Qwen3: per head, before RoPE
+                q, k = rms_norm(q, *layer["q_norm"]), rms_norm(k, *layer["k_norm"])
+            q, k = q.transpose(1, 2), k.transpose(1, 2)                                   # [B, heads, T, D]
             v = qkv[..., q_size + kv_size:].view(batch, steps, self.kv_heads, self.head_dim).transpose(1, 2)
             layer["keys"][:, :, start:end] = _rope(k, cos, sin)                           # [B, KV, T, D]
             layer["values"][:, :, start:end] = v

@@ -39,7 +39,7 @@ from typing import Optional
 from . import allocator, checks, stops
 from .backends import check_export, check_export_fits_host, export_model, load_model, prepare_backend
 from .config import RunConfig, check_trackers_installed
-from .data import drop_long_prompts, load_questions, prompt_text, prompt_tokens, split_validation, to_prompt_rows
+from .data import drop_long_prompts, load_questions, prompt_text, prompt_tokens, to_prompt_rows, validation_questions
 from .errors import ConfigError, DataError, EngineStopped, Interrupted, LowvramError, RewardError, TrainingStopped
 from .hardware import detect
 from .oom import OOM_PHASES
@@ -104,8 +104,8 @@ class GRPORun:
         self.train_questions, self.eval_questions = load_questions(config.data)  # data in; fails before any write
         self.validation_questions: list = []  # the held-out curve's (validation.py): out of training, not held-out ones
         if self.resolved.validation_every:
-            self.train_questions, self.validation_questions = split_validation(
-                self.train_questions, self.eval_questions, config.eval.validation_size)
+            self.train_questions, self.validation_questions = validation_questions(
+                config.data, self.train_questions, self.eval_questions, config.eval.validation_size)
         check_rewards(config.rewards, to_prompt_rows(self.train_questions, config.data.system_prompt),
                       config.data.dataset or "built-in problems", self.user.reward_fns)  # as TRL will call each, on this data
         if uses_tools(config):  # TRL runs tools for chat-message prompts only

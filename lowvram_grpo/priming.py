@@ -32,7 +32,7 @@ from typing import Callable, Optional
 from . import host_memory, stops
 from .data import Question, prompt_of
 from .errors import RunDirError
-from .rewards import xml_formatted
+from .rewards import formatted
 from .run_dir import PRIME_STATE
 from .tools import calculator, uses_tools
 from .user_code import of as user_code_of
@@ -59,19 +59,21 @@ def tool_transcript(messages: list[dict], solution: str) -> Optional[list[dict]]
     return [*messages, {"role": "assistant", "content": "", "tool_calls": calls}, *results]
 
 
-def example_pieces(tokenizer, question: Question, system_prompt: str, tools: Optional[list]) -> list[tuple[str, bool]]:
+def example_pieces(tokenizer, question: Question, system_prompt: str, tools: Optional[list], answer_format: str = "xml",
+                   template_kwargs: Optional[dict] = None) -> list[tuple[str, bool]]:
     """One worked example as (text, trained) pieces: the prompt (rendered with `tools`' schemas, as GRPO renders
     it) masked, the formatted answer trained; with the calculator among `tools`, the transcript that uses it:
     prompt masked, the calling turn trained (up to its end-of-turn token), the tool results and the next
-    assistant header masked, the answer trained."""
+    assistant header masked, the answer trained. The answer is written in `answer_format` (data.answer_format);
+    `template_kwargs` (data.chat_template_kwargs) go to the chat template."""
     prompt = prompt_of(question, system_prompt)
-    answer = xml_formatted(question.solution, question.answer) + tokenizer.eos_token
+    answer = formatted(answer_format, question.solution, question.answer) + tokenizer.eos_token
     if isinstance(prompt, str):
         return [(prompt, False), (answer, True)]
 
     def render(messages, generation: bool) -> str:
         return tokenizer.apply_chat_template(list(messages), tools=tools or None, tokenize=False,
-                                             add_generation_prompt=generation)
+                                             add_generation_prompt=generation, **(template_kwargs or {}))
 
     head = render(prompt, True)
     names = {getattr(t, "__name__", "") for t in tools or ()}
@@ -228,7 +230,8 @@ def prime(handle, questions: list[Question], config, log=print, max_seconds: Opt
                 break
             last_started = seconds()  # a time budget's check: no step starts after it is spent
             chunk = [examples[(step * settings.batch_size + i) % len(examples)] for i in range(settings.batch_size)]
-            pieces = [example_pieces(tokenizer, q, config.data.system_prompt, tools) for q in chunk]
+            pieces = [example_pieces(tokenizer, q, config.data.system_prompt, tools, config.data.answer_format,
+                                     config.data.chat_template_kwargs) for q in chunk]
             input_ids, attention, labels = _batch(tokenizer, pieces, config.model.max_seq_length)
             device = next(model.parameters()).device
             loss = completion_loss(model, input_ids.to(device), attention.to(device), labels.to(device))

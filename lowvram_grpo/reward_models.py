@@ -38,9 +38,10 @@ class RewardModel:
 
     _loaded: dict[str, tuple] = {}
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, chat_template_kwargs: Optional[dict] = None):
         self.name = name
         self.__name__ = model_id_name(name)
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})  # data.chat_template_kwargs, as TRL passes its own
 
     def load(self, device: Optional[str] = None) -> tuple:
         if self.name not in self._loaded:
@@ -69,7 +70,7 @@ class RewardModel:
 
         model, tokenizer = self.load()
         if is_conversational({"prompt": prompts[0]}):
-            texts = [apply_chat_template({"messages": p + c}, tokenizer)["text"] for p, c in zip(prompts, completions)]
+            texts = [apply_chat_template({"messages": p + c}, tokenizer, **self.chat_template_kwargs)["text"] for p, c in zip(prompts, completions)]
         else:
             texts = [p + c for p, c in zip(prompts, completions)]
         inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)

@@ -181,6 +181,56 @@ def xmlcount_reward(prompts, completions, **kwargs) -> list[float]:
     return [count_xml(completion_text(c)) for c in completions]
 
 
+# --------------------------------------------------------------------------- the `think` format
+
+# The system prompt of `data.answer_format: think` (a thinking model writes its own <think> block).
+THINK_SYSTEM_PROMPT = "Think step by step inside <think> </think>, then give the final answer after </think>."
+# The rewards of each answer format (`data.answer_format`); a built-in reward of one format is refused with the other.
+FORMAT_REWARDS = {"xml": ("xmlcount", "soft_format", "strict_format", "int", "correctness"),
+                  "think": ("think_format", "think_correctness")}
+
+
+@register("think_correctness", 2.0, needs_gold=True)
+def think_correctness_reward(prompts, completions, answer=None, **kwargs) -> list:
+    """2.0 when the answer after the last </think> (`answers.think_stated_answer`: its final answer) equals the gold
+    answer (`answers.is_correct`); 0.0 otherwise, and without a closed </think>; None for a row without a gold
+    answer and for one the checker failed on (unchecked, not wrong)."""
+    golds = _gold_list(answer, len(completions))
+    scores = []
+    for completion, gold in zip(completions, golds):
+        if gold is None:
+            scores.append(None)
+            continue
+        try:
+            right = answers.is_correct(answers.think_stated_answer(completion_text(completion)), gold)
+        except answers.CheckerError:
+            scores.append(None)
+            continue
+        scores.append(2.0 if right else 0.0)
+    return scores
+
+
+@register("think_format", 0.5)
+def think_format_reward(prompts, completions, **kwargs) -> list[float]:
+    """0.5 when the completion is one <think>...</think> block, then a non-empty answer (`answers.think_ok`)."""
+    return [0.5 if answers.think_ok(completion_text(c)) else 0.0 for c in completions]
+
+
+def think_formatted(reasoning: str, answer: str) -> str:
+    """A completion in the `think` format (priming examples and tests): the reasoning thought, then the answer."""
+    return f"<think>\n{reasoning.strip()}\n</think>\n\n{answer.strip()}"
+
+
+def formatted(answer_format: str, reasoning: str, answer: str) -> str:
+    """A worked example written in `answer_format` (`xml` or `think`)."""
+    return think_formatted(reasoning, answer) if answer_format == "think" else xml_formatted(reasoning, answer)
+
+
+def well_formed(answer_format: str, text: str) -> bool:
+    """The held-out `format_rate`'s test for `answer_format`: `format_ok` (xml) or `answers.think_ok` (think)."""
+    return answers.think_ok(text) if answer_format == "think" else format_ok(text)
+
+
 # --------------------------------------------------------------------------- shaping
 
 @register("brevity", 0.5)
@@ -326,10 +376,11 @@ def module_reward_names(module) -> list[str]:
                   if not n.startswith("_") and inspect.isfunction(f) and f.__module__ == module.__name__)
 
 
-def lookup_reward(name: str, module=None) -> RewardFn:
-    """A reward by name: a built-in one, a function (or callable) of the user's reward file, or a reward model."""
+def lookup_reward(name: str, module=None, chat_template_kwargs: Optional[dict] = None) -> RewardFn:
+    """A reward by name: a built-in one, a function (or callable) of the user's reward file, or a reward model
+    (templating with `chat_template_kwargs`: data.chat_template_kwargs)."""
     if is_reward_model(name):
-        return RewardModel(name)
+        return RewardModel(name, chat_template_kwargs)
     if module is not None and name in vars(module):
         if name in REWARDS:
             raise RewardError(f"rewards.module {module.__file__} defines {name!r}, the name of a built-in reward: rename it")

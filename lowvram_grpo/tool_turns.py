@@ -101,7 +101,8 @@ def generate_with_tools(handle, rows: list[dict], config, params: SamplingParams
     active = list(range(len(rows)))
     for round_number in range(config.tools.max_turns + 1):
         prefixes = [tokenizer.apply_chat_template(conversations[i], tools=tools[i] or None, tokenize=False,
-                                                  add_generation_prompt=True) for i in active]
+                                                  add_generation_prompt=True, **config.data.chat_template_kwargs)
+                    for i in active]
         generated = handle.engine.generate(prefixes, params, lora_request)
         still = []
         for i, prefix, completion in zip(active, prefixes, generated):

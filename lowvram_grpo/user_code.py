@@ -67,10 +67,10 @@ class UserCode:
         return list(self._prompt_tools)
 
 
-def _reward_fns(rewards_config) -> list[tuple[str, Callable]]:
+def _reward_fns(rewards_config, chat_template_kwargs=None) -> list[tuple[str, Callable]]:
     try:
         module = rewards.load_reward_module(rewards_config.module) if rewards_config.module else None
-        return [(name, rewards.lookup_reward(name, module)) for name in rewards_config.names]
+        return [(name, rewards.lookup_reward(name, module, chat_template_kwargs)) for name in rewards_config.names]
     except rewards.RewardError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -78,7 +78,7 @@ def _reward_fns(rewards_config) -> list[tuple[str, Callable]]:
 def load(config) -> UserCode:
     """Import the user's reward, tool and environment files and turn rewards.names, tools.names and environment.name
     into their callables, checked (ConfigError, one line); kept for `config` (of)."""
-    user = UserCode(config, _reward_fns(config.rewards), tools.selected_tools(config.tools),
+    user = UserCode(config, _reward_fns(config.rewards, config.data.chat_template_kwargs), tools.selected_tools(config.tools),
                     tools.environment_class(config.environment))
     key = id(config)
     _LOADED[key] = user

@@ -60,6 +60,10 @@ CLI_CASES = [
     ("dataset-no-gold-for-correctness", ["--preset", "tiny", "--dataset", "{tmp}/nogold.jsonl"],
      "reward 'correctness' needs gold answers and the data {tmp}/nogold.jsonl gives none (its other columns: 'question'): "
      "map the answer column with data.answer_column=NAME"),
+    ("validation-takes-every-training-question", ["--preset", "tiny", "--dataset", "{tmp}/dsfolder@main:train", "--set",
+     "eval.every_steps=2", "--set", "eval.validation_size=6"],
+     "eval.validation_size=6 validation questions leave 0 of the 6 training questions to train on: lower "
+     "eval.validation_size, or set eval.every_steps=0 (no held-out curve)"),
     ("dataset-folder-bad-split", ["--preset", "tiny", "--dataset", "{tmp}/dsfolder@main:nope"], "cannot load dataset"),
     ("output-dir-under-a-file", ["--preset", "tiny", "--output-dir", "{tmp}/a_file/sub"], "cannot create output dir"),
     ("output-dir-is-a-file", ["--preset", "tiny", "--output-dir", "{tmp}/a_file"], "cannot create output dir"),
@@ -261,6 +265,11 @@ CONFIG_CASES = [
     ("eval.samples", "-1", "eval.samples must be >= 0"),
     ("eval.sample_temperature", "0", "eval.sample_temperature must be > 0"),
     ("eval.enabled", "maybe", "eval.enabled must be bool"),
+    ("eval.every_steps", "-1", "eval.every_steps must be >= 0 (0 = off) or null (auto)"),
+    ("eval.validation_size", "0", "eval.validation_size must be >= 1"),
+    ("log.completions_every", "-1", "log.completions_every must be >= 0"),
+    ("log.completions_groups", "0", "log.completions_groups must be >= 1"),
+    ("log.completions_max_mb", "0", "log.completions_max_mb must be > 0"),
     ("memory.load_in_4bit", "maybe", "memory.load_in_4bit must be bool"),
     ("memory.gpu_memory_utilization", "0.99", "memory.gpu_memory_utilization must be in [0.05, 0.95]"),
     ("memory.gradient_checkpointing", "sometimes", "memory.gradient_checkpointing must be one of"),

@@ -273,13 +273,19 @@ def test_trls_rollouts_reach_the_loop_in_a_real_run(tmp_path, tiny_model_dir):
 def _peft_tiny(kind: str):
     """A small random float32 model of `kind` with LoRA on all seven projections, B perturbed (a trained adapter)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=101, max_position_embeddings=256)
     if kind == "qwen2":
         base = Qwen2ForCausalLM(Qwen2Config(**shape))
+    elif kind == "qwen3":  # q/k norms, with weights away from 1 so a missing norm shows
+        base = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=16))
+        with torch.no_grad():
+            for layer in base.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 2.0)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 2.0)
     else:
         base = LlamaForCausalLM(LlamaConfig(**shape, rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -290,11 +296,12 @@ def _peft_tiny(kind: str):
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_fused_layers_compute_transformers_logits_with_the_adapter(kind):
     """float32, a left-padded batch: the fused layers' logits after the prefill and after each new token equal
     transformers' forward of the PEFT model (adapter unmerged, its own KV cache) to float32 rounding, and the
-    greedy tokens are the same; for qwen2 with its q/k/v biases, for llama with llama3 RoPE scaling."""
+    greedy tokens are the same; for qwen2 with its q/k/v biases, for llama with llama3 RoPE scaling, for qwen3 with
+    its per-head q/k RMSNorms."""
     from lowvram_grpo import fused_decode
 
     model = _peft_tiny(kind)

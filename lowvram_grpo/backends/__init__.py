@@ -40,7 +40,7 @@ def load_model(resolved, log=print) -> ModelHandle:
         handle = hf_backend.load_model(resolved)
     from ..decoding import install
 
-    install(handle.model, handle.resolved.decode)  # our decode loop where resolve chose it (decoding.py)
+    install(handle.model, handle.resolved.decode, log)  # our decode loop where resolve chose it (decoding.py)
     contiguous_head_input(handle.model)  # no [batch, hidden, vocab] copy in each generation prefill (host_memory.py)
     return handle
 

@@ -200,7 +200,8 @@ class ModelHandle:
     def apply_chat_template(self, prompt: Prompt) -> str:
         if isinstance(prompt, str):
             return prompt
-        return self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True,
+                                                  **self.config.data.chat_template_kwargs)
 
     def fast_generate(self, prompts: Union[Prompt, list[Prompt]], sampling_params: Optional[SamplingParams] = None,
                       lora_request: Optional[LoraRequest] = None) -> list[str]:
