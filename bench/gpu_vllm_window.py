@@ -70,11 +70,11 @@ class Call:
 
 
 CALLS = (
-    Call(1, (".gpu",), 90, "copies .gpu/site to the machine's /tmp; nvidia-smi, versions; builds the random "
+    Call(1, (".gpu",), 60, "copies .gpu/site to the machine's /tmp; nvidia-smi, versions; builds the random "
          "Llama-3.2-1B-shaped checkpoint there", (46.44,)),
-    Call(2, (".vs/p01",), 25, "stashes vLLM 0.26's first part (join.sh --stash)", (56.01,)),
-    Call(3, (".vs/p02",), 25, "stashes the second part", (56.01,)),
-    Call(4, (".vs/p03",), 400, "the last part: rejoin and verify (join.sh --verify), pip install --no-index into "
+    Call(2, (".vs/p01",), 20, "stashes vLLM 0.26's first part (join.sh --stash)", (56.01,)),
+    Call(3, (".vs/p02",), 20, "stashes the second part", (56.01,)),
+    Call(4, (".vs/p03",), 440, "the last part: rejoin and verify (join.sh --verify), pip install --no-index into "
          "/tmp; the measured run (python -m lowvram_grpo.run, unsloth + vLLM), its JSON after every phase", (53.50,)),
 )
 LAST_CALL_RESERVE_S = 20  # of the last call's timeout: stopping the run and writing the JSON
@@ -361,6 +361,16 @@ class Recorder:
     def __init__(self, path: Path, memory):
         self.file = open(path, "a", buffering=1)
         self.memory = memory
+        # The device's used memory. On CUDA through NVML: a CUDA runtime call (cudaMemGetInfo) from the sampling thread
+        # while vLLM captures its CUDA graphs in another may be refused by the capture; without NVML it is read at the
+        # phase and step boundaries only.
+        self.used, self.polls = memory.used, True
+        if type(memory).__name__ == "CudaMemory":
+            self.used = nvml_used()
+            self.polls = self.used is not None
+            self.used = self.used or memory.used
+        self.used_source = ("NVML, sampled every 20 ms" if self.polls and self.used is not memory.used else
+                            memory.what["used"] + (", sampled every 20 ms" if self.polls else ", at phase and step ends"))
         self.t0 = time.monotonic()
         self.lock = threading.Lock()
         self.used_peak = 0
@@ -378,7 +388,8 @@ class Recorder:
     def _poll(self) -> None:
         while not self._stop.wait(0.02):
             with contextlib.suppress(Exception):
-                self.used_peak = max(self.used_peak, self.memory.used())
+                if self.polls:
+                    self.used_peak = max(self.used_peak, self.used())
                 if hasattr(self.memory, "sample"):
                     self.memory.sample()
 
@@ -391,7 +402,7 @@ class Recorder:
 
     def readings(self) -> dict:
         return {"allocated": self.memory.peak_allocated(), "reserved": self.memory.peak_reserved(),
-                "used": max(self.used_peak, self.memory.used())}
+                "used": max(self.used_peak, self.used())}
 
     def fold(self) -> dict:
         """The peaks since the last reset, folded into the phase's; returns them (bytes)."""
@@ -402,7 +413,7 @@ class Recorder:
 
     def reset(self) -> None:
         self.memory.reset_peak()
-        self.used_peak = self.memory.used()
+        self.used_peak = self.used()
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -434,6 +445,19 @@ class Recorder:
     def close(self) -> None:
         self._stop.set()
         self.file.close()
+
+
+def nvml_used():
+    """A function giving GPU 0's used memory (every process) through NVML, or None where NVML does not answer."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        pynvml.nvmlDeviceGetMemoryInfo(handle)
+    except Exception:  # noqa: BLE001 (no NVML: the boundaries' readings only)
+        return None
+    return lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used
 
 
 def _wrap(owner, name: str, around) -> None:
@@ -588,12 +612,12 @@ def vllm_hooks(rec: Recorder) -> None:
     def load_vllm(original, *args, **kwargs):
         if rec.enforce_eager:  # --enforce-eager: through unsloth_zoo's own keyword
             kwargs["enforce_eager"] = True
-        used_before = rec.memory.used()
+        used_before = rec.used()
         llm, seconds = _timed(lambda: original(*args, **kwargs))
         asked = {k: kwargs.get(k) for k in ("gpu_memory_utilization", "max_seq_length", "max_lora_rank",
                                            "use_bitsandbytes", "enforce_eager", "float8_kv_cache", "unsloth_vllm_standby")}
         rec.emit("engine", seconds=seconds, used_before_gib=round(used_before / GIB, 4),
-                 used_after_gib=round(rec.memory.used() / GIB, 4), total_gib=round(rec.memory.total() / GIB, 4),
+                 used_after_gib=round(rec.used() / GIB, 4), total_gib=round(rec.memory.total() / GIB, 4),
                  asked=asked, vllm=engine_facts(llm, kwargs.get("config")), vllm_version=vllm.__version__)
         return llm
     _wrap(vllm_utils, "load_vllm", load_vllm)
@@ -674,7 +698,7 @@ def child(job: dict) -> int:
 
     rec = Recorder(Path(job["events"]), device_memory())
     rec.enforce_eager = bool(job.get("enforce_eager"))
-    rec.emit("start", pid=os.getpid())
+    rec.emit("start", pid=os.getpid(), memory={**rec.memory.what, "used": rec.used_source})
     observe(rec)
     from lowvram_grpo.run import main
 
@@ -717,6 +741,8 @@ def summarize(events: list[dict]) -> dict:
             row["engine_request"] = e.get("engine_request")
         elif kind in ("save_lora", "load_lora", "unsloth_load_lora", "vllm_adapter_load"):
             out["lora"].setdefault(kind, []).append(fields)
+        elif kind == "start":
+            out["memory_source"] = e.get("memory")
         elif kind == "vllm_hooks_failed":
             out["vllm_hooks_failed"] = e["error"]
         elif kind == "exit":

@@ -71,9 +71,9 @@ call_1() {
   fi
   PYTHONPATH=$(site_path) timeout 60 "$py" -m bench.gpu_vllm_window versions > "$o/versions-1.json" 2> "$o/build.log"
   step "versions: rc $?"
-  PYTHONPATH=$(site_path) timeout 75 "$py" -m bench.gpu_vllm_window build "$state/model" $dryflag >> "$o/build.log" 2>&1
+  PYTHONPATH=$(site_path) timeout 45 "$py" -m bench.gpu_vllm_window build "$state/model" $dryflag >> "$o/build.log" 2>&1
   rc=$?; tail -n 1 "$o/build.log" | tee -a "$state/steps.txt"
-  [ $rc = 0 ] || fail "building the checkpoint failed (rc $rc): $o/build.log"
+  [ $rc = 0 ] || step "building the checkpoint failed (rc $rc, build.log): call 4 builds it"
   step "ends"
 }
 
@@ -110,7 +110,7 @@ call_4() {
     fi
     echo '{"dry": true}' > "$state/install.json"
   else
-    [ -d "$state/gpu-site" ] && [ -d "$state/model" ] || fail "no $state/gpu-site or model: the machine was given back since call 1 (a fresh one keeps nothing): issue the calls again from call 1, back to back" 2
+    [ -d "$state/gpu-site" ] || fail "no $state/gpu-site: the machine was given back since call 1 (a fresh one keeps nothing): issue the calls again from call 1, back to back" 2
     [ -f .vs/p03/join.sh ] || fail ".vs/p03 is not here: this call carries it" 2
     t0=$SECONDS
     bash .vs/p03/join.sh --verify > "$o/install.log" 2>&1 || fail "join.sh --verify: $(tail -n 1 "$o/install.log")"
@@ -120,6 +120,11 @@ call_4() {
       "$stash"/wheels/*.whl >> "$o/install.log" 2>&1 || fail "pip install of the vLLM wheels: $(tail -n 1 "$o/install.log")"
     echo "{\"seconds\": $((SECONDS - t0)), \"mib\": $(du -sm "$state/vsite" | cut -f1), \"wheels\": $(ls "$stash"/wheels/*.whl | wc -l)}" > "$state/install.json"
     step "installed: $(cat "$state/install.json")"
+  fi
+  if [ ! -f "$state/model/stand_in.json" ]; then   # call 1 could not build it in its time
+    PYTHONPATH=$(site_path) "$py" -m bench.gpu_vllm_window build "$state/model" $dryflag >> "$o/install.log" 2>&1 ||
+      fail "building the checkpoint failed: $(tail -n 1 "$o/install.log")"
+    step "the checkpoint built in this call"
   fi
   left=$((limit - SECONDS - 60))   # the run stops at the budget's end; 40 s for its safe stop, 20 for the JSON
   [ "$left" -ge 30 ] || fail "$left s left of call 4's $limit s: not enough for the run"

@@ -128,16 +128,16 @@ def test_the_check_refuses_a_path_carried_twice_and_a_window_too_long(tmp_path):
     inside its parent) and one whose timeouts pass the window, through the same check."""
     root = _scratch(tmp_path)
     calls = list(window.CALLS)
-    calls[1] = window.Call(2, (".vs",), 25, "the whole stage", (165.0,))
+    calls[1] = window.Call(2, (".vs",), 20, "the whole stage", (165.0,))
     problems = window.check_calls(root, calls)["problems"]
     assert any(".vs/p02 (call 3) is carried again: call 2 carries .vs" in p for p in problems), problems
     assert any(".vs/p03 (call 4) is carried again" in p for p in problems), problems
     calls = list(window.CALLS)
-    calls[1] = window.Call(2, (".vs/p01", ".vs/p01"), 25, "twice in one call", (56.01, 56.01))
+    calls[1] = window.Call(2, (".vs/p01", ".vs/p01"), 20, "twice in one call", (56.01, 56.01))
     assert any(".vs/p01 (call 2) is carried again: call 2 carries .vs/p01" in p
                for p in window.check_calls(root, calls)["problems"])
     calls = list(window.CALLS)
-    calls[-1] = window.Call(4, (".vs/p03",), 480, "longer", (53.5,))
+    calls[-1] = window.Call(4, (".vs/p03",), 520, "longer", (53.5,))
     assert any("take 680 s, over the window's 600 s" in p for p in window.check_calls(root, calls)["problems"])
     assert window.check_calls(root)["problems"] == []
 
