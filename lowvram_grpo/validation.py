@@ -3,8 +3,9 @@
 Every `resolved.validation_every` GRPO steps (eval.every_steps; resolve.choose_validation decides it, on by default
 where it costs under 10% of the run) and at the last step, the adapter as trained so far is saved, loaded back and
 measured under the run's protocol (evaluation.py: greedy by default, one answer a question) on the validation
-questions: eval.validation_size questions of the training data taken out of training (data.split_validation),
-never the held-out questions of the final comparison. Its numbers go into that step's row of metrics.jsonl as
+questions: eval.validation_size questions of the training source that are never trained on and never the held-out
+questions of the final comparison (data.validation_questions: built-in problems generated after the training ones,
+so the training data is the very one of a run without the curve; other data: taken out of the training questions). Its numbers go into that step's row of metrics.jsonl as
 `validation/<metric>` (so the trackers and the report's plots get them), and when the point is the best so far by
 the criterion (`validation/accuracy_strict`; `validation/reward_mean` for data without gold answers; the earliest
 step among equals), the saved adapter becomes best_adapter/ (RunDir.keep_best: atomically, with best_step.json).

@@ -220,7 +220,9 @@ def _stopped_then_resumed(tmp_path, no_gold, env):
 def _same_curve_and_best(out, unbroken):
     rows, reference = _rows(out / "metrics.jsonl"), _rows(unbroken / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 7))
-    assert _curve(rows) == pytest.approx(_curve(reference), abs=1e-6)  # whole, and the unbroken run's
+    got, want = _curve(rows), _curve(reference)
+    assert [s for s, _ in got] == [s for s, _ in want] == [2, 4, 6]  # whole: each point once
+    assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=1e-6)  # and the unbroken run's
     summary, ref = (json.loads((d / "summary.json").read_text()) for d in (out, unbroken))
     assert summary["best_adapter"]["step"] == ref["best_adapter"]["step"] == RunDir(out).best_facts()["step"]
     completions = _rows(out / "completions.jsonl")
@@ -241,3 +243,28 @@ def test_a_stop_during_a_measurement_is_measured_on_resume(tmp_path, no_gold, un
     assert [r["step"] for r in stopped_rows][-1] == 4 and [s for s, _ in _curve(stopped_rows)] == [2]
     assert "held-out curve: step 4's point measured on resume" in resumed.stdout
     _same_curve_and_best(out, unbroken)
+
+
+def test_the_curve_changes_nothing_that_is_trained(tmp_path):
+    """Built-in problems: the validation questions are generated after the training ones, and measuring saves, loads
+    and answers greedily without touching the trained adapter or the random streams: a run with the curve trains the
+    very adapter a run without it trains."""
+    runs = {}
+    for every in (0, 2):
+        out = tmp_path / f"every{every}"
+        proc = run_cli(*TINY, "--max-steps", "4", "--set", f"eval.every_steps={every}", "--set", "eval.validation_size=4",
+                       "--output-dir", str(out), env=ENV)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[every] = out
+    from safetensors.torch import load_file
+
+    without, with_curve = (load_file(str(runs[e] / "adapter" / "adapter_model.safetensors")) for e in (0, 2))
+    assert without.keys() == with_curve.keys() and all((without[k] == with_curve[k]).all() for k in without)
+    rows = {e: _rows(runs[e] / "metrics.jsonl") for e in runs}
+    assert [r["reward"] for r in rows[0]] == [r["reward"] for r in rows[2]]
+    assert [r["step"] for r in rows[2] if "validation/accuracy_strict" in r] == [2, 4]
+    assert not (runs[0] / "best_adapter").exists() and (runs[2] / "best_adapter").is_dir()
+    # the same held-out questions, answered the same by the same adapter
+    summaries = [json.loads((runs[e] / "summary.json").read_text()) for e in (0, 2)]
+    assert summaries[0]["after"]["strict_correct"] == summaries[1]["after"]["strict_correct"]
+    assert summaries[0]["samples"] == summaries[1]["samples"]
