@@ -9,8 +9,8 @@ completions), sampled at its temperature. One process, one model; each variant i
 resolve() would hand it to decoding.install, so what is timed is what a run calls (model.generate):
 
 - `transformers`: transformers' generate (decode.loop=transformers), the adapter unmerged: the plain path.
-- `loop`, `loop+inverse_cdf`, `loop+inverse_cdf+merged`: our loop, one lever more each; `default`: the settings
-  resolve() decides on this machine.
+- `loop`, `loop+inverse_cdf`, `loop+inverse_cdf+merged`, `loop+inverse_cdf+merged+fused`: our loop, one lever more
+  each; `default`: the settings resolve() decides on this machine.
 
 A token step is (time of N new tokens - time of 1) / (N - 1), the best of `--repeats`, so the prefill and the
 once-per-call merge cancel out; the eos is an id the model never produces, so every row runs N tokens.
@@ -37,8 +37,19 @@ VARIANTS = {  # name: decode settings (config keys) on top of the preset's; one 
                          "decode.fused=false"],
     "loop+inverse_cdf+merged": ["decode.loop=lowvram", "decode.sampler=inverse_cdf", "decode.merge_lora=true",
                                 "decode.fused=false"],
+    "loop+inverse_cdf+merged+fused": ["decode.loop=lowvram", "decode.sampler=inverse_cdf", "decode.merge_lora=true",
+                                      "decode.fused=true"],
     "default": [],  # what resolve decides on this machine
 }
+
+
+def synchronize() -> None:
+    """Wait for the device's queued work (CUDA runs kernels asynchronously: a timer read without this would stop
+    before them); nothing on a CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def weight_read_floor(model, passes: int = 5) -> tuple[float, int]:
@@ -57,9 +68,11 @@ def weight_read_floor(model, passes: int = 5) -> tuple[float, int]:
     best = float("inf")
     with torch.no_grad():
         for _ in range(passes + 1):
+            synchronize()
             started = time.perf_counter()
             for t in unique:
                 t.view(torch.int16).max()
+            synchronize()
             best = min(best, time.perf_counter() - started)
     return best, nbytes
 
@@ -122,7 +135,7 @@ def main(argv=None) -> int:
     texts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
     texts = [t for t in texts for _ in range(group)][:batch]
     tokenizer.padding_side = "left"
-    encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     never = model.get_base_model().config.vocab_size + 7  # an eos id no token has: every row runs all tokens
     floor_s, floor_bytes = weight_read_floor(model)
     print(f"[bench] floor: {floor_bytes / 1e6:.0f} MB of weights read in {floor_s * 1e3:.1f} ms "
@@ -130,10 +143,12 @@ def main(argv=None) -> int:
 
     def timed(n: int) -> float:
         torch.manual_seed(0)
+        synchronize()
         started = time.perf_counter()
         with torch.no_grad():
             model.generate(**encoded, max_new_tokens=n, do_sample=True, temperature=base.train.temperature,
                            top_p=base.train.top_p, top_k=0, eos_token_id=never, pad_token_id=tokenizer.pad_token_id)
+        synchronize()
         return time.perf_counter() - started
 
     results = {}
