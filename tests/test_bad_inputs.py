@@ -147,7 +147,7 @@ DOCTOR_CASES = [
 KIT_CASES = [
     ("kit-preset-missing", [], "the following arguments are required: --preset"),
     ("kit-preset-unknown", ["--preset", "nope"], "unknown preset 'nope'"),
-    ("kit-preset-without-a-shape", ["--preset", "{tmp}/noshape.yaml"], "no memory plan for model 'someone/unknown-7b'"),
+    ("kit-preset-without-a-shape", ["--preset", "{tmp}/noshape.yaml"], "cannot plan for someone/unknown-7b: its config.json is not in the local hub cache"),
     ("kit-variants-unknown", ["--preset", "tiny", "--variants", "fast"], "--variants: unknown variant 'fast'"),
     ("kit-variants-empty", ["--preset", "tiny", "--variants", ","], "--variants: name at least one variant"),
     ("kit-variant-not-installed", ["--preset", "tiny", "--variants", "hf-vllm"], "--variants: hf-vllm needs vllm, which is not installed"),
