@@ -78,6 +78,9 @@ def family_lines(p: MemoryPlan) -> list[str]:
     where = f"vllm/model_executor/models/{serves.model_file} {serves.model_class}"
     if not uses_vllm and shape.family in UNSLOTH_NO_VLLM:
         lines.append(f"  vLLM: off for {shape.family}: {serves.why_not}")
+    elif resolved.generation == "unsloth_vllm" and shape.family in UNSLOTH_NO_VLLM:
+        lines.append(f"  vLLM: NOT for {shape.family}: {serves.why_not}; this plan counts a vLLM share the run would not "
+                     "take: set model.fast_inference=false")
     elif uses_vllm and not serves.lora:
         lines.append(f"  vLLM: {where} has no LoRA support in vLLM 0.31: set model.fast_inference=false")
     elif uses_vllm:

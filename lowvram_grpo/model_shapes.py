@@ -234,6 +234,18 @@ def _vision_params(vision: dict) -> int:
     return kernel * h + h + int(vision.get("num_position_embeddings", 2304)) * h + depth * block + merger
 
 
+def family_unknowns(family: str) -> list:
+    """What the plan cannot know of a family's memory, one sentence each (the plan prints them)."""
+    if family == "qwen3_5":
+        return ["the Gated DeltaNet layers' backward working set (flash-linear-attention's chunked kernels) is estimated "
+                "from their projections' outputs, not read from the kernels"]
+    if family == "gpt_oss":
+        return ["which expert modules LoRA adapts and in what precision the experts load depend on the checkpoint layout "
+                "unsloth picks (fused experts or its bnb-4bit per-expert Linear; unsloth/models/loader.py): the experts "
+                "are counted as 4-bit NF4 weights with no LoRA"]
+    return []
+
+
 def shape_from_config(raw: dict, name: str, source: str = "") -> ModelShape:
     """The shape from a model's config (config.json's mapping, or a loaded model's `config.to_dict()`):
     the one reader of these fields, for the plan, the settings checks and the vLLM engine."""
@@ -267,6 +279,7 @@ def shape_from_config(raw: dict, name: str, source: str = "") -> ModelShape:
                 unknown.append(f"its vision tower ({vision.get('model_type', 'vision_config')}) is loaded too and "
                                "not counted: the plan reads the text model only")
         # a multimodal model's lm_head is tied by the top-level flag (its ForConditionalGeneration class), else the text's
+        unknown += family_unknowns(family)
         tied = (top["tie_word_embeddings"] if top is not raw and "tie_word_embeddings" in top
                 else raw.get("tie_word_embeddings", family == "gemma3"))
         return ModelShape(
@@ -441,12 +454,14 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
         "Qwen3.5-0.8B", 1024, 24, 8, 2, 3584, 248320, True, 262144, 256, family="qwen3_5",
         layer_types=_pattern(24, 4, LINEAR), qk_norm=True, attention_gate=True,
         linear_attention=LinearAttention(16, 16, 128, 128, 4, 4),
-        extra_params=_vision_params(_QWEN3_5_0_8B_VISION), extra_what="vision tower"),
+        extra_params=_vision_params(_QWEN3_5_0_8B_VISION), extra_what="vision tower",
+        unknown=tuple(family_unknowns("qwen3_5"))),
     "gemma-3-1b": _shape("Gemma-3-1B", 1152, 26, 4, 1, 6912, 262144, True, 32768, 256, family="gemma3",
                          layer_types=_pattern(26, 6, SLIDING), sliding_window=512, qk_norm=True, norms_per_layer=4),
     "gpt-oss-20b": _shape("gpt-oss-20b", 2880, 24, 64, 8, 2880, 201088, False, 131072, 64, family="gpt_oss",
                           layer_types=tuple(SLIDING if i % 2 == 0 else FULL for i in range(24)), sliding_window=128,
-                          attention_bias=True, experts=32, experts_per_token=4),
+                          attention_bias=True, experts=32, experts_per_token=4,
+                          unknown=tuple(family_unknowns("gpt_oss"))),
     "smollm2-135m": _shape("SmolLM2-135M", 576, 30, 9, 3, 1536, 49152, True, 8192, 64),
     "builtin:smollm2": _shape("SmolLM2-135M", 576, 30, 9, 3, 1536, 49152, True, 8192, 64),
     "builtin:tiny": _shape("builtin:tiny", 64, 2, 4, 2, 128, 512, False, 2048, 16),

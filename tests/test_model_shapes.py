@@ -212,3 +212,16 @@ def test_a_folder_without_config_json_is_named(tmp_path):
 
     with pytest.raises(PlanError, match="without a config.json"):
         model_shape(str(tmp_path))
+
+
+def test_the_plan_says_what_it_cannot_know_and_where_unsloth_runs_no_vllm(tmp_path):
+    """gpt-oss offline: its shape from the table, the expert LoRA it cannot know said as such, and unsloth's refusal
+    to share its weights with vLLM (VLLM_UNSUPPORTED_MODEL_TYPES) said with the setting to change."""
+    base = ["--preset", "qwen3_4b_4bit", "--dry-run", "--gpu", "rtx4090", "--set", "model.name=unsloth/gpt-oss-20b"]
+    (rc1, on, _), (rc2, off, _) = _cli([base, base + ["--set", "model.fast_inference=false"]], _offline(tmp_path), tmp_path)
+    assert rc1 == rc2 == 0
+    for out in (on, off):
+        assert "KNOWN_SHAPES['gpt-oss-20b']" in out and "not known: which expert modules LoRA adapts" in out
+    assert "vLLM: NOT for gpt_oss: unsloth 2026.10.9 lists gpt_oss in VLLM_UNSUPPORTED_MODEL_TYPES" in on
+    assert "set model.fast_inference=false" in on
+    assert "vLLM: off for gpt_oss" in off and "vLLM KV cache" not in off
