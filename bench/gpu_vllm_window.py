@@ -524,10 +524,11 @@ def observe(rec: Recorder) -> None:
         return original(resolved, *args, **kwargs)
     _wrap(pipeline, "load_model", load_model)
 
-    def handle_generate(original, handle, prompts, sampling_params=None, lora_request=None):
+    def handle_generate(original, handle, *args, **kwargs):  # (prompts, sampling_params=None, lora_request=None)
+        lora_request = kwargs.get("lora_request", args[2] if len(args) > 2 else None)
         rec.evaluating += 1
         try:
-            completions, seconds = _timed(lambda: original(handle, prompts, sampling_params, lora_request))
+            completions, seconds = _timed(lambda: original(handle, *args, **kwargs))
         finally:
             rec.evaluating -= 1
         request = getattr(lora_request, "engine_request", None)
