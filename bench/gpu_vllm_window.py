@@ -24,7 +24,6 @@ replaced (model.fast_inference=false: transformers generation; no vLLM), on a sc
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import hashlib
