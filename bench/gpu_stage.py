@@ -286,6 +286,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     root = args.root.resolve()
     try:
+        if not root.is_dir():
+            raise StageError(f"--root {args.root} is not a folder: name the checkout's root (the default) or the "
+                             f"folder the stage folders are in")
         if args.command == "split":
             manifest = split(root)
             print(f"split {manifest['file']} ({manifest['bytes']} bytes, sha256 {manifest['sha256'][:12]}, as the "

@@ -13,7 +13,7 @@
 # Writes at most 8 files into the folder (the lent machine returns 8): machine.txt (nvidia-smi, versions), steps.txt,
 # default-job.json + default-job.log, kit1-PRESET.json + .log, kit2-PRESET.json + .log. Ends inside
 # LOWVRAM_GPU_WINDOW_S seconds (default 540: one command may run 10 minutes); the default job gets
-# LOWVRAM_GPU_JOB_S of them (default 270) and runs where the GGUF's parts travelled (.gpu-stage-1, -2) or in dry
+# LOWVRAM_GPU_JOB_S of them (default 400) and runs where the GGUF's parts travelled (.gpu-stage-1, -2) or in dry
 # mode; LOWVRAM_GPU_WINDOW_PRESETS names the kits' presets. Dry mode (--dry or LOWVRAM_GPU_WINDOW_DRY=1): window
 # 90 s, the job's --dry (the GGUF split and joined here, the runs on builtin:tiny), kits on tiny.
 set -uo pipefail
@@ -42,7 +42,7 @@ if [ "$dry" = 1 ]; then
   cuda=False job_dry=--dry
 else
   window=${LOWVRAM_GPU_WINDOW_S:-540}; presets=${LOWVRAM_GPU_WINDOW_PRESETS:-qwen1_5b_4bit llama8b_4bit}
-  job_s=${LOWVRAM_GPU_JOB_S:-270}; cuda=True job_dry=
+  job_s=${LOWVRAM_GPU_JOB_S:-400}; cuda=True job_dry=
 fi
 case "$window" in ''|*[!0-9]*) echo "error: LOWVRAM_GPU_WINDOW_S must be whole seconds, got $window" >&2; exit 2 ;; esac
 case "$job_s" in ''|*[!0-9]*) echo "error: LOWVRAM_GPU_JOB_S must be whole seconds, got $job_s" >&2; exit 2 ;; esac

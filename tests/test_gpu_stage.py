@@ -161,3 +161,79 @@ def test_docs_list_the_calls_the_code_makes(split_root):
     assert [(int(n), [carry], command) for n, carry, _, command in rows] == [
         (c["call"], c["carry"], c["command"]) for c in calls]
     assert all(float(mib) * MIB <= LIMIT_BYTES for _, _, mib, _ in rows)
+
+
+def test_docs_window_figures_are_the_codes_estimates():
+    """The figures docs/gpu.md gives for the window on a card come from the estimates the code plans with: the
+    default job's GRPO steps at its default budget, the kits' preparation and least budgets (with unsloth first, as
+    on the card: .gpu/site carries it)."""
+    import argparse
+
+    from bench.gpu_default_job import DEFAULT_BUDGET_S, JOB_COSTS, VARIANTS, grpo_steps
+    from bench.gpu_first_run import RESERVE_S, preparation_s, settle
+    from lowvram_grpo.config import load_config
+
+    text = " ".join((REPO / "docs" / "gpu.md").read_text().split())
+    costs = JOB_COSTS[False]
+    most = load_config("smollm2_cpu").train.max_steps
+    steps = grpo_steps(costs, DEFAULT_BUDGET_S - costs["machine"] - costs["stage"] - costs["convert"] - RESERVE_S,
+                       list(VARIANTS), most)
+    assert f"`LOWVRAM_GPU_JOB_S={DEFAULT_BUDGET_S}` of the window" in text
+    assert f"({steps} of the preset's {most} by the estimates;" in text
+    need = {}
+    for preset in ("qwen1_5b_4bit", "llama8b_4bit"):
+        config, shape, _ = settle(argparse.Namespace(preset=preset, variants=None))
+        need[preset] = preparation_s(config, shape, ["unsloth", "hf-nf4"], True)
+    assert f"so ~{need['llama8b_4bit']['build_s']:.0f} s for llama8b_4bit's 16 GB" in text
+    assert (f"~{need['qwen1_5b_4bit']['min_budget_s']:.0f} s for qwen1_5b_4bit, "
+            f"~{need['llama8b_4bit']['min_budget_s']:.0f} s for llama8b_4bit on a card" in text)
+
+
+STAGE_CASES = [
+    ("no-command", [], "the following arguments are required: command"),
+    ("unknown-command", ["frobnicate"], "invalid choice: 'frobnicate'"),
+    ("root-missing", ["--root", "{tmp}/nope", "calls"], "--root {tmp}/nope is not a folder"),
+    ("check-word", ["check", "two"], "invalid int value: 'two'"),
+    ("check-out-of-range", ["--root", "{tmp}", "check", "0"], "the call's number is 1 to 3"),
+    ("join-without-parts", ["--root", "{tmp}", "join", "--to", "{tmp}/j"], ".gpu-stage-1 is not on this machine"),
+    ("unknown-option", ["calls", "--fast"], "unrecognized arguments: --fast"),
+]
+JOB_CASES = [
+    ("budget-zero", ["--dry", "--budget-s", "0"], "--budget-s: must be >= 1"),
+    ("budget-word", ["--dry", "--budget-s", "long"], "--budget-s: expected a whole number"),
+    ("out-is-a-directory", ["--dry", "--out", "{tmp}"], "--out {tmp} is a directory"),
+    ("dry-with-value", ["--dry=yes"], "ignored explicit argument"),
+    ("debug-with-value", ["--dry", "--debug=yes"], "ignored explicit argument"),
+    ("stage-root-missing", ["--stage-root", "{tmp}/nope"], "--stage-root {tmp}/nope is not a folder"),
+    ("no-card-without-dry", ["--out", "{tmp}/job.json"], "no CUDA device is visible here"),
+    ("unknown-option", ["--dry", "--lr", "1"], "unrecognized arguments: --lr"),
+]
+
+
+@pytest.mark.parametrize("module, argv, fragment", [("bench.gpu_stage", *c[1:]) for c in STAGE_CASES] +
+                         [("bench.gpu_default_job", *c[1:]) for c in JOB_CASES],
+                         ids=[f"stage-{c[0]}" for c in STAGE_CASES] + [f"job-{c[0]}" for c in JOB_CASES])
+def test_bad_input_is_one_error_line(module, argv, fragment, tmp_path):
+    """Refused in one line, exit 2, before anything is split, joined, built or written."""
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    proc = subprocess.run([sys.executable, "-m", module, *argv], cwd=REPO, capture_output=True, text=True, timeout=300)
+    one_error(proc, fragment.replace("{tmp}", str(tmp_path)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written
+
+
+def test_every_option_has_a_bad_input_case():
+    from bench.gpu_default_job import build_parser as job_parser
+    from bench.gpu_stage import build_parser as stage_parser
+
+    def options(parser):
+        found = set()
+        for action in parser._actions:
+            found |= set(action.option_strings)
+            for sub in getattr(action, "choices", None) or {}:
+                if hasattr(action.choices[sub], "_actions"):
+                    found |= options(action.choices[sub])
+        return found - {"-h", "--help"}
+
+    for parser, cases in ((stage_parser(), STAGE_CASES), (job_parser(), JOB_CASES)):
+        covered = {arg.split("=")[0] for _, argv, _ in cases for arg in argv if arg.startswith("--")}
+        assert options(parser) - covered == set(), f"add a bad-input case for {parser.prog}"
