@@ -335,3 +335,16 @@ def test_the_random_reward_controls_stand_in_never_reads_the_completion_and_repe
     other_step = random_reward("correctness", 0.0, 2.0, seed=7)
     assert other_step(prompts=[None] * 8, completions=completions, trainer_state=types.SimpleNamespace(global_step=4)) != values
     assert reward_range("my_reward_from_a_file") is None
+
+
+def test_the_think_format_rewards_read_the_answer_after_the_thinking():
+    """`think_format` wants one <think> block at the start then an answer; `think_correctness` reads the final answer
+    after the last </think>, never a number inside the thinking; without a closed block it scores 0."""
+    from lowvram_grpo.rewards import REWARDS, think_formatted
+
+    right = think_formatted("6 * 7 = 42", "The answer is 42.")
+    assert right == "<think>\n6 * 7 = 42\n</think>\n\nThe answer is 42."
+    cases = [right, "<think>\nit is 42\n</think>\n\nno idea", "<think>\nstill thinking about 42", "42",
+             "Sure. <think>\nx\n</think>\n42", [{"role": "assistant", "content": right}]]
+    assert REWARDS["think_format"](None, cases) == [0.5, 0.5, 0.0, 0.0, 0.0, 0.5]
+    assert REWARDS["think_correctness"](None, cases, answer=["42"] * 6) == [2.0, 0.0, 0.0, 0.0, 2.0, 2.0]
