@@ -636,3 +636,25 @@ def test_the_pinned_torch_is_built_for_the_cuda_driver_fit_says():
     assert suffixed == {str(pinned.torch_cuda)}, linux
     assert build_major(pinned.torch, pinned.torch_cuda) == pinned.torch_cuda
     assert build_major(SETS[12].torch, None) == SETS[12].torch_cuda == 12
+
+
+def test_the_cuda12_set_swaps_in_the_versions_the_pinned_vllm_requires():
+    """requirements-cuda12.txt's torch, torchvision and torchaudio (their +cu129 builds) are the versions vllm 0.31.0
+    pins (its Requires-Dist), and its vLLM is that version's +cu129 build: a vLLM pin bump fails until it follows."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    from lowvram_grpo.doctor import read_pins
+    from lowvram_grpo.driver_fit import SETS
+
+    wanted = {}
+    for text in importlib.metadata.distribution("vllm").requires or []:
+        requirement = Requirement(text)
+        if requirement.name in ("torch", "torchvision", "torchaudio") and requirement.marker is None:
+            (spec,) = requirement.specifier
+            wanted[requirement.name] = spec.version
+    cuda12 = read_pins(REPO / SETS[12].file)
+    assert wanted.keys() == {"torch", "torchvision", "torchaudio"}, wanted
+    assert {name: cuda12[name] for name in wanted} == {name: f"{version}+cu129" for name, version in wanted.items()}
+    assert cuda12["vllm"] == f"{PINS['vllm']}+cu129" == SETS[12].vllm

@@ -155,7 +155,7 @@ def test_on_a_gpu_machine_torch_cannot_use_the_notebook_stops_at_the_doctor(kern
     install = next(i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and "install_plan(" in c.source)
     notebook.cells.insert(install + 1, nbformat.v4.new_code_cell(
         f"import os\nos.environ['PATH'] = {str(tools)!r} + os.pathsep + os.environ['PATH']"))
-    doctor_cell = next(i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and "doctor([" in c.source)
+    doctor_cell = next(i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and "doctor(CHECKED)" in c.source)
     with pytest.MonkeyPatch.context() as mp:
         for key in CI_SETTINGS:
             mp.delenv(key, raising=False)
@@ -165,7 +165,8 @@ def test_on_a_gpu_machine_torch_cannot_use_the_notebook_stops_at_the_doctor(kern
     assert stopped.value.ename == "NotReady" and "stops llama8b_4bit on this machine" in stopped.value.evalue
     text = text_of(notebook)
     assert "preset llama8b_4bit on CPU" in text and "preset smollm2_cpu on" not in text  # the GPU preset, not the CPU one
-    assert "BLOCK" in text and "Tesla T4" in text  # the doctor's blocker, with its fix
+    assert "BLOCK" in text and "Tesla T4" in text  # the doctor's blocker, with its fix: the set for this CUDA 12.4 driver
+    assert "then pip install -r requirements-cuda12.txt" in text and "update the NVIDIA driver" not in text
     ran = [i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and c.get("execution_count")]
     assert max(ran) == doctor_cell, ran  # nothing after the doctor ran
     assert not out.exists()
