@@ -116,15 +116,26 @@ def _curve(rows):
     return [(r["step"], r["validation/reward_mean"]) for r in rows if "validation/reward_mean" in r]
 
 
+# A reward that is a fixed function of the completion's characters: the validation reward_mean moves up and down
+# as the adapter changes what the model writes (the curve of the seed below peaks at step 4 of 6, not at the end).
+HASHY = """
+def hashy(prompts, completions, **kwargs):
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [(sum(map(ord, t)) % 11) / 10 for t in texts]
+"""
+
+
 @pytest.fixture(scope="module")
 def no_gold(tmp_path_factory):
-    """Questions without gold answers (a CSV with a question column only) and a length reward: the curve's criterion
+    """Questions without gold answers (a CSV with a question column only) and the reward above: the curve's criterion
     is the validation reward_mean, which moves from point to point (tiny's accuracy is 0 everywhere)."""
     folder = tmp_path_factory.mktemp("data")
     lines = ["question"] + [f"Write about item {i} and the number {i * 7}." for i in range(80)]
     (folder / "q.csv").write_text("\n".join(lines) + "\n")
-    return ["--set", f"data.dataset={folder / 'q.csv'}", "--set", "rewards.names=[brevity]", "--set", "eval.every_steps=2",
-            "--set", "eval.validation_size=4", "--set", "train.save_steps=1", "--set", "train.keep_checkpoints=6"]
+    (folder / "hashy.py").write_text(HASHY)
+    return ["--set", f"data.dataset={folder / 'q.csv'}", "--set", f"rewards.module={folder / 'hashy.py'}",
+            "--set", "rewards.names=[hashy]", "--set", "eval.every_steps=2", "--set", "eval.validation_size=8",
+            "--set", "train.save_steps=1", "--set", "train.keep_checkpoints=6"]
 
 
 @pytest.fixture(scope="module")
@@ -139,14 +150,16 @@ def test_the_curve_goes_into_metrics_and_best_adapter_is_its_argmax(unbroken):
     rows = _rows(unbroken / "metrics.jsonl")
     curve = _curve(rows)
     assert [s for s, _ in curve] == [2, 4, 6] and len({v for _, v in curve}) > 1, curve
-    assert all(r["validation/n"] == 4 for r in rows if "validation/n" in r)
+    assert all(r["validation/n"] == 8 for r in rows if "validation/n" in r)
     best_step = max(curve, key=lambda p: (p[1], -p[0]))[0]
+    assert best_step != 6, curve  # the case the best adapter is for: the run's end is not its best point
     summary = json.loads((unbroken / "summary.json").read_text())
     assert summary["best_adapter"]["step"] == best_step
     assert summary["best_adapter"]["dir"] == str(unbroken / "best_adapter")
     assert json.loads((unbroken / "best_adapter" / "best_step.json").read_text())["step"] == best_step
-    assert summary["best_adapter"]["same_as_after"] == (best_step == 6)
-    assert summary["best"]["n"] == summary["after"]["n"]  # measured on the held-out questions too
+    assert summary["best_adapter"]["same_as_after"] is False
+    assert summary["best"]["n"] == summary["after"]["n"]  # measured on the held-out questions too, paired
+    assert set(summary["paired_changes_best"]) <= {"before_to_best", "after_to_best"}  # no gold answers: reward only
     # the best adapter is the weights of its step: its checkpoint's adapter, bit for bit
     from safetensors.torch import load_file
 
@@ -268,3 +281,35 @@ def test_the_curve_changes_nothing_that_is_trained(tmp_path):
     summaries = [json.loads((runs[e] / "summary.json").read_text()) for e in (0, 2)]
     assert summaries[0]["after"]["strict_correct"] == summaries[1]["after"]["strict_correct"]
     assert summaries[0]["samples"] == summaries[1]["samples"]
+
+
+def test_a_checkpoint_keeps_the_best_adapter_of_its_step_and_a_resume_puts_it_back(tmp_path):
+    """RunDir: checkpoint-N holds best_adapter/ as it was at step N, one folder down (transformers' resume loads every
+    sub-folder that holds adapter weights as an adapter); restore_best puts it back over a newer best, and removes a
+    best when the checkpoint had none."""
+    run = RunDir(tmp_path / "run").create()
+
+    def adapter(step):
+        folder = run.validation_staging() / "adapter"
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text("{}")
+        (folder / "adapter_model.safetensors").write_text(f"weights of step {step}")
+        return folder
+
+    def trainer_files(root, step):
+        (root / f"checkpoint-{step}").mkdir(parents=True)
+        (root / f"checkpoint-{step}" / "adapter_model.safetensors").write_text(f"step {step}")
+
+    run.save_checkpoint(1, lambda root: trainer_files(root, 1), {"global_step": 1}, keep=5)
+    run.keep_best(adapter(2), {"step": 2, "criterion": "validation/reward_mean", "value": 0.5})
+    checkpoint = run.save_checkpoint(3, lambda root: trainer_files(root, 3), {"global_step": 3}, keep=5)
+    saved = checkpoint / "validation" / "best_adapter"
+    assert (saved / "adapter_model.safetensors").read_text() == "weights of step 2"
+    assert not any((d / "adapter_model.safetensors").exists() for d in checkpoint.iterdir() if d.is_dir())
+    run.keep_best(adapter(4), {"step": 4, "criterion": "validation/reward_mean", "value": 0.7})  # after the checkpoint
+    assert run.best_facts()["step"] == 4
+    run.restore_best(checkpoint)
+    assert run.best_facts()["step"] == 2
+    assert (run.best_adapter_dir / "adapter_model.safetensors").read_text() == "weights of step 2"
+    run.restore_best(tmp_path / "run" / "checkpoint-1")  # no best yet at step 1
+    assert not run.best_adapter_dir.exists() and run.best_facts() is None
