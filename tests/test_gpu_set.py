@@ -362,7 +362,7 @@ def test_the_dtype_we_pass_unsloth_passes_its_assert_and_is_not_changed(combos):
 
 
 def test_unsloths_grpo_patch_turns_trls_importance_sampling_off_and_the_line_it_replaces_exists():
-    """What resolve.py's note says: unsloth's GRPOConfig defaults vllm_importance_sampling_correction to
+    """Why resolve.choose_is_correction sets it explicitly: unsloth's GRPOConfig defaults vllm_importance_sampling_correction to
     False and its trainer patch disables TRL's correction block, whose line must exist in TRL 1.15 for the
     patch to apply at all."""
     rl = (SITE / "unsloth" / "models" / "rl.py").read_text()

@@ -288,11 +288,17 @@ def test_grpo_trains_with_vllm_rollouts_and_a_sync_every_step(tmp_path):
     assert summary["before"]["n"] == summary["after"]["n"] == 2  # the evaluation sampled through vLLM
     assert "starting the vLLM engine" in log
     assert "vllm_importance_sampling_correction=True (sequence_mask)" in log  # our engine keeps TRL's correction
+    assert "IS correction on (sequence_mask): auto -> on: our vLLM engine samples" in log  # resolve's decision
+    assert summary["resolved"]["is_correction"] is True
+    report = (out / "report.md").read_text()  # the sampling metrics in the report too
+    assert "## Sampler vs trainer (importance sampling)" in report
+    assert "| trainer - sampler log-prob of a token, mean (nats) |" in report
 
 
 def test_ctrl_c_stops_at_the_step_with_a_checkpoint_and_ends_the_engine(tmp_path):
+    """Also the same engine with train.is_correction=off: TRL's correction never runs (no sampling/* metrics)."""
     out = tmp_path / "run"
-    proc = start_run(out, "--max-steps", "30")
+    proc = start_run(out, "--max-steps", "30", "--set", "train.is_correction=off")
     pids = engine_pids(proc, set(), until=lambda: len(metric_rows(out)) >= 1)
     assert proc.poll() is None, proc.stdout.read()[-3000:]
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group, vLLM's processes too
@@ -300,6 +306,8 @@ def test_ctrl_c_stops_at_the_step_with_a_checkpoint_and_ends_the_engine(tmp_path
     assert proc.returncode == 130, log[-3000:]
     step = len(metric_rows(out))
     assert (out / f"checkpoint-{step}").is_dir() and (out / "adapter").is_dir(), log[-2000:]
+    assert not any(key.startswith("sampling/") for row in metric_rows(out) for key in row)  # the correction off
+    assert "IS correction off: train.is_correction=off" in log
     assert "--resume" in log
     assert len(pids) >= 2 and wait_gone(pids) == []
 
