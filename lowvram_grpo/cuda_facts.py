@@ -14,7 +14,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import Optional
 
-from .driver_fit import MIN_DRIVER, SETS, Driver, build_major, driver_advice, fit_install, hosted_runtime
+from .driver_fit import (MIN_DRIVER, SETS, Driver, build_major, driver_advice, fit_install, hosted_runtime,
+                         parse_nvidia_smi)
 from .findings import Line
 from .findings import block as _block, note as _note, ok as _ok
 from .hardware import gpu_bf16_native
@@ -94,8 +95,8 @@ def read_driver() -> tuple[Optional[str], Optional[str], tuple[str, ...]]:
     except (OSError, subprocess.TimeoutExpired):
         return None, None, ()
     rows = [line.rsplit(",", 1) for line in query.stdout.splitlines() if "," in line] if query.returncode == 0 else []
-    cuda = re.search(r"CUDA Version:\s*([0-9.]+)", header)
-    return (rows[0][1].strip() if rows else None, cuda.group(1) if cuda else None,
+    read = parse_nvidia_smi(header)
+    return (rows[0][1].strip() if rows else (read.version if read else None), read.cuda if read else None,
             tuple(name.strip() for name, _ in rows))
 
 
@@ -148,9 +149,10 @@ def _builds_line(facts: CudaFacts, fit) -> Line:
     """The driver's CUDA against torch's build and vLLM's, and the pinned set that fits the driver."""
     vllm = (f", vllm {facts.vllm_version} with CUDA {build_major(facts.vllm_version, VLLM_CUDA_MAJOR) or '?'}"
             if facts.vllm_version else ", no vllm installed")
-    fits = f"{fit.pinned.file} is the set for this driver" if fit.gpu else fit.line
-    return _note(f"CUDA: the driver runs up to {facts.driver_cuda}; torch {facts.torch_version} is built with "
-                 f"{'CUDA ' + facts.torch_cuda if facts.torch_cuda else 'no CUDA'}{vllm}: {fits}")
+    fits = (f"{fit.pinned.file} is the set for this driver" if fit.gpu else
+            f"no pinned GPU set runs on it (CUDA 12 builds need a driver >= {MIN_DRIVER[12]}): the CPU set")
+    torch = f"is built with CUDA {facts.torch_cuda}" if facts.torch_cuda else "is a CPU build"
+    return _note(f"CUDA: the driver runs up to {facts.driver_cuda}; torch {facts.torch_version} {torch}{vllm}: {fits}")
 
 
 def cuda_lines(facts: CudaFacts, uses_vllm: bool) -> list[Line]:
