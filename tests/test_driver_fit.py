@@ -130,3 +130,10 @@ def test_the_install_command_reads_nvidia_smi_and_names_the_set(header, tmp_path
     assert proc.returncode == 0, proc.stderr
     fit = fit_install(parse_nvidia_smi(SMI[header]))
     assert proc.stdout.splitlines() == [fit.line] + [f"pip {c}" for c in fit.commands]
+
+
+def test_the_install_command_refuses_a_bad_option_in_one_line():
+    proc = subprocess.run([sys.executable, "-m", "lowvram_grpo.install", "--cuda", "12"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == ["error: unrecognized arguments: --cuda 12 (see --help)"]
