@@ -10,15 +10,17 @@ second time: the install sets' modules come from install.py, the pins from requi
 the one parser), the machine from hardware.detect(), the settings from resolve.resolve, the plan from
 memory.plan. What it checks:
 
-- the install set that applies: the GPU set (requirements.txt) where an NVIDIA GPU is present or the GPU
-  set's `vllm` distribution is installed (the CPU set never has it), else the CPU set; each pinned
+- the install set that applies: the GPU set (requirements.txt; requirements-cuda12.txt where torch is its CUDA 12
+  build) where an NVIDIA GPU is present or the GPU set's `vllm` distribution is installed (the CPU set never has
+  it), else the CPU set; each pinned
   package's installed version, and which differ from the pins;
 - every module the chosen run imports (`path_modules`: unsloth first where it is the backend, vLLM and its
   bitsandbytes plugin where vLLM generates), found (`find_spec`) and, unless --quick, really imported in a
   fresh interpreter in that order; with vLLM and a 4-bit base, that vLLM lists "bitsandbytes" once its
   general plugins are loaded (vLLM >= 0.28 has it only through vllm-bnb-plugin);
-- torch's CUDA build against the NVIDIA driver (a CUDA 13 build, as vllm 0.31's wheels are, needs driver
-  >= 580), whether torch has kernels for the card, the card's name, compute capability, native bf16, free
+- torch's and vLLM's CUDA builds against the NVIDIA driver's CUDA (a CUDA 13 build needs driver >= 580), with the
+  pinned set that fits the driver (driver_fit.py: requirements-cuda12.txt for a CUDA 12 one), whether torch has
+  kernels for the card, the card's name, compute capability, native bf16, free
   and total memory (cuda_facts.py: the GPU-only readings, from torch and NVML, in one place, and these lines;
   tests describe cards with its `CudaFacts` on CPU);
 - the run: the resolved settings, the memory plan against the card's *free* memory (a display or another

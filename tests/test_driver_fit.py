@@ -137,3 +137,17 @@ def test_the_install_command_refuses_a_bad_option_in_one_line():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == ["error: unrecognized arguments: --cuda 12 (see --help)"]
+
+
+def test_the_doctor_checks_the_cuda12_sets_pins_where_its_torch_is_installed(monkeypatch):
+    """Where the installed torch is a CUDA 12 build (+cu129: this CPU machine cannot hold one, so its installed version
+    is given), the doctor compares against requirements-cuda12.txt, and its fix installs that file."""
+    from lowvram_grpo import doctor
+
+    real = doctor.installed_version
+    monkeypatch.setattr(doctor, "installed_version", lambda name: "2.13.0+cu129" if name == "torch" else real(name))
+    chosen = doctor.choose_set(gpu_present=True)
+    assert chosen.files == (CUDA12_FILE,) and chosen.pins["torch"] == "2.13.0+cu129" and chosen.pins["vllm"] == SETS[12].vllm
+    assert chosen.install_hint().startswith("pip install -q -r requirements-cuda12.txt")
+    monkeypatch.setattr(doctor, "installed_version", lambda name: "2.13.0" if name == "torch" else real(name))
+    assert doctor.choose_set(gpu_present=True).files == (CUDA13_FILE,)
