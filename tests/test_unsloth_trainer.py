@@ -119,6 +119,10 @@ def test_the_unsloth_backend_trains_through_unsloths_patched_trainer(unbroken):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # our MetricsWriter callback, once per step
     assert all("reward" in r and "skipped_nonfinite" in r for r in rows)  # TRL's metrics + our guard's
+    # completions.jsonl from unsloth's generated trainer's copy of TRL's rollout log (trl_compat.completion_log)
+    written = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in written}) == [1, 2, 3, 4, 5, 6] and len(written) == 6 * 4
+    assert all(r["truncated"] in (True, False) and isinstance(r["advantage"], float) and r["rewards"] for r in written)
     assert (run / "report.md").exists() and list(run.glob("*.png")) + list(run.glob("plots/*.png"))
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]  # keep_checkpoints 2
     lora_b = [v for k, v in _tensors(run / "adapter").items() if "lora_B" in k]
@@ -235,12 +239,14 @@ from lowvram_grpo.backends import load_model, prepare_backend
 from lowvram_grpo.config import load_config
 from lowvram_grpo.hardware import detect
 from lowvram_grpo.resolve import IS_MODE, resolve
-from lowvram_grpo.training import build_trainer
 from lowvram_grpo.data import load_questions, to_prompt_rows
 
 config = load_config("tiny", ["train.max_steps=1"])
 resolved = resolve(config, detect(), "unsloth")
 prepare_backend("unsloth")
+from lowvram_grpo.training import build_trainer  # after unsloth's patch, as the pipeline imports it: unsloth's GRPOConfig
+import trl
+assert "Unsloth" in trl.GRPOConfig.__name__, trl.GRPOConfig
 handle = load_model(resolved)
 if sys.argv[1] == "on":  # what resolve decides where unsloth's vLLM engine samples (no vLLM engine on a CPU)
     handle.resolved = dataclasses.replace(handle.resolved, is_correction=True, is_mode=IS_MODE)

@@ -313,3 +313,33 @@ def test_a_checkpoint_keeps_the_best_adapter_of_its_step_and_a_resume_puts_it_ba
     assert (run.best_adapter_dir / "adapter_model.safetensors").read_text() == "weights of step 2"
     run.restore_best(tmp_path / "run" / "checkpoint-1")  # no best yet at step 1
     assert not run.best_adapter_dir.exists() and run.best_facts() is None
+
+
+@pytest.mark.parametrize("trackers, on", [("wandb", True), ("trackio,tensorboard", True), ("tensorboard", False),
+                                          ("none", False)])
+def test_trls_completions_table_is_on_for_the_trackers_that_show_it(trackers, on):
+    """TRL 1.15's log_completions sends its completions table to W&B and trackio (GRPOTrainer.log): on with either, never
+    printed (completions.jsonl and the report have them); GRPOConfig accepts what is asked."""
+    from trl import GRPOConfig
+
+    from lowvram_grpo.config import load_config
+    from lowvram_grpo.hardware import detect
+    from lowvram_grpo.resolve import resolve
+    from lowvram_grpo.training import grpo_config_kwargs
+
+    kwargs = grpo_config_kwargs(resolve(load_config("tiny", [f"train.report_to={trackers}"]), detect()), "/tmp/unused")
+    assert kwargs["log_completions"] is on and kwargs["num_completions_to_print"] == 0
+    assert GRPOConfig(**kwargs).log_completions is on
+    off = load_config("tiny", [f"train.report_to={trackers}", "log.completions_every=0"])
+    assert grpo_config_kwargs(resolve(off, detect()), "/tmp/unused")["log_completions"] is False
+
+
+def test_tensorboard_gets_the_completions_as_text(tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli(*TINY, "--max-steps", "2", "--set", "eval.enabled=false", "--set", "train.report_to=tensorboard",
+                   "--output-dir", str(out), env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = b"".join(p.read_bytes() for p in out.rglob("events.out.tfevents.*"))
+    assert events.count(b"completions") >= 2  # the text summary of each written step
+    rows = _rows(out / "completions.jsonl")
+    assert f"| {rows[0]['group']} | {rows[0]['reward']:.3f} |".encode() in events
