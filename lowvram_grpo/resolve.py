@@ -730,10 +730,10 @@ def _auto_kv_reason(resolved: Resolved) -> str:
 
 def decode_graphs_environment_note(resolved, environ=None) -> Optional[str]:
     """What UNSLOTH_DECODE_CUDA_GRAPHS set in the environment does against resolve's decode-graph decision on a CUDA run
-    (unsloth's _decode_graphs.enabled reads it at every generate: "1" everywhere, "0" nowhere), or None when it is not
-    set or agrees."""
+    of the unsloth backend (unsloth's _decode_graphs.enabled reads it at every generate: "1" everywhere, "0" nowhere),
+    or None when it is not set, agrees, or unsloth does not generate."""
     value = (os.environ if environ is None else environ).get(DECODE_GRAPHS_ENV, "")
-    if not resolved.cuda or value not in ("0", "1"):
+    if not resolved.cuda or resolved.backend != "unsloth" or value not in ("0", "1"):
         return None
     if value == "0" and resolved.decode_graphs:
         return f"{DECODE_GRAPHS_ENV}=0 in the environment: unsloth decodes eagerly although this run would get its graphs"

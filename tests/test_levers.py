@@ -113,6 +113,8 @@ def test_an_environment_override_of_the_graphs_is_named():
     off = resolved("qwen1_5b_4bit", "rtx3090", "model.fast_inference=false")
     assert "decided off here (model type qwen2" in decode_graphs_environment_note(off, {"UNSLOTH_DECODE_CUDA_GRAPHS": "1"})
     assert decode_graphs_environment_note(off, {}) is None
+    hf = resolved("llama8b_4bit", "rtx3090", "model.fast_inference=false", backend="hf")  # unsloth does not generate
+    assert decode_graphs_environment_note(hf, {"UNSLOTH_DECODE_CUDA_GRAPHS": "1"}) is None
 
 
 # ----------------------------------------------------------------------------- the KV-cache dtype

@@ -246,7 +246,8 @@ resolved = resolve(config, detect(), "unsloth")
 prepare_backend("unsloth")
 from lowvram_grpo.training import build_trainer  # after unsloth's patch, as the pipeline imports it: unsloth's GRPOConfig
 import trl
-assert "Unsloth" in trl.GRPOConfig.__name__, trl.GRPOConfig
+# unsloth's GRPOConfig (it keeps TRL's class name for pickling; its own fields tell): default correction off
+assert "unsloth_num_chunks" in {f.name for f in dataclasses.fields(trl.GRPOConfig)}, trl.GRPOConfig
 handle = load_model(resolved)
 if sys.argv[1] == "on":  # what resolve decides where unsloth's vLLM engine samples (no vLLM engine on a CPU)
     handle.resolved = dataclasses.replace(handle.resolved, is_correction=True, is_mode=IS_MODE)
