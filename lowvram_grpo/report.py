@@ -377,8 +377,8 @@ def sampling_section(rows: list[dict]) -> Optional[str]:
 
     lines = [f"| vLLM sampler vs the trainer | first {window} steps | last {window} steps |", "|---|---|---|"]
     lines += [f"| {label} | {mean(rows[:window], key)} | {mean(rows[-window:], key)} |" for key, label in SAMPLING_ROWS]
-    lines += ["", "The correction (train.is_correction) re-weights each completion by these ratios; a ratio above the "
-              "cap (3) drops the completion from the loss (TRL's sequence_mask)."]
+    lines += ["", "The correction (train.is_correction) re-weights the loss by these ratios; in its default mode "
+              "(sequence_mask) a completion whose ratio is above the cap (3) is left out of the loss."]
     return "\n".join(lines)
 
 
