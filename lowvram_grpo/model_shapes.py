@@ -329,6 +329,7 @@ def shape_from_config_json(path: Path) -> ModelShape:
 # --------------------------------------------------------------------------- the hub: cache, then config.json alone
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+_DOWNLOADED: dict[str, Path] = {}  # hub id -> its config.json downloaded by this process (model_shape says so)
 HUB_TIMEOUT_S = 5
 
 
@@ -400,6 +401,9 @@ def model_shape(name: str) -> ModelShape:
         return replace(KNOWN_SHAPES[key], source="built locally (lowvram_grpo.builtin_models)")
     if not HUB_ID.match(name):
         raise PlanError(f"model.name {name!r} is neither a local folder with a config.json nor a hub id (org/name)")
+    if name in _DOWNLOADED:  # fetched earlier in this process: say so, not "in the cache"
+        return shape_from_config(_read_json(_DOWNLOADED[name]), name,
+                                 source=f"config.json downloaded from the hub ({_DOWNLOADED[name]})")
     cached = cached_config_path(name)
     if cached is not None:
         return shape_from_config(_read_json(cached), name, source=f"config.json in the hub cache ({cached})")
@@ -407,6 +411,7 @@ def model_shape(name: str) -> ModelShape:
     if not why:
         path, why = download_config(name)
         if path is not None:
+            _DOWNLOADED[name] = path
             return shape_from_config(_read_json(path), name, source=f"config.json downloaded from the hub ({path})")
     key = _known_key(name)
     if key is not None:

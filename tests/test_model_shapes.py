@@ -225,3 +225,58 @@ def test_the_plan_says_what_it_cannot_know_and_where_unsloth_runs_no_vllm(tmp_pa
     assert "vLLM: NOT for gpt_oss: unsloth 2026.10.9 lists gpt_oss in VLLM_UNSUPPORTED_MODEL_TYPES" in on
     assert "set model.fast_inference=false" in on
     assert "vLLM: off for gpt_oss" in off and "vLLM KV cache" not in off
+
+
+def test_online_the_plan_downloads_config_json_alone_then_reads_it_from_the_cache(tmp_path):
+    """Online (HF_ENDPOINT: a stand-in for huggingface.co, which these machines cannot reach, answering HEAD and GET
+    as the hub does for one file: X-Repo-Commit, ETag, the bytes): the dry-run's plan is made from config.json
+    downloaded by huggingface_hub's hf_hub_download into the hub cache, the only file asked for; the next dry-run
+    reads it from the cache without asking the hub."""
+    import http.server
+    import threading
+
+    config = _qwen3_4b_config()
+    body = json.dumps(config).encode()
+    asked = []
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def _head(self) -> bool:
+            asked.append((self.command, self.path))
+            if not self.path.endswith("/someorg/Online-4B/resolve/main/config.json"):
+                self.send_response(404)
+                self.end_headers()
+                return False
+            self.send_response(200)
+            self.send_header("X-Repo-Commit", "0123456789abcdef0123456789abcdef01234567")
+            self.send_header("ETag", '"config-etag"')
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            return True
+
+        def do_HEAD(self):
+            self._head()
+
+        def do_GET(self):
+            if self._head():
+                self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = {"HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}", "HF_HUB_CACHE": str(tmp_path / "hub-cache")}
+        base = ["--preset", "qwen3_4b_4bit", "--dry-run", "--gpu", "t4"]
+        (rc1, table, _), = _cli([base], _offline(tmp_path), tmp_path)
+        (rc2, online, _), = _cli([base + ["--set", "model.name=someorg/Online-4B"]], env, tmp_path)
+        files = {path for _, path in asked if "/resolve/" in path}
+        asked.clear()
+        (rc3, cached, _), = _cli([base + ["--set", "model.name=someorg/Online-4B"]], env, tmp_path)
+    finally:
+        server.shutdown()
+    assert rc1 == rc2 == rc3 == 0
+    assert "shape from: config.json downloaded from the hub (" in online, re.search("shape from: .*", online).group(0)
+    assert files == {"/someorg/Online-4B/resolve/main/config.json"}  # config.json alone
+    assert "shape from: config.json in the hub cache (" in cached and not [a for a in asked if "/resolve/" in a[1]]
+    assert _plan_total(table) == _plan_total(online) == _plan_total(cached)
