@@ -445,6 +445,18 @@ DECODE_GRAPHS_STATE = "_unsloth_decode_graphs"
 DECODE_GRAPH_COUNTERS = ("captures", "replays", "graphs", "eager_steps")
 
 
+def missing_decode_graph_stats() -> list[str]:
+    """[] when the installed unsloth has the decode-graph counters decode_graph_stats reads; else what is missing.
+    Checked when the unsloth backend is prepared (unsloth_backend.prepare: a warning, the counters are a report)."""
+    import importlib
+
+    try:
+        graphs = importlib.import_module(DECODE_GRAPHS_MODULE)
+    except ImportError as exc:
+        return [f"{DECODE_GRAPHS_MODULE} ({type(exc).__name__}: {exc})"]
+    return [] if callable(getattr(graphs, "stats", None)) else [f"{DECODE_GRAPHS_MODULE}.stats"]
+
+
 def decode_graph_stats(model) -> dict | None:
     """unsloth's decode CUDA-graph counters of `model` summed over the modules that hold them ({} where none was ever
     captured or run: no graph state), plus `disabled` (the first reason unsloth gave, else None); None where unsloth's

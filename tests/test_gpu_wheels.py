@@ -491,8 +491,9 @@ def test_the_stats_door_reads_the_installed_module():
     import unsloth  # noqa: F401  (before unsloth_zoo / unsloth.models, as the backend imports it)
     from unsloth.models import _decode_graphs
 
-    from lowvram_grpo.trl_compat import decode_graph_stats, describe_decode_graphs
+    from lowvram_grpo.trl_compat import decode_graph_stats, describe_decode_graphs, missing_decode_graph_stats
 
+    assert missing_decode_graph_stats() == []  # what unsloth_backend.prepare checks
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
     assert decode_graph_stats(model) == {}
     inner = _decode_graphs._state(model[1])  # what unsloth's decode_step creates on the CausalLM it runs on

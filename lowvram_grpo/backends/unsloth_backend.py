@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -41,6 +42,11 @@ def prepare() -> None:
     patch("GRPO", unsloth.FastLanguageModel)
     _PATCH_PROBLEM = None
     _pool_alias_check_warns()
+    from ..trl_compat import missing_decode_graph_stats  # after unsloth: trl_compat imports trl
+
+    for missing in missing_decode_graph_stats():
+        print(f"warning: this unsloth has no {missing}: summary.json will not say what its decode CUDA graphs did "
+              "(install requirements.txt's unsloth)", file=sys.stderr)
 
 
 # torch's switch for its custom-op alias check; a user who sets it decides (torch/_functorch/config.py).
