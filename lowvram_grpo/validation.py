@@ -18,6 +18,7 @@ the argmax of the curve in metrics.jsonl (`best_point`). Nothing here imports to
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 from typing import Optional
 
@@ -64,6 +65,27 @@ def logged_numbers(numbers: dict) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def random_state_kept():
+    """Python's, numpy's and torch's random states (CPU and CUDA) as they were before the block: a measurement
+    leaves the run's sampling and data order where they were."""
+    import random
+
+    import numpy
+    import torch  # lazily: only a training run measures
+
+    states = (random.getstate(), numpy.random.get_state(), torch.get_rng_state(),
+              torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        numpy.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if states[3] is not None:
+            torch.cuda.set_rng_state_all(states[3])
+
+
 class Validation:
     """Measures the curve's points for one run: `measure(step)` after a GRPO step, `catch_up(step, rows)` on resume.
     `handle`: the model handle; `rows`: the validation prompt rows; `run_dir`: the RunDir."""
@@ -79,10 +101,14 @@ class Validation:
     def measure(self, step: int) -> Optional[dict]:
         """The curve's point at `step`: the adapter saved, measured, and kept as best_adapter/ when it is the best so
         far. Returns the metrics keys, or None when a signal came (the measurement is abandoned)."""
-        from .evaluation import generate_answers, score
-
         if stops.received() is not None:
             return None
+        with random_state_kept():  # loading the adapter initialises LoRA layers: it must not move training's streams
+            return self._measure(step)
+
+    def _measure(self, step: int) -> Optional[dict]:
+        from .evaluation import generate_answers, score
+
         staging = self.run_dir.validation_staging()
         request, training = None, self.handle.model.training  # TRL logs a step as 'train' only in training mode
         try:
