@@ -189,10 +189,11 @@ def _math_verify(stated: str, gold: str) -> bool:
 # --------------------------------------------------------------------------- the `think` format
 
 # `data.answer_format: think` (Qwen3-style thinking models): the completion is one <think>...</think> block, then the
-# answer as plain text ('<think>\n6 * 7 = 42\n</think>\n\nThe answer is 42.'). Well formed (`think_ok`): exactly one
-# opening and one closing tag, the opening one first, and a non-empty answer after the closing one.
+# answer as plain text ('<think>\n6 * 7 = 42\n</think>\n\nThe answer is 42.'). Well formed (`think_ok`): one closing
+# tag, then a non-empty answer; the opening tag at the start, or nowhere (a template that opens the block in the
+# generation prompt, as Qwen3-Thinking-2507's does: the completion starts inside it).
 ANSWER_FORMATS = ("xml", "think")
-_THINK = re.compile(r"\s*<think>(.*?)</think>\s*(\S.*)", re.DOTALL)
+_THINK = re.compile(r"\s*(?:<think>)?(.*?)</think>\s*(\S.*)", re.DOTALL)
 
 
 def think_tail(text: str) -> Optional[str]:
@@ -202,8 +203,10 @@ def think_tail(text: str) -> Optional[str]:
 
 
 def think_ok(text: str) -> bool:
-    """A well-formed `think` completion: <think>...</think> at the start, exactly one of each tag, then an answer."""
-    return bool(_THINK.fullmatch(text)) and text.count("<think>") == 1 and text.count("</think>") == 1
+    """A well-formed `think` completion: <think>...</think> at the start (or only the closing tag, the block opened
+    by the prompt), one block, then an answer."""
+    match = _THINK.fullmatch(text)
+    return bool(match) and "<think>" not in match.group(1) and text.count("</think>") == 1 and "<think>" not in match.group(2)
 
 
 def think_strict_answer(text: str) -> Optional[str]:

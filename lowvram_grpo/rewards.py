@@ -212,7 +212,8 @@ def think_correctness_reward(prompts, completions, answer=None, **kwargs) -> lis
 
 @register("think_format", 0.5)
 def think_format_reward(prompts, completions, **kwargs) -> list[float]:
-    """0.5 when the completion is one <think>...</think> block, then a non-empty answer (`answers.think_ok`)."""
+    """0.5 when the completion is one <think>...</think> block (its opening tag may be the prompt's), then a
+    non-empty answer (`answers.think_ok`)."""
     return [0.5 if answers.think_ok(completion_text(c)) else 0.0 for c in completions]
 
 
