@@ -15,7 +15,7 @@ import yaml
 from tiny_families import FAMILIES, UNCHECKED, build
 
 SHORT = ["train.max_steps=2", "train.num_generations=2", "train.max_completion_length=8", "data.eval_size=2",
-         "eval.batch_size=2", "data.num_train=16"]
+         "eval.batch_size=2", "data.num_train=16", "train.max_prompt_length=384"]  # gpt-oss's system turn: ~280 tokens
 
 
 def _sets(family: str, *extra: str) -> list[str]:

@@ -29,7 +29,7 @@ RUN = textwrap.dedent("""
     family = sys.argv[1]
     sets = [f"model.name={{build(family)}}", f"lora.target_modules=[{{','.join(FAMILIES[family][2])}}]",
             "train.max_steps=2", "train.num_generations=2", "train.max_completion_length=8", "data.eval_size=2",
-            "eval.batch_size=2", "data.num_train=16"]
+            "eval.batch_size=2", "data.num_train=16", "train.max_prompt_length=384"]
     result = train("tiny", sets, output_dir=sys.argv[2], backend="unsloth")
     handle = result.handle
     request = handle.load_lora(handle.save_lora(sys.argv[2] + "-saved"))

@@ -8,8 +8,8 @@ folder (model_cache.build_once: atomic). The tokenizer is the built-in tiny mode
 with the family's turn tokens added; its chat template is the family's own as the pinned unsloth ships it
 (unsloth/chat_templates.py, read as text from the installed wheel: nothing of unsloth is imported):
 `qwen3` (Qwen3's, whose generation prompt closes an empty <think> block when `enable_thinking` is false; also for
-Qwen3.5 and SmolLM3), `gemma3` (also for Gemma 4), `llama-3.1` (Llama 3.2's format), `gpt-oss` (harmony, with
-`reasoning_effort`).
+Qwen3.5 and SmolLM3), `gemma3`, `gemma-4` (<|turn> ... <turn|>, `enable_thinking` puts <|think|> in the system
+turn), `llama-3.1` (Llama 3.2's format), `gpt-oss` (harmony, with `reasoning_effort`).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from pathlib import Path
 CHAT_FORMS = {  # form -> (its template's key in unsloth's CHAT_TEMPLATES, its turn tokens, the end-of-turn token)
     "qwen3": ("qwen3", [], "<|im_end|>"),
     "gemma": ("gemma3", ["<start_of_turn>", "<end_of_turn>"], "<end_of_turn>"),
+    "gemma4": ("gemma-4", ["<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>"], "<turn|>"),
     "llama3": ("llama-3.1", ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|eot_id|>"),
     "harmony": ("gpt-oss", ["<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>"], "<|return|>"),
 }
@@ -55,7 +56,7 @@ FAMILIES = {
                ATTENTION_AND_MLP, "gemma"),
     "gemma4": ("Gemma4TextConfig", {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
                                     "hidden_size_per_layer_input": 8},
-               ATTENTION_AND_MLP, "gemma"),
+               ATTENTION_AND_MLP, "gemma4"),
     "llama": ("LlamaConfig", {"tie_word_embeddings": True}, ATTENTION_AND_MLP, "llama3"),  # Llama 3.2: tied embeddings
     "gpt_oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16,
                                  "layer_types": ["sliding_attention", "full_attention"]}, ATTENTION, "harmony"),
@@ -64,7 +65,7 @@ FAMILIES = {
 # A family our decode loop was not checked on (decoding.LOOP_TYPES): the run keeps transformers' generate for it.
 UNCHECKED = {"phi3": ("Phi3Config", {"pad_token_id": None}, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
                       "qwen3")}
-VERSION = "v2"  # bump when a recipe above changes: the cached folders are rebuilt
+VERSION = "v3"  # bump when a recipe above changes: the cached folders are rebuilt
 
 
 def _build(family: str, target: Path) -> None:
