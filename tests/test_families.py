@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from tiny_families import FAMILIES, UNCHECKED, build
+from tiny_families import FAMILIES, LOOP_ONLY, UNCHECKED, build
 
 SHORT = ["train.max_steps=2", "train.num_generations=2", "train.max_completion_length=8", "data.eval_size=2",
          "eval.batch_size=2", "data.num_train=16", "train.max_prompt_length=384"]  # gpt-oss's system turn: ~280 tokens
@@ -67,10 +67,11 @@ def test_each_family_primes_trains_measures_saves_and_exports(family, tmp_path):
         assert (merged(ids).logits.float() - adapted).abs().max() < 0.05  # bfloat16 export of the adapted model
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [*FAMILIES, *LOOP_ONLY])
 def test_our_decode_loop_answers_as_transformers_generate(family):
     """Greedy, a left-padded batch, 20 new tokens (past the 16-position sliding windows), a perturbed LoRA adapter:
-    token for token transformers' generate. What decoding.LOOP_TYPES claims for each family's model type."""
+    token for token transformers' generate. What decoding.LOOP_TYPES claims for each family's model type; every type
+    it lists is checked here."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -78,7 +79,7 @@ def test_our_decode_loop_answers_as_transformers_generate(family):
 
     model = AutoModelForCausalLM.from_pretrained(build(family), dtype=torch.float32)
     assert model.config.model_type in decoding.LOOP_TYPES
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=FAMILIES[family][2]))
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules={**FAMILIES, **LOOP_ONLY}[family][2]))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -94,6 +95,15 @@ def test_our_decode_loop_answers_as_transformers_generate(family):
         ours = decoding.decode(model, ids, mask, max_new_tokens=20, do_sample=False, eos_token_ids=[], pad_token_id=0,
                                settings=settings)
     assert torch.equal(ours, theirs)
+
+
+def test_every_model_type_our_loop_claims_is_checked():
+    from transformers import AutoConfig
+
+    from lowvram_grpo import decoding
+
+    checked = {AutoConfig.from_pretrained(build(family)).model_type for family in [*FAMILIES, *LOOP_ONLY]}
+    assert set(decoding.LOOP_TYPES) == checked
 
 
 @pytest.mark.slow

@@ -62,6 +62,9 @@ FAMILIES = {
                                  "layer_types": ["sliding_attention", "full_attention"]}, ATTENTION, "harmony"),
     "smollm3": ("SmolLM3Config", {}, ATTENTION_AND_MLP, "qwen3"),
 }
+# Earlier families our decode loop also covers (decoding.LOOP_TYPES), checked by its equality test only.
+LOOP_ONLY = {"qwen2": ("Qwen2Config", {}, ATTENTION_AND_MLP, "qwen3"),
+             "mistral": ("MistralConfig", {"sliding_window": 16}, ATTENTION_AND_MLP, "qwen3")}
 # A family our decode loop was not checked on (decoding.LOOP_TYPES): the run keeps transformers' generate for it.
 UNCHECKED = {"phi3": ("Phi3Config", {"pad_token_id": None}, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
                       "qwen3")}
@@ -75,7 +78,7 @@ def _build(family: str, target: Path) -> None:
 
     from lowvram_grpo.builtin_models import ensure_tiny_model
 
-    config_name, extra, _, form = {**FAMILIES, **UNCHECKED}[family]
+    config_name, extra, _, form = {**FAMILIES, **LOOP_ONLY, **UNCHECKED}[family]
     key, specials, end_of_turn = CHAT_FORMS[form]
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
     if specials:
