@@ -218,10 +218,12 @@ class TrainConfig:
         "rewards.names = that reward alone, DAPO's accuracy filter with `correctness`: groups all right or all "
         "wrong are redrawn, though the format rewards still spread them.", None)
     is_correction: str = _help(
-        "Importance-sampling correction of vLLM rollouts (TRL's vllm_importance_sampling_correction, sequence_mask): each "
-        "completion re-weighted by the trainer's probability of it over the sampler's. auto = on wherever a vLLM engine "
-        "samples and the trainer scores (unsloth's fast_inference included, whose own default is off), off where the "
-        "trained model samples its own rollouts; on; off.", "auto")
+        "Importance-sampling correction of the rollouts (TRL's vllm_importance_sampling_correction, sequence_mask): each "
+        "completion re-weighted by the trainer's probability of it over the sampler's, the gap logged as "
+        "sampling/sampling_logp_difference. auto = on wherever a vLLM engine samples and the trainer scores (unsloth's "
+        "fast_inference included, whose own default is off) and where our decode loop samples (decode.loop), off for "
+        "transformers' generate (on: its scores are kept per token to read the log-probs) and unsloth's generate "
+        "(no log-probs; on is refused); on; off.", "auto")
     max_grad_norm: float = _help("Gradient clipping norm (the notebook uses 0.1).", 0.1)
     max_steps: int = _help("Optimizer steps to train.", 250)
     save_steps: Optional[int] = _help(

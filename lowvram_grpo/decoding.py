@@ -97,11 +97,31 @@ def sample_multinomial(scores, generator=None):
     return torch.multinomial(scores.softmax(dim=-1), num_samples=1, generator=generator).squeeze(-1)
 
 
-def next_tokens(logits, *, do_sample: bool, temperature: float, top_k: int, top_p: float, sampler: str):
+def next_tokens(logits, *, do_sample: bool, temperature: float, top_k: int, top_p: float, sampler: str,
+                logprobs: Optional[list] = None):
+    """Tokens [B] for logits [B, V]: argmax, or a draw from filtered_scores. `logprobs` (sampling only): a list that
+    gets each drawn token's log-probability [B] under the distribution it was drawn from (float32 log_softmax of
+    the scores after temperature, top-k and top-p: vLLM's processed_logprobs, which TRL's vLLM path asks for)."""
     if not do_sample:
         return logits.argmax(dim=-1)
     scores = filtered_scores(logits, temperature, top_k, top_p)
-    return (sample_inverse_cdf if sampler == "inverse_cdf" else sample_multinomial)(scores)
+    tokens = (sample_inverse_cdf if sampler == "inverse_cdf" else sample_multinomial)(scores)
+    if logprobs is not None:
+        logprobs.append(scores.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1))
+    return tokens
+
+
+@contextlib.contextmanager
+def sampler_logprobs(model):
+    """Within: each sampled generate call our loop takes on `model` (install) appends, per new token, the drawn
+    tokens' log-probs [B] (next_tokens' `logprobs`) to the yielded list; calls that go to transformers' generate
+    add nothing (`loop_takes` says which beforehand)."""
+    steps: list = []
+    model._lowvram_logprobs = steps
+    try:
+        yield steps
+    finally:
+        model._lowvram_logprobs = None
 
 
 # --------------------------------------------------------------------------- merged LoRA for sampling
@@ -161,10 +181,11 @@ def merged_weights(model):
 
 def decode(model, input_ids, attention_mask, *, max_new_tokens: int, do_sample: bool, temperature: float = 1.0,
            top_k: int = 0, top_p: float = 1.0, eos_token_ids=(), pad_token_id: Optional[int] = None,
-           settings: DecodeSettings, fused: bool = False):
+           settings: DecodeSettings, fused: bool = False, logprobs: Optional[list] = None):
     """Prompt + new tokens, [batch, prompt + generated], as transformers' generate returns them: rows that ended
     (an eos token) continue with `pad_token_id`; the loop stops when every row ended or at max_new_tokens.
-    `fused`: sampled tokens through fused_decode.py's layers (install decided the model is covered). Every token
+    `fused`: sampled tokens through fused_decode.py's layers (install decided the model is covered). `logprobs`:
+    a list that gets, per new token, the sampled tokens' log-probs [B] (next_tokens). Every token
     our loop generates passes here (the OOM injector and the kit's capped run watch this function).
 
     Shapes: input_ids/attention_mask [B, P] left-padded; one prefill [B, P] -> logits [B, V] of the last
@@ -178,7 +199,7 @@ def decode(model, input_ids, attention_mask, *, max_new_tokens: int, do_sample: 
 
     def pick(logits):                                                                          # [B, V] -> [B]
         return next_tokens(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                           sampler=settings.sampler)
+                           sampler=settings.sampler, logprobs=logprobs)
 
     if fused and do_sample:
         return fused_decode.decode(inner, input_ids, attention_mask, max_new_tokens=max_new_tokens,
@@ -248,6 +269,12 @@ def _plan(model, kwargs) -> Optional[dict]:
                 eos_token_ids=eos, pad_token_id=pad)
 
 
+def loop_takes(model, kwargs: dict) -> bool:
+    """Whether `model.generate(**kwargs)` runs our loop (install put it on this model and `_plan` covers the call),
+    rather than transformers' generate."""
+    return getattr(model, "_lowvram_decode", None) is not None and _plan(model, kwargs)[0] is not None
+
+
 def install(model, settings: DecodeSettings, log=None) -> None:
     """Make `model.generate` (a PEFT model) this module's loop for the calls it covers; idempotent.
     `model._lowvram_decode_calls` counts them (the tests check TRL's rollouts reach it). A model type outside
@@ -288,7 +315,7 @@ def install(model, settings: DecodeSettings, log=None) -> None:
                 if merge and plan["do_sample"] and not fused:
                     stack.enter_context(merged_weights(model))
                 return decode(model, kwargs["input_ids"], kwargs.get("attention_mask"), settings=settings, fused=fused,
-                              **plan)
+                              logprobs=getattr(model, "_lowvram_logprobs", None), **plan)
         finally:
             model.train(was_training)
 

@@ -409,31 +409,45 @@ def choose_decode(config: RunConfig, hardware: Hardware, backend: str, generatio
     return loop, sampler, merge, fused
 
 
-def choose_is_correction(config: RunConfig, generation: str, strict: bool = True) -> tuple[bool, Optional[str], str]:
+def choose_is_correction(config: RunConfig, generation: str, strict: bool = True, decode_loop: str = "transformers",
+                         backend: str = "unsloth") -> tuple[bool, Optional[str], str]:
     """(on, GRPOConfig's vllm_importance_sampling_mode, why) for train.is_correction (auto | on | off).
 
     The correction re-weights each completion by the trainer's probability of it over the sampler's (TRL 1.15:
-    exp(trainer log-probs - vLLM's), one ratio per completion, masked above 3): it is needed wherever a vLLM engine
-    samples and the trainer scores, whose log-probs differ (0.03-0.04 nats a token on our CPU vLLM path,
-    docs/results.md). auto = on for both vLLM paths: unsloth's shared engine (whose GRPOConfig would leave it off) and
-    our own; off where the trained model generates its own rollouts (transformers' generate, unsloth's, our decode
-    loop), which gives TRL no sampler log-probs to correct with. `on` there is refused (strict) or, for a run that
-    lost its vLLM engine at load (without_vllm), turned off with the reason."""
+    exp(trainer log-probs - sampler's), one ratio per completion, masked above 3): it is needed wherever the sampler
+    is not exactly the forward that scores (0.03-0.04 nats a token on our CPU vLLM path, docs/results.md). auto = on
+    for both vLLM paths (unsloth's shared engine, whose GRPOConfig would leave it off, and our own) and for our decode
+    loop (`decode_loop` 'lowvram': merged, fused, bf16-rounded weights, batched and cached; its sampled tokens'
+    log-probs go to TRL through trl_compat.ModelSampler); off for transformers' generate on the hf backend, where
+    `on` captures its processed scores (one [batch, vocab] float tensor per new token held until the call ends);
+    off where unsloth's patched generate samples (no log-probs to correct with), where `on` is refused (strict) or,
+    for a run that lost its vLLM engine at load (without_vllm), turned off with the reason."""
     asked = config.train.is_correction
     sampled_elsewhere = generation in ("unsloth_vllm", "vllm")
+    own_loop = generation == "transformers" and backend == "hf" and decode_loop == "lowvram"
+    capturable = generation == "transformers" and backend == "hf"
     mode = IS_MODE_VESPO if config.train.loss_type == "vespo" else IS_MODE
     if asked == "off":
-        return False, None, ("train.is_correction=off: vLLM's and the trainer's log-probs differ uncorrected"
-                             if sampled_elsewhere else "train.is_correction=off")
-    if not sampled_elsewhere:
+        return False, None, ("train.is_correction=off: the sampler's and the trainer's log-probs differ uncorrected"
+                             if sampled_elsewhere or own_loop else "train.is_correction=off")
+    if sampled_elsewhere:
+        sampler = ("unsloth's vLLM engine samples with its own kernels (unsloth's GRPOConfig would leave the correction "
+                   "off)" if generation == "unsloth_vllm" else "our vLLM engine samples from the base + synced adapter")
+    elif own_loop:
+        sampler = "our decode loop samples (merged/fused 16-bit weights, its own batched cache)"
+    elif capturable and asked == "on":
+        sampler = ("transformers' generate samples with its KV cache (its processed scores kept for each new token "
+                   "to read the log-probs)")
+    elif capturable:
+        return False, None, ("transformers' generate samples with the trainer's own forward: auto keeps the correction "
+                             "off (train.is_correction=on corrects and measures it, holding its scores per token)")
+    else:
         if asked == "on" and strict:
-            raise ResolveError("train.is_correction=on corrects a vLLM sampler's log-probs against the trainer's, and this "
-                               "run's rollouts come from the trained model itself (transformers' generate): set "
+            raise ResolveError("train.is_correction=on corrects a sampler's log-probs against the trainer's, and this "
+                               "run's rollouts come from unsloth's patched generate, which returns none: set "
                                "train.is_correction=auto, or generate with vLLM (model.fast_inference=true on the unsloth "
-                               "backend, model.generation=vllm on the hf backend)")
-        return False, None, "the trained model samples its own rollouts: no second sampler to correct for"
-    sampler = ("unsloth's vLLM engine samples with its own kernels (unsloth's GRPOConfig would leave the correction off)"
-               if generation == "unsloth_vllm" else "our vLLM engine samples from the base + synced adapter")
+                               "backend), or train on the hf backend")
+        return False, None, "unsloth's generate samples the rollouts and returns no log-probs to correct with"
     how = "auto -> on" if asked == "auto" else "train.is_correction=on"
     return True, mode, f"{how}: {sampler} and the trainer scores with its own forward: their log-probs differ"
 
@@ -635,7 +649,7 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         notes.append("model.generation=vllm: the engine asks vLLM for its KV cache in bytes (kv_cache_memory_bytes) and "
                      "passes its own share of the card as gpu_memory_utilization; memory.gpu_memory_utilization is unsloth's")
     decode_loop, decode_sampler, decode_merge, decode_fused = choose_decode(config, hardware, chosen, generation)
-    is_on, is_mode, is_reason = choose_is_correction(config, generation)
+    is_on, is_mode, is_reason = choose_is_correction(config, generation, decode_loop=decode_loop, backend=chosen)
     graphs, graphs_reason = choose_decode_graphs(config, hardware, chosen, generation)
     kv_dtype, kv_reason, plan_decides = choose_kv_cache_dtype(config, hardware, generation, dtype)
     per_device = config.train.batch_size
@@ -770,7 +784,8 @@ def for_unsloth_trainer(resolved: Resolved) -> Resolved:
 def without_vllm(resolved: Resolved, why: str) -> Resolved:
     """The settings with vLLM off: unsloth loaded the model without a `vllm_engine`, so GRPOConfig must
     not say use_vllm (unsloth's trainer would start TRL's own engine, a second copy of the weights)."""
-    is_on, is_mode, is_reason = choose_is_correction(resolved.config, "transformers", strict=False)
+    is_on, is_mode, is_reason = choose_is_correction(resolved.config, "transformers", strict=False,
+                                                     backend=resolved.backend)
     graphs, graphs_reason = choose_decode_graphs(resolved.config, resolved.hardware, resolved.backend, "transformers")
     save_steps, step_seconds, save_note = choose_save_steps(  # transformers' generation: slower steps
         resolved.config, resolved.hardware, "transformers",

@@ -36,7 +36,8 @@ from .tools import environment_methods
 from .user_code import of as user_code_of
 from .signals import ALL_RIGHT_KEY, ALL_WRONG_KEY
 from .completions import CompletionsLog, with_completion_facts
-from .trl_compat import DynamicSampling, TrainerHooks, grpo_trainer_base, install_logprob_fallback, trainer_name
+from .trl_compat import (DynamicSampling, ModelSampler, TrainerHooks, grpo_trainer_base, install_logprob_fallback,
+                         sample_with, trainer_name)
 
 
 def grpo_config_kwargs(resolved, output_dir: Path) -> dict:
@@ -560,6 +561,8 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward
     trainer.add_callback(ReleaseHostMemory())  # freed step memory back to the OS: RSS stays flat (host_memory.py)
     if rollouts is not None:
         rollouts.attach(trainer)  # importance-sampling correction + vllm/adapter_version in metrics.jsonl
+    elif handle.resolved.is_correction and not asked["use_vllm"]:  # the model samples its own rollouts (our loop,
+        sample_with(trainer, ModelSampler(trainer))  # transformers' generate): TRL's correction on their log-probs
     trainer.dynamic_sampling_draws = config.train.dynamic_sampling_max_draws if config.train.dynamic_sampling else 0
     if config.train.dynamic_sampling and config.train.dynamic_sampling_reward is not None:  # checks: one of rewards.names
         trainer.dynamic_sampling_reward = config.train.dynamic_sampling_reward

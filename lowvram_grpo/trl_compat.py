@@ -22,7 +22,9 @@ one warning line. The reaches, and why each is needed:
   and `use_vllm=True` in GRPOConfig would start TRL's own vLLM engine. For rollouts from our own engine
   (TRL's public `rollout_func`), the built trainer's `use_vllm` attribute is switched on afterwards and
   `vllm_generation` is our sampler, whose `sync_weights()` TRL calls before a rollout when the step moved
-  (adapter-only sync: backends/vllm/).
+  (adapter-only sync: backends/vllm/). For the trained model's own rollouts, `ModelSampler` is that sampler: it
+  runs TRL's transformers branch of `_generate_single_turn` (use_vllm off for the call) with the sampler's
+  log-probs captured (decoding.sampler_logprobs, or transformers' output_scores).
 - `install_logprob_fallback()`: TRL 1.15 computes completion log-probs through a Triton-only fused LM
   head (`trl.trainer.utils._ChunkedLogProbFunction`); on a CPU it has no kernel. A dispatcher takes its
   place: the Triton kernel for CUDA/XPU tensors, logprobs_fallback.torch_chunked_logprobs (the same
@@ -79,6 +81,7 @@ def check_versions(warn=None) -> list[str]:
     if not hasattr(trl_utils, LOGPROB_ATTRIBUTE):
         missing.append(f"trl.trainer.utils.{LOGPROB_ATTRIBUTE}")
     missing += missing_rollout_methods(trl.GRPOTrainer)  # section: TRL's rollout methods (below)
+    missing += missing_single_turn(trl.GRPOTrainer)  # ModelSampler (below sample_with)
     missing += missing_completion_log(trl.GRPOTrainer)  # section: the completions of a step (below)
     if not is_unsloth_trainer(trl.GRPOTrainer):  # unsloth's generated trainer wraps them; dynamic sampling is refused
         missing += missing_dynamic_sampling_hooks(trl.GRPOTrainer)  # there (resolve): section dynamic sampling (below)
@@ -184,6 +187,84 @@ def sample_with(trainer, sampler) -> None:
     trainer.use_vllm = True             # read after __init__ only by the generation and IS-correction code
     trainer.vllm_generation = sampler   # TRL calls .sync_weights() before a rollout when the step moved
     trainer._last_loaded_step = -1
+    if isinstance(sampler, ModelSampler):
+        trainer.vllm_mode = "server"    # read after __init__ only by the tool loop: the context ceiling is then the
+        # model's max_position_embeddings, as on TRL's transformers path (colocate would read a vLLM engine's)
+
+
+# TRL 1.15's own generation of one turn (the transformers branch of GRPOTrainer._generate_single_turn), which
+# ModelSampler runs with the sampler's log-probs captured; check_versions refuses a TRL whose signature differs.
+SINGLE_TURN = ("_generate_single_turn", ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"))
+
+
+def missing_single_turn(trainer_class: type) -> list[str]:
+    """[GRPOTrainer._generate_single_turn(...)] when `trainer_class` lacks it with SINGLE_TURN's parameters, else []."""
+    name, params = SINGLE_TURN
+    method = getattr(trainer_class, name, None)
+    if callable(method) and tuple(inspect.signature(method).parameters)[1:] == params:
+        return []
+    return [f"GRPOTrainer.{name}({', '.join(params)})"]
+
+
+class ModelSampler:
+    """The trained model's own generation (our decode loop, or transformers' generate) as TRL's vLLM generation, so
+    TRL 1.15's importance-sampling correction (train.is_correction; `sample_with`) runs on the sampler's log-probs:
+    `generate` runs TRL's own transformers branch of `_generate_single_turn` (its padding, generation config,
+    eos cut) with the model's `generate` wrapped for the call, and returns each sampled token's log-prob as vLLM's
+    processed_logprobs are (TRL's vLLM path asks for those): the float32 log_softmax of the scores after temperature,
+    top-k and top-p, i.e. of the distribution the token was drawn from. Our loop records them while it samples
+    (decoding.sampler_logprobs); a call our loop does not take goes to transformers' generate with
+    output_scores=True (its processed scores: one [B, V] float tensor per new token held until the call ends)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def sync_weights(self) -> None:
+        """Nothing to sync: the sampler is the trained model."""
+
+    def generate(self, prompts: list, images=None, num_generations: int = 1, profiler=None):
+        """TRL's VLLMGeneration.generate: (prompt ids, completion ids [up to the first eos], per-token [log-prob]
+        lists, None) for `prompts` (token ids, one row per completion)."""
+        import torch
+
+        from .decoding import loop_takes, sampler_logprobs
+
+        if images and any(images):
+            raise BackendError("the importance-sampling correction of the model's own rollouts takes text prompts; "
+                               "set train.is_correction=off")
+        trainer = self.trainer
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        inner = model.generate
+        own = model.__dict__.get("generate")  # decoding.install's loop, if any: put back after
+        rows = []
+
+        def generate(**kwargs):
+            prompt_len = kwargs["input_ids"].shape[1]
+            if loop_takes(model, kwargs):
+                with sampler_logprobs(model) as steps:
+                    sequences = inner(**kwargs)
+                rows.append(torch.stack(steps, dim=1) if steps else sequences.new_zeros((len(sequences), 0)).float())
+                return sequences
+            out = inner(**kwargs, output_scores=True, return_dict_in_generate=True)
+            tokens = out.sequences[:, prompt_len:]
+            rows.append(torch.stack([s.float().log_softmax(dim=-1).gather(-1, tokens[:, i:i + 1]).squeeze(-1)
+                                     for i, s in enumerate(out.scores)], dim=1) if out.scores
+                        else tokens.new_zeros(tokens.shape).float())
+            return out.sequences
+
+        model.generate = generate
+        trainer.use_vllm = False  # TRL's transformers branch
+        try:
+            with profiler if profiler is not None else contextlib.nullcontext():
+                completion_ids, _ = trainer._generate_single_turn(prompts, images, {}, num_generations)
+        finally:
+            trainer.use_vllm = True
+            if own is None:
+                del model.generate
+            else:
+                model.generate = own
+        logprobs = rows[0].cpu().tolist()
+        return prompts, completion_ids, [[[lp] for lp in row[:len(ids)]] for row, ids in zip(logprobs, completion_ids)], None
 
 
 def use_torch_logprobs(device_type: str, kernel_available: bool) -> bool:
