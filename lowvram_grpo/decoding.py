@@ -272,7 +272,7 @@ def _plan(model, kwargs) -> Optional[dict]:
 def loop_takes(model, kwargs: dict) -> bool:
     """Whether `model.generate(**kwargs)` runs our loop (install put it on this model and `_plan` covers the call),
     rather than transformers' generate."""
-    return getattr(model, "_lowvram_decode", None) is not None and _plan(model, kwargs)[0] is not None
+    return getattr(model, "_lowvram_decode", None) is not None and _plan(model, kwargs) is not None
 
 
 def install(model, settings: DecodeSettings, log=None) -> None:
