@@ -132,6 +132,27 @@ def check_init_adapter(config) -> None:
         raise ConfigError(f"lora.init_adapter {config.lora.init_adapter} was trained on {recorded}, not on "
                           f"model.name {config.model.name}: set model.name to its base model, or give an adapter "
                           f"trained on {config.model.name}")
+    check_init_adapter_merge(config)
+
+
+def check_init_adapter_merge(config) -> None:
+    """An adapter_config.json option our decode loop cannot merge by PEFT's arithmetic (decoding.MERGE_OPTIONS:
+    plain LoRA, rslora, alpha), with decode.merge_lora or decode.fused asked for explicitly, is refused before
+    anything loads; with `auto` the run samples from the unmerged adapter (decoding.install says so)."""
+    import json
+
+    from .decoding import options_beyond_merge
+
+    asked = [f"decode.{key}=true" for key in ("merge_lora", "fused") if getattr(config.decode, key) == "true"]
+    if not asked:
+        return
+    raw = json.loads((Path(config.lora.init_adapter) / "adapter_config.json").read_text(encoding="utf-8"))
+    beyond = options_beyond_merge(raw)
+    if beyond:
+        raise ConfigError(f"lora.init_adapter {config.lora.init_adapter} sets {', '.join(beyond)} in its "
+                          f"adapter_config.json, which {' and '.join(asked)} cannot merge (merged here: plain LoRA, "
+                          "rslora, alpha): set decode.merge_lora=auto and decode.fused=auto to sample from the "
+                          "unmerged adapter")
 
 
 def check_reward_names(config) -> None:

@@ -8,7 +8,9 @@ together (the weights merged with the adapter, W + scale * B @ A, concatenated o
 model's own rotary module (its scaling included), a preallocated KV cache written in place, one SDPA with
 grouped-query heads, RMSNorm as transformers computes it. Greedy answers never come here (they stay token for
 token those of transformers' generate); sampled ones come from the same distribution up to 16-bit rounding of
-the merged weights (tests/test_decoding.py compares the logits with transformers' forward at every step).
+the merged weights (tests/test_decoding.py compares the logits with transformers' forward at every step, and in
+bf16 16 greedy tokens with transformers' generate on the weights PEFT merges, for every RoPE type; the lines copied
+from transformers are read from its installed source by tests/test_decoding_contracts.py).
 
 Supported: model_type llama, mistral, qwen2 (q/k/v biases) and qwen3 (RMSNorm of each head's query and key before
 RoPE, as Qwen3Attention) with SiLU MLPs, no sliding window, on 16-bit weights (`unsupported()` says why not; the
@@ -53,17 +55,26 @@ def unsupported(inner) -> Optional[str]:
     return None
 
 
-def _merged(module):
-    """`module`'s weight with its active LoRA adapters merged (a new tensor) and its bias; for a plain Linear, its own."""
+def merged_weight(module):
+    """A new tensor: `module`'s weight with its active LoRA adapters merged by PEFT's own arithmetic
+    (lora.Linear.get_delta_weight, summed in float32, rounded once to the weight's dtype); the base weight itself
+    (never a copy, never written) for a plain Linear, a layer with its adapters off, or one PEFT already merged
+    (its weight holds W + ΔW: merged once, never twice). Callers merge only what decoding.mergeable allows."""
     base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
     weight = base.weight.detach()
-    if hasattr(module, "lora_A") and not module.disable_adapters:
+    if hasattr(module, "lora_A") and not module.disable_adapters and not module.merged:
         names = [name for name in module.active_adapters if name in module.lora_A]
         if names:
             delta = sum(module.get_delta_weight(name).float() for name in names)
             weight = (weight.float() + delta).to(weight.dtype)
+    return weight
+
+
+def _merged(module):
+    """(merged_weight(module), its base bias or None)."""
+    base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
     bias = None if getattr(base, "bias", None) is None else base.bias.detach()
-    return weight, bias
+    return merged_weight(module), bias
 
 
 def _cat_bias(biases, weights):
@@ -180,8 +191,7 @@ def decode(inner, input_ids, attention_mask, *, max_new_tokens: int, eos_token_i
     length = prompt_len + max_new_tokens
     layers = FusedLayers(inner, batch, length)
     valid = torch.cat([attention_mask.bool(), attention_mask.new_ones(batch, max_new_tokens, dtype=torch.bool)], 1)
-    positions = attention_mask.long().cumsum(-1) - 1
-    positions.masked_fill_(attention_mask == 0, 1)                                        # as transformers
+    positions = prompt_positions(attention_mask)
     causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=device).tril()
     prefill_mask = (causal[None] & valid[:, None, :prompt_len]) | torch.eye(prompt_len, dtype=torch.bool,
                                                                              device=device)[None]
@@ -193,6 +203,14 @@ def decode(inner, input_ids, attention_mask, *, max_new_tokens: int, eos_token_i
 
     return token_loop(input_ids, positions[:, -1:], logits, forward_next, pick, max_new_tokens=max_new_tokens,
                       eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
+
+
+def prompt_positions(attention_mask):
+    """Position ids [B, P] of a left-padded prompt, transformers 5.17's GenerationMixin
+    ._prepare_position_ids_for_generation line for line (pads at 0; tests/test_decoding.py reads its source)."""
+    position_ids = attention_mask.long().cumsum(-1) - 1
+    position_ids = position_ids.masked_fill(attention_mask == 0, 0)
+    return position_ids
 
 
 def token_loop(input_ids, last, logits, forward_next, pick, *, max_new_tokens: int, eos_token_ids, pad_token_id):

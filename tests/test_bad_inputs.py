@@ -113,6 +113,10 @@ CLI_CASES = [
      "lora.init_adapter {tmp}/smollm2-adapter was trained on HuggingFaceTB/SmolLM2-135M-Instruct, not on model.name "
      "builtin:tiny"),
     ("init-adapter-missing-value", ["--preset", "tiny", "--init-adapter"], "expected one argument"),
+    ("init-adapter-dora-merged", ["--preset", "tiny", "--init-adapter", "{tmp}/dora-adapter", "--set",
+                                  "decode.merge_lora=true"],
+     "lora.init_adapter {tmp}/dora-adapter sets use_dora in its adapter_config.json, which decode.merge_lora=true "
+     "cannot merge (merged here: plain LoRA, rslora, alpha): set decode.merge_lora=auto and decode.fused=auto"),
     ("dry-run-with-value", ["--preset", "tiny", "--dry-run=yes"], "ignored explicit argument"),
     ("gpu-unknown-profile", ["--preset", "llama8b_4bit", "--dry-run", "--gpu", "gtx1080"], "unknown GPU profile 'gtx1080': choose one of t4"),
     ("gpu-without-dry-run", ["--preset", "tiny", "--gpu", "t4"], "--gpu t4 plans for a card you name: add --dry-run"),
@@ -513,7 +517,7 @@ HOLD_LOCK = "import sys, time; from lowvram_grpo.run_dir import RunDir; RunDir(s
 
 def _adapters(tmp, ours):
     """A real LoRA adapter of the tiny model (a finished run's), and copies of it another tool could have
-    written: for another base model, of another PEFT type, with a pattern for targets, without weights."""
+    written: for another base model, of another PEFT type, with a pattern for targets, DoRA, without weights."""
     import shutil
 
     from peft import LoraConfig, get_peft_model
@@ -525,6 +529,7 @@ def _adapters(tmp, ours):
     get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])).save_pretrained(ours)
     for name, change in (("smollm2-adapter", {"base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}),
                          ("ia3-adapter", {"peft_type": "IA3"}), ("pattern-adapter", {"target_modules": ".*proj"}),
+                         ("dora-adapter", {"use_dora": True}),
                          ("weightless-adapter", {}), ("truncated-adapter", {})):
         shutil.copytree(ours, tmp / name)
         config = json.loads((ours / "adapter_config.json").read_text())

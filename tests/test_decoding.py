@@ -338,3 +338,319 @@ def test_fused_layers_refuse_what_they_do_not_cover():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     assert "model_type gpt2" in fused_decode.unsupported(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
+
+
+# --------------------------------------------------------------------------- bf16, every RoPE type, ties, biases
+
+ROPE_TYPES = {  # each RoPE type transformers' rotary module gives these families (fused_decode runs any of them)
+    "default": None, "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},  # max_position_embeddings 16: grows past it while decoding
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "longrope": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                 "original_max_position_embeddings": 16},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+}
+_IDS = torch.tensor([[0, 0, 5, 9, 14, 3], [7, 1, 8, 2, 9, 4]])
+_MASK = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _tiny_peft(kind: str, *, dtype=torch.bfloat16, rope: str = "default", targets=tuple(_ALL), scale: float = 0.3,
+               init: float = 0.02, **lora):
+    """A random 2-layer `kind` model with tied embeddings (and attention biases: qwen2's own, llama's
+    attention_bias), random non-zero biases, weights drawn at std `init`, in `dtype`, LoRA on `targets` with B drawn
+    at `scale` (trained-looking)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=101, tie_word_embeddings=True, initializer_range=init,
+                 max_position_embeddings=16 if rope == "dynamic" else 64)
+    if ROPE_TYPES[rope]:
+        shape["rope_scaling"] = dict(ROPE_TYPES[rope])
+    config_class, model_class, extra = {"llama": (LlamaConfig, LlamaForCausalLM, dict(attention_bias=True)),
+                                        "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=None)),
+                                        "qwen2": (Qwen2Config, Qwen2ForCausalLM, {})}[kind]
+    base = model_class(config_class(**shape, **extra))
+    with torch.no_grad():
+        for name, param in base.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+    base = base.to(dtype)
+    assert base.lm_head.weight is base.model.embed_tokens.weight
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), **lora))
+    _perturb_adapter(model, scale, seed=1)
+    return model.eval()
+
+
+def _greedy(model, **kwargs):
+    return _plain_generate(model, input_ids=_IDS, attention_mask=_MASK, max_new_tokens=16, do_sample=False,
+                           eos_token_id=None, pad_token_id=0, **kwargs)
+
+
+@pytest.mark.parametrize("kind, rope", [(k, r) for k in ("llama", "mistral", "qwen2") for r in ROPE_TYPES])
+def test_bf16_sixteen_greedy_tokens_equal_transformers_on_each_rope_type(kind, rope):
+    """bf16 weights, tied embeddings, biases, a left-padded batch, 16 greedy tokens: our loop on transformers' layers
+    (adapter unmerged) gives transformers' generate's tokens, and the fused layers (adapter merged by PEFT's
+    get_delta_weight, rounded once to bf16) give those of transformers' generate on the model PEFT merged itself
+    (the same bf16 weights: W + ΔW rounded once). The adapter matters: without it the tokens differ."""
+    from lowvram_grpo import fused_decode
+
+    model = _tiny_peft(kind, rope=rope)
+    inner = model.get_base_model()
+    assert fused_decode.unsupported(inner) is None
+    settings = decoding.DecodeSettings(loop="lowvram", sampler="inverse_cdf", merge_lora=True, fused=True)
+    with torch.no_grad():
+        theirs = _greedy(model)
+        ours = decoding.decode(model, _IDS, _MASK, max_new_tokens=16, do_sample=False, eos_token_ids=[],
+                               pad_token_id=0, settings=settings)
+        assert torch.equal(ours, theirs)
+        fused = fused_decode.decode(inner, _IDS, _MASK, max_new_tokens=16, eos_token_ids=[], pad_token_id=0,
+                                    pick=lambda logits: logits.argmax(-1))
+        model.merge_adapter()
+        try:
+            merged_theirs = _greedy(model)
+        finally:
+            model.unmerge_adapter()
+        assert torch.equal(fused, merged_theirs)
+        with model.disable_adapter():
+            assert not torch.equal(_greedy(model), theirs)
+
+
+# --------------------------------------------------------------------------- the adapter in the sampled tokens
+
+def test_the_adapter_really_shifts_the_sampled_distribution():
+    """Our installed generate (merged, fused: the CPU default) at temperature 1, 2,048 first tokens of one prompt:
+    with the adapter their frequencies differ from those without it (two-sample chi-square p < 1e-6) and agree with
+    transformers' generate on the unmerged adapter (p > 1e-3)."""
+    model = _tiny_peft("llama", init=0.3)  # logits far from uniform
+    decoding.install(model, decoding.DecodeSettings(loop="lowvram", sampler="inverse_cdf", merge_lora=True, fused=True))
+    prompt = torch.tensor([[5, 9, 14, 3]]).expand(2048, -1).contiguous()
+    kwargs = dict(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=1, do_sample=True,
+                  temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        with_adapter = model.generate(**kwargs)[:, -1].tolist()
+        with model.disable_adapter():
+            without = model.generate(**kwargs)[:, -1].tolist()
+        reference = _plain_generate(model, **kwargs)[:, -1].tolist()
+    assert model._lowvram_decode_calls == 2
+
+    def table(a, b):
+        tokens = sorted(set(a) | set(b))
+        frequent = [t for t in tokens if a.count(t) + b.count(t) >= 20]
+        return [[x.count(t) for t in frequent] + [sum(x.count(t) for t in tokens if t not in frequent)] for x in (a, b)]
+
+    assert _two_sample_p(*table(with_adapter, without)) < 1e-6
+    assert _two_sample_p(*table(with_adapter, reference)) > 1e-3
+
+
+# --------------------------------------------------------------------------- a failure mid-loop
+
+def _snapshot(model):
+    return {name: (tensor.data_ptr(), tensor.detach().clone()) for name, tensor in model.state_dict(keep_vars=True).items()}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_exception_mid_loop_leaves_the_model_exactly_as_it_was(fused):
+    """A forward that raises at the third token step (in a decoder layer on transformers' layers, in the rotary
+    module on the fused ones, where each path computes), while sampling from the merged adapter: the error reaches
+    the caller; every parameter and buffer is the same tensor with the same bytes, no LoRA layer is merged or left
+    off, the model is back in train mode, its generate is still our loop, and the next call samples what a call on
+    the untouched model samples."""
+    model = _tiny_peft("qwen2", dtype=torch.bfloat16)
+    model.train()
+    decoding.install(model, decoding.DecodeSettings(loop="lowvram", sampler="inverse_cdf", merge_lora=True,
+                                                    fused=fused))
+    installed = model.generate
+    before = _snapshot(model)
+    kwargs = dict(input_ids=_IDS, attention_mask=_MASK, max_new_tokens=6, do_sample=True, top_k=0, pad_token_id=0,
+                  eos_token_id=None)
+    torch.manual_seed(3)
+    expected = model.generate(**kwargs)
+    body = model.get_base_model().model
+    watched = body.rotary_emb if fused else body.layers[1]
+    calls = []
+
+    def fail(*_):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected in the loop")
+
+    handle = watched.register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="injected in the loop"):
+            model.generate(**kwargs)
+    finally:
+        handle.remove()
+    assert len(calls) == 3
+    after = _snapshot(model)
+    assert after.keys() == before.keys()
+    for name, (pointer, values) in before.items():
+        assert after[name][0] == pointer and torch.equal(after[name][1], values), name
+    layers = decoding._lora_layers(model)
+    assert layers and not any(layer.merged or layer.disable_adapters for layer in layers)
+    assert model.training and model.generate is installed
+    torch.manual_seed(3)
+    assert torch.equal(model.generate(**kwargs), expected)
+
+
+# --------------------------------------------------------------------------- merges refused or decoded right
+
+def _recorded_logits(model, *, fused: bool, steps: int = 4):
+    """The logits [B, V] our loop samples from at each step, sampling from the merged adapter (fused layers, or
+    merged_weights on transformers' layers), with greedy picks so both sides follow one sequence."""
+    from lowvram_grpo import fused_decode
+
+    seen = []
+
+    def pick(logits):
+        seen.append(logits.float())
+        return logits.argmax(-1)
+
+    inner = model.get_base_model()
+    with torch.no_grad():
+        if fused:
+            out = fused_decode.decode(inner, _IDS, _MASK, max_new_tokens=steps, eos_token_ids=[], pad_token_id=0,
+                                      pick=pick)
+        else:
+            original = decoding.next_tokens
+            decoding.next_tokens = lambda logits, **_: pick(logits)  # the loop's own pick, recording
+            try:
+                with decoding.merged_weights(model):
+                    settings = decoding.DecodeSettings(loop="lowvram", sampler="inverse_cdf", merge_lora=True)
+                    out = decoding.decode(model, _IDS, _MASK, max_new_tokens=steps, do_sample=True, eos_token_ids=[],
+                                          pad_token_id=0, settings=settings)
+            finally:
+                decoding.next_tokens = original
+    return out, seen
+
+
+def _reference_logits(model, out):
+    """transformers' forward of the PEFT model as it stands (adapter unmerged, or as PEFT merged it) at each step
+    of `out`."""
+    reference = []
+    with torch.no_grad():
+        for step in range(out.shape[1] - _IDS.shape[1]):
+            width = _IDS.shape[1] + step
+            full = torch.cat([_MASK, _MASK.new_ones(2, step)], 1)
+            positions = (full.cumsum(-1) - 1).clamp(min=0)
+            reference.append(model(input_ids=out[:, :width], attention_mask=full, position_ids=positions).logits[:, -1])
+    return reference
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_lora_on_the_lm_head_of_a_tied_model_is_sampled_right_and_leaves_the_embeddings(fused):
+    """Tied embeddings, LoRA on lm_head and every projection (float32, so rounding stays below 1e-4): the logits
+    our loop samples from are those of PEFT's unmerged forward at every step, and the input embeddings (the tensor
+    lm_head shares) keep their bytes throughout: no merge writes through a tied weight."""
+    model = _tiny_peft("llama", dtype=torch.float32, targets=_ALL + ["lm_head"])
+    embeddings = model.get_base_model().model.embed_tokens.weight
+    copy = embeddings.detach().clone()
+    assert decoding.mergeable(model) is None
+    out, seen = _recorded_logits(model, fused=fused)
+    assert torch.equal(embeddings, copy) and model.get_base_model().lm_head.base_layer.weight is embeddings
+    for step, (ours, theirs) in enumerate(zip(seen, _reference_logits(model, out))):
+        assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4), (step, (ours - theirs).abs().max())
+    with torch.no_grad(), model.disable_adapter():  # the adapter matters
+        base = _reference_logits(model, out)
+    assert all((ours - theirs).abs().max() > 1e-2 for ours, theirs in zip(seen, base))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_adapter_peft_already_merged_is_never_merged_twice(fused):
+    """PEFT's merge_adapter (its `merged` flag): our sampled path reads the merged weights as they are: its logits
+    are PEFT's forward of the merged model at every step, the layers stay merged, their weights keep their bytes."""
+    model = _tiny_peft("qwen2", dtype=torch.float32)
+    model.merge_adapter()
+    layers = decoding._lora_layers(model)
+    assert all(layer.merged for layer in layers)
+    before = _snapshot(model)
+    out, seen = _recorded_logits(model, fused=fused)
+    assert all(layer.merged and not layer.disable_adapters for layer in layers)
+    assert all(torch.equal(_snapshot(model)[name][1], values) for name, (_, values) in before.items())
+    for step, (ours, theirs) in enumerate(zip(seen, _reference_logits(model, out))):
+        assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4), (step, (ours - theirs).abs().max())
+
+
+def test_a_lora_bias_adapter_is_sampled_unmerged_and_exactly():
+    """lora_bias (a bias on B, outside plain LoRA): `mergeable` refuses it, install says so once and samples from
+    PEFT's unmerged forward on transformers' layers; with the multinomial sampler and one seed, the sampled tokens are
+    transformers' generate's, token for token."""
+    model = _tiny_peft("qwen2", targets=["q_proj", "k_proj", "v_proj"], lora_bias=True)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name and name.endswith("bias"):
+                param.normal_(0, 0.5)
+    assert "lora_bias" in decoding.mergeable(model)
+    said = []
+    decoding.install(model, decoding.DecodeSettings(loop="lowvram", sampler="multinomial", merge_lora=True,
+                                                    fused=True), log=said.append)
+    assert any("decode.merge_lora: adapter 'default' sets lora_bias" in line for line in said), said
+    kwargs = dict(input_ids=_IDS, attention_mask=_MASK, max_new_tokens=12, do_sample=True, top_k=0, top_p=1.0,
+                  temperature=1.0, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        torch.manual_seed(8)
+        ours = model.generate(**kwargs)
+        torch.manual_seed(8)
+        theirs = _plain_generate(model, **kwargs)
+    assert model._lowvram_decode_calls == 1 and torch.equal(ours, theirs)
+
+
+def test_an_init_adapter_with_an_option_beyond_the_merge_is_refused_when_the_merge_is_asked_for(tmp_path, tiny_model_dir):
+    """A saved adapter whose adapter_config.json sets lora_bias (or an aLoRA's invocation tokens): with
+    decode.merge_lora=true, refused at the settings check (before the model loads) in one line; with auto, accepted."""
+    import json
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lowvram_grpo.checks import before_load
+    from lowvram_grpo.errors import ConfigError
+
+    folder = tmp_path / "adapter"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                   LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])).save_pretrained(folder)
+    raw = json.loads((folder / "adapter_config.json").read_text())
+    before_load(load_config("tiny", [f"lora.init_adapter={folder}", "decode.merge_lora=true"]))  # plain LoRA
+    for option, value in (("lora_bias", True), ("alora_invocation_tokens", [5, 6])):
+        (folder / "adapter_config.json").write_text(json.dumps({**raw, option: value}))
+        with pytest.raises(ConfigError, match=f"sets {option} in its adapter_config.json, which decode.merge_lora=true "
+                                              "cannot merge"):
+            before_load(load_config("tiny", [f"lora.init_adapter={folder}", "decode.merge_lora=true"]))
+        before_load(load_config("tiny", [f"lora.init_adapter={folder}"]))
+
+
+def test_an_adapter_whose_variant_needs_peft_generate_keeps_transformers_generate():
+    """aLoRA (its invocation offsets come from PEFT's generate): our loop does not run; said once."""
+    model = _tiny_peft("llama", dtype=torch.float32, targets=["q_proj", "v_proj"], alora_invocation_tokens=[7])
+    said = []
+    decoding.install(model, decoding.DecodeSettings(loop="lowvram", sampler="inverse_cdf", merge_lora=True, fused=True),
+                     log=said.append)
+    assert getattr(model, "_lowvram_decode", None) is None
+    assert len(said) == 1 and "sets alora_invocation_tokens" in said[0] and "transformers' generate" in said[0]
+
+
+def test_generation_settings_outside_the_loop_go_to_transformers_said_once(tiny_model_dir):
+    """top_h, watermarking_config, max_time, dola_layers (settings of transformers 5.17's GenerationConfig the loop
+    does not implement) each send the call to transformers' generate, said once in the log per setting."""
+    model = _tiny_peft("llama", dtype=torch.float32, targets=["q_proj", "v_proj"])
+    said = []
+    decoding.install(model, decoding.DecodeSettings(loop="lowvram", sampler="inverse_cdf", merge_lora=True, fused=True),
+                     log=said.append)
+    base = dict(input_ids=_IDS, attention_mask=_MASK, max_new_tokens=2, pad_token_id=0)
+    with torch.no_grad():
+        for setting in (dict(top_h=0.4, do_sample=True), dict(watermarking_config={"greenlist_ratio": 0.5}),
+                        dict(max_time=30.0)):
+            for _ in range(2):
+                model.generate(**base, **setting)
+        for _ in range(2):  # transformers 5.17 runs DoLa as Hub code, and says so: its error, not our loop's tokens
+            with pytest.raises(ValueError, match="Dola Generation requires `trust_remote_code=True`"):
+                model.generate(**base, dola_layers="low")
+        assert model._lowvram_decode_calls == 0
+        model.generate(**base, do_sample=True)
+    assert model._lowvram_decode_calls == 1
+    assert [line.split(" with ")[1].split("=")[0] for line in said] == ["top_h", "watermarking_config", "max_time",
+                                                                        "dola_layers"], said
