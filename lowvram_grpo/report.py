@@ -36,8 +36,9 @@ from .evaluation import beyond_line, interval_notes, metric_rows, pair_notes, pr
 from .run_dir import PLOT_FILES, RunDir  # noqa: F401  (PLOT_FILES: the plots below, named where a run's files are)
 from .completions import PREVIEW_CHARS, steps_to_show
 from .validation import PREFIX, best_point, criterion, curve
-from .signals import (ALL_RIGHT_KEY, ALL_WRONG_KEY, CLIPPED_KEY, SMOOTHING, STRETCH, THRESHOLD, WINDOW, ZERO_STD_KEY,
-                      Signal, all_wrong_stretches, moving_average, scan, windowed)
+from .signals import (ALL_RIGHT_KEY, ALL_WRONG_KEY, CLIPPED_KEY, SAMPLER_GAP_KEY, SAMPLER_GAP_MAX_KEY,
+                      SAMPLER_GAP_THRESHOLD, SMOOTHING, STRETCH, THRESHOLD, WINDOW, ZERO_STD_KEY, Signal,
+                      all_wrong_stretches, moving_average, scan, windowed)
 
 
 # ----------------------------------------------------------------------------- plots
@@ -156,6 +157,11 @@ def plot_specs(rows: list[dict], config: dict) -> dict[str, dict]:
             shade=(all_wrong_stretches(rows), ALL_WRONG_KEY,
                    f"all-wrong warning: at/above {THRESHOLD}, {STRETCH}+ steps in a row"),
             ylim=(-0.03, 1.03)),
+        "sampler_gap": dict(
+            title="Sampler vs trainer: |trainer - sampler| log-prob of each sampled token",
+            ylabel="nats per token", lines=[("mean", SAMPLER_GAP_KEY), ("max", SAMPLER_GAP_MAX_KEY)],
+            hline=(SAMPLER_GAP_THRESHOLD, f"large above {SAMPLER_GAP_THRESHOLD} (mean; the progress line shows it)",
+                   SAMPLER_GAP_KEY)),
         "loss": dict(title="GRPO loss", ylabel="loss", lines=[("loss", "loss")],
                      caption=BETA_ZERO_LOSS if (config.get("train") or {}).get("beta") == 0 else None),
         "validation": dict(title="Held-out curve: the adapter during GRPO on the validation questions (greedy)",
@@ -356,8 +362,9 @@ def tools_section(rows: list[dict]) -> Optional[str]:
 
 
 # TRL 1.15's (and unsloth's) metrics of the importance-sampling correction (train.is_correction): the trainer's
-# log-probs of the sampled tokens minus the vLLM sampler's, and the ratios the loss was weighted by.
-SAMPLING_ROWS = (("sampling/sampling_logp_difference/mean", "trainer - sampler log-prob of a token, mean (nats)"),
+# log-probs of the sampled tokens minus the sampler's (a vLLM engine, our decode loop, transformers' generate), and the
+# ratios the loss was weighted by.
+SAMPLING_ROWS = (("sampling/sampling_logp_difference/mean", "|trainer - sampler| log-prob of a token, mean (nats)"),
                  ("sampling/sampling_logp_difference/max", "the same, largest"),
                  ("sampling/importance_sampling_ratio/min", "importance-sampling ratio, smallest"),
                  ("sampling/importance_sampling_ratio/mean", "importance-sampling ratio, mean"),
@@ -365,8 +372,9 @@ SAMPLING_ROWS = (("sampling/sampling_logp_difference/mean", "trainer - sampler l
 
 
 def sampling_section(rows: list[dict]) -> Optional[str]:
-    """Sampler against trainer (train.is_correction on with vLLM rollouts): the first and the last steps' means of
-    the sampling/* metrics in metrics.jsonl; None when the run logged none (no vLLM, or the correction off)."""
+    """Sampler against trainer (train.is_correction on): the first and the last steps' means of the sampling/*
+    metrics in metrics.jsonl, the whole run's mean and largest gap against SAMPLER_GAP_THRESHOLD; None when the run
+    logged none (the correction off)."""
     if not any(key in r for r in rows for key, _ in SAMPLING_ROWS):
         return None
     window = max(1, min(10, len(rows) // 2))
@@ -375,8 +383,16 @@ def sampling_section(rows: list[dict]) -> Optional[str]:
         values = [r[key] for r in part if isinstance(r.get(key), (int, float))]
         return f"{sum(values) / len(values):.4f}" if values else "-"
 
-    lines = [f"| vLLM sampler vs the trainer | first {window} steps | last {window} steps |", "|---|---|---|"]
+    lines = [f"| sampler vs the trainer | first {window} steps | last {window} steps |", "|---|---|---|"]
     lines += [f"| {label} | {mean(rows[:window], key)} | {mean(rows[-window:], key)} |" for key, label in SAMPLING_ROWS]
+    means = [r[SAMPLER_GAP_KEY] for r in rows if isinstance(r.get(SAMPLER_GAP_KEY), (int, float))]
+    peaks = [r[SAMPLER_GAP_MAX_KEY] for r in rows if isinstance(r.get(SAMPLER_GAP_MAX_KEY), (int, float))]
+    if means:
+        large = sum(1 for m in means if m > SAMPLER_GAP_THRESHOLD)
+        lines += ["", f"The gap over the run: {sum(means) / len(means):.2e} nats a token on average per step (largest "
+                  f"step mean {max(means):.2e}; largest single token {max(peaks) if peaks else float('nan'):.2e}); "
+                  f"{large} of {len(means)} logged steps above the threshold {SAMPLER_GAP_THRESHOLD} (large: the "
+                  "progress line says so)."]
     lines += ["", "The correction (train.is_correction) re-weights the loss by these ratios; in its default mode "
               "(sequence_mask) a completion whose ratio is above the cap (3) is left out of the loss."]
     return "\n".join(lines)
@@ -467,6 +483,7 @@ def plots_section(plots: dict[str, Optional[str]], config: dict) -> str:
         "clipped_ratio": "Cut-off completions and groups without signal",
         "loss": "Loss",
         "validation": "Held-out curve during GRPO",
+        "sampler_gap": "Sampler vs trainer",
     }
     beta = (config.get("train") or {}).get("beta")
     notes = {"loss": BETA_ZERO_LOSS if beta == 0 else None,
@@ -480,6 +497,9 @@ def plots_section(plots: dict[str, Optional[str]], config: dict) -> str:
                          + (f"\n\n{notes[name]}" if notes.get(name) else ""))
         elif name == "kl" and beta == 0:
             parts.append(f"### {captions[name]}\n\nNot logged: train.beta = 0, so the loss has no KL term.")
+        elif name == "sampler_gap":
+            parts.append(f"### {captions[name]}\n\nNot measured: the importance-sampling correction was off "
+                         "(train.is_correction; `--dry-run` says why).")
         elif name == "validation":
             parts.append(f"### {captions[name]}\n\nNot measured by this run (eval.every_steps: `--dry-run` says why).")
         else:

@@ -65,6 +65,7 @@ CHECKPOINT_BEST = "validation"  # checkpoint-N/validation/best_adapter: the best
 TRL_COMPLETIONS = "completions"  # TRL's log_completions writes its parquet tables there (training.py turns it on)
 PLOT_FILES = ("reward.png", "kl.png", "completion_length.png", "clipped_ratio.png", "loss.png")  # report.py draws them
 VALIDATION_PLOT = "validation.png"  # report.py draws it for a run with the held-out curve
+SAMPLER_PLOT = "sampler_gap.png"  # report.py draws it for a run with the importance-sampling correction on
 # what a run leaves that marks the folder as holding one (any of them)
 RUN_MARKERS = (CONFIG, SUMMARY, METRICS, ADAPTER, PRIMED_ADAPTER)
 STAGING_PREFIX = ".checkpoint-staging-"
@@ -183,7 +184,8 @@ class RunDir:
             return
         doomed = [self.path / name for name in (CONFIG, SUMMARY, METRICS, REPORT, ADAPTER, PRIMED_ADAPTER, "runs", *PLOT_FILES,
                                                  "README.md",  # the run's model card (TRL's, then model_card.py's)
-                                                 COMPLETIONS, BEST_ADAPTER, TRL_COMPLETIONS, VALIDATION_PLOT)]
+                                                 COMPLETIONS, BEST_ADAPTER, TRL_COMPLETIONS, VALIDATION_PLOT,
+                                                 SAMPLER_PLOT)]
         doomed += list(self.path.glob("vllm_gen_lora*"))  # unsloth's rollout LoRA folder, moved here after training
         doomed += [p for _, p in self.checkpoint_dirs() + self.prime_checkpoint_dirs()] + list(self.path.glob("export-*"))
         doomed += list(self.path.glob(f"{STAGING_PREFIX}*")) + list(self.path.glob(".adapter.*")) + list(self.path.glob(".primed_adapter.*"))

@@ -34,6 +34,14 @@ ZERO_STD_KEY = "frac_reward_zero_std"
 REWARD_KEY = "reward"
 ALL_RIGHT_KEY = "groups/all_right"   # share of groups whose completions were all right (training.GroupOutcomes)
 ALL_WRONG_KEY = "groups/all_wrong"   # ... all wrong
+# TRL 1.15's gap between the sampler and the trainer, logged where train.is_correction is on (every path that samples
+# with log-probs: vLLM engines, our decode loop, transformers' generate when asked): |trainer - sampler| log-prob of
+# each sampled token, its mean and max over the step's completion tokens (nats)
+SAMPLER_GAP_KEY = "sampling/sampling_logp_difference/mean"
+SAMPLER_GAP_MAX_KEY = "sampling/sampling_logp_difference/max"
+SAMPLER_GAP_THRESHOLD = 0.1  # nats a token, mean: "large" (the progress line shows it, the report's plot draws it).
+# Our CPU vLLM path measures 0.03-0.04 (docs/results.md); 0.1 a token is a ratio of e^0.1 per token, and TRL's
+# sequence_mask drops a completion whose summed gap passes log(3) = 1.1
 SMOOTHING = 10      # logged steps in the moving average of the reward (progress bar, reward plot)
 
 WINDOW = 5          # logged steps averaged for the ratio checks: one odd step is not a pattern

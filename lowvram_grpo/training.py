@@ -34,7 +34,7 @@ from .run_dir import RunDir
 from .tool_metrics import with_tool_use
 from .tools import environment_methods
 from .user_code import of as user_code_of
-from .signals import ALL_RIGHT_KEY, ALL_WRONG_KEY
+from .signals import ALL_RIGHT_KEY, ALL_WRONG_KEY, SAMPLER_GAP_KEY, SAMPLER_GAP_THRESHOLD
 from .completions import CompletionsLog, with_completion_facts
 from .trl_compat import (DynamicSampling, ModelSampler, TrainerHooks, grpo_trainer_base, install_logprob_fallback,
                          sample_with, trainer_name)
@@ -411,6 +411,9 @@ def progress_fields(logs: dict, recent: "collections.deque", beta: float) -> dic
         fields["signal"] = f"{1 - logs[ZERO_STD_KEY]:.0%} of groups"
     if beta > 0 and isinstance(logs.get("kl"), (int, float)):
         fields["kl"] = f"{logs['kl']:.4f}"
+    gap = logs.get(SAMPLER_GAP_KEY)
+    if isinstance(gap, (int, float)) and gap > SAMPLER_GAP_THRESHOLD:  # the sampler is off the trained policy
+        fields["sampler gap"] = f"{gap:.3f} nats/token > {SAMPLER_GAP_THRESHOLD}"
     return fields
 
 
