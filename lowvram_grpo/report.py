@@ -364,7 +364,7 @@ def tools_section(rows: list[dict]) -> Optional[str]:
 # TRL 1.15's (and unsloth's) metrics of the importance-sampling correction (train.is_correction): the trainer's
 # log-probs of the sampled tokens minus the sampler's (a vLLM engine, our decode loop, transformers' generate), and the
 # ratios the loss was weighted by.
-SAMPLING_ROWS = (("sampling/sampling_logp_difference/mean", "|trainer - sampler| log-prob of a token, mean (nats)"),
+SAMPLING_ROWS = (("sampling/sampling_logp_difference/mean", "abs(trainer - sampler) log-prob of a token, mean (nats)"),
                  ("sampling/sampling_logp_difference/max", "the same, largest"),
                  ("sampling/importance_sampling_ratio/min", "importance-sampling ratio, smallest"),
                  ("sampling/importance_sampling_ratio/mean", "importance-sampling ratio, mean"),

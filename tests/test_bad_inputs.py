@@ -435,9 +435,6 @@ CROSS_CASES = [
      "tools.max_tokens_per_turn=999 is above train.max_completion_length="),
     ("dynamic-sampling-reward-alone", ["--set", "train.dynamic_sampling_reward=correctness"],
      "train.dynamic_sampling_reward=correctness does nothing without dynamic sampling: add --set train.dynamic_sampling=true"),
-    ("is-correction-without-vllm", ["--set", "train.is_correction=on"],
-     "train.is_correction=on corrects a vLLM sampler's log-probs against the trainer's, and this run's rollouts come "
-     "from the trained model itself"),
     ("kv-fp8-without-vllm", ["--set", "model.kv_cache_dtype=fp8"],
      "model.kv_cache_dtype=fp8 is unsloth's vLLM engine's fp8 KV cache and this run generates with transformers"),
     ("kv-dtype-not-compute", ["--set", "model.kv_cache_dtype=float16"], "the KV cache is kept in the compute dtype"),

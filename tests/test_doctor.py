@@ -320,8 +320,9 @@ def test_a_described_card_through_the_whole_doctor(tmp_path, capsys):
     assert "ok    GPU 0: NVIDIA GeForce RTX 4090, sm89, native bf16; 21.6 of 23.6 GiB free" in out
     assert "note  2.0 GiB of GPU 0 are in use already" in out
     assert "ok    the plan (4.1 GiB) fits the 21.6 GiB free on GPU 0" in out
-    assert ("note  IS correction off: the trained model samples its own rollouts: no second sampler to correct for; "
-            "decode CUDA graphs off: they are unsloth's") in out  # resolve's three decisions (issue 54), with why
+    assert ("note  IS correction off: transformers' generate samples with the trainer's own forward: auto keeps the "
+            "correction off") in out
+    assert "decode CUDA graphs off: they are unsloth's" in out  # resolve's three decisions (issue 54), with why
     assert re.search(r"^ok    disk: .* GiB for checkpoints and adapters in .*out", out, re.M)
     assert code == 0, out
     assert "ready: the GPU path is ready: python -m lowvram_grpo.run --preset qwen1_5b_4bit --backend hf" in out

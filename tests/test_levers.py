@@ -43,14 +43,21 @@ def test_unsloths_vllm_engine_gets_the_correction_on_by_default_with_mode_and_en
     assert "IS correction on (sequence_mask): auto -> on" in r.describe()
 
 
-def test_our_vllm_engine_on_a_cpu_gets_it_and_transformers_generation_does_not():
+def test_our_vllm_engine_and_our_decode_loop_on_a_cpu_get_it_and_transformers_generation_does_not():
     from lowvram_grpo.training import grpo_config_kwargs
 
     ours = resolved("smollm2_cpu", "cpu", "model.generation=vllm", hardware=CPU_WITH_VLLM)
     assert ours.generation == "vllm" and ours.is_correction and ours.trainer_environment == {}
     assert "our vLLM engine samples" in ours.is_reason
-    plain = resolved("smollm2_cpu", "cpu")
+    loop = resolved("smollm2_cpu", "cpu")  # our decode loop (decode.loop=auto on a CPU): trl_compat.ModelSampler
+    assert loop.decode_loop == "lowvram" and loop.is_correction and loop.is_mode == IS_MODE
+    assert loop.is_reason.startswith("auto -> on: our decode loop samples")
+    assert grpo_config_kwargs(loop, REPO / "unused")["vllm_importance_sampling_correction"] is True
+    asked = resolved("smollm2_cpu", "cpu", "decode.loop=transformers", "train.is_correction=on")
+    assert asked.is_correction and "transformers' generate samples" in asked.is_reason  # its scores captured
+    plain = resolved("smollm2_cpu", "cpu", "decode.loop=transformers")
     assert plain.generation == "transformers" and not plain.is_correction and plain.is_mode is None
+    assert "auto keeps the correction off" in plain.is_reason
     assert grpo_config_kwargs(plain, REPO / "unused")["vllm_importance_sampling_correction"] is False
     unsloth_no_vllm = resolved("qwen1_5b_4bit", "rtx3090", "model.fast_inference=false")
     assert unsloth_no_vllm.backend == "unsloth" and not unsloth_no_vllm.is_correction
@@ -61,8 +68,9 @@ def test_off_is_kept_on_vllm_and_on_is_refused_without_a_second_sampler():
     assert not off.is_correction and off.trainer_environment == {} and "differ uncorrected" in off.is_reason
     on = resolved("qwen1_5b_4bit", "rtx4090", "train.is_correction=on")
     assert on.is_correction and on.is_reason.startswith("train.is_correction=on")
-    with pytest.raises(ResolveError, match="train.is_correction=on corrects a vLLM sampler's log-probs"):
-        resolved("tiny", "cpu", "train.is_correction=on")
+    with pytest.raises(ResolveError, match="train.is_correction=on corrects a sampler's log-probs against the trainer's, "
+                                           "and this run's rollouts come from unsloth's patched generate"):
+        resolved("qwen1_5b_4bit", "rtx3090", "model.fast_inference=false", "train.is_correction=on")
 
 
 def test_vespo_gets_a_token_mode_as_trl_requires():
