@@ -448,8 +448,8 @@ def curve_section(rows: list[dict], summary: Optional[dict]) -> str:
     key = criterion(rows)
     best = best_point(rows)
     points = ", ".join(f"step {step}: {value:.3f}" for step, value in curve(rows, key))
-    lines = [f"The adapter measured on the validation questions during GRPO (`{key}` in metrics.jsonl; questions taken "
-             f"out of training, not the held-out ones): {points}.",
+    lines = [f"The adapter measured on the validation questions during GRPO (`{key}` in metrics.jsonl; questions of the "
+             f"training source, never trained on, not the held-out ones): {points}.",
              "", f"Best: step {best['step']} ({key.removeprefix(PREFIX)} {best['value']:.3f}), kept as `best_adapter/`."]
     best_column, after = (summary or {}).get("best"), (summary or {}).get("after")
     facts = (summary or {}).get("best_adapter") or {}
