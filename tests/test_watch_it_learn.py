@@ -343,3 +343,26 @@ def test_tensorboard_gets_the_completions_as_text(tmp_path):
     assert events.count(b"completions/text_summary") == 2  # the text panel's entry of each written step
     rows = _rows(out / "completions.jsonl")
     assert f"| {rows[0]['group']} | {rows[0]['reward']:.3f} |".encode() in events
+
+
+def test_the_curve_is_on_by_default_where_it_costs_under_a_tenth_and_dry_run_says_which(tmp_path):
+    """resolve.choose_validation: null (auto) is on with the smallest interval of at least two points estimated under 10%
+    of GRPO's time (the default CPU job: 2 x 32 validation answers against 48 steps x 16 completions, every 24 steps),
+    off where even two points cost more (tiny: 3 steps of 4 completions); as asked otherwise; --dry-run prints it."""
+    from lowvram_grpo.config import load_config
+    from lowvram_grpo.hardware import profile
+    from lowvram_grpo.resolve import VALIDATION_BUDGET, resolve, validation_cost
+
+    default = resolve(load_config("smollm2_cpu"), profile("cpu"))
+    assert default.validation_every == 24 and validation_cost(24, 48, 32, 16) == pytest.approx(64 / 768)
+    assert validation_cost(23, 48, 32, 16) > VALIDATION_BUDGET  # 23 would measure 3 times: 12.5%
+    assert "eval.every_steps auto -> 24: a held-out curve on 32 validation questions, estimated 8% of GRPO's time" in \
+        " ".join(default.notes)
+    assert resolve(load_config("tiny"), profile("cpu")).validation_every == 0
+    assert resolve(load_config("tiny", ["eval.every_steps=2"]), profile("cpu")).validation_every == 2
+    assert resolve(load_config("smollm2_cpu", ["eval.every_steps=0"]), profile("cpu")).validation_every == 0
+    assert resolve(load_config("smollm2_cpu", ["eval.enabled=false"]), profile("cpu")).validation_every == 0
+    assert resolve(load_config("smollm2_cpu"), profile("cpu"), num_processes=2).validation_every == 0
+    proc = run_cli(*TINY, "--dry-run", "--output-dir", str(tmp_path / "never"), env=ENV)
+    assert proc.returncode == 0 and "note: eval.every_steps auto -> off: a held-out curve of two points" in proc.stdout
+    assert not (tmp_path / "never").exists()
