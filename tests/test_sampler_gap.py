@@ -1,0 +1,84 @@
+"""The sampler against the trainer (issue 51) on the generation paths a CPU runs: our decode loop and transformers'
+generate, each a real tiny run. The sampler's per-token log-probs reach TRL 1.15's importance-sampling correction
+(trl_compat.ModelSampler), which logs the gap (sampling/sampling_logp_difference/mean|max: abs(trainer - sampler)
+log-prob of each sampled token) and the ratios it weights the loss by (sampling/importance_sampling_ratio/*).
+vLLM's CPU engine: tests/test_vllm_engine.py (CI's vLLM stage)."""
+from __future__ import annotations
+
+import json
+
+from conftest import run_cli
+
+from lowvram_grpo.signals import SAMPLER_GAP_KEY, SAMPLER_GAP_MAX_KEY, SAMPLER_GAP_THRESHOLD
+
+RATIO_KEY = "sampling/importance_sampling_ratio/mean"
+
+
+def rows_of(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_our_loop_is_corrected_by_default_and_its_bf16_gap_is_logged_and_reported(tmp_path):
+    """bfloat16 on a CPU: our loop samples from merged, fused, bf16-rounded weights with its own cache, the trainer
+    scores with PEFT's unmerged forward; the gap is small but not 0, so the ratios TRL weights the loss by are not
+    all 1. The default (train.is_correction=auto) turns the correction on for our loop, said in the log."""
+    out = tmp_path / "run"
+    proc = run_cli("--preset", "tiny", "--max-steps", "2", "--set", "model.dtype=bfloat16", "--set", "eval.enabled=false",
+                   "--output-dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    assert "IS correction on (sequence_mask): auto -> on: our decode loop samples" in log
+    assert json.loads((out / "summary.json").read_text())["resolved"]["is_correction"] is True
+    rows = rows_of(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert 0 <= r[SAMPLER_GAP_KEY] <= r[SAMPLER_GAP_MAX_KEY] < SAMPLER_GAP_THRESHOLD, r
+    assert any(r[SAMPLER_GAP_KEY] > 1e-6 for r in rows), rows  # bf16: the sampler is not exactly the trainer
+    assert any(r[RATIO_KEY] != 1.0 for r in rows), rows  # ... and the loss is re-weighted
+    report = (out / "report.md").read_text()
+    assert "## Sampler vs trainer (importance sampling)" in report and "![Sampler vs trainer](sampler_gap.png)" in report
+    assert f"above the threshold {SAMPLER_GAP_THRESHOLD}" in report and (out / "sampler_gap.png").is_file()
+
+
+def test_transformers_generate_logs_the_gap_when_the_correction_is_asked_for(tmp_path):
+    """decode.loop=transformers with train.is_correction=on: transformers' processed scores give the sampled
+    tokens' log-probs; in float32 with the trainer's own forward they agree with the trainer's to rounding. With
+    auto the correction stays off there: no sampling/* column."""
+    out = tmp_path / "on"
+    proc = run_cli("--preset", "tiny", "--max-steps", "2", "--set", "decode.loop=transformers", "--set",
+                   "train.is_correction=on", "--set", "eval.enabled=false", "--output-dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "IS correction on (sequence_mask): train.is_correction=on: transformers' generate samples" in proc.stdout + proc.stderr
+    rows = rows_of(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r[SAMPLER_GAP_MAX_KEY] < 1e-3 and abs(r[RATIO_KEY] - 1) < 1e-3, r
+    off = tmp_path / "auto"
+    proc = run_cli("--preset", "tiny", "--max-steps", "1", "--set", "decode.loop=transformers", "--set",
+                   "eval.enabled=false", "--output-dir", str(off))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not any(key.startswith("sampling/") for r in rows_of(off) for key in r)
+    assert "Not measured: the importance-sampling correction was off" in (off / "report.md").read_text()
+
+
+def test_a_sampler_off_the_trainers_policy_shows_a_large_gap_on_the_progress_line(tmp_path, capsys):
+    """Planted: the sampler draws at temperature 0.1 while the trainer scores at the run's temperature (TRL's
+    generation config, which our loop reads, set apart from the trainer's). The gap is far above the threshold and
+    the progress line says so."""
+    from lowvram_grpo.backends import load_model
+    from lowvram_grpo.config import load_config
+    from lowvram_grpo.data import load_questions, to_prompt_rows
+    from lowvram_grpo.hardware import detect
+    from lowvram_grpo.resolve import resolve
+    from lowvram_grpo.training import build_trainer
+
+    config = load_config("tiny", ["train.max_steps=1", "eval.enabled=false"])
+    handle = load_model(resolve(config, detect(), "hf"))
+    train_q, _ = load_questions(config.data)
+    trainer = build_trainer(handle, to_prompt_rows(train_q, config.data.system_prompt), tmp_path)
+    trainer.generation_config.temperature = 0.1
+    trainer.train()
+    assert handle.model._lowvram_decode_calls > 0  # the rollouts came from our loop
+    rows = rows_of(tmp_path)
+    assert rows[0][SAMPLER_GAP_KEY] > SAMPLER_GAP_THRESHOLD, rows[0]
+    assert f"nats/token > {SAMPLER_GAP_THRESHOLD}" in capsys.readouterr().err
