@@ -349,7 +349,7 @@ def build_checkpoint(shape, directory: Path, log=print) -> Path:
     SHARD_BYTES, so building Llama-3.1-8B's 16 GB needs ~2 GB of RAM (a Colab runtime has 12); on the CPU."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, AutoConfig
 
     from lowvram_grpo.model_shapes import model_shape
 
@@ -366,7 +366,10 @@ def build_checkpoint(shape, directory: Path, log=print) -> Path:
                   pad_token_id=tokenizer.pad_token_id, dtype="bfloat16")
     if shape.head_dim:
         fields["head_dim"] = shape.head_dim
-    config = (Qwen2Config if shape.name.lower().startswith("qwen") else LlamaConfig)(**fields)
+    if shape.family not in STAND_IN_FAMILIES:
+        raise ValueError(f"no stand-in checkpoint for the {shape.family} family (the kit builds "
+                         f"{', '.join(STAND_IN_FAMILIES)})")
+    config = AutoConfig.for_model(shape.family, **fields)  # the preset's own architecture, random weights
     with torch.device("meta"):  # names and shapes only; a tied lm_head is listed once, as the embedding
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     params = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
@@ -890,6 +893,12 @@ def available_variants() -> list[str]:
 DATA = ["data.dataset=null", "data.eval_dataset=null"]  # built-in problems: nothing is downloaded
 
 
+# The families whose stand-in the kit builds from the plan's shape alone (config.json's model_type): dense
+# decoders whose config takes the shape's fields as they are. Gemma 3 (sliding layers, four norms), Qwen3.5
+# (linear-attention layers) and gpt-oss (experts) need fields the shape does not carry: refused in settle.
+STAND_IN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 def settle(args):
     """(config, shape, variants) from the arguments, each refused with one line before anything is built or
     written: the preset with the kit's data settings, its model's shape, the variants in the order they run."""
@@ -899,6 +908,11 @@ def settle(args):
 
     config = load_config(args.preset, DATA)
     shape = model_shape(config.model.name)  # a PlanError names the shapes it knows
+    if shape.family not in STAND_IN_FAMILIES:
+        raise ConfigError(f"--preset {args.preset}: the kit builds random stand-ins of the "
+                          f"{', '.join(STAND_IN_FAMILIES)} families, not {shape.family} ({config.model.name}): "
+                          f"try the preset itself on the card with python -m lowvram_grpo.run --preset "
+                          f"{args.preset} --dry-run")
     installed = available_variants()
     variants = args.variants or installed
     for variant in variants:

@@ -152,6 +152,7 @@ KIT_CASES = [
     ("kit-preset-missing", [], "the following arguments are required: --preset"),
     ("kit-preset-unknown", ["--preset", "nope"], "unknown preset 'nope'"),
     ("kit-preset-without-a-shape", ["--preset", "{tmp}/noshape.yaml"], "cannot plan for someone/unknown-7b: its config.json is not in the local hub cache"),
+    ("kit-preset-family-without-a-stand-in", ["--preset", "gemma3_1b"], "the kit builds random stand-ins of the llama, mistral, qwen2, qwen3 families, not gemma3"),
     ("kit-variants-unknown", ["--preset", "tiny", "--variants", "fast"], "--variants: unknown variant 'fast'"),
     ("kit-variants-empty", ["--preset", "tiny", "--variants", ","], "--variants: name at least one variant"),
     ("kit-variant-not-installed", ["--preset", "tiny", "--variants", "hf-vllm"], "--variants: hf-vllm needs vllm, which is not installed"),

@@ -133,9 +133,12 @@ def test_the_capped_run_ends_with_the_out_of_memory_line_and_resume_finishes_it(
 
 
 def test_the_stand_in_checkpoint_has_the_tables_shape_for_llama_and_qwen(tmp_path, monkeypatch):
-    """build_checkpoint writes config.json through transformers' own config classes; model_shapes.model_shape
-    reads it back (as the plan reads any local checkpoint) and it equals the table's shape. Shards of at
-    most SHARD_BYTES (small here, so there are several) load as one model."""
+    """build_checkpoint writes config.json through transformers' own config class of the shape's family
+    (config.json's model_type: a Qwen3 preset gets Qwen3's q/k norms, not a Qwen2 or Llama stand-in);
+    model_shapes.model_shape reads it back (as the plan reads any local checkpoint) and it equals the table's
+    shape. Shards of at most SHARD_BYTES (small here, so there are several) load as one model."""
+    import json
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bench import gpu_first_run
@@ -145,8 +148,10 @@ def test_the_stand_in_checkpoint_has_the_tables_shape_for_llama_and_qwen(tmp_pat
     monkeypatch.setattr(gpu_first_run, "SHARD_BYTES", 100_000)
 
     for shape in (ModelShape("Llama-test", 64, 2, 4, 2, 128, 1000, False, 16),
-                  ModelShape("Qwen2.5-test", 64, 2, 4, 2, 96, 1100, True)):
+                  ModelShape("Qwen2.5-test", 64, 2, 4, 2, 96, 1100, True, family="qwen2"),
+                  ModelShape("Qwen3-test", 64, 2, 4, 2, 96, 1100, True, 16, family="qwen3", qk_norm=True)):
         folder = build_checkpoint(shape, tmp_path / shape.name, log=lambda *a: None)
+        assert json.loads((folder / "config.json").read_text())["model_type"] == shape.family
         assert _same_shape(model_shape(str(folder)), shape)
         assert len(list(folder.glob("model-*-of-*.safetensors"))) > 2
         model = AutoModelForCausalLM.from_pretrained(folder)
