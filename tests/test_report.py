@@ -145,15 +145,20 @@ def test_report_cli_rebuilds_the_report(tiny_run, tmp_path):
 
 
 def test_the_report_shows_the_sampler_against_the_trainer_where_the_run_logged_it(tiny_run, tmp_path):
-    """train.is_correction with vLLM rollouts: TRL 1.15 (and unsloth's loss) log sampling/* per step, which
-    metrics.jsonl keeps like every number; the report tables the first and last steps' means. A run without them
-    (the tiny run: transformers' generation, no correction) has no such section. The real vLLM run:
-    tests/test_vllm_engine.py."""
+    """train.is_correction on (vLLM rollouts, our decode loop): TRL 1.15 (and unsloth's loss) log sampling/* per
+    step, which metrics.jsonl keeps like every number; the report tables the first and last steps' means. The tiny
+    run (our decode loop: the correction on by default) has the section; its rows without them have none. The real
+    runs: tests/test_sampler_gap.py, tests/test_vllm_engine.py."""
     out, _ = tiny_run
-    assert "Sampler vs trainer" not in (out / REPORT_FILE).read_text()
+    assert "## Sampler vs trainer (importance sampling)" in (out / REPORT_FILE).read_text()
     copy = tmp_path / "copy"
     shutil.copytree(out, copy, ignore=shutil.ignore_patterns("adapter", "checkpoint-*", "*.png", REPORT_FILE))
-    rows = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    rows = [{k: v for k, v in json.loads(line).items() if not k.startswith("sampling/")}
+            for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report_main([str(copy)]) == 0
+    assert "Sampler vs trainer (importance" not in (copy / REPORT_FILE).read_text()
+    assert not (copy / "sampler_gap.png").exists()
     for i, row in enumerate(rows):  # the keys as trl/trainer/grpo_trainer.py logs them
         row.update({"sampling/sampling_logp_difference/mean": 0.03 + 0.001 * i, "sampling/sampling_logp_difference/max": 0.9,
                     "sampling/importance_sampling_ratio/min": 0.5, "sampling/importance_sampling_ratio/mean": 1.01,
@@ -162,7 +167,8 @@ def test_the_report_shows_the_sampler_against_the_trainer_where_the_run_logged_i
     assert report_main([str(copy)]) == 0
     text = (copy / REPORT_FILE).read_text()
     assert "## Sampler vs trainer (importance sampling)" in text
-    assert "| trainer - sampler log-prob of a token, mean (nats) | 0.0300 |" in text
+    assert "| abs(trainer - sampler) log-prob of a token, mean (nats) | 0.0300 |" in text
+    assert "of 3 logged steps above the threshold 0.1" in text and (copy / "sampler_gap.png").is_file()
     assert "| importance-sampling ratio, mean | 1.0100 | 1.0100 |" in text
 
 

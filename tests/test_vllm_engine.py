@@ -292,7 +292,9 @@ def test_grpo_trains_with_vllm_rollouts_and_a_sync_every_step(tmp_path):
     assert summary["resolved"]["is_correction"] is True
     report = (out / "report.md").read_text()  # the sampling metrics in the report too
     assert "## Sampler vs trainer (importance sampling)" in report
-    assert "| trainer - sampler log-prob of a token, mean (nats) |" in report
+    assert "| abs(trainer - sampler) log-prob of a token, mean (nats) |" in report
+    assert "![Sampler vs trainer](sampler_gap.png)" in report and (out / "sampler_gap.png").is_file()  # issue 51
+    assert all(r["sampling/sampling_logp_difference/max"] >= r["sampling/sampling_logp_difference/mean"] for r in rows)
 
 
 def test_ctrl_c_stops_at_the_step_with_a_checkpoint_and_ends_the_engine(tmp_path):
