@@ -58,3 +58,16 @@ def test_the_rollout_methods_oom_phase_names_are_trls_own(monkeypatch):
     assert trl_compat.missing_rollout_methods(trl.GRPOTrainer) == ["GRPOTrainer._generate_single_turn"]
     with pytest.raises(BackendError, match=r"GRPOTrainer\._generate_single_turn.*pip install trl==1\.15\.0"):
         trl_compat.check_versions()
+
+
+def test_the_model_sampler_calls_trls_single_turn_as_trl_defines_it(monkeypatch):
+    """trl_compat.ModelSampler (the correction for the model's own rollouts) calls GRPOTrainer._generate_single_turn
+    with TRL 1.15's parameters; a TRL whose method takes others is refused with the fix."""
+    import trl
+
+    assert trl_compat.missing_single_turn(trl.GRPOTrainer) == []
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate_single_turn", lambda self, prompt_ids, num_generations: None)
+    assert trl_compat.missing_single_turn(trl.GRPOTrainer) == [
+        "GRPOTrainer._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)"]
+    with pytest.raises(BackendError, match=r"_generate_single_turn\(prompt_ids, images.*pip install trl==1\.15\.0"):
+        trl_compat.check_versions()
