@@ -562,15 +562,15 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward
     if validation is not None:  # first: its numbers join the step's logs before the trackers and metrics.jsonl read them
         trainer.callback_handler.callbacks.insert(0, ValidationCurve(validation, run_dir))
     trainer.add_callback(ReleaseHostMemory())  # freed step memory back to the OS: RSS stays flat (host_memory.py)
-    if rollouts is not None:
-        rollouts.attach(trainer)  # importance-sampling correction + vllm/adapter_version in metrics.jsonl
-    elif handle.resolved.is_correction and not asked["use_vllm"]:  # the model samples its own rollouts (our loop,
-        sample_with(trainer, ModelSampler(trainer))  # transformers' generate): TRL's correction on their log-probs
     trainer.dynamic_sampling_draws = config.train.dynamic_sampling_max_draws if config.train.dynamic_sampling else 0
     if config.train.dynamic_sampling and config.train.dynamic_sampling_reward is not None:  # checks: one of rewards.names
         trainer.dynamic_sampling_reward = config.train.dynamic_sampling_reward
         trainer.dynamic_sampling_column = config.rewards.names.index(config.train.dynamic_sampling_reward)
-    trainer.effective_settings = effective_grpo_settings(trainer, asked)
+    trainer.effective_settings = effective_grpo_settings(trainer, asked)  # before our samplers switch use_vllm on
+    if rollouts is not None:
+        rollouts.attach(trainer)  # importance-sampling correction + vllm/adapter_version in metrics.jsonl
+    elif handle.resolved.is_correction and not asked["use_vllm"]:  # the model samples its own rollouts (our loop,
+        sample_with(trainer, ModelSampler(trainer))  # transformers' generate): TRL's correction on their log-probs
     return trainer
 
 
