@@ -654,3 +654,19 @@ def test_generation_settings_outside_the_loop_go_to_transformers_said_once(tiny_
     assert model._lowvram_decode_calls == 1
     assert [line.split(" with ")[1].split("=")[0] for line in said] == ["top_h", "watermarking_config", "max_time",
                                                                         "dola_layers"], said
+
+
+def test_lora_on_a_layer_other_than_a_linear_is_sampled_unmerged_and_exactly():
+    """LoRA on the input embeddings (PEFT's lora.Embedding, plain options: only the layer type tells): `mergeable`
+    refuses it, and the sampled tokens (multinomial sampler, one seed) are transformers' generate's."""
+    model = _tiny_peft("llama", targets=["embed_tokens", "q_proj"])
+    assert "lora.layer.Embedding" in decoding.mergeable(model)
+    decoding.install(model, decoding.DecodeSettings(loop="lowvram", sampler="multinomial", merge_lora=True, fused=True))
+    kwargs = dict(input_ids=_IDS, attention_mask=_MASK, max_new_tokens=12, do_sample=True, top_k=0, top_p=1.0,
+                  temperature=1.0, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        torch.manual_seed(9)
+        ours = model.generate(**kwargs)
+        torch.manual_seed(9)
+        theirs = _plain_generate(model, **kwargs)
+    assert model._lowvram_decode_calls == 1 and torch.equal(ours, theirs)
