@@ -152,7 +152,8 @@ def test_every_legend_is_clear_of_its_title_and_axes_and_the_loss_is_captioned_a
     for name, spec in plot_specs(rows, config).items():
         fig = line_figure(rows=rows, **spec)
         if fig is None:
-            assert name == "kl"  # beta 0: TRL logs no KL
+            # beta 0: TRL logs no KL; the held-out curve is off on the tiny preset (resolve's auto: its cost there)
+            assert name in ("kl", "validation"), name
             continue
         from matplotlib.backends.backend_agg import FigureCanvasAgg
 
