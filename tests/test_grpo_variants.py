@@ -78,8 +78,13 @@ def test_the_effective_settings_line_names_the_variants():
     settings = {"loss_type": "dapo", "beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.28, "importance_sampling_level": "sequence",
                 "mask_truncated_completions": True, "top_entropy_quantile": 0.2, "dynamic_sampling_max_draws": 3,
                 "scale_rewards": "group", "num_generations": 4, "generation_batch_size": 8, "use_vllm": False,
-                "bf16": False, "fp16": False}
+                "bf16": False, "fp16": False, "vllm_importance_sampling_correction": False,
+                "vllm_importance_sampling_mode": "sequence_mask"}
     line = describe_effective({"trainer": "GRPOTrainer", "settings": settings, "changed": {}})
+    assert "vllm_importance_sampling_correction" not in line  # neither vLLM nor a correction: nothing to say
+    corrected = describe_effective({"trainer": "GRPOTrainer", "changed": {},
+                                    "settings": {**settings, "vllm_importance_sampling_correction": True}})
+    assert "vllm_importance_sampling_correction=True (sequence_mask)" in corrected  # our loop's correction is named
     assert line.startswith("GRPO as the trainer runs it: trainer=GRPOTrainer loss_type=dapo ")
     for part in ("epsilon_high=0.28", "importance_sampling_level=sequence", "mask_truncated_completions=True",
                  "top_entropy_quantile=0.2", "dynamic_sampling=on(max_draws=3)"):
