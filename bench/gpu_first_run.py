@@ -364,8 +364,7 @@ def build_checkpoint(shape, directory: Path, log=print) -> Path:
                   tie_word_embeddings=shape.tied_embeddings, max_position_embeddings=32768,
                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                   pad_token_id=tokenizer.pad_token_id, dtype="bfloat16")
-    if shape.head_dim:
-        fields["head_dim"] = shape.head_dim
+    fields["head_dim"] = shape.dim_per_head  # explicit: Qwen3's config defaults to 128, not hidden / heads
     if shape.family not in STAND_IN_FAMILIES:
         raise ValueError(f"no stand-in checkpoint for the {shape.family} family (the kit builds "
                          f"{', '.join(STAND_IN_FAMILIES)})")

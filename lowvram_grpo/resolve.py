@@ -427,6 +427,16 @@ def choose_is_correction(config: RunConfig, generation: str, strict: bool = True
     own_loop = generation == "transformers" and backend == "hf" and decode_loop == "lowvram"
     capturable = generation == "transformers" and backend == "hf"
     mode = IS_MODE_VESPO if config.train.loss_type == "vespo" else IS_MODE
+    multi_turn = bool(config.tools.names) or bool(config.environment.name)
+    if multi_turn and (own_loop or capturable) and asked != "off":
+        # TRL's tool loop regenerates after each tool result through the same sampler; our sampler's log-probs are
+        # returned for one turn a call only, so the turns after a tool result would not line up with the completion
+        if asked == "on" and strict:
+            raise ResolveError("train.is_correction=on with tools or an environment: the model's own sampler returns its "
+                               "log-probs for a single turn, not for the turns after a tool result: set "
+                               "train.is_correction=auto (off here), or generate with vLLM (model.generation=vllm)")
+        return False, None, ("tools or an environment make rollouts multi-turn: the model's own sampler's log-probs "
+                             "cover a single turn, so the correction stays off (the sampler's gap is not measured)")
     if asked == "off":
         return False, None, ("train.is_correction=off: the sampler's and the trainer's log-probs differ uncorrected"
                              if sampled_elsewhere or own_loop else "train.is_correction=off")

@@ -356,9 +356,11 @@ def test_vram_6_says_it_does_not_fit_and_what_to_change():
 
 @pytest.mark.slow
 def test_vram_10_proposes_settings_and_auto_fit_applies_them():
-    proc = run_cli("--preset", "llama8b_4bit", "--dry-run", "--vram", "10")
+    # a 16-bit KV cache: auto would pick fp8 here (model.kv_cache_dtype), which leaves little to propose
+    proc = run_cli("--preset", "llama8b_4bit", "--dry-run", "--vram", "10", "--set", "model.kv_cache_dtype=bfloat16")
     assert "to fit, change:" in proc.stdout and "--set train.num_generations=4" in proc.stdout
-    fitted = run_cli("--preset", "llama8b_4bit", "--dry-run", "--vram", "10", "--auto-fit")
+    fitted = run_cli("--preset", "llama8b_4bit", "--dry-run", "--vram", "10", "--auto-fit", "--set",
+                     "model.kv_cache_dtype=bfloat16")
     assert fitted.returncode == 0, fitted.stderr
     assert "auto-fit for a 10 GiB card: set " in fitted.stdout and "fits a 10 GiB card" in fitted.stdout
     resolved = yaml.safe_load(fitted.stdout[fitted.stdout.index("preset:"):fitted.stdout.index("# resolved for")])

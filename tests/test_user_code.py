@@ -54,8 +54,8 @@ def test_one_run_loads_each_user_file_and_looks_up_each_name_once(tmp_path, monk
     (tmp_path / "my_rewards.py").write_text(REWARDS_FILE)
     counts = collections.Counter()
     _count(monkeypatch, counts, "lowvram_grpo.user_files", "import_user_file", lambda path, setting, *a, **k: ("file", setting))
-    _count(monkeypatch, counts, "lowvram_grpo.rewards", "lookup_reward", lambda name, module=None: ("reward", name))
-    _count(monkeypatch, counts, "lowvram_grpo.tools", "lookup_tool", lambda name, module=None: ("tool", name))
+    _count(monkeypatch, counts, "lowvram_grpo.rewards", "lookup_reward", lambda name, *a, **k: ("reward", name))
+    _count(monkeypatch, counts, "lowvram_grpo.tools", "lookup_tool", lambda name, *a, **k: ("tool", name))
     _count(monkeypatch, counts, "lowvram_grpo.tools", "environment_class", lambda env: ("environment", env.name))
     config = load_config("tiny", [
         "train.max_steps=2", "prime.steps=1", "data.eval_size=2", "eval.batch_size=2", "train.max_prompt_length=1400",
