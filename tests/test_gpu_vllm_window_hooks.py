@@ -21,9 +21,12 @@ PINS = require_gpu_set()  # conftest: skips outside the GPU install set, fails t
 
 
 def tree(package: str, relative: str) -> ast.Module:
-    """The AST of `relative` inside the installed top-level `package` (find_spec runs none of its code)."""
-    spec = importlib.util.find_spec(package)
-    return ast.parse((Path(spec.origin).parent / relative).read_text())
+    """The AST of `relative` inside the installed top-level `package`, found through its distribution's files: no
+    code of it runs, and it is found also in a process where unsloth's import has blocked `import vllm` (find_spec
+    then answers None: an xdist worker that ran an unsloth test first)."""
+    import importlib.metadata
+
+    return ast.parse(Path(importlib.metadata.distribution(package).locate_file(package), relative).read_text())
 
 
 def functions(node) -> dict:
