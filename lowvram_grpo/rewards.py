@@ -121,14 +121,19 @@ def correctness_reward(prompts, completions, answer=None, **kwargs) -> list:
     The stated answer is `answers.stated_answer`: with <answer> tags the tagged text of the last closed
     block (its last number if it has words around it; a block cut off before </answer> counts); without
     tags the whole completion must be just the answer, as in the notebook."""
-    golds = _gold_list(answer, len(completions))
+    return _scored_against_gold(completions, answer, answers.stated_answer)
+
+
+def _scored_against_gold(completions, answer, stated) -> list:
+    """2.0 / 0.0 per completion as `stated(text)` equals its gold answer; None without a gold answer or where the
+    checker failed (unchecked, not wrong)."""
     scores = []
-    for completion, gold in zip(completions, golds):
+    for completion, gold in zip(completions, _gold_list(answer, len(completions))):
         if gold is None:
             scores.append(None)
             continue
         try:
-            right = answers.is_correct(answers.stated_answer(completion_text(completion)), gold)
+            right = answers.is_correct(stated(completion_text(completion)), gold)
         except answers.CheckerError:
             scores.append(None)
             continue
@@ -195,19 +200,7 @@ def think_correctness_reward(prompts, completions, answer=None, **kwargs) -> lis
     """2.0 when the answer after the last </think> (`answers.think_stated_answer`: its final answer) equals the gold
     answer (`answers.is_correct`); 0.0 otherwise, and without a closed </think>; None for a row without a gold
     answer and for one the checker failed on (unchecked, not wrong)."""
-    golds = _gold_list(answer, len(completions))
-    scores = []
-    for completion, gold in zip(completions, golds):
-        if gold is None:
-            scores.append(None)
-            continue
-        try:
-            right = answers.is_correct(answers.think_stated_answer(completion_text(completion)), gold)
-        except answers.CheckerError:
-            scores.append(None)
-            continue
-        scores.append(2.0 if right else 0.0)
-    return scores
+    return _scored_against_gold(completions, answer, answers.think_stated_answer)
 
 
 @register("think_format", 0.5)
