@@ -493,7 +493,7 @@ def test_gpu_presets_name_ids_unsloth_maps_to_pre_quantized_4bit(wheels):
     table = ast.literal_eval(mapper)
     for preset in GPU_PRESETS:
         config = load_config(preset)
-        if not config.model.load_in_4bit:
+        if not config.memory.load_in_4bit:
             continue  # a 16-bit preset (gemma3_1b, qwen3_5_0_8b) loads its own id: no pre-quantized repo
         name = config.model.name
         keys = [key for key, values in table.items() for group in (values.values() if isinstance(values, dict) else [values])
