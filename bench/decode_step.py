@@ -94,7 +94,7 @@ def profile_ops(model, timed, tokens: int, top: int = 12) -> dict:
 
 
 def reinstall(model, resolved) -> None:
-    from lowvram_grpo import decoding
+    from lowvram_grpo.model import decoding
 
     if "generate" in model.__dict__:
         del model.__dict__["generate"]
@@ -116,11 +116,11 @@ def main(argv=None) -> int:
 
     import torch
 
-    from lowvram_grpo.backends import load_model, prepare_backend
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.data import load_questions, to_prompt_rows
-    from lowvram_grpo.hardware import detect
-    from lowvram_grpo.resolve import resolve
+    from lowvram_grpo.model.backends import load_model, prepare_backend
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.task.data import load_questions, to_prompt_rows
+    from lowvram_grpo.settings.hardware import detect
+    from lowvram_grpo.settings.resolve import resolve
 
     hardware = detect()
     base = load_config(args.preset, args.set)

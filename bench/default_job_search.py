@@ -44,7 +44,7 @@ VARIANTS: dict[str, list[str]] = {
 
 
 def _steps(overrides: list[str]) -> int:
-    from lowvram_grpo.config import load_config
+    from lowvram_grpo.settings.config import load_config
 
     return load_config("smollm2_cpu", overrides).train.max_steps
 
@@ -58,7 +58,7 @@ def search_one(variant: str, seed: int, validation_size: int) -> dict:
             *[part for s in sets for part in ("--set", s)]]
     run.parent.mkdir(parents=True, exist_ok=True)
     wall, _ = run_cli(argv, run.parent / f"{run.name}.log")
-    from lowvram_grpo.run_dir import RunDir
+    from lowvram_grpo.report.run_dir import RunDir
 
     folder = RunDir(run, writer=False)
     rows = folder.read_metrics()
@@ -79,7 +79,7 @@ def seeds_one(variant: str, seed: int) -> dict:
     run.parent.mkdir(parents=True, exist_ok=True)
     wall, _ = run_cli(argv, run.parent / f"{run.name}.log")
     from bench.seeds_table import row_of
-    from lowvram_grpo.evaluation import paired_change
+    from lowvram_grpo.evaluate.evaluation import paired_change
 
     summary = row_of(run)["summary"]
     right, wrong, p = paired_change(summary["primed"], summary["after"], "accuracy_strict")

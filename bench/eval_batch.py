@@ -23,15 +23,15 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results/eval_batch.json"))
     args = parser.parse_args(argv)
 
-    from lowvram_grpo.backends import load_model, prepare_backend
+    from lowvram_grpo.model.backends import load_model, prepare_backend
 
     prepare_backend("hf")
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.data import load_questions, to_prompt_rows
-    from lowvram_grpo.evaluation import generate_answers, score
-    from lowvram_grpo.hardware import detect
-    from lowvram_grpo.priming import prime
-    from lowvram_grpo.resolve import resolve
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.task.data import load_questions, to_prompt_rows
+    from lowvram_grpo.evaluate.evaluation import generate_answers, score
+    from lowvram_grpo.settings.hardware import detect
+    from lowvram_grpo.training.priming import prime
+    from lowvram_grpo.settings.resolve import resolve
 
     config = load_config("smollm2_cpu", [f"data.eval_size={args.eval_size}", f"prime.steps={args.prime_steps}", *args.overrides])
     handle = load_model(resolve(config, detect(), "hf"))

@@ -12,7 +12,7 @@ JSON rewritten after each, so a cut job keeps what finished:
    first on PYTHONPATH, where smollm2.gguf_path() finds it.
 3. `model`: builtin:smollm2 converted from that GGUF (smollm2.ensure_smollm2) into a fresh LOWVRAM_GRPO_CACHE.
 4. `bf16`, `nf4`: the default job as a user runs it, `python -m lowvram_grpo.run --preset smollm2_cpu --backend hf`
-   (lowvram_grpo.run.main in a child: priming, GRPO, the held-out questions before, primed and after), with the
+   (lowvram_grpo.run.cli.main in a child: priming, GRPO, the held-out questions before, primed and after), with the
    base in bf16 and in 4-bit (bitsandbytes NF4, memory.load_in_4bit=true); train.max_steps sized to the budget
    (the JSON's `shortened`). Per run: held-out accuracy per stage, priming and GRPO times, TRL's step_time per GRPO
    step, peak device memory (bench.gpu_first_run's CudaMemory) beside the memory plan's total.
@@ -41,7 +41,7 @@ from typing import Optional
 
 from bench.gpu_first_run import (FIT_SHARE, RESERVE_S, Kit, KitStopped, _error_line, _summary_of_plan,
                                  device_memory, read_hardware, write_json)
-from lowvram_grpo.commands import whole_number_at_least
+from lowvram_grpo.run.commands import whole_number_at_least
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET = {False: "smollm2_cpu", True: "tiny"}   # by --dry
@@ -104,7 +104,7 @@ def grpo_steps(costs: dict, seconds: float, variants: list[str], most: int, deco
 
 def convert(job: dict) -> int:
     """A child: builtin:smollm2 converted from the GGUF that gguf_path() finds (the joined one, first on PYTHONPATH)."""
-    from lowvram_grpo.smollm2 import ensure_smollm2, gguf_path
+    from lowvram_grpo.model.smollm2 import ensure_smollm2, gguf_path
 
     started = time.monotonic()
     source = gguf_path()
@@ -119,10 +119,10 @@ def run_measured(job: dict) -> int:
     (bench.gpu_first_run: torch.cuda's allocator peaks and the device's used memory; the CPU twin without CUDA)
     beside the memory plan resolve() makes for the same settings here. Writes job['part']."""
     from bench.gpu_first_run import Phases
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.hardware import detect
-    from lowvram_grpo.resolve import resolve
-    from lowvram_grpo.run import main as run_main
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.settings.hardware import detect
+    from lowvram_grpo.settings.resolve import resolve
+    from lowvram_grpo.run.cli import main as run_main
 
     config = load_config(job["preset"], job["sets"])
     resolved = resolve(config, detect(), "hf")
@@ -159,7 +159,7 @@ def decode_bench(job: dict) -> int:
 
 def run_result(run_dir: Path, part: dict) -> dict:
     """What a run left (summary.json, complete or as it stood; metrics.jsonl), with the child's measurements."""
-    from lowvram_grpo.run_dir import RunDir
+    from lowvram_grpo.report.run_dir import RunDir
 
     run = RunDir(run_dir)
     summary = (run.read_summary() if run_dir.is_dir() else None) or {}
@@ -177,7 +177,7 @@ def run_result(run_dir: Path, part: dict) -> dict:
 
 
 def run_job(args, log=print) -> dict:
-    from lowvram_grpo.errors import ConfigError
+    from lowvram_grpo.run.errors import ConfigError
 
     from bench import gpu_stage
 
@@ -216,7 +216,7 @@ def run_job(args, log=print) -> dict:
 
 
 def _phases(kit: JobKit, args, costs: dict, preset: str, tmp: Path, gpu_stage) -> None:
-    from lowvram_grpo.config import load_config
+    from lowvram_grpo.settings.config import load_config
 
     report, log = kit.report, kit.log
     # the stage: the GGUF joined (in --dry split here first, from the installed wheel) and put first on PYTHONPATH
@@ -334,7 +334,7 @@ _budget = whole_number_at_least(1, " (seconds the job may take, all its phases i
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lowvram_grpo.commands import ArgumentParser
+    from lowvram_grpo.run.commands import ArgumentParser
 
     p = ArgumentParser(prog="python -m bench.gpu_default_job", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "gpu_default_job.json"),
@@ -349,8 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from lowvram_grpo.commands import guarded
-    from lowvram_grpo.errors import ConfigError, TrainingStopped
+    from lowvram_grpo.run.commands import guarded
+    from lowvram_grpo.run.errors import ConfigError, TrainingStopped
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)

@@ -18,7 +18,7 @@
    the device's used memory (all processes: vLLM's engine too) at its peak and at the phase's end, the
    time; beside them the plan's terms (memory.plan), the step times, the dtype and optimizer really used,
    the checkpoint's size on disk against doctor's estimate.
-3. The cap: `hf-nf4` again, through the CLI (lowvram_grpo.run.main), capped after its first checkpoint
+3. The cap: `hf-nf4` again, through the CLI (lowvram_grpo.run.cli.main), capped after its first checkpoint
    below what its measured step needs (torch.cuda.set_per_process_memory_fraction): it must end with the
    package's out-of-memory line (exit 1) and keep the checkpoint; then `python -m lowvram_grpo.run --resume
    RUN` with the cap lifted must finish it.
@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from lowvram_grpo.commands import whole_number_at_least
+from lowvram_grpo.run.commands import whole_number_at_least
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2 ** 30
@@ -170,7 +170,7 @@ def device_memory():
 # (`used`: every process's) would include its ~0.3-0.5 GiB. The card's facts are read by hardware.detect() in a
 # child process, which exits (its context with it) before the first variant starts.
 FACTS_CHILD = ("import dataclasses, json, sys, torch\n"
-               "from lowvram_grpo.hardware import detect\n"
+               "from lowvram_grpo.settings.hardware import detect\n"
                "print('KIT-FACTS ' + json.dumps({'hardware': dataclasses.asdict(detect()), 'torch': torch.__version__, "
                "'torch_cuda': torch.version.cuda}))")
 FACTS_TIMEOUT_S = 180.0  # a child's Python start, torch's import and the CUDA driver's start
@@ -179,8 +179,8 @@ FACTS_TIMEOUT_S = 180.0  # a child's Python start, torch's import and the CUDA d
 def read_hardware() -> tuple:
     """(hardware.Hardware, {'torch', 'torch_cuda'}) of this machine, read by `hardware.detect()` in a child
     process (FACTS_CHILD), so the calling process opens no CUDA context. Raises LowvramError when the child fails."""
-    from lowvram_grpo.errors import LowvramError
-    from lowvram_grpo.hardware import Hardware
+    from lowvram_grpo.run.errors import LowvramError
+    from lowvram_grpo.settings.hardware import Hardware
 
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
@@ -322,7 +322,7 @@ def stand_in_tokenizer(vocab: int):
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from lowvram_grpo.builtin_models import ensure_tiny_model
+    from lowvram_grpo.model.builtin_models import ensure_tiny_model
 
     tiny = AutoTokenizer.from_pretrained(ensure_tiny_model())
     data = json.loads(tiny.backend_tokenizer.to_str())
@@ -351,7 +351,7 @@ def build_checkpoint(shape, directory: Path, log=print) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoConfig
 
-    from lowvram_grpo.model_shapes import model_shape
+    from lowvram_grpo.settings.model_shapes import model_shape
 
     directory = Path(directory)
     if (directory / "config.json").is_file() and _same_shape(model_shape(str(directory)), shape):
@@ -428,7 +428,7 @@ def padded_system_prompt(config, tokenizer, pad: bool = True) -> tuple[str, int]
     """The preset's system prompt with filler words, so the longest training prompt is just under
     train.max_prompt_length tokens (the length the plan counts); and that length (`pad=False`: the preset's
     own prompt and its longest)."""
-    from lowvram_grpo.data import load_questions, to_prompt_rows
+    from lowvram_grpo.task.data import load_questions, to_prompt_rows
 
     questions, _ = load_questions(config.data)
     sample = questions[:200]
@@ -463,8 +463,8 @@ def variant_overrides(variant: str, cuda: bool, config) -> tuple[str, list[str]]
 
 
 def _summary_of_plan(resolved) -> dict:
-    from lowvram_grpo.errors import PlanError
-    from lowvram_grpo.memory import plan
+    from lowvram_grpo.run.errors import PlanError
+    from lowvram_grpo.settings.memory_plan import plan
 
     try:
         p = plan(resolved)
@@ -492,7 +492,7 @@ def peak_vs_plan(peak_gib: dict, plan_total_gib: float) -> dict:
 
 def measure(job: dict) -> int:
     """A child process: one variant's run, measured per phase; writes job['part']."""
-    from lowvram_grpo.commands import guarded
+    from lowvram_grpo.run.commands import guarded
 
     return guarded(lambda: _measure(job))
 
@@ -500,10 +500,10 @@ def measure(job: dict) -> int:
 def _measure(job: dict) -> int:
     import torch
 
-    from lowvram_grpo import allocator
-    from lowvram_grpo.config import load_config
+    from lowvram_grpo.run import allocator
+    from lowvram_grpo.settings.config import load_config
     from lowvram_grpo.doctor import checkpoint_bytes
-    from lowvram_grpo.pipeline import GRPORun
+    from lowvram_grpo.run.pipeline import GRPORun
 
     memory = device_memory()
     config = load_config(job["preset"], job["overrides"])
@@ -583,7 +583,7 @@ def decode_graph_record(resolved, stats, steps: list[dict], rows: list[dict]) ->
     (/ all completion tokens of the batch), from the kit's step times and metrics.jsonl (one row a step)."""
     import os
 
-    from lowvram_grpo.resolve import DECODE_GRAPHS_ENV
+    from lowvram_grpo.settings.resolve import DECODE_GRAPHS_ENV
 
     per_step = []
     for step, row in zip(steps, rows):
@@ -608,12 +608,12 @@ def plan_lengths(config) -> dict:
 
 
 def capped(job: dict) -> int:
-    """A child process: the run through the CLI (lowvram_grpo.run.main), capped at the first rollout after its
+    """A child process: the run through the CLI (lowvram_grpo.run.cli.main), capped at the first rollout after its
     first checkpoint to what it holds then + CAP_SHARE x what the measured step added on top. Writes job['part']."""
     from transformers.generation.utils import GenerationMixin
 
-    from lowvram_grpo.run import main as run_main
-    from lowvram_grpo.run_dir import RunDir
+    from lowvram_grpo.run.cli import main as run_main
+    from lowvram_grpo.report.run_dir import RunDir
 
     memory = device_memory()
     run_dir, info = RunDir(job["run_dir"]), {}
@@ -634,7 +634,7 @@ def capped(job: dict) -> int:
         return generate(*args, **kwargs)
 
     GenerationMixin.generate = arm_then_generate
-    from lowvram_grpo import decoding  # our decode loop (decode.loop=lowvram) generates without transformers' generate
+    from lowvram_grpo.model import decoding  # our decode loop (decode.loop=lowvram) generates without transformers' generate
 
     decode = decoding.decode
 
@@ -651,7 +651,7 @@ def capped(job: dict) -> int:
 
 def resume(job: dict) -> int:
     """A child process: `python -m lowvram_grpo.run --resume RUN`, as a user types it (through run.main)."""
-    from lowvram_grpo.run import main as run_main
+    from lowvram_grpo.run.cli import main as run_main
 
     return run_main(["--resume", job["run_dir"]])
 
@@ -901,9 +901,9 @@ STAND_IN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 def settle(args):
     """(config, shape, variants) from the arguments, each refused with one line before anything is built or
     written: the preset with the kit's data settings, its model's shape, the variants in the order they run."""
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.errors import ConfigError
-    from lowvram_grpo.model_shapes import model_shape
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.run.errors import ConfigError
+    from lowvram_grpo.settings.model_shapes import model_shape
 
     config = load_config(args.preset, DATA)
     shape = model_shape(config.model.name)  # a PlanError names the shapes it knows
@@ -929,9 +929,9 @@ def prepare(args, tmp: Path, log=print, build=None, hardware=None) -> dict:
     stand-in checkpoint (`build(shape, folder, log)`, default build_checkpoint) and its tokenizer, the padded
     system prompt from the built-in problems, and each variant's settings, validated as the run validates them.
     `hardware`: this machine (default: read_hardware(), in a child process: the caller opens no CUDA context)."""
-    from lowvram_grpo.checks import before_load
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.data import load_questions
+    from lowvram_grpo.settings.checks import before_load
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.task.data import load_questions
 
     config, shape, variants = settle(args)
     hardware = hardware or read_hardware()[0]
@@ -998,10 +998,10 @@ def prepare(args, tmp: Path, log=print, build=None, hardware=None) -> dict:
 def plan_total(config, backend: str, hardware) -> Optional[float]:
     """memory.plan's total (GiB) for `config` on `hardware` (this machine, read_hardware(); a GPU preset on a CPU:
     any NVIDIA GPU, as the doctor plans it there), or None where no plan can be made."""
-    from lowvram_grpo.errors import LowvramError
-    from lowvram_grpo.hardware import ANY_GPU
-    from lowvram_grpo.memory import plan
-    from lowvram_grpo.resolve import resolve
+    from lowvram_grpo.run.errors import LowvramError
+    from lowvram_grpo.settings.hardware import ANY_GPU
+    from lowvram_grpo.settings.memory_plan import plan
+    from lowvram_grpo.settings.resolve import resolve
 
     try:
         resolved = resolve(config, hardware if hardware.cuda or not config.requires_cuda else ANY_GPU, backend)
@@ -1011,7 +1011,7 @@ def plan_total(config, backend: str, hardware) -> Optional[float]:
 
 
 def run_kit(args, log=print) -> dict:
-    from lowvram_grpo import stops
+    from lowvram_grpo.run import stops
 
     out = Path(args.out or REPO / "bench" / "results" / f"gpu_first_run-{Path(args.preset).stem}.json")
     _check_writable("--out", out, file=True)
@@ -1127,7 +1127,7 @@ def run_variant(kit: Kit, prep: dict, variant: str, tmp: Path) -> None:
     try:
         proc = kit.child("measure", job, variant, on_part=partial)
     except BaseException as exc:  # the budget's end, a signal: what it measured so far stays, marked
-        from lowvram_grpo import stops
+        from lowvram_grpo.run import stops
 
         row = report["variants"].setdefault(variant, {"finished": False})
         row["stopped"] = "budget" if isinstance(exc, KitStopped) else (
@@ -1148,7 +1148,7 @@ def run_variant(kit: Kit, prep: dict, variant: str, tmp: Path) -> None:
 
 def _check_writable(option: str, path: Path, file: bool) -> None:
     """Refuse, before anything is built, a path the kit could not write."""
-    from lowvram_grpo.errors import ConfigError
+    from lowvram_grpo.run.errors import ConfigError
 
     if file and path.is_dir():
         raise ConfigError(f"{option} {path} is a directory: name a .json file")
@@ -1189,7 +1189,7 @@ def print_table(report: dict, log=print) -> None:
 def cap_and_resume(kit: Kit, prep: dict, tmp: Path) -> None:
     """The hf-nf4 run capped after its first checkpoint: the package's out-of-memory line and the checkpoint;
     then `--resume` without the cap finishes it."""
-    from lowvram_grpo.run_dir import RunDir
+    from lowvram_grpo.report.run_dir import RunDir
 
     report, costs, steps = kit.report, prep["costs"], prep["steps"]
     measured = report["variants"].get("hf-nf4", {})
@@ -1270,7 +1270,7 @@ def _variants(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lowvram_grpo.commands import ArgumentParser
+    from lowvram_grpo.run.commands import ArgumentParser
 
     p = ArgumentParser(prog="python -m bench.gpu_first_run", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", required=True, help="the preset whose model shape and settings are measured")
@@ -1290,8 +1290,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from lowvram_grpo.commands import guarded
-    from lowvram_grpo.errors import TrainingStopped
+    from lowvram_grpo.run.commands import guarded
+    from lowvram_grpo.run.errors import TrainingStopped
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)

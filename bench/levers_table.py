@@ -23,11 +23,11 @@ RAN: dict[tuple[str, str], str] = {}
 
 def _fp8_buys(preset: str, card: str) -> str:
     """The plan's KV cache in sequences of model.max_seq_length tokens, and unsloth_zoo's max_model_len, at 16-bit -> fp8."""
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.errors import PlanError, ResolveError
-    from lowvram_grpo.hardware import PROFILES
-    from lowvram_grpo.memory_plan_terms import estimate
-    from lowvram_grpo.resolve import resolve
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.run.errors import PlanError, ResolveError
+    from lowvram_grpo.settings.hardware import PROFILES
+    from lowvram_grpo.settings.memory_terms import estimate
+    from lowvram_grpo.settings.resolve import resolve
 
     out = []
     for kv in ("auto", "fp8"):
@@ -69,10 +69,10 @@ def _kv_why(reason: str) -> str:
 
 
 def rows() -> list[list[str]]:
-    from lowvram_grpo.config import list_presets, load_config
-    from lowvram_grpo.errors import ResolveError
-    from lowvram_grpo.hardware import PROFILES
-    from lowvram_grpo.resolve import model_type_of, resolve
+    from lowvram_grpo.settings.config import list_presets, load_config
+    from lowvram_grpo.run.errors import ResolveError
+    from lowvram_grpo.settings.hardware import PROFILES
+    from lowvram_grpo.settings.resolve import model_type_of, resolve
 
     out = []
     for preset in list_presets():

@@ -11,7 +11,7 @@ forward + backward over the level left after generation. Also measured: the byte
 backward per token per layer (`saved_tensors_hooks`) against the plan's activation formula, and the
 process's RSS growth over the whole run (glibc keeps freed memory, so RSS overstates tensor memory).
 
-Predicted loss + backward, from `lowvram_grpo.memory` at the run's sizes (fp32 on the CPU, 4 bytes):
+Predicted loss + backward, from `lowvram_grpo.settings.memory_plan` at the run's sizes (fp32 on the CPU, 4 bytes):
 the plan's LoRA grads (the weights exist before training: half its LoRA term) and activations
 (checkpointing off, as in these runs), plus the CPU's log-prob chunks (`logprobs_fallback`: 8M fp32
 logits per chunk with exp, softmax and softmax x logits; TRL's GPU kernel uses 4096 x 32768 tiles,
@@ -52,7 +52,7 @@ def build_wide_model(directory: Path) -> str:
     tokens decode to nothing, so sampled completions run to full length: the largest terms)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from lowvram_grpo.builtin_models import ensure_tiny_model
+    from lowvram_grpo.model.builtin_models import ensure_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
     config = LlamaConfig(vocab_size=32768, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
@@ -136,14 +136,14 @@ def measure(case: str) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from lowvram_grpo.backends import load_model
-    from lowvram_grpo.hardware import detect
-    from lowvram_grpo.resolve import resolve
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.data import drop_long_prompts, load_questions, to_prompt_rows
-    from lowvram_grpo.memory import plan
-    from lowvram_grpo.memory_plan_terms import activation_bytes_per_token_layer
-    from lowvram_grpo.training import build_trainer
+    from lowvram_grpo.model.backends import load_model
+    from lowvram_grpo.settings.hardware import detect
+    from lowvram_grpo.settings.resolve import resolve
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.task.data import drop_long_prompts, load_questions, to_prompt_rows
+    from lowvram_grpo.settings.memory_plan import plan
+    from lowvram_grpo.settings.memory_terms import activation_bytes_per_token_layer
+    from lowvram_grpo.training.grpo import build_trainer
 
     torch.set_num_threads(1)
     spec = CASES[case]

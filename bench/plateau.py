@@ -79,7 +79,7 @@ def grpo_dir(root: Path, seed: int, prime_steps: int, variant: str, grpo_steps: 
 
 
 def _write(path: Path, data: dict) -> None:
-    from lowvram_grpo.lora_io import atomic_write_text
+    from lowvram_grpo.model.lora_io import atomic_write_text
 
     atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 
@@ -99,7 +99,7 @@ def _steps_list(text: str) -> list[int]:
 
 
 def _prime_result(handle, eval_rows, config, args, steps: int, seconds: float, last_loss) -> None:
-    from lowvram_grpo.evaluation import evaluate
+    from lowvram_grpo.evaluate.evaluation import evaluate
 
     out = prime_dir(args.root, args.seed, steps)
     numbers, texts = evaluate(handle, eval_rows, config, lora_request=handle.load_lora(out / "adapter"))
@@ -129,7 +129,7 @@ def prime(args) -> int:
     if (out / "result.json").is_file():
         print(f"{out}: done already", flush=True)
         return 0
-    from lowvram_grpo.priming import prime as run_priming
+    from lowvram_grpo.training.priming import prime as run_priming
 
     config, handle, train_q, eval_rows = _setup(args.preset, [*args.common, *seed_overrides(args.seed), f"prime.steps={args.steps}"])
     made = []  # the checkpoints this run saved; one an earlier run left is not written again
@@ -191,9 +191,9 @@ def one_grpo(spec: dict) -> int:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from lowvram_grpo.data import drop_long_prompts, to_prompt_rows
-    from lowvram_grpo.evaluation import evaluate
-    from lowvram_grpo.training import build_trainer
+    from lowvram_grpo.task.data import drop_long_prompts, to_prompt_rows
+    from lowvram_grpo.evaluate.evaluation import evaluate
+    from lowvram_grpo.training.grpo import build_trainer
 
     out = Path(spec["out"])
     config, handle, train_q, eval_rows = _setup(spec["preset"], spec["overrides"])
@@ -249,8 +249,8 @@ def one_time(spec: dict) -> int:
     from safetensors.torch import load_file
     from transformers import TrainerCallback
 
-    from lowvram_grpo.data import drop_long_prompts, to_prompt_rows
-    from lowvram_grpo.training import build_trainer
+    from lowvram_grpo.task.data import drop_long_prompts, to_prompt_rows
+    from lowvram_grpo.training.grpo import build_trainer
 
     config, handle, train_q, _ = _setup(spec["preset"], spec["overrides"])
     set_peft_model_state_dict(handle.model, load_file(str(Path(spec["primed"]) / "adapter_model.safetensors")))
@@ -274,7 +274,7 @@ def one_time(spec: dict) -> int:
 def times(args) -> int:
     import tempfile
 
-    from lowvram_grpo.priming import prime as run_priming
+    from lowvram_grpo.training.priming import prime as run_priming
 
     primed = prime_dir(args.root, args.seed, args.prime_steps) / "adapter"
     config, handle, train_q, _ = _setup(args.preset, [*args.common, *seed_overrides(args.seed), f"prime.steps={args.time_prime_steps}"])
@@ -313,7 +313,7 @@ def _acc(numbers: dict, key: str) -> str:
 
 
 def _paired(start: dict, end: dict, key: str) -> str:
-    from lowvram_grpo.evaluation import paired_change
+    from lowvram_grpo.evaluate.evaluation import paired_change
 
     gained, lost, p = paired_change(start, end, key)
     return f"{end[key] - start[key]:+.3f}, +{gained}/-{lost} (p {'< 0.001' if p < 0.001 else f'{p:.3f}'})"

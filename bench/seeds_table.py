@@ -13,8 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from lowvram_grpo.evaluation import paired_change
-from lowvram_grpo.run_dir import RunDir
+from lowvram_grpo.evaluate.evaluation import paired_change
+from lowvram_grpo.report.run_dir import RunDir
 
 KEYS = ("accuracy_strict", "accuracy_lenient")
 

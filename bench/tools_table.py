@@ -22,8 +22,8 @@ import os
 from pathlib import Path
 
 from bench.harness import accuracy_cell, paired_cell, run_cli, seed_table_parser
-from lowvram_grpo.evaluation import mcnemar_p, paired_change
-from lowvram_grpo.run_dir import RunDir
+from lowvram_grpo.evaluate.evaluation import mcnemar_p, paired_change
+from lowvram_grpo.report.run_dir import RunDir
 
 OUT = Path("bench/results/tools")
 PRESET = "smollm2_tools_cpu"

@@ -178,7 +178,7 @@ def merged_sync_seconds(model, engine) -> dict:
 
 
 def child(variant: str, args) -> dict:
-    from lowvram_grpo.config import load_config
+    from lowvram_grpo.settings.config import load_config
 
     extra = ["model.generation=vllm"] if variant == "vllm" else ["model.generation=transformers"]
     config = load_config(args.preset, overrides(args) + extra)
@@ -192,15 +192,15 @@ def child(variant: str, args) -> dict:
             trainer = build_plain_trl(config)
             handle = None
         else:
-            from lowvram_grpo.backends import load_model, prepare_backend
-            from lowvram_grpo.backends.vllm import start_for_run
+            from lowvram_grpo.model.backends import load_model, prepare_backend
+            from lowvram_grpo.model.vllm import start_for_run
 
             prepare_backend("hf")
-            from lowvram_grpo.training import build_trainer
+            from lowvram_grpo.training.grpo import build_trainer
             from bench.vs_trl import prompt_rows
 
-            from lowvram_grpo.hardware import detect
-            from lowvram_grpo.resolve import resolve
+            from lowvram_grpo.settings.hardware import detect
+            from lowvram_grpo.settings.resolve import resolve
 
             handle = load_model(resolve(config, detect(), "hf"))
             rollouts = start_for_run(handle, log=lambda *a: None) if variant == "vllm" else None
@@ -253,8 +253,8 @@ def child(variant: str, args) -> dict:
             result["importance_sampling_ratio_mean"] = [round(r["sampling/importance_sampling_ratio/mean"], 4) for r in logs]
             result["adapter_sync_s"] = [round(s, 3) for s in engine.stats.sync_seconds]
         if handle is not None:  # held-out answers with the trained adapter, through this variant's engine
-            from lowvram_grpo.data import load_questions, to_prompt_rows
-            from lowvram_grpo.evaluation import evaluate
+            from lowvram_grpo.task.data import load_questions, to_prompt_rows
+            from lowvram_grpo.evaluate.evaluation import evaluate
 
             _, held_out = load_questions(config.data)
             rows = to_prompt_rows(held_out, config.data.system_prompt)[: args.heldout]

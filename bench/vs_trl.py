@@ -126,19 +126,19 @@ def keep_first_completion(trainer) -> list[str]:
 
 
 def prompt_rows(config):
-    from lowvram_grpo.data import load_questions, to_prompt_rows
+    from lowvram_grpo.task.data import load_questions, to_prompt_rows
 
     train_questions, _ = load_questions(config.data)
     return to_prompt_rows(train_questions, config.data.system_prompt)
 
 
 def build_ours(config, backend: str):
-    from lowvram_grpo.backends import load_model, prepare_backend
-    from lowvram_grpo.hardware import detect
-    from lowvram_grpo.resolve import resolve
+    from lowvram_grpo.model.backends import load_model, prepare_backend
+    from lowvram_grpo.settings.hardware import detect
+    from lowvram_grpo.settings.resolve import resolve
 
     prepare_backend(backend)  # unsloth first, before trl/transformers
-    from lowvram_grpo.training import build_trainer
+    from lowvram_grpo.training.grpo import build_trainer
 
     handle = load_model(resolve(config, detect(), backend))
     out = Path(tempfile.mkdtemp(prefix=f"bench-{backend}-"))
@@ -156,9 +156,9 @@ def plain_trl_args(config, output_dir: str, gradient_checkpointing: bool = True)
     """Plain TRL's GRPOConfig: SHARED_WITH_PLAIN_TRL from our builder, fp32 AdamW, one prompt's group per step."""
     from trl import GRPOConfig
 
-    from lowvram_grpo.hardware import detect
-    from lowvram_grpo.resolve import resolve
-    from lowvram_grpo.training import grpo_config_kwargs
+    from lowvram_grpo.settings.hardware import detect
+    from lowvram_grpo.settings.resolve import resolve
+    from lowvram_grpo.training.grpo import grpo_config_kwargs
 
     ours = grpo_config_kwargs(resolve(config, detect(), "hf"), Path(output_dir))
     return GRPOConfig(output_dir=output_dir, per_device_train_batch_size=config.train.num_generations,
@@ -176,9 +176,9 @@ def build_plain_trl(config, gradient_checkpointing: bool = True):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
 
-    from lowvram_grpo.trl_compat import install_logprob_fallback
-    from lowvram_grpo.builtin_models import resolve_model_path
-    from lowvram_grpo.rewards import REWARDS
+    from lowvram_grpo.training.trl_compat import install_logprob_fallback
+    from lowvram_grpo.model.builtin_models import resolve_model_path
+    from lowvram_grpo.task.rewards import REWARDS
 
     install_logprob_fallback()  # without it TRL 1.15 has no CPU log-prob path at all
     path = resolve_model_path(config.model.name)
@@ -199,7 +199,7 @@ def build_plain_trl(config, gradient_checkpointing: bool = True):
 
 
 def child(variant: str, args) -> dict:
-    from lowvram_grpo.config import load_config
+    from lowvram_grpo.settings.config import load_config
 
     config = load_config(args.preset, bench_overrides(args))
     rss_start = peak_rss_mb()

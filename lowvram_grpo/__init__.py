@@ -4,9 +4,9 @@
     result = train("tiny", ["train.max_steps=3"], output_dir="runs/tiny")
     result.summary["after"]["reward_mean"]
 
-Step by step (what the notebook does): `lowvram_grpo.pipeline.GRPORun`.
+Step by step (what the notebook does): `lowvram_grpo.run.pipeline.GRPORun`.
 
-Nothing heavy is imported here, so `lowvram_grpo.config` and the CLI can decide the settings (and
+Nothing heavy is imported here, so `lowvram_grpo.settings.config` and the CLI can decide the settings (and
 bring in unsloth first when it is chosen) before trl/transformers load.
 """
 import logging
@@ -27,7 +27,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropUnactionableNo
 
 
 def train(*args, **kwargs):
-    from .pipeline import train as _train
+    from lowvram_grpo.run.pipeline import train as _train
 
     return _train(*args, **kwargs)
 

@@ -1,5 +1,5 @@
 import sys
 
-from .run import cli
+from lowvram_grpo.run.cli import cli
 
 sys.exit(cli())

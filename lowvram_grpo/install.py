@@ -14,7 +14,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .driver_fit import CPU_COMMANDS, InstallFit, fit_install, read_nvidia_smi
+from lowvram_grpo.settings.driver_fit import CPU_COMMANDS, InstallFit, fit_install, read_nvidia_smi
 
 # Modules (import names) each install set provides that a run needs.
 # math_verify: answers.py's checker, imported by the correctness reward and the held-out accuracies of every run.
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     import sys
     from pathlib import Path
 
-    from .commands import ArgumentParser
+    from lowvram_grpo.run.commands import ArgumentParser
 
     parser = ArgumentParser(prog="python -m lowvram_grpo.install", description=main.__doc__)
     parser.add_argument("--dry-run", action="store_true", help="print the pip commands, install nothing")

@@ -133,7 +133,7 @@ def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subproce
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    from lowvram_grpo.builtin_models import ensure_tiny_model
+    from lowvram_grpo.model.builtin_models import ensure_tiny_model
 
     return ensure_tiny_model()
 

@@ -56,7 +56,7 @@ def _watch(cls, name: str, flag: str, after: str | None = None):
 
 
 def _has_checkpoint(output_dir: Path) -> bool:
-    from lowvram_grpo.run_dir import RunDir
+    from lowvram_grpo.report.run_dir import RunDir
 
     return RunDir(output_dir).latest_checkpoint() is not None
 
@@ -102,7 +102,7 @@ def install(failure: str, output_dir: Path) -> None:
         _sigterm_in_vllm()
         return
     _watch(GenerationMixin, "generate", "generating")
-    from lowvram_grpo import decoding
+    from lowvram_grpo.model import decoding
 
     _watch(decoding, "decode", "generating")  # our decode loop (decode.loop=lowvram) does not go through generate
 
@@ -127,7 +127,7 @@ def main() -> int:
     if failure not in FAILURES:
         raise SystemExit(f"unknown failure {failure!r}: one of {', '.join(FAILURES)}")
     install(failure, Path(argv[argv.index("--output-dir") + 1]))
-    from lowvram_grpo.run import main as run_main
+    from lowvram_grpo.run.cli import main as run_main
 
     return run_main(argv)
 

@@ -144,11 +144,11 @@ def main(mode: str) -> dict:
         assert name not in os.environ, f"{name} is set around this test: the load would not decide it"
     with tempfile.TemporaryDirectory() as toolkit:
         seen = inject(Path(toolkit) / "cuda")
-        from lowvram_grpo.backends.unsloth_backend import load_model
-        from lowvram_grpo.config import load_config
-        from lowvram_grpo.errors import EngineStopped
-        from lowvram_grpo.hardware import profile
-        from lowvram_grpo.resolve import resolve
+        from lowvram_grpo.model.unsloth_backend import load_model
+        from lowvram_grpo.settings.config import load_config
+        from lowvram_grpo.run.errors import EngineStopped
+        from lowvram_grpo.settings.hardware import profile
+        from lowvram_grpo.settings.resolve import resolve
 
         resolved = resolve(load_config("qwen1_5b_4bit", ["model.name=builtin:tiny"]), profile("t4"), "unsloth")
         if mode == "bypassed":

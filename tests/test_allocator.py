@@ -11,11 +11,11 @@ import textwrap
 import pytest
 
 from conftest import REPO, run_cli
-from lowvram_grpo import allocator
-from lowvram_grpo.config import load_config
-from lowvram_grpo.errors import ResolveError
-from lowvram_grpo.hardware import PROFILES, Hardware
-from lowvram_grpo.resolve import choose_host_allocator, resolve
+from lowvram_grpo.run import allocator
+from lowvram_grpo.settings.config import load_config
+from lowvram_grpo.run.errors import ResolveError
+from lowvram_grpo.settings.hardware import PROFILES, Hardware
+from lowvram_grpo.settings.resolve import choose_host_allocator, resolve
 
 pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
 

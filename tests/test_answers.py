@@ -5,10 +5,8 @@ import random
 
 import pytest
 
-from lowvram_grpo.answers import (
-    CheckerError, _math_verify, final_answer, is_correct, lenient_answer, plain_number, strict_answer, whole_answer,
-)
-from lowvram_grpo.rewards import REWARDS, extract_hash_answer, xml_formatted
+from lowvram_grpo.task.answers import (CheckerError, _math_verify, final_answer, is_correct, lenient_answer, plain_number, strict_answer, whole_answer)
+from lowvram_grpo.task.rewards import REWARDS, extract_hash_answer, xml_formatted
 
 
 @pytest.mark.parametrize("stated,gold", [
@@ -97,7 +95,7 @@ def test_a_checker_failure_is_not_a_wrong_answer(monkeypatch):
     accuracy counts it in checker_failures (before: False, 0.0, silently a wrong answer)."""
     import math_verify
 
-    from lowvram_grpo import evaluation
+    from lowvram_grpo.evaluate import evaluation
 
     def broken(*args, **kwargs):
         raise RuntimeError("sympy could not compare")

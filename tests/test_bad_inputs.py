@@ -2,7 +2,7 @@
 `error: ...` line on stderr, exit code 2, no traceback, and nothing written.
 
 The cases are the lists below; `test_every_cli_option_has_a_case` and `test_every_config_key_has_a_case`
-fail when an option or key is added without one. They run in-process through `lowvram_grpo.run.main`
+fail when an option or key is added without one. They run in-process through `lowvram_grpo.run.cli.main`
 (they fail before any model loads, so the sweep takes seconds); `test_in_a_fresh_process` reruns a
 sample as real `python -m lowvram_grpo.run` processes. In the argument lists `{tmp}` is a folder of
 prepared bad files (see `bad_files`) and `{run}` an existing run directory."""
@@ -16,8 +16,8 @@ import sys
 import pytest
 
 from conftest import REPO, run_cli
-from lowvram_grpo.builtin_models import ensure_tiny_model
-from lowvram_grpo.config import SECTIONS, _TOP_LEVEL_SCALARS
+from lowvram_grpo.model.builtin_models import ensure_tiny_model
+from lowvram_grpo.settings.config import SECTIONS, _TOP_LEVEL_SCALARS
 
 # ---------------------------------------------------------------- CLI options: (id, argv, fragment of the error line)
 CLI_CASES = [
@@ -510,7 +510,7 @@ def bad_files(tmp_path_factory):
 
 
 # Holds a run folder's lock, as a running run does, until killed.
-HOLD_LOCK = "import sys, time; from lowvram_grpo.run_dir import RunDir; RunDir(sys.argv[1]).lock(); print('locked', flush=True); time.sleep(3600)"
+HOLD_LOCK = "import sys, time; from lowvram_grpo.report.run_dir import RunDir; RunDir(sys.argv[1]).lock(); print('locked', flush=True); time.sleep(3600)"
 
 
 def _adapters(tmp, ours):
@@ -521,7 +521,7 @@ def _adapters(tmp, ours):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from lowvram_grpo.builtin_models import ensure_tiny_model
+    from lowvram_grpo.model.builtin_models import ensure_tiny_model
 
     model = AutoModelForCausalLM.from_pretrained(ensure_tiny_model())
     get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])).save_pretrained(ours)
@@ -548,7 +548,7 @@ def _tiny_gpt2(folder, chat_template=None):
     `chat_template`: one instead of the tiny model's (and no response template)."""
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    from lowvram_grpo.builtin_models import ensure_tiny_model
+    from lowvram_grpo.model.builtin_models import ensure_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
     if chat_template is not None:
@@ -568,7 +568,7 @@ def _snapshot(folder):
 
 def _main(argv, capsys, main=None):
     if main is None:
-        from lowvram_grpo.run import main
+        from lowvram_grpo.run.cli import main
 
     try:
         code = main(argv)
@@ -673,8 +673,8 @@ def test_every_check_class_has_a_case():
 
 
 def test_legal_but_surprising_settings_warn_once():
-    from lowvram_grpo.checks import surprises
-    from lowvram_grpo.config import load_config
+    from lowvram_grpo.settings.checks import surprises
+    from lowvram_grpo.settings.config import load_config
 
     quiet = load_config("smollm2_cpu")
     assert surprises(quiet, 2000) == []
@@ -686,7 +686,7 @@ def test_legal_but_surprising_settings_warn_once():
 
 
 def test_every_cli_option_has_a_case():
-    from lowvram_grpo.run import build_parser
+    from lowvram_grpo.run.cli import build_parser
 
     options = {s for action in build_parser()._actions for s in action.option_strings} - {"-h", "--help"}
     covered = {arg.split("=")[0] for _, argv, _ in CLI_CASES for arg in argv if arg.startswith("--")}
@@ -730,11 +730,11 @@ def test_a_mismatched_or_corrupt_adapter_is_refused_by_load_lora(tmp_path, tiny_
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lowvram_grpo.backends import load_model
-    from lowvram_grpo.hardware import detect
-    from lowvram_grpo.resolve import resolve
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.lora_io import AdapterError
+    from lowvram_grpo.model.backends import load_model
+    from lowvram_grpo.settings.hardware import detect
+    from lowvram_grpo.settings.resolve import resolve
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.model.lora_io import AdapterError
 
     other = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2))
@@ -797,7 +797,7 @@ def eval_files(bad_files):
 def test_bad_eval_argument(argv, fragment, eval_files, capsys, monkeypatch):
     """Through `lowvram-grpo eval ...` (run.main's dispatch). Nothing heavy may start: the model loader is
     replaced by one that fails the test if called."""
-    import lowvram_grpo.backends as backends
+    import lowvram_grpo.model.backends as backends
 
     def must_not_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the input was refused")
@@ -811,7 +811,7 @@ def test_bad_eval_argument(argv, fragment, eval_files, capsys, monkeypatch):
 
 
 def test_every_eval_option_has_a_case():
-    from lowvram_grpo.evaluate import build_parser
+    from lowvram_grpo.evaluate.cli import build_parser
 
     options = {s for action in build_parser()._actions for s in action.option_strings} - {"-h", "--help"}
     covered = {arg.split("=")[0] for _, argv, _ in EVAL_CASES for arg in argv if arg.startswith("--")}

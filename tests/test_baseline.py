@@ -90,7 +90,7 @@ def test_random_reward_control_trains_the_run_again_with_random_rewards(primed_r
     import yaml
     from safetensors.torch import load_file
 
-    from lowvram_grpo.rewards import REWARD_MAX
+    from lowvram_grpo.task.rewards import REWARD_MAX
 
     proc = _baseline(primed_run, "--control", "random-reward")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -69,7 +69,7 @@ def test_vs_trl_writes_step_times_memory_and_ratios(tmp_path, tiny_model_dir):
 
 @pytest.mark.slow
 def test_host_memory_bench_writes_peak_slope_and_step_times_per_variant(tmp_path, tiny_model_dir):
-    from lowvram_grpo.allocator import mimalloc_library
+    from lowvram_grpo.run.allocator import mimalloc_library
 
     mimalloc = mimalloc_library() is not None
     out = tmp_path / "host_memory.json"

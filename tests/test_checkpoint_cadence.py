@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 
 from conftest import REPO, run_cli
-from lowvram_grpo.config import load_config
-from lowvram_grpo.hardware import profile
-from lowvram_grpo.resolve import CHECKPOINT_EVERY_S, resolve, span_text, without_vllm
+from lowvram_grpo.settings.config import load_config
+from lowvram_grpo.settings.hardware import profile
+from lowvram_grpo.settings.resolve import CHECKPOINT_EVERY_S, resolve, span_text, without_vllm
 
 PRESETS = sorted(p.stem for p in (REPO / "presets").glob("*.yaml"))
 CARDS = ("t4", "rtx3090", "rtx4090")
@@ -59,7 +59,7 @@ def test_an_explicit_save_steps_is_kept_and_a_long_one_says_what_a_stop_would_lo
 
 
 def test_grpo_config_saves_at_the_decided_cadence(tmp_path):
-    from lowvram_grpo.training import grpo_config_kwargs
+    from lowvram_grpo.training.grpo import grpo_config_kwargs
 
     for overrides in ([], ["train.save_steps=7"]):
         resolved = resolve(load_config("llama8b_4bit", overrides), profile("t4"))

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from lowvram_grpo.config import SECTIONS, ConfigError, RunConfig, list_presets, load_config, read_preset
+from lowvram_grpo.settings.config import SECTIONS, ConfigError, RunConfig, list_presets, load_config, read_preset
 
 
 def test_the_presets_are_the_readmes_and_run_where_it_says():
@@ -12,8 +12,8 @@ def test_the_presets_are_the_readmes_and_run_where_it_says():
     import re
 
     from conftest import REPO
-    from lowvram_grpo.hardware import profile
-    from lowvram_grpo.resolve import ResolveError, resolve
+    from lowvram_grpo.settings.hardware import profile
+    from lowvram_grpo.settings.resolve import ResolveError, resolve
 
     text = (REPO / "README.md").read_text()
     table = text[text.index("## Presets"):text.index("\n## ", text.index("## Presets") + 4)]
@@ -39,7 +39,7 @@ def test_every_preset_loads_and_validates(name):
     # the resolved config round-trips through YAML
     import yaml
 
-    from lowvram_grpo.config import config_from_dict
+    from lowvram_grpo.settings.config import config_from_dict
 
     assert config_from_dict(yaml.safe_load(config.to_yaml())) == config
 
@@ -124,7 +124,7 @@ def test_changing_reward_names_carries_the_presets_weights_by_name():
 
 def test_an_unknown_reward_name_is_refused_by_the_runs_check_not_by_building_the_config():
     """Building a config runs no user code (a reward file is imported by checks.before_load, a check of the run)."""
-    from lowvram_grpo.checks import before_load
+    from lowvram_grpo.settings.checks import before_load
 
     config = load_config("tiny", ["rewards.names=[bogus]"])
     with pytest.raises(ConfigError, match="unknown reward 'bogus'"):
@@ -133,7 +133,7 @@ def test_an_unknown_reward_name_is_refused_by_the_runs_check_not_by_building_the
 
 def test_building_a_config_runs_no_user_code(tmp_path):
     """A reward file runs when the run checks it, never when a config is built (auto-fit builds many)."""
-    from lowvram_grpo.checks import before_load
+    from lowvram_grpo.settings.checks import before_load
 
     marker = tmp_path / "imported"
     module = tmp_path / "mine.py"

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from lowvram_grpo.config import DataConfig
-from lowvram_grpo.data import DataError, arithmetic_problems, load_questions, to_prompt_rows
-from lowvram_grpo.rewards import REWARDS, xml_formatted
+from lowvram_grpo.settings.config import DataConfig
+from lowvram_grpo.task.data import DataError, arithmetic_problems, load_questions, to_prompt_rows
+from lowvram_grpo.task.rewards import REWARDS, xml_formatted
 
 
 def test_builtin_problems_are_deterministic_distinct_and_correct():

@@ -5,14 +5,14 @@ merged weights put back untouched, calls it does not cover left to transformers,
 import pytest
 import torch
 
-from lowvram_grpo import decoding
-from lowvram_grpo.config import load_config
-from lowvram_grpo.hardware import detect
-from lowvram_grpo.resolve import resolve
+from lowvram_grpo.model import decoding
+from lowvram_grpo.settings.config import load_config
+from lowvram_grpo.settings.hardware import detect
+from lowvram_grpo.settings.resolve import resolve
 
 
 def _handle(preset: str, sets=()):
-    from lowvram_grpo.backends import load_model, prepare_backend
+    from lowvram_grpo.model.backends import load_model, prepare_backend
 
     resolved = resolve(load_config(preset, list(sets)), detect(), "hf")
     prepare_backend(resolved.backend)
@@ -47,8 +47,8 @@ def _encode(tokenizer, texts):
 # --------------------------------------------------------------------------- the levers as resolved
 
 def test_resolve_decides_the_levers_per_device_and_refuses_what_cannot_hold():
-    from lowvram_grpo.errors import ResolveError
-    from lowvram_grpo.hardware import profile
+    from lowvram_grpo.run.errors import ResolveError
+    from lowvram_grpo.settings.hardware import profile
 
     cpu = resolve(load_config("smollm2_cpu", []), detect(), "hf")
     assert (cpu.decode_loop, cpu.decode_sampler, cpu.decode_merge_lora, cpu.decode_fused) == (
@@ -140,7 +140,7 @@ def smollm2():
 
 
 def _held_out_prompts(handle, n: int):
-    from lowvram_grpo.data import load_questions, to_prompt_rows
+    from lowvram_grpo.task.data import load_questions, to_prompt_rows
 
     config = handle.config
     _, held_out = load_questions(config.data)
@@ -256,7 +256,7 @@ def test_rows_that_ended_are_padded_and_the_loop_stops_when_all_ended(tiny_model
 def test_trls_rollouts_reach_the_loop_in_a_real_run(tmp_path, tiny_model_dir):
     """A real tiny GRPO run (TRL's own generation path, no vLLM): its rollouts come from our loop, sampled from the
     merged adapter; with decode.loop=transformers, none do."""
-    from lowvram_grpo.pipeline import run
+    from lowvram_grpo.run.pipeline import run
 
     counts = {}
     for loop in ("auto", "transformers"):
@@ -302,7 +302,7 @@ def test_fused_layers_compute_transformers_logits_with_the_adapter(kind):
     transformers' forward of the PEFT model (adapter unmerged, its own KV cache) to float32 rounding, and the
     greedy tokens are the same; for qwen2 with its q/k/v biases, for llama with llama3 RoPE scaling, for qwen3 with
     its per-head q/k RMSNorms."""
-    from lowvram_grpo import fused_decode
+    from lowvram_grpo.model import fused_decode
 
     model = _peft_tiny(kind)
     inner = model.get_base_model()
@@ -329,7 +329,7 @@ def test_fused_layers_compute_transformers_logits_with_the_adapter(kind):
 
 
 def test_fused_layers_refuse_what_they_do_not_cover():
-    from lowvram_grpo import fused_decode
+    from lowvram_grpo.model import fused_decode
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -396,7 +396,7 @@ def test_bf16_sixteen_greedy_tokens_equal_transformers_on_each_rope_type(kind, r
     (adapter unmerged) gives transformers' generate's tokens, and the fused layers (adapter merged by PEFT's
     get_delta_weight, rounded once to bf16) give those of transformers' generate on the model PEFT merged itself
     (the same bf16 weights: W + ΔW rounded once). The adapter matters: without it the tokens differ."""
-    from lowvram_grpo import fused_decode
+    from lowvram_grpo.model import fused_decode
 
     model = _tiny_peft(kind, rope=rope)
     inner = model.get_base_model()
@@ -502,7 +502,7 @@ def test_an_exception_mid_loop_leaves_the_model_exactly_as_it_was(fused):
 def _recorded_logits(model, *, fused: bool, steps: int = 4):
     """The logits [B, V] our loop samples from at each step, sampling from the merged adapter (fused layers, or
     merged_weights on transformers' layers), with greedy picks so both sides follow one sequence."""
-    from lowvram_grpo import fused_decode
+    from lowvram_grpo.model import fused_decode
 
     seen = []
 
@@ -607,8 +607,8 @@ def test_an_init_adapter_with_an_option_beyond_the_merge_is_refused_when_the_mer
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from lowvram_grpo.checks import before_load
-    from lowvram_grpo.errors import ConfigError
+    from lowvram_grpo.settings.checks import before_load
+    from lowvram_grpo.run.errors import ConfigError
 
     folder = tmp_path / "adapter"
     get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),

@@ -10,7 +10,8 @@ import inspect
 import pytest
 import torch
 
-from lowvram_grpo import decoding, fused_decode
+from lowvram_grpo.model import decoding
+from lowvram_grpo.model import fused_decode
 
 
 def _normalized(text: str) -> str:

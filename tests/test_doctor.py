@@ -14,14 +14,14 @@ import torch
 
 from conftest import run_cli
 from lowvram_grpo import doctor
-from lowvram_grpo.config import load_config
-from lowvram_grpo.cuda_facts import Card, CudaFacts, cuda_lines, torch_has_kernels
+from lowvram_grpo.settings.config import load_config
+from lowvram_grpo.settings.cuda_facts import Card, CudaFacts, cuda_lines, torch_has_kernels
 from lowvram_grpo.doctor import plan_lines, read_pins
-from lowvram_grpo.commands import guarded
-from lowvram_grpo.errors import ConfigError
-from lowvram_grpo.hardware import profile
+from lowvram_grpo.run.commands import guarded
+from lowvram_grpo.run.errors import ConfigError
+from lowvram_grpo.settings.hardware import profile
 from lowvram_grpo.install import CPU_MODULES, GPU_MODULES
-from lowvram_grpo.resolve import resolve
+from lowvram_grpo.settings.resolve import resolve
 
 GIB = 2 ** 30
 GPU_SET = doctor.installed_version("vllm") is not None  # this venv holds requirements.txt (the CPU set has no vllm)
@@ -225,7 +225,7 @@ def test_a_cpu_torch_on_a_gpu_machine_and_a_card_torch_has_no_kernels_for_block(
 def test_the_doctors_native_bf16_is_hardwares_one_rule(monkeypatch):
     """The card line's 'native bf16' is hardware.gpu_bf16_native (what resolve's dtype follows), not a copy of it:
     every compute capability reads the same, and moving the rule moves the doctor's line with it."""
-    import lowvram_grpo.hardware as hardware
+    import lowvram_grpo.settings.hardware as hardware
 
     def line(cc):
         (ok,) = [x.text for x in cuda_lines(facts(card("GPU", cc, 16, 15)), uses_vllm=False) if x.text.startswith("GPU 0")]
@@ -332,7 +332,7 @@ def test_a_described_card_through_the_whole_doctor(tmp_path, capsys):
 def test_the_first_lines_of_a_gpu_runs_log_are_doctors(tmp_path):
     """GRPORun.load on a CUDA resolution logs doctor's cheap lines first, then the plan, then loads. Here the
     card is a profile and torch has no CUDA, so loading then fails; nothing was written."""
-    from lowvram_grpo.pipeline import GRPORun
+    from lowvram_grpo.run.pipeline import GRPORun
 
     log = []
     grpo = GRPORun(load_config("tiny"), tmp_path / "run", backend="hf", log=log.append, hardware=profile("t4"))
@@ -358,7 +358,7 @@ def test_log_lines_on_a_described_card():
 def test_a_gpu_run_without_a_c_compiler_or_python_headers_is_blocked(tmp_path):
     """Triton compiles a C launcher for every GPU kernel on first use ($CC, else gcc, else clang; Python.h from
     sysconfig's include dir: triton/runtime/build.py): a machine without them is blocked before the run."""
-    from lowvram_grpo.toolchain import toolchain_lines
+    from lowvram_grpo.settings.toolchain import toolchain_lines
 
     resolved = _resolved("qwen1_5b_4bit", "rtx4090", backend="hf")
     empty = tmp_path / "empty"
@@ -419,7 +419,7 @@ def test_flashinfer_notes_follow_the_compute_capability_and_compare_nvcc_with_to
     set) nvcc's CUDA release is compared with torch's."""
     import importlib.util
 
-    from lowvram_grpo.toolchain import flashinfer_lines
+    from lowvram_grpo.settings.toolchain import flashinfer_lines
 
     t4 = _resolved("qwen1_5b_4bit", "t4")
     assert t4.generation == "unsloth_vllm" and t4.vllm_flashinfer is False

@@ -1,4 +1,4 @@
-"""Which install fits the driver (lowvram_grpo/driver_fit.py), decided from what nvidia-smi prints, before anything is
+"""Which install fits the driver (lowvram_grpo/settings/driver_fit.py), decided from what nvidia-smi prints, before anything is
 installed: CUDA 13 drivers get requirements.txt, CUDA 12 drivers requirements-cuda12.txt (torch and vLLM 0.31's
 CUDA 12.9 builds), no driver or one too old for torch 2.13 the CPU set. The fixtures are nvidia-smi's own output
 as these drivers print it; `python -m lowvram_grpo.install` runs the decision against a stand-in nvidia-smi on PATH."""
@@ -9,8 +9,7 @@ import pytest
 
 from conftest import REPO
 from lowvram_grpo.doctor import read_pins
-from lowvram_grpo.driver_fit import (CUDA12_FILE, CUDA13_FILE, MIN_DRIVER, SETS, Driver, build_major, driver_advice,
-                                     fit_install, hosted_runtime, parse_nvidia_smi)
+from lowvram_grpo.settings.driver_fit import (CUDA12_FILE, CUDA13_FILE, MIN_DRIVER, SETS, Driver, build_major, driver_advice, fit_install, hosted_runtime, parse_nvidia_smi)
 
 HEADER = """{date}
 +-----------------------------------------------------------------------------------------+
@@ -67,7 +66,7 @@ def test_the_install_that_fits_each_recorded_driver(header, driver, name, file, 
 
 def test_a_set_without_vllm_says_so_in_one_line_and_turns_fast_inference_off(monkeypatch):
     """Where no vLLM build fits the driver the set has none, and a run needs model.fast_inference=false."""
-    import lowvram_grpo.driver_fit as driver_fit
+    import lowvram_grpo.settings.driver_fit as driver_fit
 
     monkeypatch.setitem(driver_fit.SETS, 12, driver_fit.PinnedSet(CUDA12_FILE, "2.13.0+cu129", 12,
                                                                   SETS[12].torch_index, None, None))

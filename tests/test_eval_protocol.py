@@ -99,9 +99,9 @@ def test_summary_numbers_are_greedy_and_say_so(short_run):
 
 def test_greedy_numbers_agree_question_for_question_with_plain_transformers_and_peft(short_run):
     out, summary, _ = short_run
-    from lowvram_grpo.builtin_models import resolve_model_path
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.data import load_questions, to_prompt_rows
+    from lowvram_grpo.model.builtin_models import resolve_model_path
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.task.data import load_questions, to_prompt_rows
 
     config = load_config(str(out / "config.yaml"))
     _, held_out = load_questions(config.data)

@@ -5,10 +5,10 @@ import json
 import pytest
 
 from conftest import run_cli
-from lowvram_grpo.backends.base import Completion
-from lowvram_grpo.config import load_config
-from lowvram_grpo.evaluation import format_table, intervals_overlap, score, wilson_interval
-from lowvram_grpo.rewards import xml_formatted
+from lowvram_grpo.model.handle import Completion
+from lowvram_grpo.settings.config import load_config
+from lowvram_grpo.evaluate.evaluation import format_table, intervals_overlap, score, wilson_interval
+from lowvram_grpo.task.rewards import xml_formatted
 
 MY_REWARDS = '''
 def my_reward(prompts, completions, answer=None, completion_ids=None, trainer_state=None, **kwargs):
@@ -93,7 +93,7 @@ def test_the_readme_reward_file_example_trains_and_evaluates(tmp_path):
 
 
 def test_paired_change_counts_questions_that_flipped_and_its_mcnemar_p():
-    from lowvram_grpo.evaluation import mcnemar_p, paired_change
+    from lowvram_grpo.evaluate.evaluation import mcnemar_p, paired_change
 
     start = {"strict_correct": [1, 0, 0, 0, 1, 0], "lenient_correct": [1, 1, 0, 0, 1, 0]}
     end = {"strict_correct": [1, 1, 1, 0, 0, 1], "lenient_correct": [1, 1, 0, 0, 1, 0]}
@@ -114,7 +114,7 @@ def test_the_table_reports_the_paired_change_when_verdicts_are_there():
 
 
 def test_the_protocol_is_greedy_by_default_and_is_said_in_words():
-    from lowvram_grpo.evaluation import protocol, protocol_label
+    from lowvram_grpo.evaluate.evaluation import protocol, protocol_label
 
     for preset in ("tiny", "smollm2_cpu", "llama8b_4bit"):
         described = protocol(load_config(preset))
@@ -127,7 +127,7 @@ def test_the_protocol_is_greedy_by_default_and_is_said_in_words():
 
 
 def test_mean_and_pass_at_k_from_k_samples_per_question():
-    from lowvram_grpo.evaluation import sampled_numbers
+    from lowvram_grpo.evaluate.evaluation import sampled_numbers
 
     rows = [{"prompt": [], "answer": "5"}, {"prompt": [], "answer": "7"}]
     right5, wrong = xml_formatted("2 + 3 = 5", "5"), xml_formatted("x", "1")
@@ -140,7 +140,7 @@ def test_mean_and_pass_at_k_from_k_samples_per_question():
 
 
 def test_a_table_of_any_columns_has_the_sampled_rows_the_protocol_and_the_pairs():
-    from lowvram_grpo.evaluation import format_columns
+    from lowvram_grpo.evaluate.evaluation import format_columns
 
     def column(verdicts, sampled=None):
         n, k = len(verdicts), sum(verdicts)

@@ -25,8 +25,8 @@ def _sets(family: str, *extra: str) -> list[str]:
 
 
 def _run(tmp_path, sets, export=None, handle=None):
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.pipeline import run
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.run.pipeline import run
 
     lines: list[str] = []
     result = run(load_config("tiny", sets), tmp_path / "run", "hf", log=lines.append, export=export, handle=handle)
@@ -75,7 +75,7 @@ def test_our_decode_loop_answers_as_transformers_generate(family):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from lowvram_grpo import decoding
+    from lowvram_grpo.model import decoding
 
     model = AutoModelForCausalLM.from_pretrained(build(family), dtype=torch.float32)
     assert model.config.model_type in decoding.LOOP_TYPES
@@ -100,7 +100,7 @@ def test_our_decode_loop_answers_as_transformers_generate(family):
 def test_every_model_type_our_loop_claims_is_checked():
     from transformers import AutoConfig
 
-    from lowvram_grpo import decoding
+    from lowvram_grpo.model import decoding
 
     checked = {AutoConfig.from_pretrained(build(family)).model_type for family in [*FAMILIES, *LOOP_ONLY]}
     assert set(decoding.LOOP_TYPES) == checked
@@ -128,12 +128,12 @@ def test_chat_template_kwargs_reach_every_prompt_the_run_templates(tmp_path):
     """Qwen3's template closes an empty <think> block in the generation prompt when enable_thinking is false:
     every prompt the model is fed in a run (TRL's rollouts, the held-out answers) ends with it, and priming's
     examples are rendered with it."""
-    from lowvram_grpo.backends import load_model, prepare_backend
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.data import load_questions
-    from lowvram_grpo.hardware import detect
-    from lowvram_grpo.priming import example_pieces
-    from lowvram_grpo.resolve import resolve
+    from lowvram_grpo.model.backends import load_model, prepare_backend
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.task.data import load_questions
+    from lowvram_grpo.settings.hardware import detect
+    from lowvram_grpo.training.priming import example_pieces
+    from lowvram_grpo.settings.resolve import resolve
 
     sets = _sets("qwen3", "train.max_steps=1", "data.chat_template_kwargs={enable_thinking: false}")
     config = load_config("tiny", sets)
@@ -164,11 +164,11 @@ def test_a_think_format_run_scores_a_think_completion_right_and_a_malformed_one_
     its summary says the held-out answers were read in it, and its own config and rewards score a hand-written
     <think> completion right and malformed ones wrong: the same answer inside the thinking only, and a second
     <think> block."""
-    from lowvram_grpo.backends.base import Completion
-    from lowvram_grpo.config import config_from_dict
-    from lowvram_grpo.data import load_questions, to_prompt_rows
-    from lowvram_grpo.evaluation import score
-    from lowvram_grpo.priming import example_pieces
+    from lowvram_grpo.model.handle import Completion
+    from lowvram_grpo.settings.config import config_from_dict
+    from lowvram_grpo.task.data import load_questions, to_prompt_rows
+    from lowvram_grpo.evaluate.evaluation import score
+    from lowvram_grpo.training.priming import example_pieces
     from transformers import AutoTokenizer
 
     sets = _sets("qwen3", "train.max_steps=1", "prime.steps=1", "prime.batch_size=2", "data.answer_format=think",

@@ -1,5 +1,5 @@
 """What the pinned wheels do with each model family, read from the installed GPU set (issue 52): the facts
-lowvram_grpo.model_shapes states (VLLM_FAMILIES, UNSLOTH_NO_VLLM, UNSLOTH_VLLM_NEEDS_SM80, UNSLOTH_FORCE_FLOAT32)
+lowvram_grpo.settings.model_shapes states (VLLM_FAMILIES, UNSLOTH_NO_VLLM, UNSLOTH_VLLM_NEEDS_SM80, UNSLOTH_FORCE_FLOAT32)
 against vLLM 0.31's model registry and model classes (SupportsLoRA; packed_modules_mapping and load_weights, what
 vllm-bnb-plugin's loader requires), the plugin's loader, unsloth's loader and unsloth_zoo's model lists; and
 unsloth_zoo's own vLLM sizing, extracted from the installed source, on the sliding-window and q/k-norm families.
@@ -92,7 +92,7 @@ def test_every_family_is_served_as_model_shapes_says():
     """For each family: the registry maps its architecture to the file and class named; the class is SupportsLoRA
     as `lora` says; vllm-bnb-plugin can load it in 4-bit (packed_modules_mapping + load_weights, and a checkpoint
     not quantized otherwise) as `bnb_4bit` says."""
-    from lowvram_grpo.model_shapes import VLLM_FAMILIES
+    from lowvram_grpo.settings.model_shapes import VLLM_FAMILIES
 
     registry = _registry()
     loader = BNB_LOADER.read_text()
@@ -112,8 +112,7 @@ def test_unsloths_family_lists_are_the_ones_model_shapes_states():
     """unsloth's loader: the families fast_inference cannot share with vLLM, those it runs on vLLM only from sm80;
     unsloth_zoo's FORCE_FLOAT32 matched the way the loader matches it (name with '_' dropped equal, or in
     'model_type,'), for each family's model types."""
-    from lowvram_grpo.model_shapes import (UNSLOTH_FORCE_FLOAT32, UNSLOTH_NO_VLLM, UNSLOTH_VLLM_NEEDS_SM80,
-                                           VLLM_FAMILIES)
+    from lowvram_grpo.settings.model_shapes import (UNSLOTH_FORCE_FLOAT32, UNSLOTH_NO_VLLM, UNSLOTH_VLLM_NEEDS_SM80, VLLM_FAMILIES)
 
     assert tuple(_assigned(UNSLOTH_LOADER, "VLLM_UNSUPPORTED_MODEL_TYPES")) == UNSLOTH_NO_VLLM
     assert tuple(_assigned(UNSLOTH_LOADER, "VLLM_NEEDS_SM80_MODEL_TYPES")) == UNSLOTH_VLLM_NEEDS_SM80
@@ -134,7 +133,7 @@ def _hf_config(key: str):
     """transformers' config of a KNOWN_SHAPES entry: what unsloth hands load_vllm for that model."""
     import transformers
 
-    from lowvram_grpo.model_shapes import KNOWN_SHAPES
+    from lowvram_grpo.settings.model_shapes import KNOWN_SHAPES
 
     s = KNOWN_SHAPES[key]
     common = dict(hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
@@ -156,9 +155,9 @@ def test_vllms_share_and_max_model_len_are_unsloth_zoos_for_q_k_norm_and_sliding
     import torch
     from test_gpu_wheels import GIB, VLLM_UTILS, _functions
 
-    from lowvram_grpo.model_shapes import KNOWN_SHAPES
-    from lowvram_grpo.resolve import vllm_lora_rank
-    from lowvram_grpo.unsloth_sizing import vllm_budget
+    from lowvram_grpo.settings.model_shapes import KNOWN_SHAPES
+    from lowvram_grpo.settings.resolve import vllm_lora_rank
+    from lowvram_grpo.settings.unsloth_sizing import vllm_budget
 
     names = ("_config_get", "_kv_cache_elements_per_token", "_kv_cache_tokens", "vllm_weights_memory_usage",
              "approximate_vllm_memory_usage", "_fit_max_seq_length_to_kv_cache")

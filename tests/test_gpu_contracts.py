@@ -9,7 +9,7 @@ unsloth/models/rl_config_compat.py). The keywords come from our own builders (`f
 `get_peft_model_kwargs`, `EXPORTS`, `vllm_sampling_kwargs`, `vllm_generate_kwargs`, `load_lora_kwargs`,
 `token_prompts`, `training.grpo_config_kwargs`), built for every GPU preset on every CUDA hardware
 profile; how many arguments go positionally is read from our call sites (the AST of
-lowvram_grpo/backends/unsloth_backend.py), so a call site that stops using its builder fails here too.
+lowvram_grpo/model/unsloth_backend.py), so a call site that stops using its builder fails here too.
 
 TrainingArguments (GRPOConfig's base) is read from the transformers wheel at requirements.txt's pin
 (downloaded like the others, ~12 MB); a cross-check compares the fields found that way with the
@@ -35,12 +35,12 @@ from conftest import REPO
 from pinned_wheels import (Found, PinnedWheels, RegistryUnreachable, WheelNotFound, check_keywords, fetch,
                            read_pins, registry_required)
 
-from lowvram_grpo import training
-from lowvram_grpo.backends import unsloth_backend
-from lowvram_grpo.backends.base import SamplingParams
-from lowvram_grpo.config import list_presets, load_config
-from lowvram_grpo.hardware import PROFILES
-from lowvram_grpo.resolve import ResolveError, resolve
+from lowvram_grpo.training import grpo as training
+from lowvram_grpo.model import unsloth_backend
+from lowvram_grpo.model.handle import SamplingParams
+from lowvram_grpo.settings.config import list_presets, load_config
+from lowvram_grpo.settings.hardware import PROFILES
+from lowvram_grpo.settings.resolve import ResolveError, resolve
 
 pytestmark = [pytest.mark.slow, pytest.mark.network]  # pytest.ini: the fast tier is -m "not slow"
 

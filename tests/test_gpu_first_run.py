@@ -60,7 +60,7 @@ def test_the_cuda_stand_in_records_what_opens_a_context(tmp_path):
     """The stand-in itself: hardware.detect() (what the kit's parent used to call for its plan) is recorded as a
     context at its get_device_properties line, a CUDA tensor as one too; is_available is a query only."""
     record = tmp_path / "cuda.jsonl"
-    code = ("from lowvram_grpo.hardware import detect\nimport torch\n"
+    code = ("from lowvram_grpo.settings.hardware import detect\nimport torch\n"
             "for call in (detect, lambda: torch.zeros(1, device='cuda')):\n"
             "    try:\n        call()\n    except RuntimeError as exc:\n        print('refused:', exc)\n")
     proc = subprocess.run([sys.executable, str(STANDIN), str(record), "-c", code], cwd=REPO, capture_output=True,
@@ -69,8 +69,8 @@ def test_the_cuda_stand_in_records_what_opens_a_context(tmp_path):
     assert proc.stdout.count("refused: CUDA stand-in") == 2
     events = standin_events(record)
     assert [e["event"] for e in events] == ["installed", "query", "context", "context"]
-    assert events[1]["site"].startswith("lowvram_grpo/hardware.py:") and events[1]["call"] == "torch.cuda.is_available"
-    assert events[2]["site"].startswith("lowvram_grpo/hardware.py:") and events[2]["site"].endswith(" in detect")
+    assert events[1]["site"].startswith("lowvram_grpo/settings/hardware.py:") and events[1]["call"] == "torch.cuda.is_available"
+    assert events[2]["site"].startswith("lowvram_grpo/settings/hardware.py:") and events[2]["site"].endswith(" in detect")
 
 
 def test_the_kit_measures_every_phase_beside_the_plan(kit):
@@ -143,7 +143,7 @@ def test_the_stand_in_checkpoint_has_the_tables_shape_for_llama_and_qwen(tmp_pat
 
     from bench import gpu_first_run
     from bench.gpu_first_run import _same_shape, build_checkpoint
-    from lowvram_grpo.model_shapes import ModelShape, model_shape
+    from lowvram_grpo.settings.model_shapes import ModelShape, model_shape
 
     monkeypatch.setattr(gpu_first_run, "SHARD_BYTES", 100_000)
 
@@ -292,7 +292,7 @@ def test_the_default_job_runs_end_to_end_in_its_dry_mode(tmp_path):
     joined (sha256 = the wheel's RECORD's), SmolLM2 converted from the joined file, the default job's two runs
     (bf16's settings and the 4-bit base) through the CLI on builtin:tiny (priming, GRPO, held-out before/primed/
     after, TRL's step times, peak memory beside the plan), then the decode bench: our loop against transformers'."""
-    from lowvram_grpo.smollm2 import GGUF_NAME, WHEEL
+    from lowvram_grpo.model.smollm2 import GGUF_NAME, WHEEL
 
     from bench.gpu_stage import record_sha256
 

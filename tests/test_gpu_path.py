@@ -19,16 +19,16 @@ import json
 import pytest
 import torch
 
-from lowvram_grpo.config import load_config
-from lowvram_grpo.hardware import PROFILES, detect, profile
-from lowvram_grpo.resolve import follow_loaded_dtype, resolve
+from lowvram_grpo.settings.config import load_config
+from lowvram_grpo.settings.hardware import PROFILES, detect, profile
+from lowvram_grpo.settings.resolve import follow_loaded_dtype, resolve
 
 GPU_PRESETS = ["llama8b_4bit", "qwen3b_4bit", "qwen1_5b_4bit"]
 
 
 @pytest.fixture
 def tiny_handle(tiny_model_dir):
-    from lowvram_grpo.backends import load_model
+    from lowvram_grpo.model.backends import load_model
 
     return load_model(resolve(load_config("tiny"), detect(), "hf"))
 
@@ -58,8 +58,8 @@ def test_unsloth_trainer_precision_check_passes_on_every_card(preset, hw, tmp_pa
     """unsloth's GRPO trainer (rl.py, pinned 2026.10.7) raises `if float16 and use_bf16` (model loaded
     in fp16, GRPOConfig bf16) and `if bfloat16 and use_fp16`. The model loads in the dtype we pass
     (from_pretrained_kwargs), and GRPOConfig gets bf16/fp16: each must be the card's row of the table."""
-    from lowvram_grpo.backends.unsloth_backend import from_pretrained_kwargs
-    from lowvram_grpo.training import grpo_config_kwargs
+    from lowvram_grpo.model.unsloth_backend import from_pretrained_kwargs
+    from lowvram_grpo.training.grpo import grpo_config_kwargs
 
     resolved = resolve(load_config(preset), profile(hw))
     loaded = from_pretrained_kwargs(resolved, "x")["dtype"]
@@ -68,7 +68,7 @@ def test_unsloth_trainer_precision_check_passes_on_every_card(preset, hw, tmp_pa
 
 
 def test_when_unsloth_loads_another_dtype_mixed_precision_follows_it(tmp_path):
-    from lowvram_grpo.training import grpo_config_kwargs
+    from lowvram_grpo.training.grpo import grpo_config_kwargs
 
     resolved = follow_loaded_dtype(resolve(load_config("llama8b_4bit"), profile("rtx4090")), "float16")
     args = grpo_config_kwargs(resolved, tmp_path)
@@ -77,7 +77,7 @@ def test_when_unsloth_loads_another_dtype_mixed_precision_follows_it(tmp_path):
 
 @pytest.mark.slow
 def test_loaded_dtype_is_read_from_the_real_model(tiny_handle):
-    from lowvram_grpo.backends.unsloth_backend import loaded_dtype
+    from lowvram_grpo.model.unsloth_backend import loaded_dtype
 
     assert loaded_dtype(tiny_handle.model) == "float32"
 
@@ -86,7 +86,7 @@ def test_loaded_dtype_is_read_from_the_real_model(tiny_handle):
 
 @pytest.mark.parametrize("preset", GPU_PRESETS)
 def test_hf_backend_with_a_fast_inference_preset_hands_trl_no_vllm(preset, tmp_path):
-    from lowvram_grpo.training import grpo_config_kwargs
+    from lowvram_grpo.training.grpo import grpo_config_kwargs
 
     resolved = resolve(load_config(preset), profile("rtx3090"), backend="hf")
     args = grpo_config_kwargs(resolved, tmp_path)
@@ -96,7 +96,7 @@ def test_hf_backend_with_a_fast_inference_preset_hands_trl_no_vllm(preset, tmp_p
 
 
 def test_unsloth_backend_hands_trl_the_shared_engine_with_a_bounded_context(tmp_path):
-    from lowvram_grpo.training import grpo_config_kwargs
+    from lowvram_grpo.training.grpo import grpo_config_kwargs
 
     args = grpo_config_kwargs(resolve(load_config("llama8b_4bit"), profile("t4")), tmp_path)
     assert args["use_vllm"] is True and args["vllm_mode"] == "colocate" and args["vllm_max_model_length"] == 1024
@@ -117,7 +117,7 @@ class RecordingLoadLora:
 
 
 def _vllm_handle(tiny_handle):
-    from lowvram_grpo.backends.unsloth_backend import VLLMEngine
+    from lowvram_grpo.model.unsloth_backend import VLLMEngine
 
     tiny_handle.model.load_lora = RecordingLoadLora()
     tiny_handle.engine = VLLMEngine(tiny_handle.model, tiny_handle.resolved, tiny_handle.tokenizer)
@@ -176,7 +176,7 @@ def test_vllm_prompts_are_token_ids_without_a_second_bos():
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from lowvram_grpo.backends.unsloth_backend import token_prompts
+    from lowvram_grpo.model.unsloth_backend import token_prompts
 
     vocab = {"<|begin_of_text|>": 0, "<|eot_id|>": 1, "[UNK]": 2, "hi": 3, "there": 4}
     core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
@@ -197,10 +197,10 @@ def test_vllm_prompts_are_token_ids_without_a_second_bos():
 def test_hf_4bit_plan_counts_the_fp32_parts_prepare_model_for_kbit_training_makes(tiny_model_dir):
     """Loaded for real in 4-bit on the CPU (bitsandbytes): every parameter that is not NF4 and not LoRA is
     fp32 after PEFT's prepare_model_for_kbit_training, as the plan now counts them."""
-    from lowvram_grpo.backends import load_model
-    from lowvram_grpo.memory import plan
-    from lowvram_grpo.memory_plan_terms import NF4_BYTES_PER_PARAM
-    from lowvram_grpo.model_shapes import model_shape
+    from lowvram_grpo.model.backends import load_model
+    from lowvram_grpo.settings.memory_plan import plan
+    from lowvram_grpo.settings.memory_terms import NF4_BYTES_PER_PARAM
+    from lowvram_grpo.settings.model_shapes import model_shape
 
     config = load_config("tiny", ["memory.load_in_4bit=true"])
     handle = load_model(resolve(config, detect(), "hf"))
@@ -221,7 +221,7 @@ def test_hf_4bit_plan_counts_the_fp32_parts_prepare_model_for_kbit_training_make
 
 @pytest.mark.slow
 def test_no_vllm_engine_is_attached_when_unsloth_turned_vllm_off(tiny_handle):
-    from lowvram_grpo.backends.unsloth_backend import vllm_engine_for
+    from lowvram_grpo.model.unsloth_backend import vllm_engine_for
 
     asked = resolve(load_config("llama8b_4bit"), profile("t4"))
     assert asked.fast_inference
@@ -233,8 +233,8 @@ def test_no_vllm_engine_is_attached_when_unsloth_turned_vllm_off(tiny_handle):
 def test_without_an_engine_grpo_config_does_not_ask_for_vllm(tmp_path):
     """unsloth's trainer forces use_vllm only for a model with vllm_engine; told use_vllm=True without one, it
     would start TRL's own engine (a second copy of the weights). Without the engine the settings drop vLLM."""
-    from lowvram_grpo.resolve import without_vllm
-    from lowvram_grpo.training import grpo_config_kwargs
+    from lowvram_grpo.settings.resolve import without_vllm
+    from lowvram_grpo.training.grpo import grpo_config_kwargs
 
     off = without_vllm(resolve(load_config("llama8b_4bit"), profile("t4")), "no vllm_engine")
     args = grpo_config_kwargs(off, tmp_path)
@@ -245,7 +245,7 @@ def test_without_an_engine_grpo_config_does_not_ask_for_vllm(tmp_path):
 # --------------------------------------------------------------------------- 8. notebook install cell
 
 def test_install_plan_installs_the_gpu_set_when_any_of_it_is_missing():
-    from lowvram_grpo.driver_fit import Driver, fit_install
+    from lowvram_grpo.settings.driver_fit import Driver, fit_install
     from lowvram_grpo.install import GPU_MODULES, install_plan
 
     colab = {"torch", "transformers", "trl", "peft", "datasets", "matplotlib", "accelerate", "safetensors", "yaml", "tqdm"}

@@ -87,11 +87,11 @@ def test_every_module_the_package_imports_imports_in_the_gpu_set():
     candidates += ["bitsandbytes", "accelerate"]  # what transformers loads for a 4-bit base and TRL trains with
     proc = run_python(f"""
         import importlib, pkgutil
-        import lowvram_grpo.pipeline, lowvram_grpo.run                       # what the CLI imports first
-        from lowvram_grpo.backends import prepare_backend
+        import lowvram_grpo.run.pipeline, lowvram_grpo.run                       # what the CLI imports first
+        from lowvram_grpo.model.backends import prepare_backend
         prepare_backend("hf")
-        for mod in ("lowvram_grpo.backends.hf_backend", "lowvram_grpo.training", "lowvram_grpo.evaluation",
-                    "lowvram_grpo.backends.vllm", "lowvram_grpo.backends.unsloth_backend"):
+        for mod in ("lowvram_grpo.model.hf_backend", "lowvram_grpo.training.grpo", "lowvram_grpo.evaluate.evaluation",
+                    "lowvram_grpo.model.vllm", "lowvram_grpo.model.unsloth_backend"):
             importlib.import_module(mod)
         for info in pkgutil.walk_packages(lowvram_grpo.__path__, "lowvram_grpo."):
             if not info.name.endswith("__main__"):  # that one runs the CLI
@@ -121,7 +121,7 @@ def test_unsloth_imports_on_a_cpu_and_its_rl_module_patches_trls_grpo_trainer():
     proc = run_python("""
         import unsloth, trl
         print("CPU_PATCHFASTRL", hasattr(unsloth, "PatchFastRL"), "STOCK", trl.GRPOTrainer.__name__)
-        from lowvram_grpo.backends.unsloth_backend import patched_trainer_problem, prepare
+        from lowvram_grpo.model.unsloth_backend import patched_trainer_problem, prepare
         prepare()
         print("PATCHED", trl.GRPOTrainer.__name__, trl.GRPOTrainer.__module__, patched_trainer_problem())
     """)
@@ -181,10 +181,10 @@ def test_vllm_knows_bitsandbytes_only_through_the_plugin():
 def combos():
     """(preset, profile, path, resolved) for every GPU preset on every CUDA card profile, on the unsloth
     backend, the hf backend and the hf backend's own vLLM engine; paths a card refuses are listed as such."""
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.errors import ResolveError
-    from lowvram_grpo.hardware import PROFILES
-    from lowvram_grpo.resolve import resolve
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.run.errors import ResolveError
+    from lowvram_grpo.settings.hardware import PROFILES
+    from lowvram_grpo.settings.resolve import resolve
 
     out, refused = [], []
     for preset in GPU_PRESETS:
@@ -217,7 +217,7 @@ def bf16_capable_card(monkeypatch):
 def test_grpo_config_is_built_from_our_values_on_every_card(combos, tmp_path, bf16_capable_card):
     from trl import GRPOConfig
 
-    from lowvram_grpo.training import grpo_config_kwargs
+    from lowvram_grpo.training.grpo import grpo_config_kwargs
 
     for preset, name, path, resolved in combos[0]:
         args = GRPOConfig(**grpo_config_kwargs(resolved, tmp_path))
@@ -231,7 +231,7 @@ def test_bitsandbytes_and_lora_configs_of_the_hf_backend(combos):
     from peft import LoraConfig
     from transformers import BitsAndBytesConfig
 
-    from lowvram_grpo.backends.hf_backend import lora_kwargs, quantization_kwargs
+    from lowvram_grpo.model.hf_backend import lora_kwargs, quantization_kwargs
 
     for preset, name, path, resolved in combos[0]:
         if path == "unsloth":
@@ -263,10 +263,9 @@ def test_the_hf_backends_vllm_engine_arguments_validate_in_vllm(combos, tmp_path
     from vllm.lora.request import LoRARequest
     from vllm import SamplingParams as VLLMSamplingParams
 
-    from lowvram_grpo.backends.base import SamplingParams
-    from lowvram_grpo.backends.vllm import (engine_kwargs, eval_sampling_kwargs, rollout_sampling_kwargs,
-                                                   settings_for)
-    from lowvram_grpo.model_shapes import model_shape
+    from lowvram_grpo.model.handle import SamplingParams
+    from lowvram_grpo.model.vllm import engine_kwargs, eval_sampling_kwargs, rollout_sampling_kwargs, settings_for
+    from lowvram_grpo.settings.model_shapes import model_shape
 
     checked = 0
     for preset, name, path, resolved in combos[0]:
@@ -303,9 +302,9 @@ def test_the_lora_rank_vllm_refuses_is_rounded_up_before_it_gets_there(combos):
     from pydantic import ValidationError
     from vllm.config import LoRAConfig
 
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.hardware import profile
-    from lowvram_grpo.resolve import VLLM_LORA_RANKS, resolve
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.settings.hardware import profile
+    from lowvram_grpo.settings.resolve import VLLM_LORA_RANKS, resolve
 
     with pytest.raises(ValidationError):
         LoRAConfig(max_lora_rank=24)
@@ -331,7 +330,7 @@ def _function_source(path: Path, name: str) -> str:
 
 def test_our_lora_rank_rounding_is_unsloth_zoos_run_on_the_installed_vllm():
     """unsloth_zoo's get_lora_supported_ranks / determine_max_lora_rank, executed from its source."""
-    from lowvram_grpo.resolve import vllm_lora_rank
+    from lowvram_grpo.settings.resolve import vllm_lora_rank
 
     source = SITE / "unsloth_zoo" / "vllm_utils.py"
     namespace = {"re": re, "inspect": __import__("inspect")}
@@ -346,7 +345,7 @@ def test_the_dtype_we_pass_unsloth_passes_its_assert_and_is_not_changed(combos):
     card lacks it: we pass bf16 only where native, so the dtype unsloth loads is the one we resolved."""
     import torch
 
-    from lowvram_grpo.backends.unsloth_backend import from_pretrained_kwargs
+    from lowvram_grpo.model.unsloth_backend import from_pretrained_kwargs
 
     source = (SITE / "unsloth" / "models" / "loader.py").read_text()
     assert "assert dtype in (torch.float16, torch.bfloat16, torch.float32)" in source

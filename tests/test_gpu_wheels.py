@@ -2,7 +2,7 @@
 
 unsloth / unsloth_zoo refuse to import without a GPU: their pure functions are taken out of the installed
 source (ast) and executed here, fed the device readings (free and total memory) a card would give, and
-compared with what lowvram_grpo computes for the plan and the doctor (lowvram_grpo/unsloth_sizing.py).
+compared with what lowvram_grpo computes for the plan and the doctor (lowvram_grpo/settings/unsloth_sizing.py).
 TRL imports on CPU: the private GRPOTrainer methods we name are looked up on the real class.
 
 Runs in the GPU install set (requirements.txt); skips elsewhere, and fails when LOWVRAM_GRPO_GPU_SET=1
@@ -107,9 +107,9 @@ def test_vllms_share_and_max_model_len_are_unsloth_zoos_run_on_the_installed_sou
     """For cards with and without memory taken by a display or another process, every utilization and length the
     presets use: our vllm_budget gives unsloth_zoo's utilization (a share of the FREE memory) and max_model_len
     (exact for Llama; Qwen2's q/k/v biases, which our shapes leave out, may move it by one 256-token block)."""
-    from lowvram_grpo.model_shapes import model_shape
-    from lowvram_grpo.resolve import vllm_lora_rank
-    from lowvram_grpo.unsloth_sizing import vllm_budget
+    from lowvram_grpo.settings.model_shapes import model_shape
+    from lowvram_grpo.settings.resolve import vllm_lora_rank
+    from lowvram_grpo.settings.unsloth_sizing import vllm_budget
 
     sizing = _unsloth_zoo_load_vllm_sizing()
     shape = model_shape(model)
@@ -136,12 +136,12 @@ def test_with_an_fp8_kv_cache_vllms_length_is_unsloth_zoos_and_the_plans_kv_term
     1.25 bytes a KV element, so the tokens in the same share and the max_model_len it starts vLLM with are ours with
     float8_kv_cache (unsloth_sizing.vllm_budget); the share itself does not move. The plan's own KV term (vLLM's fp8
     cache: 1 byte an element) is half the 16-bit one: memory_plan_terms via Resolved.kv_bytes."""
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.hardware import profile
-    from lowvram_grpo.memory_plan_terms import estimate
-    from lowvram_grpo.model_shapes import model_shape
-    from lowvram_grpo.resolve import resolve, vllm_lora_rank
-    from lowvram_grpo.unsloth_sizing import vllm_budget
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.settings.hardware import profile
+    from lowvram_grpo.settings.memory_terms import estimate
+    from lowvram_grpo.settings.model_shapes import model_shape
+    from lowvram_grpo.settings.resolve import resolve, vllm_lora_rank
+    from lowvram_grpo.settings.unsloth_sizing import vllm_budget
 
     sizing = _unsloth_zoo_load_vllm_sizing()
     shape = model_shape(model)
@@ -168,8 +168,8 @@ def test_with_an_fp8_kv_cache_vllms_length_is_unsloth_zoos_and_the_plans_kv_term
 
 
 def test_our_unsloth_weight_estimate_is_unsloth_zoos_meta_device_count():
-    from lowvram_grpo.model_shapes import model_shape
-    from lowvram_grpo.unsloth_sizing import unsloth_weight_bytes
+    from lowvram_grpo.settings.model_shapes import model_shape
+    from lowvram_grpo.settings.unsloth_sizing import unsloth_weight_bytes
 
     import torch
 
@@ -184,7 +184,7 @@ def test_our_unsloth_weight_estimate_is_unsloth_zoos_meta_device_count():
 
 def test_our_logprob_chunk_rows_are_unsloth_zoos_fused_linear_rows():
     """unsloth_zoo.fused_losses.fused_linear.fused_linear_rows with its module constants, from the source."""
-    from lowvram_grpo.unsloth_sizing import fused_linear_rows
+    from lowvram_grpo.settings.unsloth_sizing import fused_linear_rows
 
     namespace = {"os": os, "math": math}
     exec(_functions(FUSED_LINEAR, ("_env_float", "_pow2", "fused_linear_rows")), namespace)
@@ -208,7 +208,7 @@ def test_unsloth_asks_for_flashinfers_sampler_below_sm80_which_vllm_refuses_and_
     """resolve.FLASHINFER_MIN_COMPUTE_CAPABILITY / NO_FLASHINFER_ENV, read against the pinned wheels: unsloth_zoo's
     load_vllm sets VLLM_USE_FLASHINFER_SAMPLER=1 on cards below sm80 (vllm >= 0.11); vLLM 0.31's FlashInfer excludes
     sm75 and, with the variable set, raises at load; UNSLOTH_VLLM_NO_FLASHINFER=1 sets the sampler variable to 0."""
-    from lowvram_grpo.resolve import FLASHINFER_MIN_COMPUTE_CAPABILITY, NO_FLASHINFER_ENV
+    from lowvram_grpo.settings.resolve import FLASHINFER_MIN_COMPUTE_CAPABILITY, NO_FLASHINFER_ENV
 
     # FlashInferBackend imports CUDA at import time: its supports_compute_capability read from the source
     backend = (SITE / "vllm" / "v1" / "attention" / "backends" / "flashinfer.py").read_text()
@@ -235,7 +235,7 @@ def test_from_sm80_unsloth_asks_for_flashinfer_whenever_nvcc_exists_and_our_swit
     torch's), then from sm80 sets VLLM_USE_FLASHINFER_SAMPLER=1, so FlashInfer JIT-compiles with whatever nvcc is
     found; UNSLOTH_VLLM_NO_FLASHINFER is read before that probe and, set, turns the sampler off and hides FlashInfer's
     import, so resolve's decision holds on every card."""
-    from lowvram_grpo.resolve import NO_FLASHINFER_ENV
+    from lowvram_grpo.settings.resolve import NO_FLASHINFER_ENV
 
     load = _functions(VLLM_UTILS, ["load_vllm"])
     switch = load.index(f'_no_flashinfer = os.environ.get("{NO_FLASHINFER_ENV}", "0") != "0"')
@@ -264,12 +264,12 @@ def test_a_failure_inside_unsloths_vllm_start_is_one_line_and_other_load_errors_
     from transformers import AutoConfig
     from unsloth_zoo.vllm_utils import load_vllm
 
-    from lowvram_grpo.backends.unsloth_backend import VLLM_START_FRAME, engine_did_not_start, vllm_start_failure
-    from lowvram_grpo.builtin_models import resolve_model_path
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.errors import EngineStopped
-    from lowvram_grpo.hardware import profile
-    from lowvram_grpo.resolve import resolve
+    from lowvram_grpo.model.unsloth_backend import VLLM_START_FRAME, engine_did_not_start, vllm_start_failure
+    from lowvram_grpo.model.builtin_models import resolve_model_path
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.run.errors import EngineStopped
+    from lowvram_grpo.settings.hardware import profile
+    from lowvram_grpo.settings.resolve import resolve
 
     assert load_vllm.__name__ == VLLM_START_FRAME[1] and VLLM_START_FRAME[0] in load_vllm.__module__
     path = resolve_model_path("builtin:tiny")
@@ -355,7 +355,7 @@ def test_with_resolves_t4_decision_the_real_load_vllm_keeps_flashinfers_sampler_
 VLLM_ERROR = """
 import torch
 from vllm import SamplingParams
-from lowvram_grpo.backends.unsloth_backend import vllm_engine_failure
+from lowvram_grpo.model.unsloth_backend import vllm_engine_failure
 try:
     SamplingParams(n=0)  # vLLM's own validation, raised from vllm/sampling_params.py
 except Exception as exc:
@@ -381,7 +381,7 @@ def test_an_error_raised_in_vllms_code_is_the_engines_and_an_out_of_memory_is_le
 def test_unsloths_rollout_lora_folder_is_the_one_we_move_into_the_run(tmp_path, monkeypatch):
     """unsloth writes `vllm_gen_lora` (+ _CUDA_VISIBLE_DEVICES) relative to the working directory on the first
     rollout (rl_replacements.py; unsloth_zoo's _live_lora_config saves the adapter config there): the run moves it."""
-    from lowvram_grpo.backends.unsloth_backend import rollout_files_moved_to, rollout_lora_dir
+    from lowvram_grpo.model.unsloth_backend import rollout_files_moved_to, rollout_lora_dir
 
     source = RL_REPLACEMENTS.read_text()
     assert 'lora_name = "vllm_gen_lora"' in source
@@ -415,7 +415,7 @@ def test_unsloths_importance_sampling_correction_is_off_by_default_and_our_flag_
     the flag (rl_replacements.py), its compute_loss passing them to unsloth_zoo's grpo_accumulated_loss, which reads
     the trainer's flag and the config's mode (overridden by the variable) into grpo_compute_loss, where the ratio
     multiplies the loss; the sampling/* metrics are logged under the same flag."""
-    from lowvram_grpo.resolve import IS_MODE, IS_MODE_ENV, IS_MODE_VESPO
+    from lowvram_grpo.settings.resolve import IS_MODE, IS_MODE_ENV, IS_MODE_VESPO
 
     rl = (UNSLOTH / "rl.py").read_text()
     assert '"vllm_importance_sampling_correction": False,' in rl  # unsloth's default: what auto overrides
@@ -453,8 +453,8 @@ def test_unsloths_decode_graphs_cover_the_model_types_resolve_names_under_the_sw
     against unsloth/models/_decode_graphs.py: the private set of model types (a literal), the environment switch and
     its default (inside an RL trainer's generate on NVIDIA CUDA), rl.py's generate wrapped in that scope, the stats'
     keys and where the state lives; and the lines docs/gpu.md cites for qwen2 (the Llama decode path, its biases)."""
-    from lowvram_grpo.resolve import DECODE_GRAPH_MODEL_TYPES, DECODE_GRAPHS_ENV
-    from lowvram_grpo.trl_compat import DECODE_GRAPH_COUNTERS, DECODE_GRAPHS_MODULE, DECODE_GRAPHS_STATE
+    from lowvram_grpo.settings.resolve import DECODE_GRAPH_MODEL_TYPES, DECODE_GRAPHS_ENV
+    from lowvram_grpo.training.trl_compat import DECODE_GRAPH_COUNTERS, DECODE_GRAPHS_MODULE, DECODE_GRAPHS_STATE
 
     path = UNSLOTH / "_decode_graphs.py"
     text = path.read_text()
@@ -491,7 +491,7 @@ def test_the_stats_door_reads_the_installed_module():
     import unsloth  # noqa: F401  (before unsloth_zoo / unsloth.models, as the backend imports it)
     from unsloth.models import _decode_graphs
 
-    from lowvram_grpo.trl_compat import decode_graph_stats, describe_decode_graphs, missing_decode_graph_stats
+    from lowvram_grpo.training.trl_compat import (decode_graph_stats, describe_decode_graphs, missing_decode_graph_stats)
 
     assert missing_decode_graph_stats() == []  # what unsloth_backend.prepare checks
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
@@ -508,8 +508,8 @@ def test_float8_kv_cache_is_a_from_pretrained_parameter_that_load_vllm_turns_int
     """resolve.choose_kv_cache_dtype / FP8_KV_MIN_COMPUTE_CAPABILITY and unsloth_backend.from_pretrained_kwargs against
     the pinned source: FastLanguageModel.from_pretrained takes float8_kv_cache and hands it to load_vllm, which refuses it
     below sm80, starts vLLM with kv_cache_dtype="fp8", and sizes with 1.25 bytes an element (unsloth_sizing)."""
-    from lowvram_grpo.resolve import FP8_KV_MIN_COMPUTE_CAPABILITY
-    from lowvram_grpo.unsloth_sizing import FP8_KV_ELEMENT_BYTES, KV_ELEMENT_BYTES
+    from lowvram_grpo.settings.resolve import FP8_KV_MIN_COMPUTE_CAPABILITY
+    from lowvram_grpo.settings.unsloth_sizing import FP8_KV_ELEMENT_BYTES, KV_ELEMENT_BYTES
 
     loader = (UNSLOTH / "loader.py").read_text()
     language = loader[loader.index("class FastLanguageModel"):]
@@ -576,7 +576,7 @@ def test_the_pinned_vllm_is_built_for_the_cuda_driver_fit_says():
     humming-kernels[cu13]) and its compiled kernels link libcudart.so.13; driver_fit.SETS[13] says CUDA 13."""
     import importlib.metadata
 
-    from lowvram_grpo.driver_fit import SETS, build_major
+    from lowvram_grpo.settings.driver_fit import SETS, build_major
 
     pinned = SETS[13]
     dist = importlib.metadata.distribution("vllm")
@@ -624,7 +624,7 @@ def test_the_pinned_torch_is_built_for_the_cuda_driver_fit_says():
     is the same version with a +cu12x label."""
     from email.parser import Parser
 
-    from lowvram_grpo.driver_fit import SETS, build_major
+    from lowvram_grpo.settings.driver_fit import SETS, build_major
 
     pinned = SETS[13]
     assert PINS["torch"] == pinned.torch and SETS[12].torch.split("+")[0] == pinned.torch
@@ -647,7 +647,7 @@ def test_the_cuda12_set_swaps_in_the_versions_the_pinned_vllm_requires():
     from packaging.requirements import Requirement
 
     from lowvram_grpo.doctor import read_pins
-    from lowvram_grpo.driver_fit import SETS
+    from lowvram_grpo.settings.driver_fit import SETS
 
     wanted = {}
     for text in importlib.metadata.distribution("vllm").requires or []:

@@ -13,10 +13,10 @@ import re
 import pytest
 
 from conftest import run_cli
-from lowvram_grpo.config import TRL_LOSS_TYPES, load_config
-from lowvram_grpo.errors import ConfigError
-from lowvram_grpo.hardware import profile
-from lowvram_grpo.resolve import ResolveError, resolve
+from lowvram_grpo.settings.config import TRL_LOSS_TYPES, load_config
+from lowvram_grpo.run.errors import ConfigError
+from lowvram_grpo.settings.hardware import profile
+from lowvram_grpo.settings.resolve import ResolveError, resolve
 
 
 # ----------------------------------------------------------------------------- fast: against the installed TRL
@@ -36,7 +36,7 @@ def test_the_loss_types_are_the_ones_the_installed_trl_implements():
 
 
 def test_every_variant_reaches_grpo_config(tmp_path):
-    from lowvram_grpo.training import grpo_args
+    from lowvram_grpo.training.grpo import grpo_args
 
     for loss in TRL_LOSS_TYPES:
         config = load_config("tiny", [f"train.loss_type={loss}", "train.importance_sampling_level=sequence",
@@ -73,7 +73,7 @@ def test_dynamic_sampling_is_refused_where_it_cannot_run():
 
 
 def test_the_effective_settings_line_names_the_variants():
-    from lowvram_grpo.training import describe_effective
+    from lowvram_grpo.training.grpo import describe_effective
 
     settings = {"loss_type": "dapo", "beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.28, "importance_sampling_level": "sequence",
                 "mask_truncated_completions": True, "top_entropy_quantile": 0.2, "dynamic_sampling_max_draws": 3,
@@ -161,10 +161,10 @@ def test_the_hook_replaces_groups_without_signal_in_the_batch_trl_trains_on(by, 
     (TRL's test), and by one reward alone (DAPO's accuracy filter) while another reward spreads every group."""
     import torch
 
-    from lowvram_grpo.backends import load_model
-    from lowvram_grpo.data import load_questions, to_prompt_rows
-    from lowvram_grpo.hardware import detect
-    from lowvram_grpo.training import build_trainer
+    from lowvram_grpo.model.backends import load_model
+    from lowvram_grpo.task.data import load_questions, to_prompt_rows
+    from lowvram_grpo.settings.hardware import detect
+    from lowvram_grpo.training.grpo import build_trainer
 
     calls = []
 
@@ -232,10 +232,10 @@ def test_gspo_is_grpos_update_when_each_batch_takes_one_step(tmp_path, tiny_mode
     LoRA gradients at importance_sampling_level token, then sequence (GSPO)."""
     import torch
 
-    from lowvram_grpo.backends import load_model
-    from lowvram_grpo.data import load_questions, to_prompt_rows
-    from lowvram_grpo.hardware import detect
-    from lowvram_grpo.training import build_trainer
+    from lowvram_grpo.model.backends import load_model
+    from lowvram_grpo.task.data import load_questions, to_prompt_rows
+    from lowvram_grpo.settings.hardware import detect
+    from lowvram_grpo.training.grpo import build_trainer
 
     def spread(prompts, completions, **kwargs):
         return [float(i % 3) for i in range(len(completions))]

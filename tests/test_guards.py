@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from conftest import run_cli
-from lowvram_grpo.errors import TrainingStopped
-from lowvram_grpo.config import load_config
-from lowvram_grpo.rewards import RewardError, guarded
+from lowvram_grpo.run.errors import TrainingStopped
+from lowvram_grpo.settings.config import load_config
+from lowvram_grpo.task.rewards import RewardError, guarded
 
 ENV = {"OMP_NUM_THREADS": "1"}
 
@@ -82,10 +82,10 @@ def user_rewards(tmp_path):
 
 
 def test_a_users_reward_file_is_loaded_probed_and_selectable_by_name(user_rewards, tmp_path, monkeypatch):
-    from lowvram_grpo.data import load_questions, to_prompt_rows
-    from lowvram_grpo.errors import ConfigError
-    from lowvram_grpo.rewards import check_rewards, load_reward_module
-    from lowvram_grpo.user_code import load as load_user_code
+    from lowvram_grpo.task.data import load_questions, to_prompt_rows
+    from lowvram_grpo.run.errors import ConfigError
+    from lowvram_grpo.task.rewards import check_rewards, load_reward_module
+    from lowvram_grpo.task.user_code import load as load_user_code
 
     config = load_config("tiny", [f"rewards.module={user_rewards}", "rewards.names=[says_four, brevity]"])
     assert config.rewards.module == str(user_rewards)
@@ -149,7 +149,7 @@ def test_a_reward_failing_mid_run_stops_it_with_one_line_naming_it(user_rewards,
 
 @pytest.mark.slow
 def test_on_error_zero_finishes_the_run_and_counts_the_failures(user_rewards, tmp_path, capsys):
-    from lowvram_grpo.pipeline import run
+    from lowvram_grpo.run.pipeline import run
 
     config = _tiny(tmp_path, f"rewards.module={user_rewards}", "rewards.names=[xmlcount, fails_later]",
                    "rewards.on_error=zero")
@@ -162,9 +162,9 @@ def test_on_error_zero_finishes_the_run_and_counts_the_failures(user_rewards, tm
 def _blown_up_lora_a(config):
     """A model whose LoRA A matrices are ~1e29: the forward stays finite (B is 0), but the gradient of B
     overflows float32, as an fp16 overflow or a diverging run would."""
-    from lowvram_grpo.backends import load_model
-    from lowvram_grpo.hardware import detect
-    from lowvram_grpo.resolve import resolve
+    from lowvram_grpo.model.backends import load_model
+    from lowvram_grpo.settings.hardware import detect
+    from lowvram_grpo.settings.resolve import resolve
 
     handle = load_model(resolve(config, detect(), "hf"))
     with torch.no_grad():
@@ -176,7 +176,7 @@ def _blown_up_lora_a(config):
 
 @pytest.mark.slow
 def test_nonfinite_gradients_skip_the_update_and_are_counted(tmp_path):
-    from lowvram_grpo.pipeline import run
+    from lowvram_grpo.run.pipeline import run
 
     config = _tiny(tmp_path, "train.max_nonfinite_steps=5")
     handle = _blown_up_lora_a(config)
@@ -191,7 +191,7 @@ def test_nonfinite_gradients_skip_the_update_and_are_counted(tmp_path):
 
 @pytest.mark.slow
 def test_too_many_nonfinite_steps_in_a_row_stop_the_run_with_advice(tmp_path):
-    from lowvram_grpo.pipeline import run
+    from lowvram_grpo.run.pipeline import run
 
     config = _tiny(tmp_path, "train.max_nonfinite_steps=2")
     with pytest.raises(TrainingStopped, match=r"stopped at step 2 of 3: 2 steps in a row had a NaN/inf loss or gradient"

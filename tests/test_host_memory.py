@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from lowvram_grpo import host_memory
-from lowvram_grpo.backends import SamplingParams, load_model
-from lowvram_grpo.config import load_config
-from lowvram_grpo.hardware import detect
-from lowvram_grpo.resolve import resolve
+from lowvram_grpo.run import host_memory
+from lowvram_grpo.model.backends import SamplingParams, load_model
+from lowvram_grpo.settings.config import load_config
+from lowvram_grpo.settings.hardware import detect
+from lowvram_grpo.settings.resolve import resolve
 
 pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
 
@@ -79,8 +79,8 @@ def test_off_turns_both_off(monkeypatch, tiny_model_dir):
 def test_the_trainer_releases_after_each_step(tmp_path, tiny_model_dir, monkeypatch):
     """A real 2-step GRPO training on the tiny model: host_memory.release runs once at the end of each step,
     after that step's optimizer update (the trainer's global_step already counts it)."""
-    from lowvram_grpo.data import load_questions, to_prompt_rows
-    from lowvram_grpo.training import build_trainer
+    from lowvram_grpo.task.data import load_questions, to_prompt_rows
+    from lowvram_grpo.training.grpo import build_trainer
 
     config = load_config("tiny", ["train.max_steps=2", "eval.enabled=false", "train.save_steps=1000"])
     handle = load_model(resolve(config, detect(), "hf"))

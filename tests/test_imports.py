@@ -60,28 +60,28 @@ def test_no_module_imports_one_that_imports_it_back():
 
 def test_the_walk_sees_lazy_imports_and_relative_imports():
     graph = import_graph()
-    assert "lowvram_grpo.training" in graph["lowvram_grpo.pipeline"]          # imported inside a method
-    assert "lowvram_grpo.backends.vllm.engine" in graph["lowvram_grpo.backends.vllm.rollouts"]  # `from .engine`
-    assert "lowvram_grpo.errors" in graph["lowvram_grpo.backends.vllm.settings"]  # `from ...errors`
+    assert "lowvram_grpo.training.grpo" in graph["lowvram_grpo.run.pipeline"]          # imported inside a method
+    assert "lowvram_grpo.model.vllm.engine" in graph["lowvram_grpo.model.vllm.rollouts"]  # `from .engine`
+    assert "lowvram_grpo.run.errors" in graph["lowvram_grpo.model.vllm.settings"]  # `from ...errors`
 
 
 def test_only_the_entry_points_import_the_cli_module():
     graph = import_graph()
-    users = sorted(m for m, targets in graph.items() if "lowvram_grpo.run" in targets)
-    assert users == ["lowvram_grpo.__main__"], users
+    users = sorted(m for m, targets in graph.items() if "lowvram_grpo.run.cli" in targets)
+    assert users == ["lowvram_grpo.__main__", "lowvram_grpo.run.__main__"], users
 
 
 # --------------------------------------------------------------------------- the pure modules' import guards
 
 # What a user's reward or tools file is checked and run with must import without the training stack: --dry-run,
 # the doctor and the checks import them before (or without) any model.
-PURE_MODULES = ("lowvram_grpo.rewards", "lowvram_grpo.tools")
+PURE_MODULES = ("lowvram_grpo.task.rewards", "lowvram_grpo.task.tools")
 HEAVY_PACKAGES = ("trl", "torch", "transformers", "peft", "datasets", "vllm", "unsloth", "bitsandbytes")
-OFF_LIMITS = ("lowvram_grpo.backends", "lowvram_grpo.trl_compat", "lowvram_grpo.training")  # and their submodules
+OFF_LIMITS = ("lowvram_grpo.model.backends", "lowvram_grpo.training.trl_compat", "lowvram_grpo.training.grpo")  # and their submodules
 # Modules a pure one may reach whose heavy imports sit inside functions, run only on request (by name, and why):
 # their module-level imports are still checked.
 LAZY_BOUNDARIES = {
-    "lowvram_grpo.reward_models": "scores a reward model named in rewards.names: transformers, torch, trl.data_utils",
+    "lowvram_grpo.task.reward_models": "scores a reward model named in rewards.names: transformers, torch, trl.data_utils",
 }
 
 
@@ -136,9 +136,9 @@ def test_the_guard_sees_relative_and_lazy_imports():
     trl_compat inside the package) is caught as reaching trl_compat, and reward_models' function-level transformers
     import is what makes it a boundary."""
     graph, modules = import_graph(), _modules()
-    assert any("lowvram_grpo.trl_compat" in p for p in pure_module_problems("lowvram_grpo.training", graph, modules))
-    assert _heavy_imports(modules["lowvram_grpo.reward_models"], module_level_only=False)
-    assert not _heavy_imports(modules["lowvram_grpo.reward_models"], module_level_only=True)
+    assert any("lowvram_grpo.training.trl_compat" in p for p in pure_module_problems("lowvram_grpo.training.grpo", graph, modules))
+    assert _heavy_imports(modules["lowvram_grpo.task.reward_models"], module_level_only=False)
+    assert not _heavy_imports(modules["lowvram_grpo.task.reward_models"], module_level_only=True)
 
 
 def test_importing_rewards_or_tools_loads_no_heavy_module():
@@ -162,11 +162,11 @@ def test_the_memory_plan_stays_arithmetic():
     """The plan's modules reach no trl_compat, backend or training by any import (the out-of-memory line, oom.py,
     reads TRL's rollout frame names from trl_compat when a run runs out of memory: it is not part of the plan)."""
     graph = import_graph()
-    plan_modules = ("lowvram_grpo.memory", "lowvram_grpo.memory_plan_terms", "lowvram_grpo.memory_fit",
-                    "lowvram_grpo.model_shapes")
+    plan_modules = ("lowvram_grpo.settings.memory_plan", "lowvram_grpo.settings.memory_terms", "lowvram_grpo.settings.memory_fit",
+                    "lowvram_grpo.settings.model_shapes")
     reached = {m: sorted(n for n in _reachable(graph, m) if _off_limits(n)) for m in plan_modules}
     assert reached == {m: [] for m in plan_modules}, reached
-    assert "lowvram_grpo.trl_compat" in graph["lowvram_grpo.oom"]
+    assert "lowvram_grpo.training.trl_compat" in graph["lowvram_grpo.run.oom"]
 
 
 # Values derived from several settings are computed in one place (config.py's properties, resolve.py), never again

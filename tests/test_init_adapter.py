@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, run_cli
-from lowvram_grpo.config import load_config
-from lowvram_grpo.errors import AdapterError, ConfigError
+from lowvram_grpo.settings.config import load_config
+from lowvram_grpo.run.errors import AdapterError, ConfigError
 
 pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
 
@@ -83,7 +83,7 @@ def test_another_tools_adapter_is_the_trainable_lora_with_its_own_settings(tmp_p
     adapter = _other_tools_adapter(tmp_path / "theirs", tiny_model_dir)
     config = load_config("tiny", [f"lora.init_adapter={adapter}", "train.max_steps=1"])
     assert (config.lora.r, config.lora.alpha, config.lora.target_modules, config.lora.dropout) == (4, 12, ["q_proj", "v_proj"], 0.05)
-    from lowvram_grpo.pipeline import GRPORun
+    from lowvram_grpo.run.pipeline import GRPORun
 
     grpo = GRPORun(config, tmp_path / "out", backend="hf", log=lambda *a: None)
     try:
@@ -98,8 +98,8 @@ def test_another_tools_adapter_is_the_trainable_lora_with_its_own_settings(tmp_p
 def test_an_adapter_for_another_model_is_refused_before_or_when_it_loads(tmp_path, tiny_model_dir):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lowvram_grpo.checks import before_load
-    from lowvram_grpo.pipeline import GRPORun
+    from lowvram_grpo.settings.checks import before_load
+    from lowvram_grpo.run.pipeline import GRPORun
 
     other = tmp_path / "wide-llama"  # another base, its name recorded in the adapter: refused before loading
     LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
@@ -129,13 +129,13 @@ def test_an_adapter_for_another_model_is_refused_before_or_when_it_loads(tmp_pat
     ("Qwen/Qwen2.5-1.5B", "Qwen/Qwen2.5-1.5B-Instruct", False),
 ])
 def test_one_base_model_by_its_usual_names(recorded, name, same):
-    from lowvram_grpo.checks import _base_identities
+    from lowvram_grpo.settings.checks import _base_identities
 
     assert bool(_base_identities(recorded) & _base_identities(name)) is same
 
 
 def test_our_adapter_names_the_built_in_model_it_was_trained_on(tiny_run):
-    from lowvram_grpo.checks import _base_identities
+    from lowvram_grpo.settings.checks import _base_identities
 
     recorded = json.loads((tiny_run[0] / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert _base_identities(recorded) & _base_identities("builtin:tiny")
@@ -155,8 +155,8 @@ def test_priming_is_skipped_from_an_adapter_unless_asked(tiny_run, tmp_path):
 UNSLOTH_FROM_ADAPTER = """
 import json, sys
 from pathlib import Path
-from lowvram_grpo.config import load_config
-from lowvram_grpo.pipeline import GRPORun
+from lowvram_grpo.settings.config import load_config
+from lowvram_grpo.run.pipeline import GRPORun
 adapter, out = Path(sys.argv[1]), Path(sys.argv[2])
 config = load_config("tiny", [f"lora.init_adapter={adapter}", "train.max_steps=1", "eval.enabled=false"])
 grpo = GRPORun(config, out, backend="unsloth", log=lambda *a: None)

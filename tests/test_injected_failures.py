@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import REPO, run_cli
-from lowvram_grpo.run_dir import RunDir
+from lowvram_grpo.report.run_dir import RunDir
 
 pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
 

@@ -12,13 +12,12 @@ import pytest
 
 from conftest import REPO
 
-from lowvram_grpo.config import load_config
-from lowvram_grpo.errors import ResolveError
-from lowvram_grpo.hardware import PROFILES
-from lowvram_grpo.memory_plan_terms import estimate
-from lowvram_grpo.resolve import (DECODE_GRAPH_MODEL_TYPES, IS_MODE, IS_MODE_VESPO, choose_decode_graphs,
-                                  decode_graphs_environment_note, model_type_of, resolve, without_vllm)
-from lowvram_grpo.unsloth_sizing import vllm_budget
+from lowvram_grpo.settings.config import load_config
+from lowvram_grpo.run.errors import ResolveError
+from lowvram_grpo.settings.hardware import PROFILES
+from lowvram_grpo.settings.memory_terms import estimate
+from lowvram_grpo.settings.resolve import (DECODE_GRAPH_MODEL_TYPES, IS_MODE, IS_MODE_VESPO, choose_decode_graphs, decode_graphs_environment_note, model_type_of, resolve, without_vllm)
+from lowvram_grpo.settings.unsloth_sizing import vllm_budget
 
 CARDS = ("t4", "rtx3090", "rtx4090")
 CPU_WITH_VLLM = dataclasses.replace(PROFILES["cpu"], vllm_installed=True)
@@ -32,7 +31,7 @@ def resolved(preset: str, card: str, *sets: str, backend: str = "auto", hardware
 
 @pytest.mark.parametrize("card", CARDS)
 def test_unsloths_vllm_engine_gets_the_correction_on_by_default_with_mode_and_environment(card):
-    from lowvram_grpo.training import grpo_config_kwargs
+    from lowvram_grpo.training.grpo import grpo_config_kwargs
 
     r = resolved("llama8b_4bit", card)
     assert r.generation == "unsloth_vllm" and r.is_correction and r.is_mode == IS_MODE == "sequence_mask"
@@ -44,7 +43,7 @@ def test_unsloths_vllm_engine_gets_the_correction_on_by_default_with_mode_and_en
 
 
 def test_our_vllm_engine_and_our_decode_loop_on_a_cpu_get_it_and_transformers_generation_does_not():
-    from lowvram_grpo.training import grpo_config_kwargs
+    from lowvram_grpo.training.grpo import grpo_config_kwargs
 
     ours = resolved("smollm2_cpu", "cpu", "model.generation=vllm", hardware=CPU_WITH_VLLM)
     assert ours.generation == "vllm" and ours.is_correction and ours.trainer_environment == {}
@@ -142,7 +141,7 @@ def test_fp8_kv_is_refused_below_sm80_and_off_vllm():
 
 @pytest.mark.parametrize("card", ("rtx3090", "rtx4090"))
 def test_auto_keeps_16_bit_where_the_plan_has_room_and_picks_fp8_where_it_is_short(card):
-    from lowvram_grpo.backends.unsloth_backend import from_pretrained_kwargs
+    from lowvram_grpo.model.unsloth_backend import from_pretrained_kwargs
 
     roomy = resolved("llama8b_4bit", card)
     assert roomy.kv_cache_dtype == "bfloat16" and "holds the rollout and evaluation batches" in roomy.kv_cache_reason

@@ -3,7 +3,7 @@ full-logits computation, and the env switch forces either path."""
 import pytest
 import torch
 
-from lowvram_grpo import logprobs_fallback as lf
+from lowvram_grpo.training import logprobs_fallback as lf
 
 
 def _reference(hidden, weight, bias, targets, temperature, softcap, scale):
@@ -34,7 +34,7 @@ def test_matches_full_logits_values_and_gradients(monkeypatch, softcap, scale, u
 
 
 def test_path_choice_by_device_and_forced(monkeypatch):
-    from lowvram_grpo import trl_compat as tc
+    from lowvram_grpo.training import trl_compat as tc
 
     monkeypatch.delenv(tc.ENV, raising=False)
     assert tc.use_torch_logprobs("cpu", kernel_available=True)
@@ -49,7 +49,7 @@ def test_path_choice_by_device_and_forced(monkeypatch):
 def test_install_routes_trl_and_is_idempotent():
     from trl.trainer import utils as trl_utils
 
-    from lowvram_grpo.trl_compat import install_logprob_fallback
+    from lowvram_grpo.training.trl_compat import install_logprob_fallback
 
     install_logprob_fallback()
     first = trl_utils._ChunkedLogProbFunction

@@ -1,4 +1,4 @@
-"""The memory plan (lowvram_grpo.memory, with model_shapes, memory_plan_terms, memory_fit and oom): its
+"""The memory plan (lowvram_grpo.settings.memory_plan, with model_shapes, memory_plan_terms, memory_fit and oom): its
 arithmetic, the published figures it is checked against, its suggestions, the CLI's --dry-run / --vram /
 --auto-fit / --export, the OOM report, and the CUDA path's wiring at its boundary (the arguments built for GPU libraries; nothing here ran on a GPU)."""
 import ast
@@ -13,15 +13,15 @@ import pytest
 import yaml
 
 from conftest import REPO, run_cli
-from lowvram_grpo.config import list_presets, load_config
-from lowvram_grpo.hardware import ANY_GPU, profile
-from lowvram_grpo.errors import PlanError
-from lowvram_grpo.memory import format_plan, plan
-from lowvram_grpo.memory_fit import apply_suggestions
-from lowvram_grpo.memory_plan_terms import GIB, logits_bytes_held_whole
-from lowvram_grpo.model_shapes import model_shape, shape_from_config_json
-from lowvram_grpo.oom import oom_message
-from lowvram_grpo.resolve import resolve
+from lowvram_grpo.settings.config import list_presets, load_config
+from lowvram_grpo.settings.hardware import ANY_GPU, profile
+from lowvram_grpo.run.errors import PlanError
+from lowvram_grpo.settings.memory_plan import format_plan, plan
+from lowvram_grpo.settings.memory_fit import apply_suggestions
+from lowvram_grpo.settings.memory_terms import GIB, logits_bytes_held_whole
+from lowvram_grpo.settings.model_shapes import model_shape, shape_from_config_json
+from lowvram_grpo.run.oom import oom_message
+from lowvram_grpo.settings.resolve import resolve
 
 GPU_PRESETS = ["llama8b_4bit", "qwen3b_4bit", "qwen1_5b_4bit"]
 
@@ -136,7 +136,7 @@ def test_logits_on_the_unsloth_backend_are_counted_in_unsloths_own_chunks():
     unsloth_zoo's fused_linear_rows (a power of two near rows x hidden / vocab, >= 512 x 151936 logits' worth,
     <= 4096 rows, <= 2 GiB) x the whole vocabulary in fp32, not TRL's [4096 x 32768] tiles
     (tests/test_gpu_wheels.py runs unsloth_zoo's own fused_linear_rows against ours)."""
-    from lowvram_grpo.unsloth_sizing import fused_linear_rows
+    from lowvram_grpo.settings.unsloth_sizing import fused_linear_rows
 
     llama = planned(load_config("llama8b_4bit"))  # 6 sequences x 768 completion tokens, vocab 128256
     assert llama.backend == "unsloth"
@@ -154,7 +154,7 @@ def test_the_plan_gives_the_max_model_len_unsloth_starts_vllm_with_and_refuses_o
     max_model_len to what its KV-cache estimate in that share holds (unsloth_sizing.vllm_budget, run against
     unsloth_zoo's own code in tests/test_gpu_wheels.py); the plan says the length, and settings whose rollouts it
     would cut do not fit: the suggestions give the whole prompt + completion."""
-    from lowvram_grpo.unsloth_sizing import vllm_budget
+    from lowvram_grpo.settings.unsloth_sizing import vllm_budget
 
     p = plan(resolve(load_config("llama8b_4bit"), profile("t4")))
     assert p.vllm_max_model_len == 1024 and p.short_max_model_len() is None
@@ -281,10 +281,10 @@ def test_an_out_of_memory_while_generating_is_told_apart_from_the_training_step(
     import torch
     import trl
 
-    from lowvram_grpo.backends.vllm.rollouts import TRLRollouts
-    from lowvram_grpo.errors import OutOfMemory
-    from lowvram_grpo.oom import OOM_PHASES, oom_phase, out_of_memory_reported
-    from lowvram_grpo.trl_compat import TRL_ROLLOUT_METHODS
+    from lowvram_grpo.model.vllm.rollouts import TRLRollouts
+    from lowvram_grpo.run.errors import OutOfMemory
+    from lowvram_grpo.run.oom import OOM_PHASES, oom_phase, out_of_memory_reported
+    from lowvram_grpo.training.trl_compat import TRL_ROLLOUT_METHODS
 
     class OutOfMemoryOnUse:
         """A trainer (or batch) whose every use raises, so the error comes from inside TRL's own method."""
@@ -388,7 +388,7 @@ def test_unknown_model_dry_run_says_the_plan_cannot_be_made():
 
 @pytest.mark.slow
 def test_gpu_preset_without_cuda_stops_before_the_heavy_imports(tmp_path):
-    code = ("import sys; from lowvram_grpo.run import main; "
+    code = ("import sys; from lowvram_grpo.run.cli import main; "
             f"rc = main(['--preset', 'llama8b_4bit', '--max-steps', '1', '--output-dir', {str(tmp_path / 'out')!r}]); "
             "heavy = [m for m in ('transformers', 'trl', 'peft', 'unsloth', 'vllm') if m in sys.modules]; "
             "print('RC', rc, 'HEAVY', heavy)")
@@ -412,8 +412,8 @@ def test_merged16_export_on_the_hf_backend_equals_the_adapted_model(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lowvram_grpo.backends import export_model, load_model
-    from lowvram_grpo.hardware import detect
+    from lowvram_grpo.model.backends import export_model, load_model
+    from lowvram_grpo.settings.hardware import detect
 
     handle = load_model(resolve(load_config("tiny"), detect(), "hf"))
     torch.manual_seed(0)
@@ -438,7 +438,7 @@ def test_merged16_export_on_the_hf_backend_equals_the_adapted_model(tmp_path):
 
 def test_grpo_config_for_the_gpu_preset_uses_vllm_and_paged_8bit_adamw(tmp_path):
     """What the CUDA branch hands TRL, built here without a GPU (not a claim that it ran on one)."""
-    from lowvram_grpo.training import grpo_args, grpo_config_kwargs
+    from lowvram_grpo.training.grpo import grpo_args, grpo_config_kwargs
 
     args = grpo_args(resolve(load_config("llama8b_4bit"), profile("t4")), tmp_path)  # fp16: constructible on a CPU
     assert args.use_vllm and args.vllm_mode == "colocate" and args.vllm_gpu_memory_utilization == 0.6
@@ -457,7 +457,7 @@ def test_unsloth_load_arguments_for_the_gpu_preset(hw, dtype):
     """The dtype is passed to unsloth explicitly: on a T4 it loads fp16 and GRPOConfig says fp16 too."""
     import torch
 
-    from lowvram_grpo.backends.unsloth_backend import from_pretrained_kwargs, get_peft_model_kwargs
+    from lowvram_grpo.model.unsloth_backend import from_pretrained_kwargs, get_peft_model_kwargs
 
     resolved = resolve(load_config("llama8b_4bit"), profile(hw))
     load = from_pretrained_kwargs(resolved, resolved.config.model.name)
@@ -475,7 +475,7 @@ def test_unsloth_load_arguments_for_the_gpu_preset(hw, dtype):
 def test_the_exports_call_unsloths_gpu_savers_as_they_are_defined():
     """unsloth's CUDA savers cannot be imported without a GPU (Triton), so their source is read:
     the methods it binds, and that our keyword arguments are among their parameters."""
-    from lowvram_grpo.backends.unsloth_backend import EXPORTS
+    from lowvram_grpo.model.unsloth_backend import EXPORTS
 
     source = (Path(importlib.util.find_spec("unsloth").origin).parent / "save.py").read_text()
     functions = {f.name: f for f in ast.walk(ast.parse(source)) if isinstance(f, ast.FunctionDef)}
@@ -494,9 +494,8 @@ def test_the_hf_backends_own_vllm_engine_is_planned_as_the_engine_asks_vllm():
     beside the whole trainer. Defect: the plan counted gpu_memory_utilization x the card (0.5 x 22 GiB) for
     vLLM while the engine asked for ~0.3 GiB of KV cache, which vLLM then used instead, and counted G
     sequences where the engine asks for max(G, eval batch)."""
-    from lowvram_grpo.backends.vllm import settings_for
-    from lowvram_grpo.memory_plan_terms import (KV_BLOCK_TOKENS, VLLM_PROCESS_BYTES, engine_kv_cache_bytes,
-                                                engine_sequences, engine_share_bytes)
+    from lowvram_grpo.model.vllm import settings_for
+    from lowvram_grpo.settings.memory_terms import (KV_BLOCK_TOKENS, VLLM_PROCESS_BYTES, engine_kv_cache_bytes, engine_sequences, engine_share_bytes)
 
     config = load_config("qwen1_5b_4bit", ["model.generation=vllm", "model.fast_inference=false"])
     with_vllm = planned(config, 22, backend="hf")
@@ -524,7 +523,7 @@ def test_the_plan_is_made_on_the_free_memory_as_unsloth_sizes_vllm():
     """unsloth_zoo's load_vllm gives vLLM gpu_memory_utilization x the memory FREE at load; training gets the rest
     of the free memory. Defect: the plan took the card's total, overstating the margin by (1 - util) x (total - free)
     on a card others hold some of (a display). A T4 as detect() records it with 0.6 GiB held elsewhere."""
-    from lowvram_grpo.unsloth_sizing import vllm_budget
+    from lowvram_grpo.settings.unsloth_sizing import vllm_budget
 
     config = load_config("llama8b_4bit")
     empty = plan(resolve(config, profile("t4")))
@@ -552,7 +551,7 @@ def test_the_plan_is_made_on_the_free_memory_as_unsloth_sizes_vllm():
 
 
 def test_a_detected_card_records_its_free_memory_and_vram_overrides_drop_it():
-    from lowvram_grpo.hardware import Hardware, with_memory
+    from lowvram_grpo.settings.hardware import Hardware, with_memory
 
     assert "free_gib" in {f.name for f in dataclasses.fields(Hardware)} and profile("t4").free_gib is None
     present = dataclasses.replace(profile("t4"), name="present", free_gib=14.1)
@@ -594,9 +593,9 @@ def test_unsloth_vllm_standby_is_refused_in_one_line(monkeypatch):
     """UNSLOTH_VLLM_STANDBY=1 makes unsloth_zoo's load_vllm replace gpu_memory_utilization with its standby share
     (0.8 x 0.95 = 0.76 on a T4) and start vLLM with sleep mode, outside the plan. Defect: the plan ignored it.
     The variable is read once, by hardware.py (detect / planning_hardware); the plan refuses it."""
-    from lowvram_grpo.errors import ResolveError
-    from lowvram_grpo.hardware import planning_hardware, unsloth_vllm_standby
-    from lowvram_grpo.memory_plan_terms import standby_utilization
+    from lowvram_grpo.run.errors import ResolveError
+    from lowvram_grpo.settings.hardware import planning_hardware, unsloth_vllm_standby
+    from lowvram_grpo.settings.memory_terms import standby_utilization
 
     assert standby_utilization(14.7) == pytest.approx(0.76) and standby_utilization(23.6) == pytest.approx(0.78375)
     assert unsloth_vllm_standby({"UNSLOTH_VLLM_STANDBY": "0"}) is None and unsloth_vllm_standby({}) is None
@@ -627,7 +626,7 @@ def test_the_standby_share_is_unsloth_zoos_own():
     spec = importlib.util.find_spec("unsloth_zoo")
     if spec is None:
         pytest.skip("unsloth_zoo is not installed (the GPU install set)")
-    from lowvram_grpo.memory_plan_terms import STANDBY_TIERS, STANDBY_VLLM_FACTOR
+    from lowvram_grpo.settings.memory_terms import STANDBY_TIERS, STANDBY_VLLM_FACTOR
 
     text = (Path(spec.origin).parent / "vllm_utils.py").read_text()
     branch = text[text.index("vLLM >= 0.11.0 uses more VRAM") - 1500:text.index("vLLM >= 0.11.0 uses more VRAM")]
@@ -642,7 +641,7 @@ def test_priming_is_planned_with_its_own_optimizer_and_batch():
     """Priming (prime.steps > 0) runs before GRPO with vLLM loaded, a torch AdamW of its own (fp32 state, 8 bytes
     per LoRA parameter) and prime.batch_size examples of up to model.max_seq_length tokens. Defect: outside the
     plan; a T4 run with prime.batch_size=64 was planned to fit."""
-    from lowvram_grpo.memory_plan_terms import activation_bytes_per_token_layer, lora_param_count
+    from lowvram_grpo.settings.memory_terms import activation_bytes_per_token_layer, lora_param_count
 
     base = plan(resolve(load_config("llama8b_4bit", ["prime.steps=30"]), profile("t4")))
     peak, shape = base.priming, base.shape

@@ -1,4 +1,4 @@
-"""Model shapes from the model itself (lowvram_grpo.model_shapes): each family's parameters counted as transformers
+"""Model shapes from the model itself (lowvram_grpo.settings.model_shapes): each family's parameters counted as transformers
 builds the model, its KV cache and linear-attention state as transformers' own cache holds them, config.json read
 from a local folder or the local hub cache (offline: the fallback table, or one line naming the file), and the
 presets of today's notebooks planned offline on the cards their headers name."""
@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from lowvram_grpo.model_shapes import KNOWN_SHAPES, SHAPE_SOURCES, model_shape, shape_from_config
+from lowvram_grpo.settings.model_shapes import KNOWN_SHAPES, SHAPE_SOURCES, model_shape, shape_from_config
 
 NEW_PRESETS = ["qwen3_4b_4bit", "qwen3_5_0_8b", "gemma3_1b", "llama3_2_3b_4bit"]
 CARDS = ["t4", "rtx3090", "rtx4090"]
@@ -105,9 +105,9 @@ def test_the_fallback_table_names_the_source_of_every_number():
 # --------------------------------------------------------------------------- where config.json comes from
 
 def _cli(args_list, env, tmp_path):
-    """lowvram_grpo.run.main for each argument list, in one fresh process with `env` (HF_HUB_* are read when
+    """lowvram_grpo.run.cli.main for each argument list, in one fresh process with `env` (HF_HUB_* are read when
     huggingface_hub is imported): [(rc, stdout, stderr)]."""
-    code = ("import contextlib, io, json, sys\nfrom lowvram_grpo.run import main\nout = []\n"
+    code = ("import contextlib, io, json, sys\nfrom lowvram_grpo.run.cli import main\nout = []\n"
             f"for args in {args_list!r}:\n"
             "    o, e = io.StringIO(), io.StringIO()\n"
             "    with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):\n"
@@ -140,7 +140,7 @@ def test_every_new_preset_prints_its_settings_and_plan_offline_on_each_card(tmp_
         assert rc == 0, (preset, card, err)
         assert f"preset: {preset}" in out  # the settings
         assert "model.name" not in err and "error" not in err.lower(), err
-        assert "shape from: lowvram_grpo.model_shapes.KNOWN_SHAPES" in out and "HF_HUB_OFFLINE is set" in out
+        assert "shape from: lowvram_grpo.settings.model_shapes.KNOWN_SHAPES" in out and "HF_HUB_OFFLINE is set" in out
         assert "vLLM: serves " in out and "fits a" in out, (preset, card, out[-2000:])
         header = (REPO / "presets" / f"{preset}.yaml").read_text()
         row = re.search(rf"^#   {card}\s+([\d.]+)\s+([\d.]+)\s+(yes|NO)$", header, re.MULTILINE)
@@ -208,7 +208,7 @@ def test_offline_with_no_cached_copy_is_one_line_naming_the_file(tmp_path):
 
 
 def test_a_folder_without_config_json_is_named(tmp_path):
-    from lowvram_grpo.errors import PlanError
+    from lowvram_grpo.run.errors import PlanError
 
     with pytest.raises(PlanError, match="without a config.json"):
         model_shape(str(tmp_path))

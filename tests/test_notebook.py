@@ -114,7 +114,7 @@ def test_without_overrides_the_notebook_picks_the_cpu_default(kernel_here, tmp_p
         for key in (*CI_SETTINGS, "LOWVRAM_GRPO_NOTEBOOK_OUTPUT"):
             mp.delenv(key, raising=False)
         execute(notebook, kernel_here)
-    from lowvram_grpo.config import load_config
+    from lowvram_grpo.settings.config import load_config
 
     default = load_config("smollm2_cpu")
     text = text_of(notebook)
@@ -203,7 +203,7 @@ def test_the_t4_path_is_what_the_parameter_cell_applies_and_it_is_shorter_than_t
     """The T4 settings of the parameter cell load with the notebook's preset and shorten it (docs/gpu.md's estimate)."""
     import ast
 
-    from lowvram_grpo.config import load_config
+    from lowvram_grpo.settings.config import load_config
 
     source = _cell(nbformat.read(NOTEBOOK, as_version=4), "T4_SETTINGS = ")
     (assign,) = [n for n in ast.parse(source).body if isinstance(n, ast.Assign) and n.targets[0].id == "T4_SETTINGS"]

@@ -1,11 +1,11 @@
 """Supervised priming on the tiny model: the completion loss falls and the run reports the primed column."""
-from lowvram_grpo.backends import load_model
-from lowvram_grpo.hardware import detect
-from lowvram_grpo.resolve import resolve
-from lowvram_grpo.config import load_config
-from lowvram_grpo.data import load_questions
-from lowvram_grpo.evaluation import format_table
-from lowvram_grpo.priming import _batch, completion_loss, prime
+from lowvram_grpo.model.backends import load_model
+from lowvram_grpo.settings.hardware import detect
+from lowvram_grpo.settings.resolve import resolve
+from lowvram_grpo.settings.config import load_config
+from lowvram_grpo.task.data import load_questions
+from lowvram_grpo.evaluate.evaluation import format_table
+from lowvram_grpo.training.priming import _batch, completion_loss, prime
 
 import pytest  # noqa: E402
 
@@ -114,10 +114,10 @@ def test_priming_with_the_calculator_trains_on_transcripts_that_call_it(tiny_mod
     would make: the prompt with the tools' schemas (masked), a turn calling the calculator once per calculation of
     the solution, written as the model's template writes calls and parsed back as TRL parses them (trained), the
     results (masked), the formatted answer (trained)."""
-    from lowvram_grpo.priming import calculations, example_pieces
-    from lowvram_grpo.rewards import xml_formatted
-    from lowvram_grpo.tools import calculator
-    from lowvram_grpo.user_code import of
+    from lowvram_grpo.training.priming import calculations, example_pieces
+    from lowvram_grpo.task.rewards import xml_formatted
+    from lowvram_grpo.task.tools import calculator
+    from lowvram_grpo.task.user_code import of
 
     config = load_config("tiny", ["tools.names=[calculator]"])
     handle = load_model(resolve(config, detect(), "hf"))
@@ -151,7 +151,7 @@ def test_priming_with_the_calculator_trains_on_transcripts_that_call_it(tiny_mod
 
 
 def test_calculations_read_gsm8k_annotations_and_the_builtin_equations():
-    from lowvram_grpo.priming import calculations
+    from lowvram_grpo.training.priming import calculations
 
     assert calculations("Natalia sold 48/2 = <<48/2=24>>24 clips in May. Altogether <<48+24=72>>72.") == ["48/2", "48+24"]
     assert calculations("After buying, Ava has 3 + 4 = 7 apples. After giving 2 away, 7 - 2 = 5.") == ["3 + 4", "7 - 2"]

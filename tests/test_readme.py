@@ -1,5 +1,5 @@
-"""The README's layout is a short map: a line a room (where data enters, settings are decided, the model is built,
-rewards and tools run, training, evaluation, where outputs are written, the commands) naming the modules of each,
+"""The README's layout is a short map: a room a job (the commands, where settings are decided, where data enters and
+rewards and tools run, where the model is built, training, evaluation, where outputs are written) naming its modules,
 plus the top-level folders; every module and folder is named in it and nothing it names is missing. And every step
 time or job time of the default job that the README, docs/ and presets/ state is the measured one."""
 import json
@@ -34,35 +34,55 @@ def _top_level_folders() -> set[str]:
     return {name for name in names if not name.startswith(".") and (REPO / name).is_dir()}
 
 
+def _rooms(lines: list[str]) -> dict[str, str]:
+    """{room: its lines joined}: a line that starts `NAME/` opens a room, an indented line goes on with it."""
+    rooms: dict[str, str] = {}
+    room = None
+    for line in lines:
+        if m := re.match(r"^([\w.]+)/\s", line):
+            room = m.group(1)
+            rooms[room] = line[m.end():]
+        elif room is not None and line.startswith(" "):
+            rooms[room] += " " + line.strip()
+    return rooms
+
+
 def test_every_package_module_and_folder_is_in_the_readme_layout():
-    """Every module of the package is named in the map (on its room's line), every sub-package and top-level folder
-    as `NAME/`; every `.py` the map names is a module of the package and every folder a line starts with is there;
-    and the map has at most MAP_MAX_LINES lines (before: a line a module, 50 of the README's 200)."""
+    """The map has a room for every folder of the package and of the repository; each room's lines name every module
+    of that room (the package's own top-level modules on the `lowvram_grpo/` line) and its sub-folders; every `.py`
+    the map names is there; the package's top holds at most 12 entries (issue 50: rooms a newcomer can find); and the
+    map has at most MAP_MAX_LINES lines (before: a line a module, 50 of the README's 200)."""
     section, lines = _layout()
     assert len(lines) <= MAP_MAX_LINES, f"the README's layout map has {len(lines)} lines: at most {MAP_MAX_LINES}"
     package = REPO / "lowvram_grpo"
-    modules = {p.name for p in package.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
-    folders = {p.name for p in package.iterdir() if p.is_dir() and not p.name.startswith("__")}
-    folders |= _top_level_folders()
+    top = sorted(p.name for p in package.iterdir() if p.name != "__pycache__")
+    assert len(top) <= 12, f"lowvram_grpo/ holds {len(top)} entries, at most 12: {top}"
+    rooms = _rooms(lines)
+    expected = {"lowvram_grpo": {p.name for p in package.glob("*.py") if p.name != "__main__.py"}}
+    for folder in (p for p in package.iterdir() if p.is_dir() and not p.name.startswith("__")):
+        expected[folder.name] = ({p.name for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+                                 | {f"{d.name}/" for d in folder.iterdir() if d.is_dir() and not d.name.startswith("__")})
+    for folder in _top_level_folders() - {"lowvram_grpo"}:
+        expected[folder] = set()
+    assert set(rooms) == set(expected), f"the map's rooms {sorted(rooms)} should be the folders {sorted(expected)}"
+    for room, names in expected.items():
+        named = set(re.findall(r"(?<![\w./])(\w+\.py)\b", rooms[room])) | set(re.findall(r"(?<![\w./])(\w+/)", rooms[room]))
+        assert names - named == set(), f"add to the README's layout map, room {room}/: {sorted(names - named)}"
+    every = {p.name for p in package.rglob("*.py")}
     named_modules = set(re.findall(r"(?<![\w./])(\w+\.py)\b", section))
-    named_folders = set(re.findall(r"(?<![\w./])(\w+)/", section))
-    assert modules - named_modules == set(), f"add to the README's layout map: {sorted(modules - named_modules)}"
-    assert folders - named_folders == set(), f"add to the README's layout map: {sorted(folders - named_folders)}"
-    assert named_modules - modules == set(), f"the README's layout names what is not there: {sorted(named_modules - modules)}"
-    rooms = {m.group(1) for line in lines if (m := re.match(r"^(\w+)/\s", line))}
-    assert rooms - folders == set(), f"the README's layout names folders that are not there: {sorted(rooms - folders)}"
+    assert named_modules - every == set(), f"the README's layout names what is not there: {sorted(named_modules - every)}"
 
 
 def _where_questions_enter(module, tmp_path):
-    from lowvram_grpo.config import load_config
+    from lowvram_grpo.settings.config import load_config
 
     train, held_out = module.load_questions(load_config("tiny").data)
     assert train and held_out and train[0].question and train[0].answer
 
 
 def _where_settings_are_decided(module, tmp_path):
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.hardware import profile
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.settings.hardware import profile
 
     assert module.resolve(load_config("llama8b_4bit"), profile("t4")).dtype == "float16"
 
@@ -98,11 +118,14 @@ def test_the_layout_says_where_the_main_things_happen(tmp_path):
     import importlib
 
     _, lines = _layout()
+    room = None
     for phrase, does_it in LAYOUT_ROLES.items():
-        found = [line for line in lines if phrase in line]
-        assert len(found) == 1, (phrase, found)  # one room of the map names it
-        name = re.search(r"(\w+)(?:\.py\b|/)", found[0]).group(1)
-        does_it(importlib.import_module(f"lowvram_grpo.{name}"), tmp_path / name)
+        found = [(i, line) for i, line in enumerate(lines) if phrase in line]
+        assert len(found) == 1, (phrase, found)  # one line of the map names it
+        i, line = found[0]
+        room = next(m.group(1) for prior in reversed(lines[:i + 1]) if (m := re.match(r"^(\w+)/\s", prior)))
+        name = re.search(r"(\w+)\.py\b", line).group(1)
+        does_it(importlib.import_module(f"lowvram_grpo.{room}.{name}"), tmp_path / name)
 
 
 # --------------------------------------------------------------------------- the README's measured numbers

@@ -12,9 +12,9 @@ import pytest
 from matplotlib.image import imread
 
 from conftest import REPO, run_cli
-from lowvram_grpo import signals
-from lowvram_grpo.report import PLOT_FILES, main as report_main, write_report
-from lowvram_grpo.run_dir import REPORT as REPORT_FILE
+from lowvram_grpo.training import learning_signals as signals
+from lowvram_grpo.report.build import PLOT_FILES, main as report_main, write_report
+from lowvram_grpo.report.run_dir import REPORT as REPORT_FILE
 
 
 def rows_with(key, values, **extra):
@@ -90,7 +90,7 @@ def test_report_of_an_unfinished_run_without_kl(tmp_path):
 
 # ----------------------------------------------------------------------------- the before/after table
 def _measured(strict, lenient, n=200):
-    from lowvram_grpo.evaluation import wilson_interval
+    from lowvram_grpo.evaluate.evaluation import wilson_interval
 
     return {"reward_mean": 1.0, "accuracy_strict": strict / n, "accuracy_strict_ci": list(wilson_interval(strict, n)),
             "accuracy_lenient": lenient / n, "accuracy_lenient_ci": list(wilson_interval(lenient, n)),
@@ -98,7 +98,7 @@ def _measured(strict, lenient, n=200):
 
 
 def test_the_table_shows_both_accuracies_with_intervals_and_whether_they_overlap():
-    from lowvram_grpo.report import comparison_table
+    from lowvram_grpo.report.build import comparison_table
 
     markdown = comparison_table({"before": _measured(0, 40), "primed": _measured(40, 60), "after": _measured(90, 70)})
     assert "| accuracy_strict | 0.000 [0.00, 0.02] | 0.200 [0.15, 0.26] | 0.450 [0.38, 0.52] | +0.450 |" in markdown
@@ -108,7 +108,7 @@ def test_the_table_shows_both_accuracies_with_intervals_and_whether_they_overlap
 
 
 def test_an_old_summary_without_the_new_fields_still_renders():
-    from lowvram_grpo.report import comparison_table
+    from lowvram_grpo.report.build import comparison_table
 
     old = {"reward_mean": 1.0, "accuracy": 0.5, "format_rate": 1.0, "mean_completion_tokens": 3.0, "n": 4}
     assert "| accuracy_strict | - | - | - |" in comparison_table({"before": old, "after": old})
@@ -236,7 +236,7 @@ def test_moving_average_is_the_trailing_mean():
 def test_the_progress_bar_shows_reward_its_average_signal_and_kl_not_the_loss():
     import collections
 
-    from lowvram_grpo.training import progress_fields
+    from lowvram_grpo.training.grpo import progress_fields
 
     recent = collections.deque(maxlen=3)
     for reward in (1.0, 2.0, 3.0):
@@ -247,8 +247,8 @@ def test_the_progress_bar_shows_reward_its_average_signal_and_kl_not_the_loss():
 
 
 def test_correctness_logs_the_share_of_all_right_and_all_wrong_groups():
-    from lowvram_grpo.rewards import REWARDS, xml_formatted
-    from lowvram_grpo.training import with_group_outcomes
+    from lowvram_grpo.task.rewards import REWARDS, xml_formatted
+    from lowvram_grpo.training.grpo import with_group_outcomes
 
     funcs = with_group_outcomes([REWARDS["xmlcount"], REWARDS["correctness"]], group_size=2)
     assert funcs[0] is REWARDS["xmlcount"] and funcs[1].__name__ == "correctness"

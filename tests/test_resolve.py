@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from lowvram_grpo.config import list_presets, load_config
-from lowvram_grpo.hardware import ANY_GPU, PROFILES, Hardware, UnknownProfile, profile
-from lowvram_grpo.resolve import ResolveError, follow_loaded_dtype, resolve
+from lowvram_grpo.settings.config import list_presets, load_config
+from lowvram_grpo.settings.hardware import ANY_GPU, PROFILES, Hardware, UnknownProfile, profile
+from lowvram_grpo.settings.resolve import ResolveError, follow_loaded_dtype, resolve
 
 GPU_PROFILES = [name for name, hw in PROFILES.items() if hw.cuda]
 # GRPOConfig's (bf16, fp16) for each compute dtype on a CUDA card, written out (on a CPU: neither)
@@ -147,8 +147,8 @@ def test_resolve_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys; from lowvram_grpo.resolve import resolve; from lowvram_grpo.hardware import profile; "
-            "from lowvram_grpo.config import load_config; resolve(load_config('llama8b_4bit'), profile('t4')); "
+    code = ("import sys; from lowvram_grpo.settings.resolve import resolve; from lowvram_grpo.settings.hardware import profile; "
+            "from lowvram_grpo.settings.config import load_config; resolve(load_config('llama8b_4bit'), profile('t4')); "
             "assert 'torch' not in sys.modules")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
@@ -156,7 +156,7 @@ def test_resolve_imports_no_torch():
 @pytest.mark.parametrize("hw, preset", [("cpu", "smollm2_cpu"), ("t4", "llama8b_4bit"), ("rtx4090", "llama8b_4bit"),
                                         ("rtx3060-12gb", "llama8b_4bit"), ("rtx4060-8gb", "qwen3b_4bit")])
 def test_without_a_preset_the_largest_that_fits_the_card_runs(hw, preset):
-    from lowvram_grpo.memory_fit import default_preset
+    from lowvram_grpo.settings.memory_fit import default_preset
 
     assert default_preset(profile(hw)) == preset
 

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, default_signals, run_cli
-from lowvram_grpo.run_dir import STAGING_PREFIX, RunDir
-from lowvram_grpo.lora_io import atomic_replace_dir, check_adapter_dir
+from lowvram_grpo.report.run_dir import STAGING_PREFIX, RunDir
+from lowvram_grpo.model.lora_io import atomic_replace_dir, check_adapter_dir
 
 pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
 
@@ -38,7 +38,7 @@ def holding(self, output_dir):
         time.sleep(600)
     original(self, output_dir)
 Trainer._save_rng_state = holding
-from lowvram_grpo.run import main
+from lowvram_grpo.run.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -121,10 +121,10 @@ KILL_DURING_SAVE = """
 import os, signal, sys
 from pathlib import Path
 import peft.peft_model, torch
-from lowvram_grpo.backends import load_model
-from lowvram_grpo.hardware import detect
-from lowvram_grpo.resolve import resolve
-from lowvram_grpo.config import load_config
+from lowvram_grpo.model.backends import load_model
+from lowvram_grpo.settings.hardware import detect
+from lowvram_grpo.settings.resolve import resolve
+from lowvram_grpo.settings.config import load_config
 target, first, point = Path(sys.argv[1]), sys.argv[2] == "yes", sys.argv[3]
 handle = load_model(resolve(load_config("tiny"), detect(), "hf"))
 if first:
@@ -172,10 +172,10 @@ def test_a_kill_during_an_adapter_save_leaves_the_old_adapter_or_none(tmp_path, 
 
 
 def test_leftover_staging_of_a_dead_process_is_removed_by_the_next_save(tmp_path, tiny_model_dir):
-    from lowvram_grpo.backends import load_model
-    from lowvram_grpo.hardware import detect
-    from lowvram_grpo.resolve import resolve
-    from lowvram_grpo.config import load_config
+    from lowvram_grpo.model.backends import load_model
+    from lowvram_grpo.settings.hardware import detect
+    from lowvram_grpo.settings.resolve import resolve
+    from lowvram_grpo.settings.config import load_config
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     leftover = tmp_path / f".adapter.tmp-{dead.stdout.strip()}-abc"
@@ -188,7 +188,7 @@ def test_leftover_staging_of_a_dead_process_is_removed_by_the_next_save(tmp_path
 
 
 def test_without_an_atomic_exchange_a_kill_between_the_renames_is_repaired(tmp_path, monkeypatch):
-    from lowvram_grpo import lora_io
+    from lowvram_grpo.model import lora_io
 
     old, new = tmp_path / "target", tmp_path / "staging"
     for path, text in ((old, "old"), (new, "new")):

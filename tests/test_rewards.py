@@ -7,11 +7,8 @@ from fractions import Fraction
 
 import pytest
 
-from lowvram_grpo.errors import ConfigError, RewardError
-from lowvram_grpo.rewards import (
-    REWARD_MAX, REWARDS, call_reward, callable_name, check_rewards, count_xml, extract_hash_answer, guarded,
-    is_async_callable, xml_formatted,
-)
+from lowvram_grpo.run.errors import ConfigError, RewardError
+from lowvram_grpo.task.rewards import (REWARD_MAX, REWARDS, call_reward, callable_name, check_rewards, count_xml, extract_hash_answer, guarded, is_async_callable, xml_formatted)
 
 NOTEBOOK_FIVE = ["xmlcount", "soft_format", "strict_format", "int", "correctness"]
 
@@ -215,7 +212,7 @@ def test_a_reward_without_kwargs_is_told_which_keyword_trl_passes():
 
 
 def test_rewards_are_checked_against_the_runs_own_rows(tmp_path):
-    from lowvram_grpo.config import RewardsConfig
+    from lowvram_grpo.settings.config import RewardsConfig
 
     rows = [{"prompt": "Say a colour:", "colour": "red"}, {"prompt": "Say a fruit:", "colour": None}]
     with pytest.raises(ConfigError, match=r"reward 'correctness' needs gold answers and the data d.csv gives none "
@@ -317,7 +314,7 @@ def test_the_random_reward_controls_stand_in_never_reads_the_completion_and_repe
     the same draws for the same seed, step and call, other draws for another step; the completions are not touched."""
     import types
 
-    from lowvram_grpo.rewards import random_reward, reward_range
+    from lowvram_grpo.task.rewards import random_reward, reward_range
 
     class Untouchable:
         def __getattribute__(self, name):
@@ -340,7 +337,7 @@ def test_the_random_reward_controls_stand_in_never_reads_the_completion_and_repe
 def test_the_think_format_rewards_read_the_answer_after_the_thinking():
     """`think_format` wants one <think> block at the start then an answer; `think_correctness` reads the final answer
     after the last </think>, never a number inside the thinking; without a closed block it scores 0."""
-    from lowvram_grpo.rewards import REWARDS, think_formatted
+    from lowvram_grpo.task.rewards import REWARDS, think_formatted
 
     right = think_formatted("6 * 7 = 42", "The answer is 42.")
     assert right == "<think>\n6 * 7 = 42\n</think>\n\nThe answer is 42."

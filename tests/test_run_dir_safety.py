@@ -13,8 +13,8 @@ import time
 import pytest
 
 from conftest import REPO, run_cli
-from lowvram_grpo.errors import RunDirError
-from lowvram_grpo.run_dir import RunDir
+from lowvram_grpo.run.errors import RunDirError
+from lowvram_grpo.report.run_dir import RunDir
 
 pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
 
@@ -41,7 +41,7 @@ def test_a_finished_run_is_refused_before_anything_loads_and_left_as_it_was(tiny
     assert proc.stdout == "" and "Loading" not in proc.stderr  # refused before any model or data loaded
     assert _snapshot(out) == before
     # the same from Python
-    from lowvram_grpo.pipeline import train
+    from lowvram_grpo.run.pipeline import train
 
     with pytest.raises(RunDirError, match="holds a finished run"):
         train("tiny", ["train.max_steps=1"], output_dir=str(out))
@@ -116,7 +116,7 @@ def test_a_second_process_is_refused_at_once_while_a_run_writes_its_folder(tmp_p
     assert RunDir(out).locked_by() is None  # released with the process
 
 
-HOLD_LOCK = ("import sys, time; from lowvram_grpo.run_dir import RunDir; RunDir(sys.argv[1]).lock(); "
+HOLD_LOCK = ("import sys, time; from lowvram_grpo.report.run_dir import RunDir; RunDir(sys.argv[1]).lock(); "
              "print('locked', flush=True); time.sleep(3600)")
 
 

@@ -10,7 +10,7 @@ import json
 import pytest
 from conftest import run_cli
 
-from lowvram_grpo.signals import SAMPLER_GAP_KEY, SAMPLER_GAP_MAX_KEY, SAMPLER_GAP_THRESHOLD
+from lowvram_grpo.training.learning_signals import SAMPLER_GAP_KEY, SAMPLER_GAP_MAX_KEY, SAMPLER_GAP_THRESHOLD
 
 pytestmark = pytest.mark.slow  # real runs (pytest.ini: the fast tier is -m "not slow")
 RATIO_KEY = "sampling/importance_sampling_ratio/mean"
@@ -67,12 +67,12 @@ def test_a_sampler_off_the_trainers_policy_shows_a_large_gap_on_the_progress_lin
     """Planted: the sampler draws at temperature 0.1 while the trainer scores at the run's temperature (TRL's
     generation config, which our loop reads, set apart from the trainer's). The gap is far above the threshold and
     the progress line says so."""
-    from lowvram_grpo.backends import load_model
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.data import load_questions, to_prompt_rows
-    from lowvram_grpo.hardware import detect
-    from lowvram_grpo.resolve import resolve
-    from lowvram_grpo.training import build_trainer
+    from lowvram_grpo.model.backends import load_model
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.task.data import load_questions, to_prompt_rows
+    from lowvram_grpo.settings.hardware import detect
+    from lowvram_grpo.settings.resolve import resolve
+    from lowvram_grpo.training.grpo import build_trainer
 
     config = load_config("tiny", ["train.max_steps=1", "eval.enabled=false"])
     handle = load_model(resolve(config, detect(), "hf"))

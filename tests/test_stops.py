@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, run_cli
-from lowvram_grpo.lora_io import check_adapter_dir
-from lowvram_grpo.run_dir import RunDir
+from lowvram_grpo.model.lora_io import check_adapter_dir
+from lowvram_grpo.report.run_dir import RunDir
 
 pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
 
@@ -144,7 +144,7 @@ def _adapter(path):
 @pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
 def test_loading(tmp_path, signum):
     out = tmp_path / "run"
-    proc, marker = _paused(tmp_path, [*TINY, *NO_EVAL, "--output-dir", str(out)], "lowvram_grpo.pipeline:load_model")
+    proc, marker = _paused(tmp_path, [*TINY, *NO_EVAL, "--output-dir", str(out)], "lowvram_grpo.run.pipeline:load_model")
     line = _stop(proc, tmp_path, signum, marker)
     assert "while loading the model: nothing was written; start it again with: python " in line, line
     assert not out.exists()
@@ -155,7 +155,7 @@ def test_loading(tmp_path, signum):
 @pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
 def test_measuring_before(tmp_path, signum):
     out = tmp_path / "run"
-    proc, marker = _paused(tmp_path, [*TINY, "--output-dir", str(out)], "lowvram_grpo.evaluation:generate_answers")
+    proc, marker = _paused(tmp_path, [*TINY, "--output-dir", str(out)], "lowvram_grpo.evaluate.evaluation:generate_answers")
     line = _stop(proc, tmp_path, signum, marker)
     assert "while measuring before training; kept: config.yaml and summary.json" in line and "no checkpoint yet" in line
     assert not RunDir(out).checkpoint_dirs() and not RunDir(out).prime_checkpoint_dirs()
@@ -187,7 +187,7 @@ def test_priming(tmp_path, signum):
 def test_measuring_primed(tmp_path, signum):
     out = tmp_path / "run"
     proc, marker = _paused(tmp_path, [*TINY, "--set", "prime.steps=3", "--output-dir", str(out)],
-                           "lowvram_grpo.evaluation:generate_answers", call=2)
+                           "lowvram_grpo.evaluate.evaluation:generate_answers", call=2)
     line = _stop(proc, tmp_path, signum, marker)
     assert "while measuring the primed adapter; kept: priming checkpoint" in line and "(step 3 of 3)" in line, line
     assert f"primed adapter {out / 'primed_adapter'}" in line
@@ -214,7 +214,7 @@ def test_grpo(tmp_path, signum):
 @pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
 def test_saving(tmp_path, signum):
     out = tmp_path / "run"
-    proc, marker = _paused(tmp_path, [*TINY, *NO_EVAL, "--output-dir", str(out)], "lowvram_grpo.lora_io:save_adapter")
+    proc, marker = _paused(tmp_path, [*TINY, *NO_EVAL, "--output-dir", str(out)], "lowvram_grpo.model.lora_io:save_adapter")
     line = _stop(proc, tmp_path, signum, marker)
     assert "while saving the adapter; kept: checkpoint" in line and "(GRPO step 2 of 2)" in line, line
     assert f"adapter {out / 'adapter'}" in line
@@ -225,7 +225,7 @@ def test_saving(tmp_path, signum):
 @pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
 def test_measuring_after(tmp_path, signum):
     out = tmp_path / "run"
-    proc, marker = _paused(tmp_path, [*TINY, "--output-dir", str(out)], "lowvram_grpo.evaluation:generate_answers", call=2)
+    proc, marker = _paused(tmp_path, [*TINY, "--output-dir", str(out)], "lowvram_grpo.evaluate.evaluation:generate_answers", call=2)
     line = _stop(proc, tmp_path, signum, marker)
     assert "while measuring the trained adapter; kept: checkpoint" in line and f"adapter {out / 'adapter'}" in line, line
     assert json.loads((out / "summary.json").read_text())["status"] == "training"
@@ -240,7 +240,7 @@ def test_measuring_after(tmp_path, signum):
 def test_exporting(tmp_path, signum):
     out = tmp_path / "run"
     proc, marker = _paused(tmp_path, [*TINY, *NO_EVAL, "--export", "merged16", "--output-dir", str(out)],
-                           "lowvram_grpo.pipeline:export_model")
+                           "lowvram_grpo.run.pipeline:export_model")
     line = _stop(proc, tmp_path, signum, marker)
     assert "while exporting; kept: checkpoint" in line and f"adapter {out / 'adapter'}" in line, line
     resumed = _resumed(line, out)
@@ -274,7 +274,7 @@ def finished(tmp_path_factory):
 @pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
 def test_eval_command(tmp_path, finished, signum):
     proc, marker = _paused(tmp_path, ["eval", "--adapter", str(finished / "adapter")],
-                           "lowvram_grpo.evaluation:generate_answers", call=2)
+                           "lowvram_grpo.evaluate.evaluation:generate_answers", call=2)
     line = _stop(proc, tmp_path, signum, marker)
     assert "while measuring adapter: eval writes nothing; run it again: python " in line, line
     again = _goes_on(line, "run it again:")
@@ -283,7 +283,7 @@ def test_eval_command(tmp_path, finished, signum):
 
 @pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
 def test_baseline_command(tmp_path, finished, signum):
-    proc, marker = _paused(tmp_path, [str(finished), "--steps", "4"], "lowvram_grpo.priming:completion_loss", call=2,
+    proc, marker = _paused(tmp_path, [str(finished), "--steps", "4"], "lowvram_grpo.training.priming:completion_loss", call=2,
                            drive="lowvram_grpo.baseline")
     line = _stop(proc, tmp_path, signum, marker)
     assert ": nothing was written; run the same command again: python " in line, line
@@ -300,7 +300,7 @@ def test_the_random_reward_control_stops_in_its_grpo_and_runs_again(tmp_path, fi
     files as they were, and the command it gives trains the control to the end."""
     summary_before = (finished / "summary.json").read_bytes()
     proc, marker = _paused(tmp_path, [str(finished), "--control", "random-reward"],
-                           "lowvram_grpo.logprobs_fallback:torch_chunked_logprobs", drive="lowvram_grpo.baseline")
+                           "lowvram_grpo.training.logprobs_fallback:torch_chunked_logprobs", drive="lowvram_grpo.baseline")
     line = _stop(proc, tmp_path, signal.SIGINT, marker)
     assert f"during the random-reward control of {finished}: the run is unchanged" in line, line
     assert (finished / "summary.json").read_bytes() == summary_before

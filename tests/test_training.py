@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from lowvram_grpo.backends import SamplingParams
-from lowvram_grpo.config import load_config
-from lowvram_grpo.lora_io import AdapterError
-from lowvram_grpo.pipeline import run
+from lowvram_grpo.model.backends import SamplingParams
+from lowvram_grpo.settings.config import load_config
+from lowvram_grpo.model.lora_io import AdapterError
+from lowvram_grpo.run.pipeline import run
 
 pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
 
@@ -131,11 +131,11 @@ def test_sampling_inside_the_trainer_keeps_the_kv_cache_under_gradient_checkpoin
     own cache is checked against transformers' logits in tests/test_decoding.py)."""
     from datasets import Dataset  # noqa: F401  (imported by build_trainer; keeps import order obvious)
 
-    from lowvram_grpo.backends import load_model
-    from lowvram_grpo.hardware import detect
-    from lowvram_grpo.resolve import resolve
-    from lowvram_grpo.data import load_questions, to_prompt_rows
-    from lowvram_grpo.training import build_trainer
+    from lowvram_grpo.model.backends import load_model
+    from lowvram_grpo.settings.hardware import detect
+    from lowvram_grpo.settings.resolve import resolve
+    from lowvram_grpo.task.data import load_questions, to_prompt_rows
+    from lowvram_grpo.training.grpo import build_trainer
 
     config = load_config("tiny", ["train.max_steps=1", "eval.enabled=false", "memory.gradient_checkpointing=true",
                                   f"decode.loop={loop}", "decode.fused=false"])
@@ -173,11 +173,11 @@ def test_effective_settings_are_read_back_from_the_trainer_as_plain_values(tmp_p
     """What the built trainer uses, JSON-ready, and what it changed from the config (here: nothing on hf)."""
     import json as _json
 
-    from lowvram_grpo.backends import load_model
-    from lowvram_grpo.data import load_questions, to_prompt_rows
-    from lowvram_grpo.hardware import detect
-    from lowvram_grpo.resolve import resolve
-    from lowvram_grpo.training import build_trainer, describe_effective
+    from lowvram_grpo.model.backends import load_model
+    from lowvram_grpo.task.data import load_questions, to_prompt_rows
+    from lowvram_grpo.settings.hardware import detect
+    from lowvram_grpo.settings.resolve import resolve
+    from lowvram_grpo.training.grpo import build_trainer, describe_effective
 
     config = load_config("tiny", ["train.loss_type=dr_grpo"])
     handle = load_model(resolve(config, detect(), "hf"))
@@ -194,10 +194,10 @@ def test_effective_settings_are_read_back_from_the_trainer_as_plain_values(tmp_p
 
 def test_loss_variants_reach_trls_config(tmp_path):
     """train.loss_type / scale_rewards / mask_truncated_completions are handed to GRPOConfig as set."""
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.hardware import profile
-    from lowvram_grpo.resolve import resolve
-    from lowvram_grpo.training import grpo_args
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.settings.hardware import profile
+    from lowvram_grpo.settings.resolve import resolve
+    from lowvram_grpo.training.grpo import grpo_args
 
     config = load_config("tiny", ["train.loss_type=dr_grpo", "train.scale_rewards=none", "train.mask_truncated_completions=true"])
     args = grpo_args(resolve(config, profile("cpu")), tmp_path)

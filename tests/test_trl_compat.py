@@ -2,8 +2,8 @@
 are what it was written for, and says what to do when they are not."""
 import pytest
 
-from lowvram_grpo import trl_compat
-from lowvram_grpo.errors import BackendError
+from lowvram_grpo.training import trl_compat
+from lowvram_grpo.run.errors import BackendError
 
 
 def test_the_pinned_versions_pass_silently():

@@ -60,8 +60,8 @@ def test_choosing_a_backend_imports_neither_trl_nor_transformers():
     import subprocess
     import sys
 
-    code = ("import sys; import lowvram_grpo.pipeline, lowvram_grpo.run, lowvram_grpo.config as c; "
-            "from lowvram_grpo.resolve import resolve; from lowvram_grpo.hardware import detect; resolve(c.load_config('tiny'), detect()); "
+    code = ("import sys; import lowvram_grpo.run.pipeline, lowvram_grpo.run, lowvram_grpo.settings.config as c; "
+            "from lowvram_grpo.settings.resolve import resolve; from lowvram_grpo.settings.hardware import detect; resolve(c.load_config('tiny'), detect()); "
             "bad = [m for m in ('trl', 'transformers', 'peft', 'unsloth') if m in sys.modules]; "
             "assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

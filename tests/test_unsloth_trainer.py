@@ -97,7 +97,7 @@ def unbroken(tmp_path_factory):
         texts = handle.fast_generate([[{{"role": "user", "content": "What is 7 * 8?"}}]], lora_request=request)
         print("GENERATED", json.dumps([str(t) for t in texts]))
         print("SAVED", saved)
-        from lowvram_grpo.trl_compat import decode_graph_stats
+        from lowvram_grpo.training.trl_compat import decode_graph_stats
         print("GRAPHS", json.dumps(decode_graph_stats(handle.model)))  # unsloth's counters, after its GRPO generate
     """)
     proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=900,
@@ -235,16 +235,16 @@ IS_FLAG = """
 import inspect, json, sys
 from pathlib import Path
 import dataclasses
-from lowvram_grpo.backends import load_model, prepare_backend
-from lowvram_grpo.config import load_config
-from lowvram_grpo.hardware import detect
-from lowvram_grpo.resolve import IS_MODE, resolve
-from lowvram_grpo.data import load_questions, to_prompt_rows
+from lowvram_grpo.model.backends import load_model, prepare_backend
+from lowvram_grpo.settings.config import load_config
+from lowvram_grpo.settings.hardware import detect
+from lowvram_grpo.settings.resolve import IS_MODE, resolve
+from lowvram_grpo.task.data import load_questions, to_prompt_rows
 
 config = load_config("tiny", ["train.max_steps=1"])
 resolved = resolve(config, detect(), "unsloth")
 prepare_backend("unsloth")
-from lowvram_grpo.training import build_trainer  # after unsloth's patch, as the pipeline imports it: unsloth's GRPOConfig
+from lowvram_grpo.training.grpo import build_trainer  # after unsloth's patch, as the pipeline imports it: unsloth's GRPOConfig
 import trl
 # unsloth's GRPOConfig (it keeps TRL's class name for pickling; its own fields tell): default correction off
 assert "unsloth_num_chunks" in {f.name for f in dataclasses.fields(trl.GRPOConfig)}, trl.GRPOConfig

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from lowvram_grpo.config import load_config
+from lowvram_grpo.settings.config import load_config
 from tool_transcripts import ENVIRONMENT_FILE
 
 pytestmark = pytest.mark.slow
@@ -46,17 +46,25 @@ def _count(monkeypatch, counts, module_name, attr, key):
 
 
 def test_one_run_loads_each_user_file_and_looks_up_each_name_once(tmp_path, monkeypatch):
-    from lowvram_grpo import checks, evaluation, pipeline, priming, rewards, tool_turns, tools, training, user_code  # noqa: F401
-    from lowvram_grpo.pipeline import run
+    from lowvram_grpo.settings import checks
+    from lowvram_grpo.evaluate import evaluation
+    from lowvram_grpo.run import pipeline
+    from lowvram_grpo.training import priming
+    from lowvram_grpo.task import rewards
+    from lowvram_grpo.evaluate import tool_turns
+    from lowvram_grpo.task import tools
+    from lowvram_grpo.training import grpo as training
+    from lowvram_grpo.task import user_code  # noqa: F401
+    from lowvram_grpo.run.pipeline import run
 
     (tmp_path / "my_tools.py").write_text(TOOLS_FILE)
     (tmp_path / "my_env.py").write_text(ENVIRONMENT_FILE)
     (tmp_path / "my_rewards.py").write_text(REWARDS_FILE)
     counts = collections.Counter()
-    _count(monkeypatch, counts, "lowvram_grpo.user_files", "import_user_file", lambda path, setting, *a, **k: ("file", setting))
-    _count(monkeypatch, counts, "lowvram_grpo.rewards", "lookup_reward", lambda name, *a, **k: ("reward", name))
-    _count(monkeypatch, counts, "lowvram_grpo.tools", "lookup_tool", lambda name, *a, **k: ("tool", name))
-    _count(monkeypatch, counts, "lowvram_grpo.tools", "environment_class", lambda env: ("environment", env.name))
+    _count(monkeypatch, counts, "lowvram_grpo.task.user_files", "import_user_file", lambda path, setting, *a, **k: ("file", setting))
+    _count(monkeypatch, counts, "lowvram_grpo.task.rewards", "lookup_reward", lambda name, *a, **k: ("reward", name))
+    _count(monkeypatch, counts, "lowvram_grpo.task.tools", "lookup_tool", lambda name, *a, **k: ("tool", name))
+    _count(monkeypatch, counts, "lowvram_grpo.task.tools", "environment_class", lambda env: ("environment", env.name))
     config = load_config("tiny", [
         "train.max_steps=2", "prime.steps=1", "data.eval_size=2", "eval.batch_size=2", "train.max_prompt_length=1400",
         "model.max_seq_length=1500", "train.max_completion_length=32", "tools.max_turns=1",

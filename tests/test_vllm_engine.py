@@ -1,4 +1,4 @@
-"""The vLLM engine (lowvram_grpo/backends/vllm/) on vLLM's CPU build with the real
+"""The vLLM engine (lowvram_grpo/model/vllm/) on vLLM's CPU build with the real
 SmolLM2-135M-Instruct (the tiny built-in's head size 16 has no vLLM CPU kernel: test_vllm_choice.py).
 
 - sampling log-probs: after a sync, vLLM's log-probs of its own samples agree with the PEFT model's
@@ -36,9 +36,9 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from conftest import REPO, default_signals  # noqa: E402
-from lowvram_grpo.backends.base import LoraRequest, SamplingParams  # noqa: E402
-from lowvram_grpo.backends.vllm import EngineSettings, LocalVLLMEngine  # noqa: E402
-from lowvram_grpo.backends.vllm.rollouts import _prompt_ids  # noqa: E402
+from lowvram_grpo.model.handle import LoraRequest, SamplingParams  # noqa: E402
+from lowvram_grpo.model.vllm import EngineSettings, LocalVLLMEngine  # noqa: E402
+from lowvram_grpo.model.vllm.rollouts import _prompt_ids  # noqa: E402
 
 pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
 
@@ -57,7 +57,7 @@ PROMPT = [{"role": "system", "content": "Respond in the following format:\n<reas
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from lowvram_grpo.builtin_models import resolve_model_path
+    from lowvram_grpo.model.builtin_models import resolve_model_path
 
     return resolve_model_path("builtin:smollm2")
 
@@ -163,7 +163,7 @@ def test_each_sync_serves_a_new_adapter_id_and_never_the_old_one(engine, policy)
 def test_a_resaved_eval_adapter_is_served_afresh(engine, policy, tmp_path):
     """Evaluation's LoraRequest names a folder; re-saving it (new weights) must not serve the old ones."""
     model, tokenizer = policy
-    from lowvram_grpo import lora_io
+    from lowvram_grpo.model import lora_io
 
     text = tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=24)
@@ -191,11 +191,11 @@ def test_a_resaved_eval_adapter_is_served_afresh(engine, policy, tmp_path):
 def test_handle_load_lora_on_the_vllm_engine_never_adds_adapters_to_the_trained_model(engine, policy, tmp_path):
     """handle.load_lora asks the engine: on vLLM the saved adapter is served from its folder, and the trained
     PEFT model keeps its one adapter (unsloth-style weight syncs gather every lora_A/lora_B key it holds)."""
-    from lowvram_grpo import lora_io
-    from lowvram_grpo.backends.base import ModelHandle
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.hardware import profile
-    from lowvram_grpo.resolve import resolve
+    from lowvram_grpo.model import lora_io
+    from lowvram_grpo.model.handle import ModelHandle
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.settings.hardware import profile
+    from lowvram_grpo.settings.resolve import resolve
 
     model, tokenizer = policy
     resolved = resolve(load_config("smollm2_cpu", ["model.generation=vllm"]),
@@ -359,7 +359,7 @@ def test_a_killed_trainer_takes_the_engine_with_it(tmp_path, smollm2):
     script.write_text(textwrap.dedent(f"""
         import sys, time
         from transformers import AutoTokenizer
-        from lowvram_grpo.backends.vllm import EngineSettings, LocalVLLMEngine
+        from lowvram_grpo.model.vllm import EngineSettings, LocalVLLMEngine
 
         if __name__ == "__main__":
             s = EngineSettings(model_path={smollm2!r}, dtype="bfloat16", max_model_len=256, max_lora_rank=8,
@@ -435,7 +435,7 @@ def test_a_killed_engine_core_is_named_even_when_vllms_own_monitor_sees_it_first
     engine-core monitor (CPU build 0.32: it marks the client dead, and the next call raises EngineDeadError).
     Here vLLM's wins for sure (the call comes after it marked the client dead): the error still names the
     killed process, as the run's one line promises. In CI the race once went to vLLM mid-run."""
-    from lowvram_grpo.backends.vllm.settings import VLLMEngineDied
+    from lowvram_grpo.model.vllm.settings import VLLMEngineDied
 
     _, tokenizer = policy
     settings = EngineSettings(model_path=smollm2, dtype="bfloat16", max_model_len=256, max_lora_rank=R, max_num_seqs=2,

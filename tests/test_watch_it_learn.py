@@ -14,7 +14,7 @@ import time
 import pytest
 
 from conftest import REPO, run_cli
-from lowvram_grpo.run_dir import RunDir
+from lowvram_grpo.report.run_dir import RunDir
 
 pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
 
@@ -101,7 +101,7 @@ def test_a_run_whose_reward_is_always_0_shows_its_completions_in_the_report(tmp_
     report = (out / "report.md").read_text()
     section = report[report.index("## Completions during GRPO"):]
     assert "### Step 3 (latest; mean reward 0.000" in section
-    from lowvram_grpo.report import _printable
+    from lowvram_grpo.report.build import _printable
 
     latest = [r for r in rows if r["step"] == 3]
     for row in latest[:3]:  # what the model wrote, with its score
@@ -199,7 +199,7 @@ def marked(*a, **k):
     trainer.callback_handler.callbacks.insert(0, Mark())  # before StopOnSignal: the stop comes at this step's end
     return trainer
 training.build_trainer = marked
-from lowvram_grpo.run import main
+from lowvram_grpo.run.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -322,10 +322,10 @@ def test_trls_completions_table_is_on_for_the_trackers_that_show_it(trackers, on
     printed (completions.jsonl and the report have them); GRPOConfig accepts what is asked."""
     from trl import GRPOConfig
 
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.hardware import detect
-    from lowvram_grpo.resolve import resolve
-    from lowvram_grpo.training import grpo_config_kwargs
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.settings.hardware import detect
+    from lowvram_grpo.settings.resolve import resolve
+    from lowvram_grpo.training.grpo import grpo_config_kwargs
 
     kwargs = grpo_config_kwargs(resolve(load_config("tiny", [f"train.report_to={trackers}"]), detect()), "/tmp/unused")
     assert kwargs["log_completions"] is on and kwargs["num_completions_to_print"] == 0
@@ -349,9 +349,9 @@ def test_the_curve_is_on_by_default_where_it_costs_under_a_tenth_and_dry_run_say
     """resolve.choose_validation: null (auto) is on with the smallest interval of at least two points estimated under 10%
     of GRPO's time (the default CPU job: 2 x 32 validation answers against 48 steps x 16 completions, every 24 steps),
     off where even two points cost more (tiny: 3 steps of 4 completions); as asked otherwise; --dry-run prints it."""
-    from lowvram_grpo.config import load_config
-    from lowvram_grpo.hardware import profile
-    from lowvram_grpo.resolve import VALIDATION_BUDGET, resolve, validation_cost
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.settings.hardware import profile
+    from lowvram_grpo.settings.resolve import VALIDATION_BUDGET, resolve, validation_cost
 
     default = resolve(load_config("smollm2_cpu"), profile("cpu"))
     assert default.validation_every == 24 and validation_cost(24, 48, 32, 16) == pytest.approx(64 / 768)

@@ -76,7 +76,7 @@ def _build(family: str, target: Path) -> None:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lowvram_grpo.builtin_models import ensure_tiny_model
+    from lowvram_grpo.model.builtin_models import ensure_tiny_model
 
     config_name, extra, _, form = {**FAMILIES, **LOOP_ONLY, **UNCHECKED}[family]
     key, specials, end_of_turn = CHAT_FORMS[form]
@@ -102,6 +102,6 @@ def _build(family: str, target: Path) -> None:
 
 def build(family: str) -> Path:
     """The family's tiny checkpoint folder, built on first use (cached like the built-in tiny model)."""
-    from lowvram_grpo.model_cache import build_once
+    from lowvram_grpo.model.model_cache import build_once
 
     return build_once(f"tiny-family-{family}-{VERSION}", lambda target: _build(family, target))

@@ -172,13 +172,13 @@ def check_transcripts_and_mask(seen: dict, completions: int) -> None:
 RUN_SCRIPT = '''
 import sys
 sys.path.insert(0, {tests!r})
-from lowvram_grpo.backends import prepare_backend
+from lowvram_grpo.model.backends import prepare_backend
 prepare_backend({backend!r})  # unsloth's patches before trl is imported, as the CLI and train() do
 from tool_transcripts import TOOL_OVERRIDES, check_transcripts_and_mask, scripting_build
 from lowvram_grpo import training
-from lowvram_grpo.config import load_config
-from lowvram_grpo.pipeline import run
-from lowvram_grpo.trl_compat import trainer_name
+from lowvram_grpo.settings.config import load_config
+from lowvram_grpo.run.pipeline import run
+from lowvram_grpo.training.trl_compat import trainer_name
 
 seen = {{}}
 training.build_trainer = scripting_build(training.build_trainer, seen)

@@ -1,0 +1,92 @@
+"""A conservative estimate of one GRPO step's seconds, for the checkpoint cadence (resolve.choose_save_steps).
+
+No GPU preset has trained on a card yet (docs/gpu.md), so this is arithmetic on each card's spec-sheet figures,
+rounded to the slow side: a checkpoint that comes early costs a few seconds of writing, one that comes late loses
+the work since the last one when a session ends without SIGTERM's grace (a Colab teardown, a kill).
+
+    seconds = step_seconds(config, hardware, generation, completions)   # None: no shape known for the model
+
+One step = the rollouts' decode + the training pass over them:
+- decode: the completions of a generation batch decode together, so max_completion_length token steps (with tools:
+  up to tools.max_turns + 1 turns of RunConfig.turn_tokens each), each reading every weight once:
+  max(weight bytes / (memory bandwidth x efficiency), a floor). vLLM: efficiency 0.5, floor 25 ms (its scheduler and
+  sampler each step); transformers' generate (and unsloth's, and our loop): efficiency 0.3, floor 100 ms, what the
+  H100 measured with transformers' generation of 512 tokens (docs/gpu.md: ~30 s a step on unsloth, ~51 s on hf, a
+  random 4-bit Qwen2.5-1.5B: 60-100 ms a token).
+- training: 10 x parameters x tokens FLOPs (forward, backward through the frozen base, recomputation under gradient
+  checkpointing, the reference pass for beta > 0 and TRL's scoring pass: each counted whether or not it runs) over
+  the generation batch's prompt + completion tokens, at a sustained rate of about an eighth of the card's dense
+  FP16 tensor peak (4-bit dequantization, LoRA's small matmuls, a batch of one group).
+- a card not in the table (the card present, by its name) is planned as the slowest row: 272 GB/s, 6 TFLOP/s.
+- a CPU: 10 GB/s and 0.2 TFLOP/s with native bf16 (0.07 without): ~40 s a step for smollm2_cpu, whose measured
+  steps took 7.1-24.5 s on the 2-core machines of bench/results/readme_first_command/.
+Pure arithmetic: no torch, no hub beyond what model_shapes.model_shape reads for the memory plan.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+# card (hardware.PROFILES' gpu_name) -> (memory bandwidth GB/s, sustained training TFLOP/s). Bandwidth and the dense
+# FP16 tensor peak from NVIDIA's spec sheets; the TFLOP/s here about 1/8 of that peak.
+CARDS: dict[str, tuple[float, float]] = {
+    "Tesla T4": (320, 8),                       # 65 TFLOP/s FP16 tensor
+    "Tesla V100-SXM2-16GB": (900, 15),          # 125
+    "NVIDIA GeForce RTX 3060": (360, 6),        # 51
+    "NVIDIA GeForce RTX 4060": (272, 7),        # 60
+    "NVIDIA GeForce RTX 3090": (936, 9),        # 71
+    "NVIDIA GeForce RTX 4090": (1008, 20),      # 165
+    "NVIDIA L4": (300, 15),                     # 121
+    "NVIDIA A10G": (600, 9),                    # 70
+    "NVIDIA A100-SXM4-40GB": (1555, 39),        # 312
+    "NVIDIA H100 80GB HBM3": (3350, 120),       # 989
+}
+UNKNOWN_CARD = (272, 6)  # the slowest bandwidth and rate above
+CPU_BANDWIDTH_GBS = 10
+CPU_TFLOPS = {True: 0.2, False: 0.07}  # native bf16 or not
+VLLM_DECODE = (0.5, 0.025)           # (bandwidth efficiency, floor in seconds) of one decode step
+TRANSFORMERS_DECODE = (0.3, 0.100)
+TRAINING_PASSES = 10                 # FLOPs per parameter and token: 5 passes of 2
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def card_speed(hardware) -> tuple[float, float, str]:
+    """(bandwidth GB/s, training TFLOP/s, what they are) for `hardware`: its row of CARDS, the slowest for a card
+    not in it, the CPU's figures on a CPU."""
+    if not hardware.cuda:
+        native = bool(hardware.cpu_bf16)
+        return CPU_BANDWIDTH_GBS, CPU_TFLOPS[native], f"a CPU ({'native' if native else 'no native'} bf16)"
+    name = hardware.gpu_name or ""
+    if name in CARDS:
+        return (*CARDS[name], name)
+    return (*UNKNOWN_CARD, f"{name or 'a card'} (not in step_time.CARDS: planned as the slowest there)")
+
+
+def weight_bytes(shape, load_in_4bit: bool, dtype: str) -> float:
+    """What one decode step reads: the linear layers in NF4 (half a byte, plus a 1/32 of scales) when 4-bit, the
+    rest in the compute dtype."""
+    if load_in_4bit:
+        return shape.linear_params * 0.5 * (1 + 1 / 32) + shape.other_params * 2
+    return shape.params * BYTES.get(dtype, 2)
+
+
+def step_seconds(config, hardware, generation: str, completions: int, dtype: str) -> Optional[tuple[float, str]]:
+    """(seconds, where the figures come from) of one GRPO step of `config` on `hardware`, generating with `generation`
+    ('unsloth_vllm' | 'vllm' | 'transformers') `completions` completions a step per process, computing in `dtype`;
+    None when the model's shape is not known (model_shapes raises PlanError)."""
+    from lowvram_grpo.run.errors import PlanError
+    from lowvram_grpo.settings.model_shapes import model_shape
+
+    try:
+        shape = model_shape(config.model.name)
+    except PlanError:
+        return None
+    bandwidth, tflops, what = card_speed(hardware)
+    efficiency, floor = VLLM_DECODE if generation in ("unsloth_vllm", "vllm") else TRANSFORMERS_DECODE
+    per_token = max(weight_bytes(shape, config.memory.load_in_4bit, dtype) / (bandwidth * 1e9 * efficiency), floor)
+    train = config.train
+    decode_steps = train.max_completion_length
+    if config.tools.names or config.environment.name:  # a tool loop: up to max_turns + 1 turns, each its own decode
+        decode_steps = max(decode_steps, (config.tools.max_turns + 1) * config.turn_tokens)
+    tokens = completions * train.rollout_tokens
+    training = TRAINING_PASSES * shape.params * tokens / (tflops * 1e12)
+    return decode_steps * per_token + training, what

@@ -1,0 +1,582 @@
+"""GRPO training through TRL's `GRPOTrainer`: the algorithm stays in TRL.
+
+This module maps our config onto `GRPOConfig`, hands TRL the PEFT model, the reward functions (with
+their weights; `correctness` also logs the share of all-right and all-wrong groups) and the prompt rows,
+and adds three callbacks: a progress bar (step, time left, the reward and its moving average, the share
+of groups with signal, the KL when beta > 0; not TRL's loss, ~0 by construction), a `metrics.jsonl`
+writer (one JSON object per logged step) and the training-signal warnings (signals.py: truncated
+completions, groups with all-equal rewards and which way, a flat reward), plus the guards
+(guards.py: NaN/inf steps skipped, Ctrl-C / SIGTERM at a step boundary). Checkpoints are written
+atomically with our run state through RunDir, and resuming restores the trained adapter; the private
+Trainer hooks this needs live in trl_compat.py. Under `accelerate launch` (several processes, hf
+backend) TRL runs data-parallel GRPO; only the main process writes files.
+
+Choices, as in the Unsloth notebook: one prompt's group of `num_generations` completions per
+micro-step (per_device_train_batch_size defaults to num_generations), advantages normalised within
+each group (TRL's default), a KL penalty `beta` against the adapter-free base (no second model in
+memory: PEFT disables the adapters for the reference pass), paged 8-bit AdamW.
+"""
+from __future__ import annotations
+
+import collections
+import enum
+import math
+import sys
+from pathlib import Path
+
+from transformers import PrinterCallback, ProgressCallback, TrainerCallback
+from trl import GRPOConfig
+
+from lowvram_grpo.training.guards import NonFiniteGuard, StopOnSignal
+from lowvram_grpo.run.host_memory import ReleaseHostMemory
+from lowvram_grpo.settings.resolve import IS_MODE
+from lowvram_grpo.report.run_dir import RunDir
+from lowvram_grpo.training.tool_metrics import with_tool_use
+from lowvram_grpo.task.tools import environment_methods
+from lowvram_grpo.task.user_code import of as user_code_of
+from lowvram_grpo.training.learning_signals import (ALL_RIGHT_KEY, ALL_WRONG_KEY, SAMPLER_GAP_KEY, SAMPLER_GAP_THRESHOLD)
+from lowvram_grpo.training.completions import CompletionsLog, with_completion_facts
+from lowvram_grpo.training.trl_compat import (DynamicSampling, ModelSampler, TrainerHooks, grpo_trainer_base, install_logprob_fallback, sample_with, trainer_name)
+
+
+def grpo_config_kwargs(resolved, output_dir: Path) -> dict:
+    """`GRPOConfig`'s arguments: the config's GRPO settings and the resolved device settings (resolve.py)."""
+    t = resolved.config.train
+    return dict(
+        output_dir=str(output_dir),
+        learning_rate=t.learning_rate,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        weight_decay=t.weight_decay,
+        warmup_steps=t.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of max_steps
+        lr_scheduler_type=t.lr_scheduler_type,
+        optim=resolved.optim,
+        per_device_train_batch_size=resolved.per_device_train_batch_size,
+        gradient_accumulation_steps=resolved.gradient_accumulation_steps,
+        num_generations=t.num_generations,
+        max_completion_length=t.max_completion_length,
+        temperature=t.temperature,
+        top_p=t.top_p,
+        beta=t.beta,
+        epsilon=t.epsilon,
+        loss_type=t.loss_type,
+        scale_rewards=t.scale_rewards,
+        mask_truncated_completions=t.mask_truncated_completions,
+        importance_sampling_level=t.importance_sampling_level,  # GSPO: sequence
+        epsilon_high=t.epsilon_high,  # DAPO's clip-higher; None = epsilon
+        top_entropy_quantile=t.top_entropy_quantile,
+        max_grad_norm=t.max_grad_norm,
+        max_steps=t.max_steps,
+        save_strategy="steps",
+        save_steps=resolved.save_steps,  # train.save_steps, or auto's choice (resolve.choose_save_steps)
+        logging_steps=t.logging_steps,
+        seed=t.seed,
+        data_seed=t.seed,
+        reward_weights=resolved.config.rewards.weight_list,
+        chat_template_kwargs=dict(resolved.config.data.chat_template_kwargs) or None,  # e.g. enable_thinking
+        use_vllm=resolved.use_vllm,  # only unsloth's engine, which shares the weights; never a second TRL engine
+        # resolve.choose_is_correction: on wherever a vLLM engine samples (unsloth's GRPOConfig would default it off)
+        vllm_importance_sampling_correction=resolved.is_correction,
+        vllm_importance_sampling_mode=resolved.is_mode or IS_MODE,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=resolved.config.memory.gpu_memory_utilization,
+        vllm_max_model_length=resolved.vllm_max_model_len,
+        gradient_checkpointing=resolved.gradient_checkpointing != "false",
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        bf16=resolved.bf16,
+        fp16=resolved.fp16,
+        use_cpu=not resolved.cuda,
+        report_to=t.trackers,  # TRL's integrations; metrics.jsonl is written either way
+        # TRL's completions table for the trackers that show one (W&B, trackio; never printed: completions.jsonl has them)
+        log_completions=bool(set(t.trackers) & set(COMPLETION_TRACKERS)) and resolved.config.log.completions_every > 0,
+        num_completions_to_print=0,
+        disable_tqdm=True,  # our ProgressBar replaces HF's bar and its printed log dicts
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        # several processes (accelerate): every LoRA weight takes part in each forward, so DDP need not search
+        ddp_find_unused_parameters=False if resolved.num_processes > 1 else None,
+    )
+
+
+def tool_config_kwargs(tools_config, environment: bool = False, use_vllm: bool = False) -> dict:
+    """GRPOConfig's tool settings: with tools.names or an environment, max_tool_calling_iterations = tools.max_turns
+    (TRL: rounds of running the latest turn's tool calls and generating on) and, with tools.max_tokens_per_turn,
+    TRL's generation_kwargs capping every turn's new tokens (TRL's tool loop caps each at max_completion_length):
+    `max_tokens` for vLLM's SamplingParams, `max_new_tokens` for transformers' generate, which TRL merges into the
+    settings of each turn it generates (backends/vllm/rollouts.py reads it too). Without tools, nothing: TRL's
+    defaults stay."""
+    if not (tools_config.names or environment):
+        return {}
+    kwargs = {"max_tool_calling_iterations": tools_config.max_turns}
+    if tools_config.max_tokens_per_turn is not None:
+        key = "max_tokens" if use_vllm else "max_new_tokens"
+        kwargs["generation_kwargs"] = {key: tools_config.max_tokens_per_turn}
+    return kwargs
+
+
+def grpo_args(resolved, output_dir: Path) -> GRPOConfig:
+    return GRPOConfig(**grpo_config_kwargs(resolved, output_dir))
+
+
+# The GRPO settings a trainer actually uses, read back from the built trainer: unsloth's patched
+# GRPOTrainer/GRPOConfig changes several of TRL's defaults (loss type, beta, importance-sampling
+# correction, vLLM mode, batch rounding, mixed precision), and TRL derives others (generation batch,
+# steps per generation). See docs/unsloth_grpo_changes.md.
+EFFECTIVE_KEYS = (
+    "loss_type", "beta", "epsilon", "epsilon_high", "scale_rewards", "importance_sampling_level", "num_iterations",
+    "mask_truncated_completions", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
+    "generation_batch_size", "steps_per_generation", "max_completion_length", "temperature", "top_p", "top_k",
+    "use_vllm", "vllm_mode", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+    "vllm_gpu_memory_utilization", "vllm_max_model_length", "bf16", "fp16", "optim", "learning_rate",
+    "lr_scheduler_type", "max_grad_norm", "gradient_checkpointing", "gradient_checkpointing_kwargs",
+    "vllm_enable_sleep_mode", "torch_empty_cache_steps", "reward_weights", "top_entropy_quantile",
+)
+
+
+def _plain(value):
+    if isinstance(value, enum.Enum):  # optim, lr_scheduler_type (str enums)
+        return _plain(value.value)
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if hasattr(value, "tolist"):  # a tensor (reward_weights)
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return str(value)
+
+
+def describe_effective(effective: dict) -> str:
+    """One line for the run log: the GRPO settings that shape the loss, and what the trainer changed."""
+    s = effective["settings"]
+    line = (f"GRPO as the trainer runs it: trainer={effective['trainer']} loss_type={s['loss_type']} beta={s['beta']} "
+            f"epsilon={s['epsilon']} epsilon_high={s['epsilon_high']} importance_sampling_level={s['importance_sampling_level']} "
+            f"mask_truncated_completions={s['mask_truncated_completions']} top_entropy_quantile={s['top_entropy_quantile']} "
+            f"dynamic_sampling={_dynamic_sampling_label(s.get('dynamic_sampling_max_draws', 0), s.get('dynamic_sampling_reward'))} "
+            f"scale_rewards={s['scale_rewards']} num_generations={s['num_generations']} "
+            f"generation_batch_size={s['generation_batch_size']} use_vllm={s['use_vllm']} bf16={s['bf16']} fp16={s['fp16']}")
+    if s["use_vllm"] or s["vllm_importance_sampling_correction"]:  # resolve decides it for every vLLM path
+        line += (f" vllm_importance_sampling_correction={s['vllm_importance_sampling_correction']}"
+                 f" ({s['vllm_importance_sampling_mode']})")
+    if effective["changed"]:
+        line += "; changed from the config by the trainer: " + ", ".join(
+            f"{k} {a!r} -> {u!r}" for k, (a, u) in effective["changed"].items())
+    return line
+
+
+def _dynamic_sampling_label(max_draws: int, reward=None) -> str:
+    if not max_draws:
+        return "off"
+    return f"on(max_draws={max_draws}, by {reward})" if reward else f"on(max_draws={max_draws})"
+
+
+def effective_grpo_settings(trainer, asked: dict) -> dict:
+    """{'trainer': the GRPO trainer class that runs, 'settings': what the built trainer will use, 'changed':
+    {key: [asked, used]}} for EFFECTIVE_KEYS. Read from `trainer.args` (and the trainer's own attribute of the
+    same name where it has one, as TRL and unsloth keep the live value there)."""
+    used = {key: _plain(getattr(trainer, key, getattr(trainer.args, key, None))) for key in EFFECTIVE_KEYS}
+    used["dynamic_sampling_max_draws"] = getattr(trainer, "dynamic_sampling_draws", 0)  # ours (trl_compat.DynamicSampling)
+    used["dynamic_sampling_reward"] = getattr(trainer, "dynamic_sampling_reward", None)
+    if asked.get("epsilon_high") is None and "epsilon" in asked:  # null asks for epsilon's value (as TRL reads it)
+        asked = {**asked, "epsilon_high": asked["epsilon"]}
+    changed = {key: [_plain(asked[key]), used[key]] for key in EFFECTIVE_KEYS
+               if key in asked and _plain(asked[key]) != used[key]}
+    return {"trainer": trainer_name(trainer), "settings": used, "changed": changed}
+
+
+class MetricsWriter(TrainerCallback):
+    """Appends each logged step to metrics.jsonl (through RunDir): `step`, `reward`, `loss` and every other TRL metric."""
+
+    def __init__(self, run_dir: RunDir, tool_use=None):
+        self.run_dir = run_dir
+        self.tool_use = tool_use  # tool_metrics.ToolUse when the run has tools: a transcript at checkpoint steps
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        row = metric_row(state.global_step, logs)
+        if row is not None and state.is_world_process_zero:
+            step = state.global_step
+            checkpoint = bool(args.save_steps) and step % int(args.save_steps) == 0 or step == state.max_steps
+            if self.tool_use is not None and checkpoint and self.tool_use.transcript() is not None:
+                from lowvram_grpo.training.tool_metrics import TRANSCRIPT_KEY
+
+                row[TRANSCRIPT_KEY] = self.tool_use.transcript()
+            self.run_dir.append_metrics(row)
+
+
+def metric_row(step: int, logs) -> dict | None:
+    """One training step's numbers as metrics.jsonl stores them (None for logs that are not a training step)."""
+    if not logs or "reward" not in logs:  # the end-of-training summary has no reward
+        return None
+    row = {"step": step}
+    for key, value in logs.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            row[key] = value if math.isfinite(value) else None
+    return row
+
+
+# Trackers TRL 1.15's log_completions sends its completions table to (GRPOTrainer.log); TensorBoard gets a text
+# summary from CompletionsWriter instead.
+COMPLETION_TRACKERS = ("wandb", "trackio")
+
+
+class CompletionsWriter(TrainerCallback):
+    """completions.jsonl (completions.py: its rows and size policy) at each logged GRPO step, from TRL's log of the
+    step's rollouts (trl_compat.completion_log); with TensorBoard, the first group of a written step as its text too."""
+
+    def __init__(self, policy, trainer):
+        self.policy, self.trainer = policy, trainer
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "reward" not in logs or not state.is_world_process_zero or not self.policy.due(state.global_step):
+            return
+        from lowvram_grpo.training.trl_compat import completion_log
+
+        written = self.policy.write(state.global_step, completion_log(self.trainer))
+        writer = next((getattr(cb, "tb_writer", None) for cb in self.trainer.callback_handler.callbacks
+                       if getattr(cb, "tb_writer", None) is not None), None)
+        if written and writer is not None:
+            from lowvram_grpo.training.completions import markdown_rows
+
+            writer.add_text("completions", markdown_rows(self.policy.run_dir.read_completions(), state.global_step),
+                            state.global_step)
+
+
+class ValidationCurve(TrainerCallback):
+    """The held-out curve (validation.py): measured at the end of the steps it is due (the step is then logged), its
+    numbers added to that step's logs before any tracker or metrics.jsonl sees them (this callback runs first); on
+    resume the checkpoint's step is measured first if its point is missing."""
+
+    def __init__(self, validation, run_dir: RunDir):
+        from lowvram_grpo.training.validation import due
+
+        self.validation, self.run_dir, self.due, self.pending = validation, run_dir, due, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        rows = self.run_dir.read_metrics(required=False)
+        if state.global_step > 0:
+            self.validation.catch_up(state.global_step, rows)
+        else:
+            self.validation.restore([])
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.pending is not None:  # its step logged no training row: into metrics.jsonl alone
+            self.run_dir.add_to_metrics_row(*self.pending)
+            self.pending = None
+        if self.due(state.global_step, self.validation.every, state.max_steps):
+            numbers = self.validation.measure(state.global_step)
+            if numbers is not None:
+                self.pending = (state.global_step, numbers)
+                control.should_log = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.pending is not None and logs is not None and "reward" in logs and self.pending[0] == state.global_step:
+            logs.update(self.pending[1])
+            self.pending = None
+
+
+class SignalWarnings(TrainerCallback):
+    """Prints a training-signal warning (signals.py) the first time its pattern shows in the logged metrics."""
+
+    def __init__(self, max_completion_length: int):
+        from lowvram_grpo.training.learning_signals import SignalMonitor
+
+        self.monitor = SignalMonitor(max_completion_length)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        row = metric_row(state.global_step, logs)
+        if row is None:
+            return
+        from tqdm.auto import tqdm
+
+        for signal in self.monitor.add(row):
+            tqdm.write(f"warning: {signal}", file=sys.stderr)  # above the progress bar, not through it
+
+
+class ProgressBar(TrainerCallback):
+    """A tqdm bar with what means something in GRPO: step/total and time left, the step's mean reward and
+    its moving average (signals.SMOOTHING logged steps: at a few prompts per step the raw reward is noise),
+    the share of groups whose rewards differed (the only ones with a gradient), and the KL to the base
+    when train.beta > 0. Not TRL's loss: with group-normalised advantages it is ~0 by construction.
+
+    Two log lines beside it: on a CUDA device, before step 1, that step 1 includes compiling (compile_note); and
+    once a few steps are done (projection_due), the projected finish on this machine (projection_line), from the
+    steps after the first (the first carries the warm-up, on a GPU the compiling)."""
+
+    def __init__(self, total: int, initial: int = 0, beta: float = 0.0):
+        from lowvram_grpo.training.learning_signals import SMOOTHING
+
+        self.total, self.initial, self.beta, self.bar = total, initial, beta, None
+        self.rewards: collections.deque = collections.deque(maxlen=SMOOTHING)
+        self.first_step = self.began = self.first_done = None  # this process's first step, its start, its end
+        self.projected = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        import time
+
+        from tqdm.auto import tqdm
+
+        from lowvram_grpo.training.trl_compat import is_unsloth_trainer
+
+        initial = max(self.initial, state.global_step)  # a resumed run starts at its checkpoint's step
+        self.bar = tqdm(total=self.total, initial=initial, desc="GRPO", unit="step", dynamic_ncols=True)
+        self.first_step, self.began = initial, time.monotonic()
+        device = getattr(getattr(args, "device", None), "type", None)
+        note = compile_note(device, is_unsloth_trainer(grpo_trainer_base()), initial + 1)
+        if note:
+            tqdm.write(note)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import time
+
+        if self.bar is not None:
+            self.bar.update(state.global_step - self.bar.n)
+        if self.began is None or self.projected:
+            return
+        now, done = time.monotonic(), state.global_step - self.first_step
+        if done == 1:
+            self.first_done = now
+        if projection_due(done, self.total - self.first_step):
+            from tqdm.auto import tqdm
+
+            self.projected = True
+            after_first = now - self.first_done if self.first_done is not None else None
+            tqdm.write(projection_line(state.global_step, self.total, done, now - self.began, after_first, time.time()))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.bar is not None and logs and "reward" in logs:
+            self.bar.set_postfix(progress_fields(logs, self.rewards, self.beta), refresh=True)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+
+
+PROJECT_AFTER = 3  # steps done (this process) before the projected finish is logged, or 10% of the steps if more
+
+
+def projection_due(done: int, steps: int) -> bool:
+    """Log the projection now? After max(PROJECT_AFTER, 10% of this process's `steps`) steps, while steps remain."""
+    return done >= max(PROJECT_AFTER, math.ceil(steps / 10)) and done < steps
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def projection_line(step: int, total: int, done: int, elapsed: float, after_first: float | None, now: float) -> str:
+    """'GRPO: 3 of 48 steps in 74 s, ~24.6 s/step: projected to end at 17:42 (~19 min more)'. `done` steps ran
+    in this process in `elapsed` s (fewer than `step` on a resumed run); the time per step is from the steps after
+    the first (`after_first`: seconds since the first ended) when there are any; `now`: the wall clock."""
+    import time
+
+    per_step = after_first / (done - 1) if after_first is not None and done >= 2 else elapsed / done
+    left = (total - step) * per_step
+    end = time.localtime(now + left)
+    clock = time.strftime("%H:%M" if end.tm_yday == time.localtime(now).tm_yday else "%a %H:%M", end)
+    ran = f"{step} of {total} steps in {elapsed:.0f} s" if done == step else \
+        f"step {step} of {total}, {done} steps in {elapsed:.0f} s since the resume"
+    basis = " after the first" if done >= 2 and after_first is not None else ""
+    return (f"GRPO: {ran}, ~{per_step:.1f} s/step{basis}: projected to end at {clock} "
+            f"(~{_duration(left)} more) on this machine")
+
+
+def compile_note(device: str | None, unsloth: bool, step: int = 1) -> str | None:
+    """On a CUDA device, the log line that says GRPO's first step compiles kernels (Triton: unsloth's kernels and
+    compiled loss on the unsloth backend, TRL's fused log-prob head and torch inductor otherwise), so it takes
+    longer than the steps after it; None elsewhere (a CPU compiles nothing)."""
+    if device != "cuda":
+        return None
+    what = "unsloth's Triton kernels and its compiled GRPO loss" if unsloth else "TRL's Triton kernels"
+    return (f"GRPO step {step} includes compiling {what} on first use: it takes longer than the steps after it "
+            f"(the projected finish leaves it out)")
+
+
+def progress_fields(logs: dict, recent: "collections.deque", beta: float) -> dict:
+    """The bar's fields for one logged step; `recent` keeps the last rewards for the moving average."""
+    from lowvram_grpo.training.learning_signals import ZERO_STD_KEY
+
+    reward = logs["reward"]
+    if isinstance(reward, (int, float)) and math.isfinite(reward):
+        recent.append(reward)
+    fields = {"reward": f"{reward:.3f}"}
+    if recent:
+        fields[f"avg{recent.maxlen}"] = f"{sum(recent) / len(recent):.3f}"
+    if isinstance(logs.get(ZERO_STD_KEY), (int, float)):
+        fields["signal"] = f"{1 - logs[ZERO_STD_KEY]:.0%} of groups"
+    if beta > 0 and isinstance(logs.get("kl"), (int, float)):
+        fields["kl"] = f"{logs['kl']:.4f}"
+    gap = logs.get(SAMPLER_GAP_KEY)
+    if isinstance(gap, (int, float)) and gap > SAMPLER_GAP_THRESHOLD:  # the sampler is off the trained policy
+        fields["sampler gap"] = f"{gap:.3f} nats/token > {SAMPLER_GAP_THRESHOLD}"
+    return fields
+
+
+class GroupOutcomes:
+    """The correctness reward, also logging per GRPO step the share of groups whose completions were all
+    right (`groups/all_right`) and all wrong (`groups/all_wrong`) through TRL's `log_metric` hook: such
+    groups carry no signal, and which of the two they are says what to change (signals.no_signal). Groups
+    are consecutive runs of num_generations completions, as TRL orders them (on several processes a group
+    may be split, and the shares are approximate). Otherwise the function TRL was handed, name and all."""
+
+    def __init__(self, fn, group_size: int):
+        self.fn, self.group_size = fn, group_size
+        self.__name__ = self.__qualname__ = fn.__name__
+        self.__doc__ = fn.__doc__
+
+    @property
+    def failures(self) -> int:
+        return getattr(self.fn, "failures", 0)
+
+    def __call__(self, prompts, completions, **kwargs):
+        scores = self.fn(prompts=prompts, completions=completions, **kwargs)
+        log = kwargs.get("log_metric")
+        g = self.group_size
+        if log is not None and scores and len(scores) % g == 0:
+            groups = [scores[i:i + g] for i in range(0, len(scores), g)]
+            log(ALL_RIGHT_KEY, sum(1 for group in groups if all(s > 0 for s in group)) / len(groups))
+            log(ALL_WRONG_KEY, sum(1 for group in groups if all(s <= 0 for s in group)) / len(groups))
+        return scores
+
+
+def with_group_outcomes(reward_funcs: list, group_size: int) -> list:
+    """`reward_funcs` with the `correctness` reward wrapped by GroupOutcomes (the others as they are)."""
+    return [GroupOutcomes(fn, group_size) if fn.__name__ == "correctness" else fn for fn in reward_funcs]
+
+
+class RunTrainer(DynamicSampling, TrainerHooks):
+    """Mixed over the GRPOTrainer class in use (trainer_class): our checkpoints (run_dir.RunDir.save_checkpoint:
+    atomic, with our run state), the NaN guard's view of the gradient norm, and the trained adapter restored on
+    resume (trl_compat's hooks). build_trainer sets the attributes below."""
+
+    nonfinite_guard: NonFiniteGuard
+    stop_signals: StopOnSignal
+    run_dir: RunDir
+    keep_checkpoints: int = 2
+    data_per_step: dict
+    completions_log = None  # completions.CompletionsLog when log.completions_every > 0
+
+    def run_state(self) -> dict:
+        step = self.state.global_step
+        return {
+            "global_step": step,
+            "max_steps": self.state.max_steps,
+            "epoch": self.state.epoch,
+            # where the data stands; transformers re-derives the dataloader position from global_step
+            "data_position": {f"{k}_seen": v * step for k, v in self.data_per_step.items()},
+            **self.nonfinite_guard.state(),
+            **(self.completions_log.state() if self.completions_log is not None else {}),
+        }
+
+    def save_checkpoint_with(self, step: int, write_trainer_files) -> Path:
+        several = self.accelerator.num_processes > 1
+        return self.run_dir.save_checkpoint(step, write_trainer_files, self.run_state(), self.keep_checkpoints,
+                                            shared_staging=several, barrier=self.accelerator.wait_for_everyone)
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:  # also when training raises: the error line must not land on the bar's line
+            for callback in self.callback_handler.callbacks:
+                if isinstance(callback, ProgressBar) and callback.bar is not None:
+                    callback.bar.close()
+
+
+_TRAINER_CLASSES: dict = {}
+
+
+def trainer_class() -> type:
+    """`GRPORunTrainer`: RunTrainer over the GRPOTrainer `trl` exports now (trl_compat.grpo_trainer_base): stock
+    TRL's, or on the unsloth backend unsloth's generated UnslothGRPOTrainer, the class a GPU run trains with."""
+    base = grpo_trainer_base()
+    if base not in _TRAINER_CLASSES:
+        _TRAINER_CLASSES[base] = type("GRPORunTrainer", (RunTrainer, base), {"__module__": __name__})
+    return _TRAINER_CLASSES[base]
+
+
+def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward_funcs=None, validation=None):
+    """TRL's GRPOTrainer for the handle's PEFT model, with our checkpoints, guards (guards.py),
+    progress bar, metrics file and training-signal warnings. `run_dir`: a RunDir or its path.
+    `rollouts`: a backends.vllm.TRLRollouts when generation is 'vllm' (rollouts from our vLLM
+    engine through TRL's rollout_func, the adapter synced to it). `reward_funcs`: the reward functions GRPO
+    trains with instead of the configured ones (the random-reward control, baseline.py); train.dynamic_sampling
+    turns on trl_compat.DynamicSampling, mixed into every trainer built here. `validation`: a validation.Validation
+    measuring the held-out curve (None: no curve). With log.completions_every > 0 completions.jsonl is written."""
+    from datasets import Dataset
+
+    run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+
+    config = handle.config
+    install_logprob_fallback()  # TRL's log-prob kernel is Triton (GPU only): route CPU tensors to PyTorch
+    asked = grpo_config_kwargs(handle.resolved, run_dir.path)
+    asked.update(tool_config_kwargs(config.tools, bool(config.environment.name), asked["use_vllm"]))  # TRL's rounds
+    user = user_code_of(config)  # the run's callables, looked up once (user_code.load)
+    tools = user.tool_functions()  # each call bounded in time, every answer text (tools.bounded)
+    environment = user.bounded_environment()  # TRL builds it (one per concurrent rollout), methods bounded
+    counted = tools + [fn for _, fn in environment_methods(environment)] if environment is not None else tools
+    # each checked: one finite number per completion; correctness also logs all-right / all-wrong groups, and with
+    # tools the first also logs the batch's tool use and keeps a transcript (tool_metrics.py)
+    scored, tool_use = with_tool_use(
+        with_group_outcomes(reward_funcs or user.reward_functions(), config.train.num_generations), counted)
+    if config.log.completions_every > 0:  # each completion's truncation and gold answer into TRL's log (log_extra)
+        scored = with_completion_facts(scored, _stop_ids(handle))
+    trainer = trainer_class()(
+        model=handle.model,
+        processing_class=handle.tokenizer,
+        reward_funcs=scored,
+        args=GRPOConfig(**asked),
+        train_dataset=Dataset.from_list(train_rows),
+        **({"rollout_func": rollouts.rollout_func} if rollouts is not None else {}),
+        **({"tools": tools} if tools else {}),  # multi-turn: TRL parses <tool_call>s, runs them, masks their results
+        **({"environment_factory": environment} if environment is not None else {}),  # its methods are tools too
+    )
+    trainer.tool_functions = counted  # their call / failure / timeout counts
+    for callback in (PrinterCallback, ProgressCallback):
+        trainer.remove_callback(callback)
+    trainer.run_dir = run_dir
+    trainer.nonfinite_guard = NonFiniteGuard(config.train.max_nonfinite_steps, config.train.learning_rate)
+    trainer.stop_signals = StopOnSignal()
+    trainer.keep_checkpoints = config.train.keep_checkpoints
+    generation_batch = handle.resolved.generation_batch_size
+    trainer.data_per_step = {"prompts": generation_batch // config.train.num_generations, "completions": generation_batch}
+    trainer.checkpoint_saver = trainer.save_checkpoint_with
+    trainer.grad_norm_observer = trainer.nonfinite_guard.note_grad_norm
+    trainer.add_callback(trainer.nonfinite_guard)  # before MetricsWriter: it adds skipped_nonfinite to the logs
+    trainer.add_callback(trainer.stop_signals)
+    if trainer.is_world_process_zero():
+        trainer.add_callback(ProgressBar(config.train.max_steps, beta=config.train.beta))
+        trainer.add_callback(SignalWarnings(config.train.max_completion_length))
+    trainer.add_callback(MetricsWriter(run_dir, tool_use))
+    if config.log.completions_every > 0 and trainer.is_world_process_zero():
+        trainer.completions_log = CompletionsLog(
+            run_dir, config.log.completions_every, config.log.completions_groups, config.log.completions_max_mb,
+            config.train.num_generations, dict(zip(trainer.reward_func_names, config.rewards.weight_list)),
+            config.train.max_steps, config.train.logging_steps)
+        trainer.add_callback(CompletionsWriter(trainer.completions_log, trainer))
+    trainer.validation = validation
+    if validation is not None:  # first: its numbers join the step's logs before the trackers and metrics.jsonl read them
+        trainer.callback_handler.callbacks.insert(0, ValidationCurve(validation, run_dir))
+    trainer.add_callback(ReleaseHostMemory())  # freed step memory back to the OS: RSS stays flat (host_memory.py)
+    trainer.dynamic_sampling_draws = config.train.dynamic_sampling_max_draws if config.train.dynamic_sampling else 0
+    if config.train.dynamic_sampling and config.train.dynamic_sampling_reward is not None:  # checks: one of rewards.names
+        trainer.dynamic_sampling_reward = config.train.dynamic_sampling_reward
+        trainer.dynamic_sampling_column = config.rewards.names.index(config.train.dynamic_sampling_reward)
+    trainer.effective_settings = effective_grpo_settings(trainer, asked)  # before our samplers switch use_vllm on
+    if rollouts is not None:
+        rollouts.attach(trainer)  # importance-sampling correction + vllm/adapter_version in metrics.jsonl
+    elif handle.resolved.is_correction and not asked["use_vllm"]:  # the model samples its own rollouts (our loop,
+        sample_with(trainer, ModelSampler(trainer))  # transformers' generate): TRL's correction on their log-probs
+    return trainer
+
+
+def _stop_ids(handle) -> set:
+    """The token ids that end a completion, as TRL 1.15 counts them (GRPOTrainer.__init__: the model's generation
+    config's eos ids, the tokenizer's eos, and pad): one that ends without any was cut at max_completion_length."""
+    eos = getattr(getattr(handle.model, "generation_config", None), "eos_token_id", None)
+    ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    ids |= {handle.tokenizer.eos_token_id, handle.tokenizer.pad_token_id}
+    return ids - {None}

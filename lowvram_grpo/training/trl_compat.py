@@ -1,0 +1,570 @@
+"""Every reach into TRL's and transformers' internals, in one place, checked against the versions it was written for.
+
+Written for trl 1.15.0 and transformers 5.17.0 (the pins of requirements*.txt). At import this module
+checks that each private hook below exists with the parameters we call it with; a missing one raises
+`BackendError` saying to install the pinned versions. Another version with the same hooks works, with
+one warning line. The reaches, and why each is needed:
+
+- `TrainerHooks`, mixed over the GRPOTrainer that `trl` exports when the trainer is built
+  (`grpo_trainer_base()`: TRL's own, or unsloth's generated `UnslothGRPOTrainer` once PatchFastRL has
+  replaced it; both are transformers.Trainer subclasses), four private transformers.Trainer methods
+  overridden, each handing off to a hook the rest of the package sets (training.build_trainer):
+  * `_save_checkpoint(model, trial)` + `_get_output_dir(trial)`: checkpoints are written under a hidden
+    staging dir and renamed into place with our run state (`save_checkpoint_with(step, write_files)`;
+    run_dir.RunDir.save_checkpoint), so a checkpoint that exists is complete;
+  * `_get_grad_norm(model, grad_norm)`: the gradient norm before clipping goes to `grad_norm_observer`
+    (guards.NonFiniteGuard: an inf norm must skip the step although clipping scales the grads to 0);
+  * `_load_from_checkpoint(resume_from_checkpoint, model)`: after transformers' own loading,
+    `restore_trained_adapter` puts the checkpoint's trained adapter back (transformers 5.17, given a
+    checkpoint with adapter sub-folders such as TRL's frozen 'ref' copy, loads only those).
+- `sample_with(trainer, sampler)`: TRL 1.15 applies its importance-sampling correction (the sampler's
+  log-probs vs the trainer's, for a sampler that is not exactly the policy) only when `use_vllm` is on,
+  and `use_vllm=True` in GRPOConfig would start TRL's own vLLM engine. For rollouts from our own engine
+  (TRL's public `rollout_func`), the built trainer's `use_vllm` attribute is switched on afterwards and
+  `vllm_generation` is our sampler, whose `sync_weights()` TRL calls before a rollout when the step moved
+  (adapter-only sync: backends/vllm/). For the trained model's own rollouts, `ModelSampler` is that sampler: it
+  runs TRL's transformers branch of `_generate_single_turn` (use_vllm off for the call) with the sampler's
+  log-probs captured (decoding.sampler_logprobs, or transformers' output_scores).
+- `install_logprob_fallback()`: TRL 1.15 computes completion log-probs through a Triton-only fused LM
+  head (`trl.trainer.utils._ChunkedLogProbFunction`); on a CPU it has no kernel. A dispatcher takes its
+  place: the Triton kernel for CUDA/XPU tensors, logprobs_fallback.torch_chunked_logprobs (the same
+  maths in PyTorch) for the rest. `LOWVRAM_GRPO_LOGPROBS=torch|triton` forces a path.
+- `DynamicSampling` (train.dynamic_sampling, DAPO): `_generate_and_score_completions(inputs)` and
+  `_calculate_rewards(inputs, prompts, completions, completion_ids_list)` wrapped, so groups whose rewards are
+  all equal are replaced by newly drawn groups with signal in the batch TRL trains on (its section below).
+- `completion_log(trainer)`: the latest rollouts as TRL 1.15 keeps them for its `log_completions` (the private
+  `_logs`: prompts, completions with their tool calls, each reward function's scores, advantages, what reward
+  functions logged through `log_extra`), which completions.jsonl is written from (its section below).
+- `decode_graph_stats(model)`: unsloth's private `unsloth.models._decode_graphs.stats` (its CUDA-graph decode
+  counters, kept on the model's CausalLM), summed for summary.json and the log of a CUDA run on the unsloth backend;
+  imported when called (unsloth is not in the CPU set), None where it is missing.
+- `TRL_ROLLOUT_METHODS`: the names of GRPOTrainer's private methods that generate and score the rollouts.
+  oom.oom_phase reads them in an out-of-memory traceback to tell the rollout from the training step;
+  `check_versions` refuses a TRL whose GRPOTrainer lacks one (its out-of-memory advice would be wrong).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import sys
+from pathlib import Path
+
+import transformers
+import trl
+from transformers import Trainer
+from trl.trainer import utils as trl_utils
+
+from lowvram_grpo.run.errors import AdapterError, BackendError
+
+WRITTEN_FOR = {"trl": "1.15.0", "transformers": "5.17.0"}
+# the private hooks: (owner, method, parameters after self)
+HOOKS = (
+    (Trainer, "_save_checkpoint", ("model", "trial")),
+    (Trainer, "_get_output_dir", ("trial",)),
+    (Trainer, "_get_grad_norm", ("model", "grad_norm")),
+    (Trainer, "_load_from_checkpoint", ("resume_from_checkpoint", "model")),
+)
+LOGPROB_ATTRIBUTE = "_ChunkedLogProbFunction"  # trl.trainer.utils
+ENV = "LOWVRAM_GRPO_LOGPROBS"
+
+
+def check_versions(warn=None) -> list[str]:
+    """Raise BackendError when a hook we override is gone or changed; warn once when the versions differ
+    from those this module was written for. Returns the problems found (for tests)."""
+    installed = {"trl": trl.__version__, "transformers": transformers.__version__}
+    missing = []
+    for owner, name, params in HOOKS:
+        method = getattr(owner, name, None)
+        if method is None or tuple(inspect.signature(method).parameters)[1:] != params:
+            missing.append(f"{owner.__name__}.{name}({', '.join(params)})")
+    if not hasattr(trl_utils, LOGPROB_ATTRIBUTE):
+        missing.append(f"trl.trainer.utils.{LOGPROB_ATTRIBUTE}")
+    missing += missing_rollout_methods(trl.GRPOTrainer)  # section: TRL's rollout methods (below)
+    missing += missing_single_turn(trl.GRPOTrainer)  # ModelSampler (below sample_with)
+    missing += missing_completion_log(trl.GRPOTrainer)  # section: the completions of a step (below)
+    if not is_unsloth_trainer(trl.GRPOTrainer):  # unsloth's generated trainer wraps them; dynamic sampling is refused
+        missing += missing_dynamic_sampling_hooks(trl.GRPOTrainer)  # there (resolve): section dynamic sampling (below)
+    pins = ", ".join(f"{k}=={v}" for k, v in WRITTEN_FOR.items())
+    if missing:
+        raise BackendError(f"lowvram_grpo overrides {', '.join(missing)}, which trl {installed['trl']} / transformers "
+                           f"{installed['transformers']} do not have as expected: install the pinned versions "
+                           f"(pip install {pins.replace(', ', ' ')})")
+    if installed != WRITTEN_FOR:
+        (warn or _warn)(f"warning: lowvram_grpo was written for {pins} (requirements*.txt); found trl {installed['trl']}, "
+                        f"transformers {installed['transformers']}: its checkpoint and log-prob hooks are present, "
+                        "but if training misbehaves install the pinned versions")
+    return missing
+
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def grpo_trainer_base() -> type:
+    """The GRPOTrainer class `trl` exports now: TRL's own, or unsloth's `UnslothGRPOTrainer` after
+    `PatchFastRL` (backends/unsloth_backend.prepare) replaced it. Read when a trainer is built, never at
+    import, so the order in which modules were imported cannot pick the wrong one."""
+    return trl.GRPOTrainer
+
+
+def trainer_name(trainer) -> str:
+    """The GRPO trainer class a built trainer runs on (the first class of its MRO that is not ours)."""
+    for cls in type(trainer).__mro__:
+        if not cls.__module__.startswith("lowvram_grpo."):
+            return cls.__name__
+    return type(trainer).__name__
+
+
+def is_unsloth_trainer(cls: type) -> bool:
+    """True for unsloth's generated trainer (unsloth_compiled_cache/UnslothGRPOTrainer.py)."""
+    return any(c.__name__ == "UnslothGRPOTrainer" for c in cls.__mro__)
+
+
+class TrainerHooks:
+    """The private overrides above, mixed in before a GRPOTrainer class (training.trainer_class). The hooks
+    are set by training.build_trainer: `checkpoint_saver(step, write_trainer_files) -> Path`,
+    `grad_norm_observer(norm)`."""
+
+    checkpoint_saver = None
+    grad_norm_observer = None
+    _staging_root = None
+
+    def _get_output_dir(self, trial) -> str:
+        # transformers writes checkpoint-N under this dir: during a save, the hidden staging root
+        return str(self._staging_root) if self._staging_root is not None else super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        if self.checkpoint_saver is None:
+            return super()._save_checkpoint(model, trial)
+
+        def write_trainer_files(root: Path) -> None:
+            self._staging_root = root
+            try:
+                super(TrainerHooks, self)._save_checkpoint(model, trial)
+            finally:
+                self._staging_root = None
+
+        self.checkpoint_saver(self.state.global_step, write_trainer_files)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        grad_norm = super()._get_grad_norm(model, grad_norm)  # the norm before clipping
+        if self.grad_norm_observer is not None:
+            self.grad_norm_observer(grad_norm)
+        return grad_norm
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        restore_trained_adapter(model if model is not None else self.model, Path(resume_from_checkpoint))
+
+
+def restore_trained_adapter(model, checkpoint: Path) -> None:
+    """Load the checkpoint's top-level adapter weights into the trained 'default' adapter, in place.
+
+    Why: transformers 5.17's Trainer, when a checkpoint has adapter sub-folders (TRL's frozen 'ref'
+    copy of the adapter, made when beta > 0), loads only those and leaves 'default' at its initial
+    weights; a resumed run would silently restart the adapter from scratch."""
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(str(Path(checkpoint) / "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(model, weights, adapter_name="default")
+    if getattr(result, "unexpected_keys", None):
+        raise AdapterError(f"checkpoint {checkpoint} does not fit this model: unexpected weights "
+                           f"{', '.join(result.unexpected_keys[:3])}")
+
+
+SAMPLER_ATTRIBUTES = ("use_vllm", "vllm_importance_sampling_correction", "_generate", "rollout_func")
+
+
+def sample_with(trainer, sampler) -> None:
+    """Make TRL's GRPOTrainer treat `sampler` (an object with `sync_weights()`) as its vLLM generation, so its
+    importance-sampling correction runs on the sampling log-probs the rollout_func returns; no engine of TRL's."""
+    missing = [name for name in SAMPLER_ATTRIBUTES if not hasattr(trainer, name)]
+    if missing:
+        raise BackendError(f"this TRL's GRPOTrainer has no {', '.join(missing)}: the importance-sampling hook was "
+                           f"written for trl {WRITTEN_FOR['trl']}; install it or set model.generation=transformers")
+    trainer.use_vllm = True             # read after __init__ only by the generation and IS-correction code
+    trainer.vllm_generation = sampler   # TRL calls .sync_weights() before a rollout when the step moved
+    trainer._last_loaded_step = -1
+    if isinstance(sampler, ModelSampler):
+        trainer.vllm_mode = "server"    # read after __init__ only by the tool loop: the context ceiling is then the
+        # model's max_position_embeddings, as on TRL's transformers path (colocate would read a vLLM engine's)
+
+
+# TRL 1.15's own generation of one turn (the transformers branch of GRPOTrainer._generate_single_turn), which
+# ModelSampler runs with the sampler's log-probs captured; check_versions refuses a TRL whose signature differs.
+SINGLE_TURN = ("_generate_single_turn", ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"))
+
+
+def missing_single_turn(trainer_class: type) -> list[str]:
+    """[GRPOTrainer._generate_single_turn(...)] when `trainer_class` lacks it with SINGLE_TURN's parameters, else []."""
+    name, params = SINGLE_TURN
+    method = getattr(trainer_class, name, None)
+    if callable(method) and tuple(inspect.signature(method).parameters)[1:] == params:
+        return []
+    return [f"GRPOTrainer.{name}({', '.join(params)})"]
+
+
+class ModelSampler:
+    """The trained model's own generation (our decode loop, or transformers' generate) as TRL's vLLM generation, so
+    TRL 1.15's importance-sampling correction (train.is_correction; `sample_with`) runs on the sampler's log-probs:
+    `generate` runs TRL's own transformers branch of `_generate_single_turn` (its padding, generation config,
+    eos cut) with the model's `generate` wrapped for the call, and returns each sampled token's log-prob as vLLM's
+    processed_logprobs are (TRL's vLLM path asks for those): the float32 log_softmax of the scores after temperature,
+    top-k and top-p, i.e. of the distribution the token was drawn from. Our loop records them while it samples
+    (decoding.sampler_logprobs); a call our loop does not take goes to transformers' generate with
+    output_scores=True (its processed scores: one [B, V] float tensor per new token held until the call ends)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def sync_weights(self) -> None:
+        """Nothing to sync: the sampler is the trained model."""
+
+    def generate(self, prompts: list, images=None, num_generations: int = 1, profiler=None):
+        """TRL's VLLMGeneration.generate: (prompt ids, completion ids [up to the first eos], per-token [log-prob]
+        lists, None) for `prompts` (token ids, one row per completion)."""
+        import torch
+
+        from lowvram_grpo.model.decoding import loop_takes, sampler_logprobs
+
+        if images and any(images):
+            raise BackendError("the importance-sampling correction of the model's own rollouts takes text prompts; "
+                               "set train.is_correction=off")
+        trainer = self.trainer
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        inner = model.generate
+        own = model.__dict__.get("generate")  # decoding.install's loop, if any: put back after
+        rows = []
+
+        def generate(**kwargs):
+            prompt_len = kwargs["input_ids"].shape[1]
+            if loop_takes(model, kwargs):
+                with sampler_logprobs(model) as steps:
+                    sequences = inner(**kwargs)
+                rows.append(torch.stack(steps, dim=1) if steps else sequences.new_zeros((len(sequences), 0)).float())
+                return sequences
+            out = inner(**kwargs, output_scores=True, return_dict_in_generate=True)
+            tokens = out.sequences[:, prompt_len:]
+            rows.append(torch.stack([s.float().log_softmax(dim=-1).gather(-1, tokens[:, i:i + 1]).squeeze(-1)
+                                     for i, s in enumerate(out.scores)], dim=1) if out.scores
+                        else tokens.new_zeros(tokens.shape).float())
+            return out.sequences
+
+        model.generate = generate
+        trainer.use_vllm = False  # TRL's transformers branch
+        try:
+            with profiler if profiler is not None else contextlib.nullcontext():
+                completion_ids, _ = trainer._generate_single_turn(prompts, images, {}, num_generations)
+        finally:
+            trainer.use_vllm = True
+            if own is None:
+                del model.generate
+            else:
+                model.generate = own
+        logprobs = rows[0].cpu().tolist()
+        return prompts, completion_ids, [[[lp] for lp in row[:len(ids)]] for row, ids in zip(logprobs, completion_ids)], None
+
+
+def use_torch_logprobs(device_type: str, kernel_available: bool) -> bool:
+    forced = os.environ.get(ENV, "").strip().lower()
+    if forced == "torch":
+        return True
+    if forced == "triton":
+        return False
+    return not (kernel_available and device_type in ("cuda", "xpu"))
+
+
+def install_logprob_fallback() -> None:
+    """Route TRL's fused-LM-head log-probs by device (idempotent)."""
+    from lowvram_grpo.training.logprobs_fallback import torch_chunked_logprobs
+
+    current = getattr(trl_utils, LOGPROB_ATTRIBUTE, None)
+    if getattr(current, "_lowvram_dispatch", False):
+        return
+    kernel = current
+
+    class ChunkedLogProbDispatch:
+        _lowvram_dispatch = True
+        triton_kernel = kernel
+
+        @staticmethod
+        def apply(hidden, *args, **kwargs):
+            if use_torch_logprobs(hidden.device.type, kernel is not None):
+                return torch_chunked_logprobs(hidden, *args, **kwargs)
+            return kernel.apply(hidden, *args, **kwargs)
+
+    setattr(trl_utils, LOGPROB_ATTRIBUTE, ChunkedLogProbDispatch)
+
+
+# --------------------------------------------------------------------------- TRL's rollout methods (oom.oom_phase)
+# TRL 1.15's private GRPOTrainer methods that generate and score the rollouts: an out-of-memory raised inside one
+# of them is the rollout's, not the training step's (oom.oom_phase matches these names against the frames of
+# the traceback; unsloth's generated trainer keeps TRL's method names). check_versions refuses a TRL that lacks
+# one; tests/test_memory.py raises inside the real methods.
+TRL_ROLLOUT_METHODS = ("_generate_and_score_completions", "_generate", "_generate_single_turn")
+
+
+def missing_rollout_methods(trainer_class: type) -> list[str]:
+    """The TRL_ROLLOUT_METHODS that `trainer_class` has no method of, as check_versions reports them."""
+    return [f"GRPOTrainer.{name}" for name in TRL_ROLLOUT_METHODS if not callable(getattr(trainer_class, name, None))]
+
+
+
+# --------------------------------------------------------------------------- dynamic sampling (train.dynamic_sampling)
+# DAPO's dynamic sampling, which TRL 1.15 does not have. `DynamicSampling` is mixed in before TRL's GRPOTrainer
+# (training.RunTrainer) and wraps two private GRPOTrainer methods: `_generate_and_score_completions(inputs)` (one
+# generation batch: the rows of its prompts, each repeated num_generations times in a row, in; the padded tensors
+# TRL trains on, out) and `_calculate_rewards(...)`, to see every completion's rewards. A group whose weighted
+# rewards are all equal (TRL's own test, a std close to 0; or fewer than two scorable completions) has advantage 0
+# and no gradient: its slot goes to a new group that has signal. New prompts come from the training set in an
+# order of their own (a permutation seeded by train.seed, the step and the round: a resumed run draws the same;
+# TRL's sampler, and so the data order of later steps, is not touched; prompts already in the batch are skipped),
+# rolled out and scored by the same private step, for at most `dynamic_sampling_draws` rounds; groups still
+# without signal after them are kept. The batch keeps the shape TRL expects: as many groups as it drew, tensors
+# re-padded to the widest part (prompts on the left, completions on the right, as TRL pads them), and
+# `num_items_in_batch` recounted. Each group keeps the advantages TRL gave it (per group under scale_rewards
+# group or none; under batch, the std of the part it was drawn in). TRL's own metrics (reward,
+# frac_reward_zero_std, ...) average over every group sampled, dropped ones included; the cost is logged per
+# generation batch under DYNAMIC_SAMPLING_KEYS. resolve.check_dynamic_sampling keeps it to the hf backend (unsloth's
+# generated trainer adds keys of its own to the batch) and one process.
+DYNAMIC_SAMPLING_HOOKS = (("_generate_and_score_completions", ("inputs",)),
+                          ("_calculate_rewards", ("inputs", "prompts", "completions", "completion_ids_list")))
+DYNAMIC_SAMPLING_KEYS = ("dynamic_sampling/extra_rollouts", "dynamic_sampling/zero_signal_groups_dropped",
+                         "dynamic_sampling/zero_signal_groups_kept", "dynamic_sampling/draws")
+# TRL 1.15's rollout batch (text prompts), key by key: one value per row; left-padded (prompt side) and right-padded
+# (completion side) tensors with their pad value (None: the tokenizer's pad token); recounted after a merge.
+ROW_KEYS = ("advantages",)
+LEFT_PADDED = {"prompt_ids": None, "prompt_mask": 0}
+RIGHT_PADDED = {"completion_ids": None, "completion_mask": 0, "old_per_token_logps": 0.0, "sampling_per_token_logps": 0.0,
+                "ref_per_token_logps": 0.0, "importance_sampling_ratio": 1.0, "tool_mask": 1}
+RECOUNTED = ("num_items_in_batch",)
+
+
+def missing_dynamic_sampling_hooks(trainer_class: type) -> list[str]:
+    """The DYNAMIC_SAMPLING_HOOKS `trainer_class` lacks or has with other parameters, as check_versions reports them."""
+    missing = []
+    for name, params in DYNAMIC_SAMPLING_HOOKS:
+        method = getattr(trainer_class, name, None)
+        if not callable(method) or tuple(inspect.signature(method).parameters)[1:] != params:
+            missing.append(f"GRPOTrainer.{name}({', '.join(params)})")
+    return missing
+
+
+class DynamicSampling:
+    """The mixin (see the section's comment). `dynamic_sampling_draws`: 0 = off, else the most extra rounds per
+    generation batch (training.build_trainer sets it from train.dynamic_sampling / dynamic_sampling_max_draws)."""
+
+    dynamic_sampling_draws = 0
+    dynamic_sampling_column = None  # train.dynamic_sampling_reward: judge by that reward function's column alone
+    dynamic_sampling_reward = None
+    _dynamic_sampling_rewards = None
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self.dynamic_sampling_draws:
+            self._dynamic_sampling_rewards = rewards  # (completions, reward functions), gathered: one process here
+        return rewards
+
+    def _generate_and_score_completions(self, inputs):
+        if not self.dynamic_sampling_draws or not self.model.training:  # off, or TRL's evaluation
+            return super()._generate_and_score_completions(inputs)
+        self._dynamic_sampling_rewards = None
+        batch = super()._generate_and_score_completions(inputs)
+        if self._dynamic_sampling_rewards is None:  # scored without _calculate_rewards: nothing to judge by
+            return batch
+        return self._batch_with_signal(inputs, batch)
+
+    def _zero_signal_groups(self) -> list[bool]:
+        """Per group of the rollout just scored: True when its rewards carry no signal (TRL's frac_reward_zero_std test)."""
+        import torch
+        from trl.trainer.utils import nanstd
+
+        per_function = self._dynamic_sampling_rewards
+        if self.dynamic_sampling_column is not None:  # one reward alone (DAPO's accuracy filter: correctness)
+            totals = per_function[:, self.dynamic_sampling_column].clone()
+        else:
+            totals = (per_function * self.reward_weights.to(per_function.device).unsqueeze(0)).nansum(dim=1)
+            totals[torch.isnan(per_function).all(dim=1)] = torch.nan  # unscorable: left out, as TRL leaves it out
+        std = nanstd(totals.view(-1, self.num_generations), dim=1)
+        return (torch.isnan(std) | torch.isclose(std, torch.zeros_like(std))).tolist()
+
+    def _batch_with_signal(self, inputs: list, batch: dict) -> dict:
+        size = self.num_generations
+        zero = self._zero_signal_groups()
+        parts, chosen = [batch], [(0, group) for group in range(len(zero))]  # slot -> (part, group in that part)
+        slots = [group for group, no_signal in enumerate(zero) if no_signal]
+        seen = {repr(row["prompt"]) for row in inputs}
+        extra = rounds = 0
+        for round_number in range(1, self.dynamic_sampling_draws + 1):
+            if not slots:
+                break
+            rows = self._redrawn_rows(len(slots), seen, round_number)
+            if not rows:  # the training set has no prompt left that is not in this batch
+                break
+            parts.append(super()._generate_and_score_completions([row for row in rows for _ in range(size)]))
+            rounds, extra = rounds + 1, extra + len(rows) * size
+            with_signal = [group for group, no_signal in enumerate(self._zero_signal_groups()) if not no_signal]
+            for slot, group in zip(slots, with_signal):
+                chosen[slot] = (len(parts) - 1, group)
+            slots = slots[len(with_signal):]
+        metrics = self._metrics["train"]
+        for key, value in zip(DYNAMIC_SAMPLING_KEYS, (extra, sum(zero) - len(slots), len(slots), rounds)):
+            metrics[key].append(float(value))
+        if len(parts) == 1 or sum(zero) == len(slots):
+            return batch  # nothing replaced
+        return self._merged_batch(parts, chosen)
+
+    def _redrawn_rows(self, count: int, seen: set, round_number: int) -> list[dict]:
+        """`count` training rows whose prompts are not in `seen` (added to it), in an order fixed by the seed, the
+        step and the round."""
+        import torch
+
+        generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.state.global_step * 1_009 + round_number)
+        rows = []
+        for index in torch.randperm(len(self.train_dataset), generator=generator).tolist():
+            row = self.train_dataset[index]
+            key = repr(row["prompt"])
+            if key in seen:
+                continue
+            seen.add(key)
+            rows.append(row)
+            if len(rows) == count:
+                break
+        return rows
+
+    def _merged_batch(self, parts: list[dict], chosen: list[tuple[int, int]]) -> dict:
+        """One rollout batch of the chosen groups, in TRL's layout."""
+        import torch
+
+        unknown = set(parts[0]) - set(ROW_KEYS) - set(LEFT_PADDED) - set(RIGHT_PADDED) - set(RECOUNTED)
+        if unknown:
+            raise BackendError(f"train.dynamic_sampling cannot merge the rollout batch's {', '.join(sorted(unknown))} "
+                               f"(written for trl {WRITTEN_FOR['trl']}'s text-only batches): set train.dynamic_sampling=false")
+        size = self.num_generations
+        pad_token = (getattr(self, "_tokenizer", None) or self.processing_class).pad_token_id
+        merged = {}
+        for key, value in parts[0].items():
+            if key in RECOUNTED or value is None:
+                merged[key] = value
+                continue
+            pieces = [parts[part][key][group * size:(group + 1) * size] for part, group in chosen]
+            if value.dim() == 1:
+                merged[key] = torch.cat(pieces)
+                continue
+            width = max(piece.size(1) for piece in pieces)
+            left = key in LEFT_PADDED
+            pad = (LEFT_PADDED if left else RIGHT_PADDED)[key]
+            pad = pad_token if pad is None else pad
+            padded = []
+            for piece in pieces:
+                if piece.size(1) < width:
+                    filler = piece.new_full((piece.size(0), width - piece.size(1)), pad)
+                    piece = torch.cat([filler, piece] if left else [piece, filler], dim=1)
+                padded.append(piece)
+            merged[key] = torch.cat(padded)
+        loss_mask = merged["completion_mask"]
+        if merged.get("tool_mask") is not None:
+            loss_mask = loss_mask * merged["tool_mask"]
+        merged["num_items_in_batch"] = loss_mask.sum()  # TRL: summed over processes; one process here
+        return merged
+
+
+# --------------------------------------------------------------------------- the completions of a step (log.completions_*)
+# TRL 1.15 keeps the latest generation batch's rollouts in the private `GRPOTrainer._logs` (its `log_completions`
+# machinery prints and uploads them from there): `prompt` and `completion` (as the reward functions saw them: text, or
+# messages, a tool-calling completion's tool calls and tool results included), `rewards` {reward function name: one
+# score per completion}, `advantages` (the whole batch's, gathered) and `extra` {column: one value per completion},
+# what reward functions logged through TRL's public `log_extra` keyword. Each a deque of at most generation_batch_size,
+# filled in _generate_and_score_completions whether log_completions is on or not. completions.jsonl
+# (training.CompletionsWriter) reads it through `completion_log` at each logged step; check_versions refuses a TRL whose
+# GRPOTrainer does not build and fill it so (read from its source: the attribute exists only on a built trainer).
+COMPLETION_LOG_KEYS = ("prompt", "completion", "rewards", "advantages", "extra")
+
+
+def missing_completion_log(trainer_class: type) -> list[str]:
+    """['GRPOTrainer._logs[...]'] when no __init__ / _generate_and_score_completions of `trainer_class`'s classes (its
+    MRO: unsloth's generated trainer wraps a copy of TRL's, which has them) builds / fills `_logs` with
+    COMPLETION_LOG_KEYS (as check_versions reports it); [] when one does."""
+    def sources(name: str) -> str:
+        found = []
+        for cls in trainer_class.__mro__:
+            method = cls.__dict__.get(name)
+            with contextlib.suppress(OSError, TypeError):
+                found.append(inspect.getsource(method) if method is not None else "")
+        return "\n".join(found)
+
+    built, filled = sources("__init__"), sources("_generate_and_score_completions")
+    absent = [key for key in COMPLETION_LOG_KEYS if f'"{key}": ' not in built or f'self._logs["{key}"]' not in filled]
+    return [f"GRPOTrainer._logs[{', '.join(absent)}]"] if absent else []
+
+
+def completion_log(trainer) -> dict:
+    """The latest generation batch as TRL logged it: {'prompt': [...], 'completion': [...], 'rewards': {name: [...]},
+    'advantages': [...], 'extra': {column: [...]}} as plain lists, one entry per completion (TRL's order: each
+    prompt's num_generations completions in a row). BackendError when the built trainer has no such log."""
+    logs = getattr(trainer, "_logs", None)
+    if not isinstance(logs, dict) or any(key not in logs for key in COMPLETION_LOG_KEYS):
+        raise BackendError(f"this GRPOTrainer keeps no completion log as trl {WRITTEN_FOR['trl']} does (_logs): install "
+                           "the pinned trl, or set log.completions_every=0")
+    return {"prompt": list(logs["prompt"]), "completion": list(logs["completion"]),
+            "rewards": {name: list(values) for name, values in logs["rewards"].items()},
+            "advantages": list(logs["advantages"]), "extra": {name: list(values) for name, values in logs["extra"].items()}}
+
+
+check_versions()
+
+
+# --------------------------------------------------------------------------- unsloth's decode graphs (summary, log)
+# unsloth 2026.10.9 (unsloth/models/_decode_graphs.py): `stats(model)` reads the counters a model's CausalLM keeps in
+# its __dict__ under this name (captures, replays, graphs, eager_steps, disabled); the state lives on the module the
+# decode forward runs on, under any PEFT wrapper, so every module holding one is read. tests/test_gpu_wheels.py reads
+# these lines in the pinned wheel.
+DECODE_GRAPHS_MODULE = "unsloth.models._decode_graphs"
+DECODE_GRAPHS_STATE = "_unsloth_decode_graphs"
+DECODE_GRAPH_COUNTERS = ("captures", "replays", "graphs", "eager_steps")
+
+
+def missing_decode_graph_stats() -> list[str]:
+    """[] when the installed unsloth has the decode-graph counters decode_graph_stats reads; else what is missing.
+    Checked when the unsloth backend is prepared (unsloth_backend.prepare: a warning, the counters are a report)."""
+    import importlib
+
+    try:
+        graphs = importlib.import_module(DECODE_GRAPHS_MODULE)
+    except ImportError as exc:
+        return [f"{DECODE_GRAPHS_MODULE} ({type(exc).__name__}: {exc})"]
+    return [] if callable(getattr(graphs, "stats", None)) else [f"{DECODE_GRAPHS_MODULE}.stats"]
+
+
+def decode_graph_stats(model) -> dict | None:
+    """unsloth's decode CUDA-graph counters of `model` summed over the modules that hold them ({} where none was ever
+    captured or run: no graph state), plus `disabled` (the first reason unsloth gave, else None); None where unsloth's
+    module does not import (the CPU set) or lacks `stats` (another unsloth than requirements.txt's)."""
+    import importlib
+
+    try:
+        graphs = importlib.import_module(DECODE_GRAPHS_MODULE)
+    except ImportError:
+        return None
+    stats = getattr(graphs, "stats", None)
+    if not callable(stats):
+        return None
+    found = [stats(m) for m in model.modules() if DECODE_GRAPHS_STATE in getattr(m, "__dict__", {})]
+    if not found:
+        return {}
+    out = {key: sum(int(s.get(key) or 0) for s in found) for key in DECODE_GRAPH_COUNTERS}
+    out["disabled"] = next((s.get("disabled") for s in found if s.get("disabled")), None)
+    return out
+
+
+def describe_decode_graphs(stats: dict | None, decided: bool) -> str:
+    """One log line for a CUDA run on the unsloth backend: what unsloth's decode graphs did against what resolve decided."""
+    if stats is None:
+        return "unsloth decode CUDA graphs: unsloth's _decode_graphs.stats is not available here"
+    if not stats:
+        return f"unsloth decode CUDA graphs: none captured (decided {'on' if decided else 'off'})"
+    line = (f"unsloth decode CUDA graphs: {stats['captures']} captures, {stats['replays']} replays, "
+            f"{stats['eager_steps']} eager steps (decided {'on' if decided else 'off'})")
+    return line + (f"; disabled: {stats['disabled']}" if stats.get("disabled") else "")
