@@ -27,7 +27,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropUnactionableNo
 
 
 def train(*args, **kwargs):
-    from lowvram_grpo.run.pipeline import train as _train
+    from lowvram_grpo.run.pipeline import train as _train  # importing the package stays light
 
     return _train(*args, **kwargs)
 

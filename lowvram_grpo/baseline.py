@@ -39,10 +39,26 @@ import signal
 from pathlib import Path
 from typing import Optional
 
-from lowvram_grpo.run import stops
-from lowvram_grpo.run.errors import Interrupted, RunDirError
-from lowvram_grpo.evaluate.evaluation import (METRICS, WITH_INTERVAL, beyond_line, cell, intervals_overlap, paired_against)
+from lowvram_grpo.evaluate.evaluation import (
+    METRICS,
+    WITH_INTERVAL,
+    beyond_line,
+    cell,
+    intervals_overlap,
+    paired_against,
+)
+from lowvram_grpo.model.backends import load_model, prepare_backend
+from lowvram_grpo.model.vllm import closes_engines_on_error
 from lowvram_grpo.report.run_dir import RunDir
+from lowvram_grpo.run import stops
+from lowvram_grpo.run.commands import ArgumentParser, guarded
+from lowvram_grpo.run.errors import ConfigError, Interrupted, RunDirError
+from lowvram_grpo.run.pipeline import GRPORun
+from lowvram_grpo.settings.config import load_config
+from lowvram_grpo.settings.hardware import detect
+from lowvram_grpo.settings.resolve import resolve
+from lowvram_grpo.task.data import load_questions, prompt_text, to_prompt_rows
+from lowvram_grpo.task.rewards import logged_name, random_reward, reward_range
 
 CONTROLS = ("random-reward",)
 CONTROL_FOLDER = {"random-reward": "control_random_reward", "prime-only": "prime_only"}
@@ -93,12 +109,8 @@ def compare_table(summary: dict, prime_only: dict, label: str) -> str:
 
 
 def run_baseline(run_dir: Path, steps: Optional[int] = None, backend: str = "auto", log=print) -> dict:
-    from lowvram_grpo.model.backends import load_model, prepare_backend
-    from lowvram_grpo.task.data import load_questions, to_prompt_rows
-    from lowvram_grpo.evaluate.evaluation import evaluate
-    from lowvram_grpo.settings.hardware import detect
-    from lowvram_grpo.training.priming import prime
-    from lowvram_grpo.settings.resolve import resolve
+    from lowvram_grpo.evaluate.evaluation import evaluate  # loads transformers
+    from lowvram_grpo.training.priming import prime  # loads transformers
 
     run_dir = Path(run_dir)
     config, summary = read_run(run_dir)
@@ -161,8 +173,6 @@ def grpo_start(run_dir: Path, config, summary: dict) -> Optional[Path]:
 
 def random_ranges(run_dir: Path, config) -> dict[str, tuple[float, float]]:
     """Each reward's range for its random stand-in (see RANDOM_REWARD_DEFINITION)."""
-    from lowvram_grpo.task.rewards import logged_name, reward_range
-
     rows = RunDir(run_dir).read_metrics(required=False)
     ranges = {}
     for name in config.rewards.names:
@@ -180,7 +190,7 @@ def random_ranges(run_dir: Path, config) -> dict[str, tuple[float, float]]:
 def record_control(run_dir: Path, name: str, entry: dict, log=print) -> None:
     """The control in the run's summary.json (`controls[name]`: `entry` + after's paired changes over it) and the
     run's report.md rebuilt (report.controls_section); logs the one line."""
-    from lowvram_grpo.report.build import write_report
+    from lowvram_grpo.report.build import write_report  # loads transformers
 
     folder = RunDir(run_dir)
     with stops.deferred("once the run's summary and report are written", check_at_exit=False):  # then it is done
@@ -196,21 +206,14 @@ def record_control(run_dir: Path, name: str, entry: dict, log=print) -> None:
 def run_control(run_dir: Path, control: str = "random-reward", backend: str = "auto", log=print) -> dict:
     """Train and measure `control` for the finished run in `run_dir` (see the module's docstring); returns the
     control's summary. A vLLM engine started for it ends with it when it raises."""
-    from lowvram_grpo.model.vllm import closes_engines_on_error
 
     if control not in CONTROLS:
-        from lowvram_grpo.run.errors import ConfigError
 
         raise ConfigError(f"unknown control {control!r}: choose {', '.join(CONTROLS)}")
     return closes_engines_on_error(_run_control)(Path(run_dir), control, backend, log)
 
 
 def _run_control(run_dir: Path, control: str, backend: str, log) -> dict:
-    from lowvram_grpo.settings.config import load_config
-    from lowvram_grpo.task.data import prompt_text
-    from lowvram_grpo.run.pipeline import GRPORun
-    from lowvram_grpo.task.rewards import random_reward
-
     config, summary = read_run(run_dir)
     start = grpo_start(run_dir, config, summary)
     overrides = ["prime.steps=0"] + ([f"lora.init_adapter={json.dumps(str(start))}"] if start is not None else [])
@@ -265,9 +268,6 @@ def _run_control(run_dir: Path, control: str, backend: str, log) -> dict:
 
 
 def main(argv=None) -> int:
-    from lowvram_grpo.run.commands import ArgumentParser, guarded
-    from lowvram_grpo.run.errors import ConfigError
-
     parser = ArgumentParser(prog="python -m lowvram_grpo.baseline",
                      description="Priming alone for the same wall time as a finished GRPO run, or (--control "
                                  "random-reward) the run's GRPO again with random rewards.")

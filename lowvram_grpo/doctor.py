@@ -45,17 +45,45 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+
+from lowvram_grpo.install import CPU_COMMANDS, CPU_MODULES, GPU_COMMANDS, GPU_MODULES
+from lowvram_grpo.model.builtin_models import is_builtin
+from lowvram_grpo.model.model_cache import cache_dir
+from lowvram_grpo.model.smollm2 import CONVERTED_NAME
+from lowvram_grpo.model.vllm.settings import bf16_matmul_problem
+from lowvram_grpo.report.run_dir import RunDir
 from lowvram_grpo.run.commands import ArgumentParser, guarded
+from lowvram_grpo.run.errors import ConfigError, NotReady, PlanError, ResolveError
+from lowvram_grpo.settings.checks import before_load
+from lowvram_grpo.settings.config import TRACKER_MODULES, load_config
 from lowvram_grpo.settings.cuda_facts import GIB, Card, CudaFacts, cuda_lines, read_cuda_facts
 from lowvram_grpo.settings.driver_fit import SETS, build_major
-from lowvram_grpo.run.errors import ConfigError, NotReady
 from lowvram_grpo.settings.findings import Line
-from lowvram_grpo.settings.findings import block as _block, note as _note, ok as _ok, warn as _warn
-from lowvram_grpo.install import CPU_COMMANDS, CPU_MODULES, GPU_COMMANDS, GPU_MODULES
+from lowvram_grpo.settings.findings import block as _block
+from lowvram_grpo.settings.findings import note as _note
+from lowvram_grpo.settings.findings import ok as _ok
+from lowvram_grpo.settings.findings import warn as _warn
+from lowvram_grpo.settings.hardware import ANY_GPU, detect, with_memory
+from lowvram_grpo.settings.memory_fit import default_preset, with_settings
+from lowvram_grpo.settings.memory_plan import format_plan, plan
+from lowvram_grpo.settings.memory_terms import (
+    NF4_BYTES_PER_PARAM,
+    OPTIMIZER_BYTES_PER_PARAM,
+    engine_gpu_memory_utilization,
+    lora_param_count,
+)
+from lowvram_grpo.settings.model_shapes import model_shape
+from lowvram_grpo.settings.resolve import DECODE_GRAPHS_ENV, decode_graphs_environment_note, resolve
+from lowvram_grpo.settings.toolchain import toolchain_lines
+from lowvram_grpo.settings.unsloth_sizing import vllm_budget
 
 REPO = Path(__file__).resolve().parent.parent
 # The requirement files of each install set, in install order (a later file's pin wins).
@@ -94,9 +122,6 @@ def read_pins(path: Path) -> dict[str, str]:
     marker that does not hold here drops the line), `name @ URL-of-a-wheel` (the wheel's version), `-r FILE`
     (that file's pins, overridden by later lines) or an index option (`--extra-index-url URL`). The one parser
     of the project's pins."""
-    from packaging.requirements import InvalidRequirement, Requirement
-    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
-
     pins = {}
     for number, raw in enumerate(Path(path).read_text().splitlines(), 1):
         line = re.sub(r"(^|\s)#.*", "", raw).strip()  # pip's comments: a # at the start or after a space
@@ -136,8 +161,6 @@ def installed_version(distribution: str) -> Optional[str]:
 
 def at_pin(installed: str, pin: str) -> bool:
     """Does `installed` satisfy `==pin` (a local label such as torch's +cpu/+cu130 does not count)?"""
-    from packaging.specifiers import SpecifierSet
-
     try:
         return SpecifierSet(f"=={pin}").contains(installed, prereleases=True)
     except ValueError:
@@ -147,7 +170,6 @@ def at_pin(installed: str, pin: str) -> bool:
 @dataclass(frozen=True)
 class InstallSet:
     """The pinned set that applies here: 'gpu' or 'cpu', why, its files and pins."""
-
     name: str
     why: str
     files: tuple[str, ...]
@@ -231,9 +253,6 @@ def _find(module: str):
 
 def smollm2_converted() -> bool:
     """builtin:smollm2 was converted already (then its wheel is no longer needed)."""
-    from lowvram_grpo.model.model_cache import cache_dir
-    from lowvram_grpo.model.smollm2 import CONVERTED_NAME
-
     return (cache_dir() / CONVERTED_NAME / "config.json").is_file()
 
 
@@ -241,7 +260,6 @@ def path_modules(resolved) -> list[tuple[str, str]]:
     """(module, why) for each module the resolved run imports, in the order it imports them: unsloth and
     unsloth_zoo first on the unsloth backend, the install sets' core modules, vLLM (and its bitsandbytes
     plugin for a 4-bit base) where vLLM generates, the embedded model's wheel, the trackers asked for."""
-    from lowvram_grpo.settings.config import TRACKER_MODULES
 
     config = resolved.config
     vllm = resolved.generation in ("unsloth_vllm", "vllm")
@@ -304,7 +322,6 @@ def probe_imports(names: list[str], timeout: int = 600, progress=probe_progress)
     After a failed import the rest are imported in another fresh interpreter (a half-done import, such
     as unsloth's without a GPU, can leave patched modules behind that the run would never see).
     `progress(name)` is called as each import starts (default: a line on stderr)."""
-    import threading
 
     results: dict[str, dict] = {}
     remaining = list(names)
@@ -392,11 +409,6 @@ def plan_lines(resolved, facts: CudaFacts) -> list[Line]:
     gpu_memory_utilization x the memory *free at load* (and passes vLLM that share / the total, so vLLM's
     own start-up check passes), so the plan for a card of the free size is unsloth's own arithmetic; the
     max_model_len it starts vLLM with comes from the free and total memory (unsloth_sizing.vllm_budget)."""
-    from lowvram_grpo.run.errors import PlanError
-    from lowvram_grpo.settings.hardware import with_memory
-    from lowvram_grpo.settings.memory_plan import format_plan, plan
-    from lowvram_grpo.settings.memory_fit import with_settings
-    from lowvram_grpo.settings.resolve import resolve
 
     card = facts.cards[0]
     free = card.free_bytes / GIB
@@ -431,7 +443,6 @@ def plan_lines(resolved, facts: CudaFacts) -> list[Line]:
     if vllm:
         lines.extend(vllm_length_lines(planned, p.shape, card))
     if resolved.generation == "vllm":  # our engine starts after the trainer loaded and asks for its own share
-        from lowvram_grpo.settings.memory_terms import engine_gpu_memory_utilization
 
         engine_util = engine_gpu_memory_utilization(p.shape, planned, card.total_bytes / GIB)
         demand = engine_util * card.total_bytes + p.terms["weights"].bytes + p.terms["cuda"].bytes
@@ -446,7 +457,6 @@ def plan_lines(resolved, facts: CudaFacts) -> list[Line]:
 def vllm_length_lines(resolved, shape, card: Card) -> list[Line]:
     """The max_model_len unsloth_zoo's load_vllm will start vLLM with on this card (its KV-cache estimate in
     gpu_memory_utilization x the free memory), and a warning when it is below prompt + completion."""
-    from lowvram_grpo.settings.unsloth_sizing import vllm_budget
 
     config = resolved.config
     budget = vllm_budget(shape, config.memory.gpu_memory_utilization, card.free_bytes, card.total_bytes,
@@ -487,10 +497,6 @@ def download_need(resolved) -> tuple[int, Optional[Path], str]:
     """(bytes, where, what) the model still needs on disk before the run: a hub id not in the cache (the
     unsloth backend with a 4-bit base downloads unsloth's pre-quantized twin, anything else the 16-bit
     weights), or a built-in model not built yet; 0 for a local checkpoint or a cached one."""
-    from lowvram_grpo.model.builtin_models import is_builtin
-    from lowvram_grpo.settings.memory_terms import NF4_BYTES_PER_PARAM
-    from lowvram_grpo.settings.model_shapes import model_shape
-    from lowvram_grpo.model.model_cache import cache_dir
 
     name = resolved.config.model.name
     if Path(name).is_dir():
@@ -518,8 +524,6 @@ def checkpoint_bytes(resolved) -> int:
     """Disk a run's checkpoints take at most: train.keep_checkpoints (+1 while the next is written) of LoRA
     weights (fp32; twice with TRL's frozen 'ref' copy when train.beta > 0 on the hf backend), the optimizer
     state, plus adapter/ and primed_adapter/."""
-    from lowvram_grpo.settings.memory_terms import OPTIMIZER_BYTES_PER_PARAM, lora_param_count
-    from lowvram_grpo.settings.model_shapes import model_shape
 
     config = resolved.config
     lora = lora_param_count(model_shape(config.model.name), config)
@@ -531,9 +535,6 @@ def checkpoint_bytes(resolved) -> int:
 
 def disk_lines(resolved, output_dir: Path) -> list[Line]:
     """Free disk for the model download and the checkpoints (summed where both go to one file system)."""
-    from lowvram_grpo.run.errors import PlanError
-    from lowvram_grpo.report.run_dir import RunDir
-
     try:
         RunDir(output_dir).check_creatable()
     except ConfigError as exc:
@@ -566,13 +567,6 @@ def diagnose(preset: Optional[str], overrides: list[str], backend: str = "auto",
              quick: bool = False, hardware=None, facts: Optional[CudaFacts] = None, log=print) -> list[Line]:
     """Every check for the run of `preset` (None: the one `lowvram-grpo` starts here without --preset) on
     this machine (or on `hardware` with `facts`, a described card), logged as it goes; returns the lines."""
-    from lowvram_grpo.settings.checks import before_load
-    from lowvram_grpo.settings.config import load_config
-    from lowvram_grpo.run.errors import PlanError, ResolveError
-    from lowvram_grpo.settings.hardware import ANY_GPU, detect
-    from lowvram_grpo.settings.memory_plan import plan
-    from lowvram_grpo.settings.memory_fit import default_preset
-    from lowvram_grpo.settings.resolve import DECODE_GRAPHS_ENV, decode_graphs_environment_note, resolve
 
     lines: list[Line] = []
 
@@ -626,11 +620,9 @@ def diagnose(preset: Optional[str], overrides: list[str], backend: str = "auto",
     else:
         say(_note("no GPU memory plan: this run is on the CPU"))
     if runnable_here:
-        from lowvram_grpo.settings.toolchain import toolchain_lines
 
         say(*toolchain_lines(resolved))
         if resolved.generation == "vllm":
-            from lowvram_grpo.model.vllm.settings import bf16_matmul_problem
 
             problem = bf16_matmul_problem(resolved)
             if problem:

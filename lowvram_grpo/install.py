@@ -11,9 +11,14 @@ still needs the GPU set. Imports nothing heavy (it runs before anything is insta
 from __future__ import annotations
 
 import importlib.util
+import shlex
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
+from lowvram_grpo.run.commands import ArgumentParser
 from lowvram_grpo.settings.driver_fit import CPU_COMMANDS, InstallFit, fit_install, read_nvidia_smi
 
 # Modules (import names) each install set provides that a run needs.
@@ -67,12 +72,7 @@ def install_plan(fit: InstallFit, installed: Optional[Callable[[str], bool]] = N
 def main(argv=None) -> int:
     """Read this machine's NVIDIA driver (nvidia-smi), say which pinned set fits it, and install that set with this
     interpreter's pip from the checkout's root (--dry-run: print the pip commands only)."""
-    import shlex
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    from lowvram_grpo.run.commands import ArgumentParser
 
     parser = ArgumentParser(prog="python -m lowvram_grpo.install", description=main.__doc__)
     parser.add_argument("--dry-run", action="store_true", help="print the pip commands, install nothing")

@@ -203,3 +203,40 @@ def test_derived_settings_are_computed_only_where_they_are_decided():
     sample = "need = t.max_prompt_length + t.max_completion_length\nb = c.per_device_train_batch_size or c.num_generations\n" \
              "cap = config.tools.max_tokens_per_turn or config.train.max_completion_length\n"
     assert [line for line, _ in _derivations(ast.parse(sample))] == [1, 2, 3]
+
+
+# --------------------------------------------------------------------------- imports at the top (issue 50)
+
+# What an import inside a function may load without saying why: the libraries whose import takes seconds or
+# decides the order of patches (unsloth before transformers/trl), and what they bring.
+HEAVY = {"torch", "transformers", "trl", "peft", "vllm", "unsloth", "unsloth_zoo", "bitsandbytes", "accelerate",
+         "datasets", "matplotlib", "safetensors", "huggingface_hub", "triton", "numpy", "tokenizers", "pyarrow"}
+
+
+def unexplained_function_imports(source: str) -> list[str]:
+    """Each import inside a function that names no HEAVY library and has no comment on its line or the line
+    above (the reason it is not at the top: a heavy module it loads, an optional dependency, a circle)."""
+    lines = source.splitlines()
+    found = []
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if any(name.split(".")[0] in HEAVY for name in names):
+                continue
+            here, above = lines[node.lineno - 1], lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+            if "#" not in here and not above.startswith("#"):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_an_import_inside_a_function_is_heavy_or_says_why():
+    planted = ("import os\n\n\ndef f():\n    import json\n    import torch\n    from x import y  # lazy: a circle\n"
+               "    return json\n")
+    assert unexplained_function_imports(planted) == ["line 5: import json"]  # the rule sees a planted one
+    found = {str(path.relative_to(REPO)): bad for path in sorted(PACKAGE.rglob("*.py"))
+             if (bad := unexplained_function_imports(path.read_text()))}
+    assert not found, f"move these imports to the top of the file, or say on the line why they wait: {found}"

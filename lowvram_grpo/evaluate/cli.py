@@ -35,9 +35,19 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from lowvram_grpo.model.builtin_models import TINY_VERSION
+from lowvram_grpo.model.lora_io import check_adapter_dir
+from lowvram_grpo.model.smollm2 import CONVERTED_NAME
 from lowvram_grpo.run import stops
 from lowvram_grpo.run.commands import ArgumentParser, guarded, positive_int
 from lowvram_grpo.run.errors import AdapterError, ConfigError
+from lowvram_grpo.settings import checks
+from lowvram_grpo.settings.config import load_config
+from lowvram_grpo.settings.hardware import detect
+from lowvram_grpo.settings.memory_fit import default_preset
+from lowvram_grpo.settings.resolve import resolve
+from lowvram_grpo.task.data import load_questions, to_prompt_rows
+from lowvram_grpo.task.tools import uses_tools
 
 PROG = "lowvram-grpo eval"
 
@@ -72,8 +82,6 @@ class Column:
 
 def adapter_columns(specs: list[str]) -> list[Column]:
     """`[NAME=]PATH` -> named columns, each adapter checked complete (AdapterError, exit 2)."""
-    from lowvram_grpo.model.lora_io import check_adapter_dir
-
     parsed = []
     for spec in specs:
         name, sep, path = spec.partition("=")
@@ -108,8 +116,6 @@ NO_TOOLS = ["tools.names=[]", "tools.module=null", "environment.module=null", "e
 
 
 def build_config(args, columns: list[Column], without_tools: bool = False):
-    from lowvram_grpo.settings.config import load_config
-
     overrides = list(args.overrides) + (NO_TOOLS if without_tools else [])
     if args.model:
         overrides.append(f"model.name={args.model}")
@@ -117,7 +123,6 @@ def build_config(args, columns: list[Column], without_tools: bool = False):
         overrides.append(f"data.eval_size={args.limit}")
     source = args.preset or run_config_path(columns)
     if source is None:
-        from lowvram_grpo.settings.memory_fit import default_preset
 
         source = default_preset()
     return load_config(str(source), overrides)
@@ -135,8 +140,6 @@ def _base_key(name: str) -> str:
 def model_keys(model_name: str) -> set[str]:
     """Every spelling of the base model an adapter may name: for a built-in model its hub name and its
     cache folder (ours record that path), else the name itself."""
-    from lowvram_grpo.model.builtin_models import TINY_VERSION
-    from lowvram_grpo.model.smollm2 import CONVERTED_NAME
 
     builtin = {"builtin:smollm2": ["HuggingFaceTB/SmolLM2-135M-Instruct", CONVERTED_NAME],
                "builtin:tiny": [f"tiny-llama-{TINY_VERSION}"]}
@@ -146,7 +149,6 @@ def model_keys(model_name: str) -> set[str]:
 def check_bases(columns: list[Column], model_name: str) -> list[str]:
     """Refuse an adapter made for another base model (AdapterError, exit 2, before anything loads);
     returns notes for adapters that do not name their base."""
-    from lowvram_grpo.model.lora_io import check_adapter_dir
 
     keys, notes = model_keys(model_name), []
     for column in columns:
@@ -162,7 +164,6 @@ def check_bases(columns: list[Column], model_name: str) -> list[str]:
 def load_rows(config, dataset: Optional[str], limit: Optional[int]) -> tuple[list[dict], str]:
     """The questions as prompt rows and a description of where they came from, through data.load_questions
     (the trainer's reader and checks)."""
-    from lowvram_grpo.task.data import load_questions, to_prompt_rows
 
     if dataset is None:
         _, questions = load_questions(config.data)
@@ -193,6 +194,7 @@ def comparisons(columns: list[tuple[str, dict]], twins: bool = False) -> list[tu
 
 
 def as_json(config, where: str, named: list[tuple[str, dict]], adapters: list[Optional[Path]], twins: bool = False) -> dict:
+    # loads transformers
     from lowvram_grpo.evaluate.evaluation import WITH_INTERVAL, paired_change, protocol, protocol_label
 
     paired = []
@@ -215,10 +217,6 @@ def score_columns(args) -> int:
     config = build_config(args, columns)
     for note in check_bases(columns, config.model.name):
         say(note)
-    from lowvram_grpo.settings import checks
-    from lowvram_grpo.settings.hardware import detect
-    from lowvram_grpo.settings.resolve import resolve
-    from lowvram_grpo.task.tools import uses_tools
 
     plain = None
     if args.without_tools:
@@ -238,6 +236,7 @@ def score_columns(args) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    # loads transformers
     from lowvram_grpo.evaluate.evaluation import evaluate, format_columns, protocol, protocol_label
 
     say(f"{config.model.name} on {len(rows)} questions from {where}; {protocol_label(protocol(config))}")

@@ -39,11 +39,12 @@ import math
 import types
 from typing import Optional
 
-from lowvram_grpo.run import host_memory
-from lowvram_grpo.run import stops
-from lowvram_grpo.task import answers
+from lowvram_grpo.evaluate import tool_turns
 from lowvram_grpo.model.handle import Completion, LoraRequest, ModelHandle, SamplingParams
+from lowvram_grpo.run import host_memory, stops
+from lowvram_grpo.task import answers
 from lowvram_grpo.task.rewards import call_reward, completion_text, well_formed
+from lowvram_grpo.task.tools import uses_tools
 from lowvram_grpo.task.user_code import of as user_code_of
 
 METRICS = ("reward_mean", "accuracy_strict", "accuracy_lenient", "format_rate", "mean_completion_tokens")
@@ -134,7 +135,6 @@ def generate_answers(handle: ModelHandle, rows: list[dict], config, lora_request
     0 = greedy). Sampling uses eval.top_p and a seed per batch, identical for every column. A run with tools
     answers with them (tool_turns.py: multi-turn, the answer is the model's last turn); `tool_counts` then adds up
     the calls, the calls that ran and the answers that called a tool."""
-    from lowvram_grpo.task.tools import uses_tools
 
     with_tools = uses_tools(config)
     ev = config.eval
@@ -149,9 +149,8 @@ def generate_answers(handle: ModelHandle, rows: list[dict], config, lora_request
             seed=ev.seed + start,  # per batch, identical for before and after
         )
         if with_tools:
-            from lowvram_grpo.evaluate.tool_turns import generate_with_tools
 
-            answers, _, counts = generate_with_tools(handle, batch, config, params, lora_request)
+            answers, _, counts = tool_turns.generate_with_tools(handle, batch, config, params, lora_request)
             texts += answers
             if tool_counts is not None:
                 for key, value in counts.items():

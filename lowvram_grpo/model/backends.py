@@ -14,31 +14,32 @@ Both return a `ModelHandle` and train through TRL's `GRPOTrainer`. Usage:
 """
 from __future__ import annotations
 
-from lowvram_grpo.run.errors import BackendError
+from pathlib import Path
+
+from lowvram_grpo.model import hf_backend, unsloth_backend
+from lowvram_grpo.model.decoding import install
 from lowvram_grpo.model.handle import LoraRequest, ModelHandle, SamplingParams
+from lowvram_grpo.run.errors import BackendError, PlanError
+from lowvram_grpo.settings.model_shapes import model_shape
 
 
 def prepare_backend(name: str) -> None:
     """Import what must come first. Unsloth patches transformers and trl, so it is imported here, early."""
     if name == "unsloth":
-        from lowvram_grpo.model import unsloth_backend
 
         unsloth_backend.prepare()
 
 
 def load_model(resolved, log=print) -> ModelHandle:
     """Build the PEFT model for the resolved settings (after `prepare_backend(resolved.backend)`)."""
-    from lowvram_grpo.run.host_memory import contiguous_head_input
+    from lowvram_grpo.run.host_memory import contiguous_head_input  # loads transformers
 
     if resolved.backend == "unsloth":
-        from lowvram_grpo.model import unsloth_backend
 
         handle = unsloth_backend.load_model(resolved, log)
     else:
-        from lowvram_grpo.model import hf_backend
 
         handle = hf_backend.load_model(resolved)
-    from lowvram_grpo.model.decoding import install
 
     install(handle.model, handle.resolved.decode, log)  # our decode loop where resolve chose it (decoding.py)
     contiguous_head_input(handle.model)  # no [batch, hidden, vocab] copy in each generation prefill (host_memory.py)
@@ -79,8 +80,6 @@ def export_host_bytes(kind, model_name: str, backend: str) -> "int | None":
       one tensor and its merged copy: the largest weight (the embedding or LM head) twice in 16 bits."""
     if kind != "merged16":
         return None
-    from lowvram_grpo.run.errors import PlanError
-    from lowvram_grpo.settings.model_shapes import model_shape
 
     try:
         shape = model_shape(model_name)
@@ -112,15 +111,12 @@ def export_model(handle: ModelHandle, adapter_dir, directory, kind: str):
     """Write the base with the trained adapter merged in: kind merged16 (16-bit safetensors checkpoint)
     or gguf (q4_k_m, unsloth only). Through unsloth's savers on the unsloth backend; PEFT's
     merge_and_unload on the saved adapter on the hf backend. Returns the folder written."""
-    from pathlib import Path
 
     directory = Path(directory)
     check_export(kind, handle.backend)
     if handle.backend == "unsloth":
-        from lowvram_grpo.model import unsloth_backend
 
         return unsloth_backend.export(handle.model, handle.tokenizer, directory, kind)
-    from lowvram_grpo.model import hf_backend
 
     return hf_backend.export_merged16(handle.base_model, Path(adapter_dir), directory)
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from lowvram_grpo.model.model_cache import build_once
 from lowvram_grpo.model.smollm2 import ensure_smollm2
+from lowvram_grpo.task.data import arithmetic_problems
+from lowvram_grpo.task.rewards import NOTEBOOK_SYSTEM_PROMPT, xml_formatted
 from lowvram_grpo.task.tools import TOOL_RESPONSE_TEMPLATE, tool_chat_template
 
 BUILTIN_PREFIX = "builtin:"
@@ -38,9 +40,6 @@ def resolve_model_path(name: str) -> str:
 
 
 def _tokenizer_corpus() -> list[str]:
-    from lowvram_grpo.task.data import arithmetic_problems
-    from lowvram_grpo.task.rewards import NOTEBOOK_SYSTEM_PROMPT, xml_formatted
-
     texts = [NOTEBOOK_SYSTEM_PROMPT, "system user assistant"]
     for p in arithmetic_problems(600, seed=12345, max_operand=100):
         texts.append(p.question)

@@ -34,6 +34,9 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
+from lowvram_grpo.model import fused_decode
+from lowvram_grpo.model.fused_decode import merged_weight
+
 SAMPLERS = ("inverse_cdf", "multinomial")
 # The model types whose greedy answers from this loop are token for token those of transformers' generate, checked
 # on a left-padded batch past the sliding window with a LoRA adapter (tests/test_families.py, tiny models of each,
@@ -44,7 +47,6 @@ LOOP_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", "gemma3_text
 @dataclass(frozen=True)
 class DecodeSettings:
     """What resolve() decided for this run's transformers generation (config.DecodeConfig's `auto`s made concrete)."""
-
     loop: str          # 'lowvram' (this module's loop) | 'transformers' (transformers' generate, untouched)
     sampler: str       # one of SAMPLERS
     merge_lora: bool   # sampled tokens from the adapter merged into a copy of the 16-bit weights
@@ -234,7 +236,6 @@ def merged_weights(model):
     the original Parameters are put back, the flags off again."""
     import torch
 
-    from lowvram_grpo.model.fused_decode import merged_weight
 
     layers = [layer for layer in _lora_layers(model)
               if not layer.disable_adapters and layer.active_adapters and not layer.merged]
@@ -270,7 +271,6 @@ def decode(model, input_ids, attention_mask, *, max_new_tokens: int, do_sample: 
     import torch
     from transformers import DynamicCache
 
-    from lowvram_grpo.model import fused_decode
 
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -380,7 +380,6 @@ def install(model, settings: DecodeSettings, log=None) -> None:
         return
     import torch
 
-    from lowvram_grpo.model import fused_decode
 
     say = log or (lambda *_: None)
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -111,7 +111,6 @@ def _rope(x, cos, sin):
 
 class FusedLayers:
     """The model's layers with merged, fused weights, and a KV cache for B rows of up to `length` positions."""
-
     def __init__(self, inner, batch: int, length: int):
         import torch
 

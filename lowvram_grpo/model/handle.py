@@ -29,7 +29,6 @@ from lowvram_grpo.model import lora_io
 @dataclass
 class SamplingParams:
     """Sampling settings, named as vLLM names them. temperature 0 = greedy."""
-
     temperature: float = 0.8
     top_p: float = 0.95
     max_tokens: int = 256
@@ -52,7 +51,6 @@ class LoraRequest:
 @dataclass(frozen=True)
 class Completion:
     """One generated answer: its text and how many tokens it took (stop token included)."""
-
     text: str
     num_tokens: int
 
@@ -94,7 +92,6 @@ class AdapterVersions:
 
 class TransformersEngine:
     """Batched sampling with transformers' generate on the PEFT model (CPU, or GPU without vLLM)."""
-
     def __init__(self, handle: "ModelHandle"):
         self.handle = handle
         self.versions = AdapterVersions()
@@ -180,7 +177,6 @@ def _active_adapter(model, name: str):
 
 class ModelHandle:
     """A PEFT model with its tokenizer and the notebook's LoRA calls. Built by a backend's `load_model`."""
-
     def __init__(self, model, tokenizer, resolved, base_model: str, engine: Optional[GenerationEngine] = None):
         self.model = model
         self.tokenizer = tokenizer

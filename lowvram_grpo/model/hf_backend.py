@@ -7,11 +7,15 @@ places the model).
 """
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
-from lowvram_grpo.settings import checks
 from lowvram_grpo.model.builtin_models import resolve_model_path
 from lowvram_grpo.model.handle import ModelHandle
+from lowvram_grpo.model.lora_io import atomic_replace_dir, load_trainable_adapter
+from lowvram_grpo.settings import checks
 
 
 def quantization_kwargs(resolved) -> dict:
@@ -53,7 +57,6 @@ def load_model(resolved) -> ModelHandle:
         model.enable_input_require_grads()
 
     if config.lora.init_adapter:  # a saved adapter as the trainable LoRA, as PEFT loads it (checks.py checked its base)
-        from lowvram_grpo.model.lora_io import load_trainable_adapter
 
         return ModelHandle(load_trainable_adapter(model, config.lora.init_adapter, base_model=path), tokenizer,
                            resolved, base_model=path)
@@ -66,15 +69,11 @@ def export_merged16(base_model: str, adapter_dir: Path, directory: Path) -> Path
     """The base model in bfloat16 with the saved adapter merged in (PEFT merge_and_unload), written as a
     plain transformers checkpoint plus the tokenizer, atomically. Built on the CPU from the adapter on
     disk: a 4-bit base in GPU memory cannot be merged without rounding, and the live model stays as it is."""
-    import os
-    import shutil
-    import tempfile
 
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lowvram_grpo.model.lora_io import atomic_replace_dir
 
     base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.bfloat16, device_map="cpu")
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()

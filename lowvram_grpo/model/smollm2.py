@@ -18,6 +18,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from lowvram_grpo.model.model_cache import build_once, cache_dir
 from lowvram_grpo.run.errors import ModelUnavailable
 from lowvram_grpo.task.tools import TOOL_RESPONSE_TEMPLATE, tool_chat_template
 
@@ -108,7 +109,6 @@ def add_tool_format(folder: Path) -> None:
 def ensure_smollm2() -> Path:
     """The converted checkpoint's directory, converting on first use (and giving an older conversion the
     tool-calling chat format)."""
-    from lowvram_grpo.model.model_cache import build_once, cache_dir
 
     if not (cache_dir() / CONVERTED_NAME / "config.json").is_file():
         gguf = gguf_path()  # fail with the install hint before any work

@@ -13,12 +13,22 @@ import contextlib
 import os
 import shutil
 import sys
+import traceback
 from pathlib import Path
 from typing import Optional
 
-from lowvram_grpo.settings import checks
 from lowvram_grpo.model.builtin_models import resolve_model_path
 from lowvram_grpo.model.handle import AdapterVersions, Completion, LoraRequest, ModelHandle, SamplingParams
+from lowvram_grpo.model.lora_io import adapter_settings, load_adapter_weights
+from lowvram_grpo.run.errors import BackendError, EngineStopped
+from lowvram_grpo.settings import checks
+from lowvram_grpo.settings.resolve import (
+    NO_FLASHINFER_ENV,
+    decode_graphs_environment_note,
+    follow_loaded_dtype,
+    for_unsloth_trainer,
+    without_vllm,
+)
 
 
 def prepare() -> None:
@@ -106,7 +116,6 @@ def get_peft_model_kwargs(resolved) -> dict:
     config = resolved.config
     extras = {}
     if config.lora.init_adapter:
-        from lowvram_grpo.model.lora_io import adapter_settings
 
         extras = adapter_settings(config.lora.init_adapter)["extras"]
     return dict(
@@ -142,13 +151,11 @@ def mark_requested_float32(model, dtype) -> None:
 def load_model(resolved, log=print) -> ModelHandle:
     from unsloth import FastLanguageModel
 
-    from lowvram_grpo.settings.resolve import follow_loaded_dtype, for_unsloth_trainer, without_vllm
 
     path = resolve_model_path(resolved.config.model.name)
     kwargs = from_pretrained_kwargs(resolved, path)
     os.environ.update(resolved.engine_environment)  # read by unsloth_zoo's load_vllm (resolve: FlashInfer below sm80)
     os.environ.update(resolved.trainer_environment)  # read by unsloth_zoo's GRPO loss (resolve: the IS mode)
-    from lowvram_grpo.settings.resolve import decode_graphs_environment_note
 
     graphs_env = decode_graphs_environment_note(resolved)
     if graphs_env:
@@ -164,7 +171,6 @@ def load_model(resolved, log=print) -> ModelHandle:
     checks.after_load(resolved.config, model)  # lengths and LoRA layers against the loaded model
     model = FastLanguageModel.get_peft_model(model, **get_peft_model_kwargs(resolved))
     if resolved.config.lora.init_adapter:  # its weights into the LoRA just made with its settings
-        from lowvram_grpo.model.lora_io import load_adapter_weights
 
         load_adapter_weights(model, resolved.config.lora.init_adapter, base_model=path)
     if tokenizer.pad_token is None:
@@ -201,7 +207,6 @@ VLLM_START_FRAME = ("unsloth_zoo", "load_vllm")
 def vllm_start_failure(exc: BaseException) -> Optional[str]:
     """The cause, in one line, when `exc` came out of unsloth_zoo's vLLM start (VLLM_START_FRAME in its
     traceback); None for any other error (the model's own loading: a missing file, no access to a repository)."""
-    import traceback
 
     frames = traceback.extract_tb(exc.__traceback__)
     if not any(f.name == VLLM_START_FRAME[1] and VLLM_START_FRAME[0] in f.filename for f in frames):
@@ -214,7 +219,6 @@ def vllm_engine_failure(exc: BaseException) -> Optional[str]:
     """The cause, in one line, when `exc` was raised inside vLLM's code (unsloth runs its engine in this process,
     VLLM_ENABLE_V1_MULTIPROCESSING=0: a dead engine core, a FlashInfer JIT failure, a sampler error surface as
     plain exceptions from vllm's frames); None for anything else, an out-of-memory included (memory.py's line)."""
-    import traceback
 
     if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
         return None
@@ -227,8 +231,6 @@ def vllm_engine_failure(exc: BaseException) -> Optional[str]:
 
 def engine_did_not_start(resolved, cause: str):
     """The one line for a vLLM start that failed inside unsloth's load: nothing is written yet, the way on."""
-    from lowvram_grpo.run.errors import EngineStopped
-
     card = f"{resolved.hardware.gpu_name} ({resolved.hardware.sm})" if resolved.cuda else "this machine"
     memory = ("; or give vLLM less of the card: --set memory.gpu_memory_utilization=LOWER"
               if "memory" in cause.lower() else "")
@@ -243,7 +245,6 @@ def _flashinfer_way_on(cause: str) -> str:
     target): what the variable load_vllm read says. vLLM's own advice, "Unset VLLM_USE_FLASHINFER_SAMPLER=1", cannot
     work: unsloth_zoo's load_vllm sets that variable itself unless UNSLOTH_VLLM_NO_FLASHINFER is set (resolve sets
     it below sm80, engine_environment; tests/test_gpu_wheels.py drives both through the pinned load_vllm)."""
-    from lowvram_grpo.settings.resolve import NO_FLASHINFER_ENV
 
     if "flashinfer" not in cause.lower():
         return ""
@@ -292,7 +293,6 @@ EXPORTS = {
 def export(model, tokenizer, directory: Path, kind: str) -> Path:
     """Write the model with its adapter merged in through unsloth's saver for `kind` (EXPORTS).
     unsloth writes into `directory` itself (GGUF: it fetches and builds llama.cpp on first use)."""
-    from lowvram_grpo.run.errors import BackendError
 
     method, kwargs = EXPORTS[kind]
     saver = getattr(model, method, None)
@@ -351,7 +351,6 @@ class VLLMEngine:
 
     def release_lora(self, request: LoraRequest) -> None:
         """Nothing to free here: vLLM reads the adapter from disk and evicts it itself (max_loras)."""
-
     def generate(self, texts: list[str], params: SamplingParams, lora_request: Optional[LoraRequest]) -> list[Completion]:
         from vllm import SamplingParams as VLLMSamplingParams
 

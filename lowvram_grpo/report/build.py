@@ -30,13 +30,35 @@ import textwrap
 from pathlib import Path
 from typing import Optional
 
-from lowvram_grpo.task.data import prompt_text
-from lowvram_grpo.run.errors import RunDirError
 from lowvram_grpo.evaluate.evaluation import beyond_line, interval_notes, metric_rows, pair_notes, protocol_lines
-from lowvram_grpo.report.run_dir import PLOT_FILES, RunDir  # noqa: F401  (PLOT_FILES: the plots below, named where a run's files are)
+from lowvram_grpo.report.run_dir import (  # noqa: F401  (PLOT_FILES: the plots below, named where a run's files are)
+    PLOT_FILES,
+    RunDir,
+)
+from lowvram_grpo.run.commands import ArgumentParser, guarded
+from lowvram_grpo.run.errors import RunDirError
+from lowvram_grpo.task.data import prompt_text
 from lowvram_grpo.training.completions import PREVIEW_CHARS, steps_to_show
+from lowvram_grpo.training.learning_signals import (
+    ALL_RIGHT_KEY,
+    ALL_WRONG_KEY,
+    CLIPPED_KEY,
+    SAMPLER_GAP_KEY,
+    SAMPLER_GAP_MAX_KEY,
+    SAMPLER_GAP_THRESHOLD,
+    SMOOTHING,
+    STRETCH,
+    THRESHOLD,
+    WINDOW,
+    ZERO_STD_KEY,
+    Signal,
+    all_wrong_stretches,
+    moving_average,
+    scan,
+    windowed,
+)
+from lowvram_grpo.training.tool_metrics import TRANSCRIPT_KEY
 from lowvram_grpo.training.validation import PREFIX, best_point, criterion, curve
-from lowvram_grpo.training.learning_signals import (ALL_RIGHT_KEY, ALL_WRONG_KEY, CLIPPED_KEY, SAMPLER_GAP_KEY, SAMPLER_GAP_MAX_KEY, SAMPLER_GAP_THRESHOLD, SMOOTHING, STRETCH, THRESHOLD, WINDOW, ZERO_STD_KEY, Signal, all_wrong_stretches, moving_average, scan, windowed)
 
 
 # ----------------------------------------------------------------------------- plots
@@ -339,7 +361,6 @@ TOOL_ROWS = (("tools/call_frequency", "tool calls per completion (parsed, TRL's 
 def tools_section(rows: list[dict]) -> Optional[str]:
     """Tool use over training (tool_metrics.py): the first and the last steps' means, and the newest transcript;
     None when the run had no tools."""
-    from lowvram_grpo.training.tool_metrics import TRANSCRIPT_KEY
 
     if not any("tools/call_frequency" in r or TRANSCRIPT_KEY in r for r in rows):
         return None
@@ -555,8 +576,6 @@ def write_report(run_dir) -> Path:
 
 
 def main(argv=None) -> int:
-    from lowvram_grpo.run.commands import ArgumentParser, guarded
-
     parser = ArgumentParser(prog="python -m lowvram_grpo.report",
                      description="Rebuild report.md and the PNG plots of a run from its files.")
     parser.add_argument("run_dir", type=Path, help="a run's --output-dir (holds metrics.jsonl and summary.json)")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from lowvram_grpo.model.builtin_models import BUILTIN_DESCRIPTIONS, is_builtin
-from lowvram_grpo.report.run_dir import ADAPTER, PRIMED_ADAPTER, train_on_command
+from lowvram_grpo.report.run_dir import ADAPTER, PRIMED_ADAPTER, RunDir, train_on_command
 
 TAGS = ("lowvram_grpo", "grpo", "lora", "peft", "trl")
 
@@ -115,7 +115,7 @@ lowvram-grpo eval --adapter {adapter}        # the held-out numbers again (pytho
 
 def render(summary: dict, config: dict, run_dir) -> str:
     """The card's markdown for a finished run: `summary` (summary.json), `config` (config.yaml as a mapping)."""
-    from lowvram_grpo.report.build import comparison_table
+    from lowvram_grpo.report.build import comparison_table  # loads transformers
 
     run_dir = Path(run_dir)
     model = summary.get("model") or (config.get("model") or {}).get("name") or "?"
@@ -144,8 +144,6 @@ def render(summary: dict, config: dict, run_dir) -> str:
 
 def write_card(run_dir, summary: Optional[dict] = None, config: Optional[dict] = None) -> Path:
     """Write README.md into a finished run's folder (over TRL's), from its files unless given."""
-    from lowvram_grpo.report.run_dir import RunDir
-
     folder = RunDir(run_dir)
     summary = summary if summary is not None else folder.complete_summary() or {}
     config = config if config is not None else folder.read_config_raw()

@@ -49,13 +49,15 @@ from typing import Callable, Optional
 
 import yaml
 
+from lowvram_grpo.settings.config import RESUME_SETTABLE, load_config
+
 try:
     import fcntl
 except ImportError:  # not POSIX (Windows): runs are not locked there
     fcntl = None
 
-from lowvram_grpo.run.errors import AdapterError, ConfigError, RunDirError
 from lowvram_grpo.model.lora_io import atomic_replace_dir, atomic_write_text, check_adapter_dir, remove_stale_staging
+from lowvram_grpo.run.errors import AdapterError, ConfigError, RunDirError
 
 CONFIG, SUMMARY, METRICS, RUN_STATE, REPORT = "config.yaml", "summary.json", "metrics.jsonl", "run_state.json", "report.md"
 ADAPTER, PRIMED_ADAPTER, BEST_ADAPTER = "adapter", "primed_adapter", "best_adapter"
@@ -115,7 +117,6 @@ def _holder(lock_file: Path) -> str:
 
 class RunDir:
     """A run's output folder and the only code that reads or writes its files."""
-
     def __init__(self, path, writer: bool = True):
         self.path = Path(path)
         self.writer = writer  # False on the non-main processes of a multi-process run: they write nothing
@@ -313,8 +314,6 @@ class RunDir:
 
     def read_config(self, overrides: "list[str]" = ()):
         """config.yaml as a validated RunConfig (what --resume continues), with `overrides` (--set) applied."""
-        from lowvram_grpo.settings.config import load_config
-
         if not (self.path / CONFIG).is_file():
             raise ConfigError(f"--resume {self.path}: no config.yaml there; give the --output-dir of an earlier run")
         return load_config(str(self.path / CONFIG), list(overrides))
@@ -622,7 +621,6 @@ class RunDir:
     def resumable_config(self, overrides: "list[str]" = ()):
         """The config of the run in this folder, after checking there is a run to continue (ConfigError if not),
         with the `--set` overrides --resume allows (config.RESUME_SETTABLE) applied."""
-        from lowvram_grpo.settings.config import RESUME_SETTABLE
 
         for assignment in overrides:
             key = assignment.partition("=")[0].strip()

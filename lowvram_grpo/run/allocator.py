@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from importlib import metadata
 from typing import Mapping, Optional, Sequence
 
 DISTRIBUTION = "cmeel-mimalloc"           # the wheel that ships libmimalloc.so
@@ -40,7 +41,6 @@ def mimalloc_library(platform: str = sys.platform) -> Optional[str]:
     LD_PRELOAD is a Linux loader's feature)."""
     if not platform.startswith("linux"):
         return None
-    from importlib import metadata
 
     try:
         path = metadata.distribution(DISTRIBUTION).locate_file(LIBRARY)

@@ -10,7 +10,18 @@ import importlib
 import sys
 from pathlib import Path
 
+from lowvram_grpo.report.run_dir import RunDir
+from lowvram_grpo.run import allocator
+from lowvram_grpo.run.allocator import forget_preload
 from lowvram_grpo.run.commands import ArgumentParser, guarded, positive_int
+from lowvram_grpo.run.errors import ConfigError
+from lowvram_grpo.run.pipeline import default_output_dir, resume, run
+from lowvram_grpo.settings.checks import before_load
+from lowvram_grpo.settings.config import list_presets, load_config, read_preset
+from lowvram_grpo.settings.hardware import detect, planning_hardware
+from lowvram_grpo.settings.memory_fit import apply_suggestions, default_preset
+from lowvram_grpo.settings.memory_plan import plan, plan_text
+from lowvram_grpo.settings.resolve import resolve
 
 
 def _positive_float(text: str) -> float:
@@ -59,8 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def describe_presets() -> str:
-    from lowvram_grpo.settings.config import list_presets, read_preset
-
     lines, names = [], list_presets()
     width = max(len(name) for name in names) + 2
     for name in names:
@@ -76,8 +85,6 @@ _FIXED_BY_RESUME = {"preset": "--preset", "max_steps": "--max-steps", "dataset":
 def resume_run(args, restart: bool = False) -> int:
     """--resume RUN_DIR: the run's own config.yaml (with the --set keys a resume may change), continued in
     RUN_DIR; --export here, or the one the run started with, is written at its end."""
-    from lowvram_grpo.run.errors import ConfigError
-    from lowvram_grpo.report.run_dir import RunDir
 
     given = [flag for dest, flag in _FIXED_BY_RESUME.items() if getattr(args, dest, None)]
     if given:
@@ -88,7 +95,6 @@ def resume_run(args, restart: bool = False) -> int:
         return 0
     if restart:
         start_on_allocator(config, args.backend)
-    from lowvram_grpo.run.pipeline import resume
 
     resume(args.resume, backend=args.backend, overrides=args.overrides, export=args.export)
     return 0
@@ -96,10 +102,6 @@ def resume_run(args, restart: bool = False) -> int:
 
 def auto_fit(resolved):
     """--auto-fit: the settings re-resolved with the memory plan's suggestions applied, saying which."""
-    from lowvram_grpo.run.errors import ConfigError
-    from lowvram_grpo.settings.memory_plan import plan
-    from lowvram_grpo.settings.memory_fit import apply_suggestions
-
     config, card = resolved.config, resolved.vram_gib
     if card is None:
         raise ConfigError("--auto-fit needs a card size and no GPU is visible: add --vram GB or --gpu PROFILE")
@@ -133,7 +135,6 @@ def main(argv=None, restart: bool = False) -> int:
 def cli() -> int:
     """`lowvram-grpo` and `python -m lowvram_grpo.run`: `main` in a process of its own, which restarts on
     mimalloc once the settings are accepted when the run resolves to it (allocator.py)."""
-    from lowvram_grpo.run.allocator import forget_preload
 
     forget_preload()  # the restarted process: its children get the user's LD_PRELOAD
     return main(restart=True)
@@ -142,9 +143,6 @@ def cli() -> int:
 def start_on_allocator(config, backend: str) -> None:
     """Restart this process (same command line) with the host allocator `config` resolves to, when it
     does not run on it yet. Called once the settings are accepted, before anything heavy or written."""
-    from lowvram_grpo.run import allocator
-    from lowvram_grpo.settings.hardware import detect
-    from lowvram_grpo.settings.resolve import resolve
 
     resolved = resolve(config, detect(), backend)
     if resolved.host_allocator == "mimalloc" and allocator.active() != "mimalloc":
@@ -152,14 +150,6 @@ def start_on_allocator(config, backend: str) -> None:
 
 
 def _main(args, restart: bool = False) -> int:
-    from lowvram_grpo.settings.checks import before_load
-    from lowvram_grpo.settings.config import load_config
-    from lowvram_grpo.run.errors import ConfigError
-    from lowvram_grpo.settings.hardware import planning_hardware
-    from lowvram_grpo.settings.memory_plan import plan_text
-    from lowvram_grpo.settings.memory_fit import default_preset
-    from lowvram_grpo.settings.resolve import resolve
-
     if args.list_presets:
         print(describe_presets())
         return 0
@@ -191,7 +181,6 @@ def _main(args, restart: bool = False) -> int:
             print("\n".join(f"# {line}" for line in resolved.describe().splitlines()))  # YAML comments
             print(plan_text(resolved))
             return 0
-    from lowvram_grpo.run.pipeline import default_output_dir, run
 
     run(config, args.output_dir or default_output_dir(config.preset), backend=args.backend, export=args.export,
         existing="overwrite" if args.overwrite else "refuse")

@@ -17,7 +17,6 @@ from lowvram_grpo.run.errors import LowvramError
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse for the package's commands: a bad argument is one `error: ...` line and exit 2, no usage dump."""
-
     def error(self, message):
         print(f"error: {message} (see --help)", file=sys.stderr)
         raise SystemExit(2)

@@ -22,10 +22,8 @@ arguments the same one line (`ArgumentParser`). Nothing here imports anything he
 from __future__ import annotations
 
 
-
 class LowvramError(Exception):
     """An error with a one-line message for the user and the exit code the CLI returns for it."""
-
     exit_code = 1
 
     def __init__(self, message: str = "", exit_code: "int | None" = None):
@@ -38,7 +36,6 @@ class LowvramError(Exception):
 
 class ConfigError(LowvramError, ValueError):
     """A bad preset, override or option. The message says how to fix it."""
-
     exit_code = 2
 
 
@@ -56,31 +53,26 @@ class UnknownProfile(ConfigError):
 
 class DataError(LowvramError, ValueError):
     """A dataset that cannot be used; the message says why and what to do."""
-
     exit_code = 2
 
 
 class BackendError(LowvramError, RuntimeError):
     """A backend or export that cannot run here; the message says which one can."""
-
     exit_code = 2
 
 
 class ModelUnavailable(LowvramError, RuntimeError):
     """The embedded model cannot be found; the message says the one command that installs it."""
-
     exit_code = 2
 
 
 class RunDirError(LowvramError, ValueError):
     """A run folder that cannot be created, or whose files are missing or damaged."""
-
     exit_code = 2
 
 
 class NotReady(LowvramError, RuntimeError):
     """`lowvram-grpo doctor`: the run cannot start on this machine; the message lists the blockers, each with its fix."""
-
     exit_code = 2
 
 
@@ -109,6 +101,5 @@ class TrainingStopped(LowvramError, RuntimeError):
 
 class Interrupted(TrainingStopped):
     """Stopped by SIGINT/SIGTERM/SIGHUP at a safe point (exit 130 / 143 / 129); the message says what is kept."""
-
     def __init__(self, message: str, signum: int):
         super().__init__(message, exit_code=128 + signum)  # the shell's convention

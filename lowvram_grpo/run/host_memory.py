@@ -56,7 +56,6 @@ def release() -> bool:
 
 class ReleaseHostMemory(TrainerCallback):
     """`release()` after every optimizer step."""
-
     def on_step_end(self, args, state, control, **kwargs):
         release()
 

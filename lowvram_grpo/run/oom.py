@@ -12,8 +12,8 @@ import contextlib
 from pathlib import Path
 from typing import Optional
 
-from lowvram_grpo.settings.config import RESUME_SETTABLE, RunConfig
 from lowvram_grpo.run.errors import OutOfMemory
+from lowvram_grpo.settings.config import RESUME_SETTABLE, RunConfig
 from lowvram_grpo.settings.memory_fit import Suggestion, apply_suggestions, fit_settings
 from lowvram_grpo.settings.memory_terms import GIB, MemoryPlan, estimate
 

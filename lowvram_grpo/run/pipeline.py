@@ -29,6 +29,7 @@ GRPO step data-parallel); only the main process writes files.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -36,22 +37,44 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from lowvram_grpo.run import allocator
+from lowvram_grpo.doctor import log_lines
+from lowvram_grpo.model.backends import check_export, check_export_fits_host, export_model, load_model, prepare_backend
+from lowvram_grpo.model.builtin_models import resolve_model_path
+from lowvram_grpo.model.lora_io import load_adapter_weights
+from lowvram_grpo.model.unsloth_backend import rollout_files_moved_to
+from lowvram_grpo.model.vllm import check_run_servable, closes_engines_on_error, start_for_run
+from lowvram_grpo.report.model_card import write_card
+from lowvram_grpo.report.run_dir import RunDir, resume_command
+from lowvram_grpo.run import allocator, stops
+from lowvram_grpo.run.errors import (
+    ConfigError,
+    DataError,
+    EngineStopped,
+    Interrupted,
+    LowvramError,
+    RewardError,
+    TrainingStopped,
+)
+from lowvram_grpo.run.oom import OOM_PHASES, out_of_memory_reported
+from lowvram_grpo.run.stops import StopRequested
 from lowvram_grpo.settings import checks
-from lowvram_grpo.run import stops
-from lowvram_grpo.model.backends import (check_export, check_export_fits_host, export_model, load_model, prepare_backend)
-from lowvram_grpo.settings.config import RunConfig, check_trackers_installed
-from lowvram_grpo.task.data import (drop_long_prompts, load_questions, prompt_text, prompt_tokens, to_prompt_rows, validation_questions)
-from lowvram_grpo.run.errors import (ConfigError, DataError, EngineStopped, Interrupted, LowvramError, RewardError, TrainingStopped)
+from lowvram_grpo.settings.config import RunConfig, check_trackers_installed, load_config
 from lowvram_grpo.settings.hardware import detect
-from lowvram_grpo.run.oom import OOM_PHASES
+from lowvram_grpo.settings.memory_plan import PlanError, format_plan, plan
 from lowvram_grpo.settings.resolve import resolve as resolve_settings
+from lowvram_grpo.task.data import (
+    drop_long_prompts,
+    load_questions,
+    prompt_text,
+    prompt_tokens,
+    to_prompt_rows,
+    validation_questions,
+)
 from lowvram_grpo.task.reward_models import load_reward_models
 from lowvram_grpo.task.rewards import check_rewards
 from lowvram_grpo.task.tools import check_tool_prompts, uses_tools
 from lowvram_grpo.task.user_code import load as load_user_code
-from lowvram_grpo.report.run_dir import RunDir, resume_command
-from lowvram_grpo.run.stops import StopRequested
+from lowvram_grpo.training.validation import Validation
 
 STAGES = ("before", "primed", "after", "best")  # best: best_adapter/ (the held-out curve's best) on the held-out questions
 
@@ -66,8 +89,6 @@ class RunResult:
 
 def _is_main_process() -> bool:
     """False on the other processes of an `accelerate launch` (they train, but write nothing)."""
-    import os
-
     return int(os.environ.get("RANK", "0")) == 0
 
 
@@ -99,7 +120,6 @@ class GRPORun:
         check_export(export, self.resolved.backend)
         check_export_fits_host(export, config.model.name, self.resolved.backend)  # before the model downloads, not after training
         if self.resolved.generation == "vllm":
-            from lowvram_grpo.model.vllm import check_run_servable
 
             check_run_servable(self.resolved)  # a model vLLM's CPU build has no kernels for: refused now
         self.export_kind = export
@@ -141,7 +161,6 @@ class GRPORun:
         if handle is not None:
             self.resolved = handle.resolved
         if self.resolved.cuda and _is_main_process():  # the first lines of a GPU run's log: doctor's cheap checks
-            from lowvram_grpo.doctor import log_lines
 
             for line in log_lines(self.resolved):
                 self.log(line)
@@ -166,7 +185,6 @@ class GRPORun:
                      f"target_modules={','.join(lora.target_modules)})")
         load_reward_models(self.config.rewards)  # reward models named in rewards.names, before anything is written
         if self.resolved.generation == "vllm":
-            from lowvram_grpo.model.vllm import start_for_run
 
             with stops.deferred("once the vLLM engine has started"):  # then it is closed, not left behind
                 self.rollouts = start_for_run(self.handle, self.log)  # also the handle's engine for evaluation
@@ -187,7 +205,6 @@ class GRPORun:
         where it does not load on its own (the model's loader then says why, as it always has)."""
         from transformers import AutoTokenizer
 
-        from lowvram_grpo.model.builtin_models import resolve_model_path
 
         try:
             return AutoTokenizer.from_pretrained(resolve_model_path(self.config.model.name))
@@ -220,7 +237,6 @@ class GRPORun:
     def _show_memory_plan(self):
         if not self.resolved.cuda:
             return None
-        from lowvram_grpo.settings.memory_plan import PlanError, format_plan, plan
 
         try:
             memory_plan = plan(self.resolved)
@@ -259,7 +275,6 @@ class GRPORun:
         to go on: a CUDA out-of-memory (memory.py), the vLLM engine's process dying (OutOfMemory, EngineStopped).
         A stop is never an engine failure: a StopRequested raised inside vLLM's frames, or any error once a signal
         was received (vLLM's processes end on the same SIGTERM), leaves as StopRequested for the stop line."""
-        from lowvram_grpo.run.oom import out_of_memory_reported
 
         with out_of_memory_reported(self.memory_plan, self.config, self.run_dir, phase, adapter=self.adapter_dir):
             try:
@@ -271,11 +286,11 @@ class GRPORun:
                     raise StopRequested(stops.received()) from None
                 if self.rollouts is None and not self.resolved.fast_inference:  # no vLLM engine in this run
                     raise
-                from lowvram_grpo.model.vllm import engine_stop_cause
+                from lowvram_grpo.model.vllm import engine_stop_cause  # optional: may be absent
 
                 cause = engine_stop_cause(exc)
                 if cause is None and self.resolved.fast_inference:  # unsloth's engine runs in this process
-                    from lowvram_grpo.model.unsloth_backend import vllm_engine_failure
+                    from lowvram_grpo.model.unsloth_backend import vllm_engine_failure  # optional: may be absent
 
                     cause = vllm_engine_failure(exc)
                 if cause is None:
@@ -368,7 +383,7 @@ class GRPORun:
         self._enter(f"measuring {stage}")
         if stage == "before" and adapter is None and self.config.lora.init_adapter:
             adapter = Path(self.config.lora.init_adapter)
-        from lowvram_grpo.evaluate.evaluation import evaluate, protocol, protocol_label
+        from lowvram_grpo.evaluate.evaluation import evaluate, protocol, protocol_label  # loads transformers
 
         what = f"the adapter in {adapter}" if adapter else "the base model"
         self.log(f"measuring {what} on {len(self.eval_rows)} held-out questions ({stage}; "
@@ -406,7 +421,7 @@ class GRPORun:
     def _best_changes(self) -> dict:
         """The best column's paired changes: {'primed_to_best', 'before_to_best', 'after_to_best'} (evaluation's
         paired_changes, each over the same held-out questions); {} without a best column."""
-        from lowvram_grpo.evaluate.evaluation import paired_changes
+        from lowvram_grpo.evaluate.evaluation import paired_changes  # loads transformers
 
         before, primed, after, best = (self.measured[s] for s in ("before", "primed", "after", "best"))
         if not best:
@@ -423,7 +438,7 @@ class GRPORun:
             self.log(f"no priming: the run starts from the adapter in {self.config.lora.init_adapter} "
                      "(--set prime.steps=N primes it further)")
         if self.config.prime.steps > 0:
-            from lowvram_grpo.training.priming import prime
+            from lowvram_grpo.training.priming import prime  # loads transformers
 
             self._enter("priming")
             self.run_dir.write_summary(self._start_summary())  # the numbers measured before: a resumed priming reuses them
@@ -439,12 +454,11 @@ class GRPORun:
     # ------------------------------------------------------------------ train / save
     def train(self, resume_from: Optional[Path] = None) -> None:
         """GRPO with TRL's trainer (training.py); Ctrl-C / SIGTERM stop at a step's end with a checkpoint."""
-        from lowvram_grpo.training.grpo import build_trainer, describe_effective
+        from lowvram_grpo.training.grpo import build_trainer, describe_effective  # loads transformers
 
         self._enter("training")
         validation = None
         if self.resolved.validation_every and self.validation_rows:
-            from lowvram_grpo.training.validation import Validation
 
             validation = Validation(self.handle, self.validation_rows, self.config, self.run_dir,
                                     self.resolved.validation_every, self.log)
@@ -474,6 +488,7 @@ class GRPORun:
             raise stopped from None
         self.train_seconds = time.time() - started
         if self.resolved.cuda and self.resolved.backend == "unsloth":  # what unsloth's decode CUDA graphs did
+            # loads transformers
             from lowvram_grpo.training.trl_compat import decode_graph_stats, describe_decode_graphs
 
             self.decode_graphs = decode_graph_stats(self.handle.model)
@@ -484,7 +499,6 @@ class GRPORun:
         """unsloth's vLLM rollouts write a LoRA folder into the working directory: moved into the run's folder."""
         if self.resolved.generation != "unsloth_vllm" or not self.run_dir.writer:
             return contextlib.nullcontext()
-        from lowvram_grpo.model.unsloth_backend import rollout_files_moved_to
 
         return rollout_files_moved_to(self.run_dir.path)
 
@@ -494,7 +508,6 @@ class GRPORun:
         trained batches and checks `max_steps` only at the end of the next step."""
         from transformers import TrainerState
 
-        from lowvram_grpo.model.lora_io import load_adapter_weights
 
         state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
         if state.global_step < self.config.train.max_steps:
@@ -531,7 +544,7 @@ class GRPORun:
         """summary.json (status complete, with the paired changes computed once), the before/after table, what GRPO
         changed (one held-out question it turned right, one it turned wrong, with the counts), report.md and the
         plots, and the model card (README.md, over TRL's)."""
-        from lowvram_grpo.evaluate.evaluation import format_table, paired_changes
+        from lowvram_grpo.evaluate.evaluation import format_table, paired_changes  # loads transformers
 
         stops.check()  # a signal in the last step before: the run is not marked complete
         trainer, measured = self.trainer, self.measured
@@ -569,15 +582,14 @@ class GRPORun:
         if measured["before"] and measured["after"]:
             self.log("\n" + format_table(measured["before"], measured["after"], measured["primed"], summary["paired_changes"]))
             if summary["what_changed"]:
-                from lowvram_grpo.report.build import changed_lines
+                from lowvram_grpo.report.build import changed_lines  # loads transformers
 
                 self.log("\n" + "\n".join(changed_lines(summary["what_changed"])))
             else:  # no per-question verdicts (data without gold answers): the first questions
                 for sample in summary["samples"]:
                     self.log(f"\nQ: {sample['question']}  (gold: {sample['answer']})")
                     self.log(f"--- base ---\n{sample['base'].strip()}\n--- trained ---\n{sample['trained'].strip()}")
-        from lowvram_grpo.report.model_card import write_card
-        from lowvram_grpo.report.build import write_report
+        from lowvram_grpo.report.build import write_report  # loads transformers
 
         card = write_card(self.run_dir.path, summary)  # README.md, over TRL's; before the report, which a stop may cut
         self._enter("report")
@@ -589,7 +601,7 @@ class GRPORun:
 
     def _what_changed(self) -> Optional[dict]:
         """The held-out questions GRPO turned right / wrong, counted, one example of each (report.what_changed)."""
-        from lowvram_grpo.report.build import what_changed
+        from lowvram_grpo.report.build import what_changed  # loads transformers
 
         return what_changed([prompt_text(row["prompt"]) for row in self.eval_rows],
                             [row.get("answer") for row in self.eval_rows], self.texts, self.measured)
@@ -602,8 +614,6 @@ class GRPORun:
 
 
 def _num_processes() -> int:
-    import os
-
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -617,7 +627,6 @@ def run(config: RunConfig, output_dir, backend: str = "auto", log=print, handle=
     return it stays with the handle (the notebook generates with it) and ends at exit. `prime_from`: a
     prime-checkpoint-N in `output_dir` to continue the priming from (with `resume_from` None).
     SIGINT/SIGTERM/SIGHUP stop it at the next safe point (stops.py) with one `Interrupted` line."""
-    from lowvram_grpo.model.vllm import closes_engines_on_error
 
     with stops.handled():
         return closes_engines_on_error(_run)(config, output_dir, backend, log, handle, resume_from, export, existing,
@@ -696,7 +705,6 @@ def train(preset: str = "tiny", overrides: Optional[list[str]] = None, output_di
           backend: str = "auto", overwrite: bool = False) -> RunResult:
     """Python entry point: `lowvram_grpo.train("tiny", ["train.max_steps=3"], "runs/x")`; a run already in
     `output_dir` is refused unless `overwrite`."""
-    from lowvram_grpo.settings.config import load_config
 
     config = load_config(preset, overrides or [])
     return run(config, Path(output_dir) if output_dir else default_output_dir(config.preset), backend,

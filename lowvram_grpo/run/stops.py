@@ -50,7 +50,6 @@ def same_command() -> str:
 
 class StopRequested(Interrupted):
     """A signal, raised at a safe point (or at once outside `deferred`). Exit 128 + signal."""
-
     def __init__(self, signum: int, message: Optional[str] = None):
         self.signum = signum
         super().__init__(message or f"stopped by {name(signum)}: nothing was written; run the same command again: "

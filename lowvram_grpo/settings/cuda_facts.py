@@ -14,9 +14,20 @@ import subprocess
 from dataclasses import dataclass
 from typing import Optional
 
-from lowvram_grpo.settings.driver_fit import (MIN_DRIVER, SETS, Driver, build_major, driver_advice, fit_install, hosted_runtime, parse_nvidia_smi)
+from lowvram_grpo.settings.driver_fit import (
+    MIN_DRIVER,
+    SETS,
+    Driver,
+    build_major,
+    driver_advice,
+    fit_install,
+    hosted_runtime,
+    parse_nvidia_smi,
+)
 from lowvram_grpo.settings.findings import Line
-from lowvram_grpo.settings.findings import block as _block, note as _note, ok as _ok
+from lowvram_grpo.settings.findings import block as _block
+from lowvram_grpo.settings.findings import note as _note
+from lowvram_grpo.settings.findings import ok as _ok
 from lowvram_grpo.settings.hardware import gpu_bf16_native
 from lowvram_grpo.settings.resolve import VLLM_MIN_COMPUTE_CAPABILITY
 
@@ -30,7 +41,6 @@ CUDA13_MIN_COMPUTE_CAPABILITY = VLLM_MIN_COMPUTE_CAPABILITY  # resolve.py turns 
 @dataclass(frozen=True)
 class Card:
     """A CUDA device as torch sees it, with its memory now (torch.cuda.mem_get_info)."""
-
     index: int
     name: str
     compute_capability: tuple[int, int]
@@ -45,7 +55,6 @@ class Card:
 @dataclass(frozen=True)
 class CudaFacts:
     """The GPU-only readings doctor needs, taken once (`read_cuda_facts`); on CPU, tests describe cards with it."""
-
     torch_version: str
     torch_cuda: Optional[str]            # torch.version.cuda: the CUDA torch was built with; None = a CPU build
     arch_list: tuple[str, ...] = ()      # torch.cuda.get_arch_list(): the kernels torch carries
@@ -72,7 +81,7 @@ def _cuda_version(number: int) -> str:
 def read_driver() -> tuple[Optional[str], Optional[str], tuple[str, ...]]:
     """(driver version, the CUDA version it runs, GPU names) from NVML (nvidia-ml-py), else nvidia-smi."""
     try:
-        import pynvml
+        import pynvml  # optional: may be absent
 
         pynvml.nvmlInit()
         try:

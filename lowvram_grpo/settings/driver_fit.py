@@ -39,7 +39,6 @@ NO_VLLM_SETTINGS = ("model.fast_inference=false",)
 @dataclass(frozen=True)
 class PinnedSet:
     """One pinned GPU set: its file, the CUDA major its torch and vLLM wheels are built for (None: no vLLM)."""
-
     file: str
     torch: str                 # the torch pin, local label included ("2.13.0", "2.13.0+cu129")
     torch_cuda: int
@@ -57,7 +56,6 @@ SETS = {13: PinnedSet(CUDA13_FILE, "2.13.0", 13, "https://download.pytorch.org/w
 @dataclass(frozen=True)
 class Driver:
     """What nvidia-smi says about the NVIDIA driver: its version and the newest CUDA it runs (None: not said)."""
-
     version: Optional[str]
     cuda: Optional[str]
 
@@ -70,7 +68,6 @@ class Driver:
 @dataclass(frozen=True)
 class InstallFit:
     """The install set that fits a driver."""
-
     name: str                     # "cuda13", "cuda12", "cpu" (no NVIDIA driver), "cpu-old-driver"
     driver: Optional[Driver]
     pinned: Optional[PinnedSet]   # the GPU set; None for the CPU set

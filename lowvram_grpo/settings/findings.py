@@ -7,7 +7,6 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Line:
     """One check: `status` ok | note | warn | BLOCK (the run cannot start), what was found, what to do."""
-
     status: str       # '' continues the line above (a table)
     text: str
     fix: str = ""

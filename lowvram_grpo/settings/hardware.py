@@ -24,16 +24,20 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import shutil
+import subprocess
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Optional
 
+from lowvram_grpo.run.allocator import mimalloc_library
 from lowvram_grpo.run.errors import UnknownProfile
 
 
 @dataclass(frozen=True)
 class Hardware:
     """What decisions depend on: device, compute capability, memory, and which engines are installed."""
-
     name: str                                        # a profile name, or 'present' for the machine detected
     device: str                                      # 'cuda' or 'cpu'
     gpu_name: Optional[str] = None                   # e.g. 'Tesla T4'
@@ -149,11 +153,6 @@ def unsloth_vllm_standby(environ=None) -> Optional[str]:
 
 def nvcc_cuda_version(environ) -> Optional[tuple[int, int]]:
     """The CUDA release of the nvcc FlashInfer would JIT-compile with (`nvcc --version`: "release 13.0"), or None."""
-    import re
-    import shutil
-    import subprocess
-    from pathlib import Path
-
     nvcc = shutil.which("nvcc", path=environ.get("PATH")) or next(
         (str(Path(root, "bin", "nvcc")) for root in (environ.get("CUDA_HOME", ""), environ.get("CUDA_PATH", ""),
                                                      "/usr/local/cuda") if root and Path(root, "bin", "nvcc").is_file()), None)
@@ -171,7 +170,6 @@ def detect() -> Hardware:
     """The machine this process runs on. Imports torch (fine before unsloth), not transformers or trl."""
     import torch
 
-    from lowvram_grpo.run.allocator import mimalloc_library
 
     unsloth, vllm, mimalloc = _installed("unsloth"), _installed("vllm"), mimalloc_library()
     plugin = _installed("vllm_bnb_plugin")

@@ -15,9 +15,12 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lowvram_grpo.settings.config import RunConfig, config_from_dict
 from lowvram_grpo.run.errors import ConfigError
+from lowvram_grpo.settings.config import RunConfig, config_from_dict, list_presets, load_config
+from lowvram_grpo.settings.hardware import detect
 from lowvram_grpo.settings.memory_terms import GIB, estimate
+from lowvram_grpo.settings.resolve import resolve
+from lowvram_grpo.task.tools import uses_tools
 
 SUGGESTION_SPARE = 0.05           # suggested settings leave this share of the card unplanned
 
@@ -25,7 +28,6 @@ SUGGESTION_SPARE = 0.05           # suggested settings leave this share of the c
 @dataclass(frozen=True)
 class Suggestion:
     """Set `key` (section.key) to `value` (it was `was`)."""
-
     key: str
     value: Any
     was: Any
@@ -167,9 +169,6 @@ def apply_suggestions(config: RunConfig, suggestions: list[Suggestion]) -> RunCo
 def presets_that_fit(hardware, vram_gb: float, tools: Optional[bool] = None) -> list[tuple[str, float]]:
     """(preset, planned GiB) of the GPU presets whose own settings fit a card of `vram_gb` GiB on `hardware`; with
     `tools`, only those that train with tools (True) or without (False): the same kind of job."""
-    from lowvram_grpo.settings.config import list_presets, load_config
-    from lowvram_grpo.settings.resolve import resolve
-    from lowvram_grpo.task.tools import uses_tools
 
     found = []
     for name in list_presets():
@@ -193,8 +192,6 @@ GPU_PRESET_ORDER = ("llama8b_4bit", "qwen3b_4bit", "qwen1_5b_4bit")
 
 def default_preset(hardware=None) -> str:
     """smollm2_cpu without CUDA; with a GPU, the largest GPU preset whose memory plan fits the card."""
-    from lowvram_grpo.settings.hardware import detect
-
     hardware = hardware or detect()
     if not hardware.cuda:
         return "smollm2_cpu"

@@ -15,7 +15,16 @@ from __future__ import annotations
 
 from lowvram_grpo.run.errors import PlanError
 from lowvram_grpo.settings.memory_fit import SUGGESTION_SPARE, fit_settings, presets_that_fit
-from lowvram_grpo.settings.memory_terms import GIB, MemoryPlan, estimate, free_memory_text, refuse_standby
+from lowvram_grpo.settings.memory_terms import (
+    GIB,
+    MemoryPlan,
+    estimate,
+    forced_float32,
+    free_memory_text,
+    refuse_standby,
+)
+from lowvram_grpo.settings.model_shapes import UNSLOTH_NO_VLLM, vllm_serves
+from lowvram_grpo.task.tools import uses_tools
 
 
 def plan(resolved) -> MemoryPlan:
@@ -60,8 +69,6 @@ def format_plan(p: MemoryPlan, title: str = "") -> str:
 def family_lines(p: MemoryPlan) -> list[str]:
     """Where the shape came from, what of its family the plan counts, what it cannot know, and whether vLLM 0.31
     serves the family as this run would use it (model_shapes.VLLM_FAMILIES)."""
-    from lowvram_grpo.settings.memory_terms import forced_float32
-    from lowvram_grpo.settings.model_shapes import UNSLOTH_NO_VLLM, vllm_serves
 
     shape, resolved = p.shape, p.resolved
     lines = [f"  model: {shape.describe()}", f"  shape from: {shape.source or 'its config.json'}"]
@@ -143,7 +150,6 @@ def _verdict(p: MemoryPlan) -> str:
         sets = " ".join(f"--set {s.as_override()}" for s in p.suggestions)
         return (f"{why}\nto fit, change: {', '.join(map(str, p.suggestions))} -> {p.suggested_total_gb:.1f} GiB planned\n"
                 f"  (run with --auto-fit, or add: {sets})")
-    from lowvram_grpo.task.tools import uses_tools
 
     others = presets_that_fit(p.resolved.hardware, p.vram_gb, tools=uses_tools(p.config))
     alternative = (f"use a smaller model: {', '.join(f'--preset {n} ({gb:.1f} GiB)' for n, gb in others)}"

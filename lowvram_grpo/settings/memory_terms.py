@@ -70,10 +70,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lowvram_grpo.settings.config import RunConfig
 from lowvram_grpo.run.errors import ResolveError
-from lowvram_grpo.settings.model_shapes import ModelShape, model_shape
-from lowvram_grpo.settings.unsloth_sizing import vllm_budget
+from lowvram_grpo.settings.config import RunConfig
+from lowvram_grpo.settings.model_shapes import LINEAR, UNSLOTH_FORCE_FLOAT32, ModelShape, model_shape
+from lowvram_grpo.settings.unsloth_sizing import FUSED_BYTES_PER_LOGIT, fused_linear_rows, vllm_budget
 
 GIB = 2 ** 30
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes + 8-bit absmax per 64 + fp32 per 256 blocks
@@ -167,7 +167,6 @@ def refuse_standby(resolved) -> None:
 @dataclass(frozen=True)
 class PrimingPeak:
     """Priming's peak (prime.steps supervised steps before GRPO), in bytes, by component."""
-
     steps: int
     batch: int
     tokens: int
@@ -223,7 +222,6 @@ def priming_peak(shape, resolved, terms: dict, free_gib: Optional[float], activa
 @dataclass(frozen=True)
 class Term:
     """One component of the planned peak."""
-
     key: str        # weights, lora, optimizer, activations, logits, vllm, cuda
     label: str      # what it is, with the setting's value (e.g. 'optimizer state, paged_adamw_8bit')
     bytes: int
@@ -238,7 +236,6 @@ class Term:
 @dataclass
 class MemoryPlan:
     """Planned peak GPU memory of a run, by component."""
-
     resolved: Any = field(repr=False)   # resolve.Resolved: the settings planned for
     shape: ModelShape
     terms: dict[str, Term]
@@ -330,7 +327,6 @@ class MemoryPlan:
 @dataclass(frozen=True)
 class _Sizes:
     """The run's sizes the terms depend on."""
-
     batch: int            # sequences per training micro-batch
     generation_batch: int  # sequences vLLM generates at once
     seq_len: int          # prompt + completion tokens
@@ -341,7 +337,6 @@ class _Sizes:
 def forced_float32(shape: ModelShape, resolved) -> bool:
     """unsloth trains this family in float32 where the card has no bf16 (its FORCE_FLOAT32 list: Gemma 3, Qwen3.5,
     gpt-oss; model_shapes.UNSLOTH_FORCE_FLOAT32): the activations then take 4 bytes, not the card's 2."""
-    from lowvram_grpo.settings.model_shapes import UNSLOTH_FORCE_FLOAT32
 
     return resolved.backend == "unsloth" and resolved.dtype == "float16" and shape.family in UNSLOTH_FORCE_FLOAT32
 
@@ -368,7 +363,6 @@ def _layer_activation_elements(shape: ModelShape, layer_type: str) -> int:
     projections' outputs, the convolution's output, the core's and the gated norm's (7 x hidden + the mixer's: a
     Llama-style layer's q is hidden wide, so 8 x hidden there); the MLP: gate, up, act(gate),
     act x up (4 x intermediate), for each expert a token goes to in a mixture of experts (+ the router's logits)."""
-    from lowvram_grpo.settings.model_shapes import LINEAR
 
     la = shape.linear_attention
     if layer_type == LINEAR and la is not None:
@@ -437,7 +431,6 @@ def _logits_term(shape: ModelShape, s: _Sizes, backend: str = "hf") -> Term:
     whole = logits_bytes_held_whole(shape, s.batch, s.completion, s.compute_bytes)
     label = f"logits {s.batch} x {s.completion} x {shape.vocab}"
     if backend == "unsloth":
-        from lowvram_grpo.settings.unsloth_sizing import FUSED_BYTES_PER_LOGIT, fused_linear_rows
 
         rows = fused_linear_rows(s.batch * s.completion, shape.hidden, shape.vocab)
         return Term("logits", f"{label}, in unsloth's fp32 chunks", 2 * rows * shape.vocab * FUSED_BYTES_PER_LOGIT,

@@ -33,7 +33,6 @@ FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention
 @dataclass(frozen=True)
 class LinearAttention:
     """A Gated DeltaNet layer's sizes (Qwen3.5: config.json linear_*): its projections and its recurrent state."""
-
     key_heads: int
     value_heads: int
     key_head_dim: int
@@ -63,7 +62,6 @@ class LinearAttention:
 @dataclass(frozen=True)
 class ModelShape:
     """What the plan needs to know about an architecture (config.json's fields, transformers' names)."""
-
     name: str
     hidden: int
     layers: int

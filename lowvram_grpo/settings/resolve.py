@@ -69,8 +69,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from lowvram_grpo.model.decoding import DecodeSettings
+from lowvram_grpo.run.errors import PlanError, ResolveError
 from lowvram_grpo.settings.config import RunConfig
-from lowvram_grpo.run.errors import ResolveError
 from lowvram_grpo.settings.hardware import Hardware
 
 BACKENDS = ("auto", "unsloth", "hf")
@@ -111,7 +112,6 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 @dataclass(frozen=True)
 class Resolved:
     """Every device-dependent setting of a run, decided once. Read it; never re-decide."""
-
     config: RunConfig = field(repr=False)
     hardware: Hardware
     requested_backend: str
@@ -194,8 +194,6 @@ class Resolved:
     @property
     def decode(self):
         """decoding.DecodeSettings: what backends.load_model installs on the model."""
-        from lowvram_grpo.model.decoding import DecodeSettings
-
         return DecodeSettings(loop=self.decode_loop, sampler=self.decode_sampler, merge_lora=self.decode_merge_lora,
                               fused=self.decode_fused)
 
@@ -466,7 +464,6 @@ def model_type_of(name: str) -> Optional[str]:
     """transformers' model_type of model `name` (of its text config, without `_text`): the family the memory plan's
     shape reads from its config.json (model_shapes.model_shape: a local folder, the hub cache, the offline table),
     else read off a hub id's name; None when neither says. Built-in models are Llamas."""
-    from lowvram_grpo.run.errors import PlanError
     from lowvram_grpo.settings.model_shapes import local_model_config, model_shape  # pure Python (json), no circle
 
     if name.startswith("builtin:"):
@@ -738,7 +735,6 @@ def choose_validation(config: RunConfig, generation_batch: int, num_processes: i
 def _auto_kv_reason(resolved: Resolved) -> str:
     """model.kv_cache_dtype auto on sm80+ with unsloth's engine: 'auto -> fp8: ...' where the plan is short of KV room
     at 16-bit (kv_room_short), else 'auto -> <dtype>: ...'."""
-    from lowvram_grpo.run.errors import PlanError
 
     dtype = resolved.kv_cache_dtype
     if resolved.vram_gib is None:

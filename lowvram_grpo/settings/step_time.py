@@ -26,6 +26,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from lowvram_grpo.run.errors import PlanError
+from lowvram_grpo.settings.model_shapes import model_shape
+
 # card (hardware.PROFILES' gpu_name) -> (memory bandwidth GB/s, sustained training TFLOP/s). Bandwidth and the dense
 # FP16 tensor peak from NVIDIA's spec sheets; the TFLOP/s here about 1/8 of that peak.
 CARDS: dict[str, tuple[float, float]] = {
@@ -73,8 +76,6 @@ def step_seconds(config, hardware, generation: str, completions: int, dtype: str
     """(seconds, where the figures come from) of one GRPO step of `config` on `hardware`, generating with `generation`
     ('unsloth_vllm' | 'vllm' | 'transformers') `completions` completions a step per process, computing in `dtype`;
     None when the model's shape is not known (model_shapes raises PlanError)."""
-    from lowvram_grpo.run.errors import PlanError
-    from lowvram_grpo.settings.model_shapes import model_shape
 
     try:
         shape = model_shape(config.model.name)

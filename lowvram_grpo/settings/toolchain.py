@@ -24,8 +24,12 @@ import sysconfig
 from pathlib import Path
 from typing import Optional
 
-from lowvram_grpo.settings.findings import block as _block, note as _note, ok as _ok, warn as _warn
+from lowvram_grpo.settings.findings import block as _block
+from lowvram_grpo.settings.findings import note as _note
+from lowvram_grpo.settings.findings import ok as _ok
+from lowvram_grpo.settings.findings import warn as _warn
 from lowvram_grpo.settings.hardware import nvcc_cuda_version
+from lowvram_grpo.settings.resolve import FLASHINFER_MIN_COMPUTE_CAPABILITY, NO_FLASHINFER_ENV, choose_flashinfer
 
 
 def c_compiler(environ=None) -> Optional[str]:
@@ -84,7 +88,6 @@ def flashinfer_lines(resolved, environ, torch_cuda: Optional[str] = None):
     """FlashInfer (vLLM's attention and sampler kernels, JIT-compiled with nvcc and ninja on first use), per compute
     capability: below sm80 vLLM 0.31 has none, and resolve keeps unsloth from asking for its sampler (the load would
     fail); from sm80 it compiles on first use, so nvcc, ninja and nvcc's CUDA against torch's matter."""
-    from lowvram_grpo.settings.resolve import FLASHINFER_MIN_COMPUTE_CAPABILITY, NO_FLASHINFER_ENV
 
     sm, below = resolved.hardware.sm, resolved.hardware.compute_capability < FLASHINFER_MIN_COMPUTE_CAPABILITY
     if below:
@@ -96,7 +99,6 @@ def flashinfer_lines(resolved, environ, torch_cuda: Optional[str] = None):
                            "no FlashInfer in vLLM 0.31: its engine raises at load", "unset VLLM_USE_FLASHINFER_SAMPLER")]
         return []
     if resolved.generation == "unsloth_vllm" and resolved.vllm_flashinfer is False:  # resolve kept it off: why
-        from lowvram_grpo.settings.resolve import choose_flashinfer
 
         return [_ok(f"vLLM without FlashInfer on {sm} ({NO_FLASHINFER_ENV}=1, set for this run): "
                     f"{choose_flashinfer(resolved.hardware)[1]}")]

@@ -34,7 +34,6 @@ CUDA_GRAPHS, CUDA_GRAPH_MIN, CUDA_GRAPH_MAX = 172, int(0.15 * 1024 ** 3), int(1.
 @dataclass(frozen=True)
 class VllmBudget:
     """What unsloth_zoo's load_vllm starts vLLM with."""
-
     share_bytes: float          # actual_gpu_memory_utilization x total: vLLM's share of the card
     utilization: float          # actual_gpu_memory_utilization, what vLLM is given
     kv_cache_bytes: float       # unsloth's estimate of the KV cache in the share (memory_left_for_kv_cache)

@@ -153,7 +153,7 @@ def _timeout() -> Optional[int]:
 
 @functools.lru_cache(maxsize=4096)
 def _parsed(text: str) -> tuple:
-    import math_verify
+    import math_verify  # lazy: loads sympy (about a second)
     from math_verify.errors import TimeoutException  # a BaseException
 
     try:  # nothing found is [] (not an answer: wrong); an error or a timeout while parsing is the checker's failure
@@ -166,7 +166,7 @@ def _math_verify(stated: str, gold: str) -> bool:
     """Any extraction of `stated` equal to any of `gold` (math-verify's own rule, pair by pair): True as soon
     as one pair is equal; False when every pair was compared and none is; CheckerError when none is equal and
     math-verify failed on a pair (before, such a failure read as a wrong answer)."""
-    import math_verify
+    import math_verify  # lazy: loads sympy (about a second)
     from math_verify.errors import TimeoutException  # a BaseException
 
     gold_parsed, stated_parsed = _parsed(gold), _parsed(stated)

@@ -29,6 +29,8 @@ input raises `DataError` with one line saying what to fix.
 from __future__ import annotations
 
 import codecs
+import csv
+import dataclasses
 import io
 import json
 import random
@@ -176,8 +178,6 @@ def _json(text: str, path: Path) -> list:
 
 def _delimited(text: str, path: Path, delimiter: Optional[str] = None) -> list:
     """CSV/TSV with a header row. `delimiter` None: the one of , ; tab the header line uses most."""
-    import csv
-
     lines = [line for line in _LINE_BREAK.split(text) if line.strip()]
     if not lines:
         return []
@@ -291,8 +291,6 @@ class Layout(NamedTuple):
 
 
 def _default(data_config, key: str) -> str:
-    import dataclasses
-
     return next(f.default for f in dataclasses.fields(type(data_config)) if f.name == key)
 
 

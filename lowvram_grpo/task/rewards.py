@@ -36,6 +36,7 @@ import concurrent.futures
 import functools
 import inspect
 import math
+import random
 import re
 import sys
 import types
@@ -43,9 +44,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from lowvram_grpo.run.errors import ConfigError, RewardError
+from lowvram_grpo.task import answers
 from lowvram_grpo.task.reward_models import RewardModel, is_reward_model, model_id_name
 from lowvram_grpo.task.user_files import first_line, import_user_file
-from lowvram_grpo.task import answers
 
 # The Unsloth GRPO notebook's system prompt (leading/trailing newlines dropped).
 NOTEBOOK_SYSTEM_PROMPT = """Respond in the following format:
@@ -67,7 +68,6 @@ NEEDS_GOLD: set[str] = set()  # built-in rewards that score against the gold ans
 
 def register(name: str, max_score: float, needs_gold: bool = False):
     """Add a reward to the registry under `name` (also its `__name__`, which TRL uses in its logs)."""
-
     def wrap(fn: RewardFn) -> RewardFn:
         fn.__name__ = name
         fn.__qualname__ = name
@@ -404,7 +404,6 @@ def random_reward(name: str, low: float, high: float, seed: int) -> RewardFn:
     step and the call's number within that step (Python's string seeding: the same in every process), so the same
     run draws the same values. Values are spread within a group as real rewards are, so every group has an
     advantage, and it is pure noise. TRL logs it as `random_<name>`."""
-    import random
 
     calls: dict[int, int] = {}
 

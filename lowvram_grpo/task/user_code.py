@@ -16,16 +16,14 @@ from __future__ import annotations
 import weakref
 from typing import Callable, Optional
 
-from lowvram_grpo.task import rewards
-from lowvram_grpo.task import tools
 from lowvram_grpo.run.errors import ConfigError
+from lowvram_grpo.task import rewards, tools
 
 _LOADED: dict[int, "UserCode"] = {}  # id(config) -> its UserCode, dropped when the config is
 
 
 class UserCode:
     """The callables of one config, looked up once (`load`)."""
-
     def __init__(self, config, reward_fns: list[tuple[str, Callable]], tool_fns: list[Callable],
                  environment: Optional[type]):
         self.rewards_config, self.tools_config, self.environment_config = config.rewards, config.tools, config.environment

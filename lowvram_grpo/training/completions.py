@@ -115,7 +115,6 @@ def with_first_prompts(rows: list[dict], texts: dict[str, object]) -> list[dict]
 
 class CompletionsLog:
     """The size policy above, writing through a RunDir. `logging_steps`: TRL's (the policy counts logged steps)."""
-
     def __init__(self, run_dir, every: int, groups: int, max_mb: float, group_size: int, weights: dict[str, float],
                  max_steps: int, logging_steps: int = 1):
         self.run_dir, self.every, self.groups = run_dir, every, groups

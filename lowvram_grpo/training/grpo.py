@@ -22,21 +22,40 @@ import collections
 import enum
 import math
 import sys
+import time
 from pathlib import Path
 
+from tqdm.auto import tqdm
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 from trl import GRPOConfig
 
-from lowvram_grpo.training.guards import NonFiniteGuard, StopOnSignal
+from lowvram_grpo.report.run_dir import RunDir
 from lowvram_grpo.run.host_memory import ReleaseHostMemory
 from lowvram_grpo.settings.resolve import IS_MODE
-from lowvram_grpo.report.run_dir import RunDir
-from lowvram_grpo.training.tool_metrics import with_tool_use
 from lowvram_grpo.task.tools import environment_methods
 from lowvram_grpo.task.user_code import of as user_code_of
-from lowvram_grpo.training.learning_signals import (ALL_RIGHT_KEY, ALL_WRONG_KEY, SAMPLER_GAP_KEY, SAMPLER_GAP_THRESHOLD)
-from lowvram_grpo.training.completions import CompletionsLog, with_completion_facts
-from lowvram_grpo.training.trl_compat import (DynamicSampling, ModelSampler, TrainerHooks, grpo_trainer_base, install_logprob_fallback, sample_with, trainer_name)
+from lowvram_grpo.training.completions import CompletionsLog, markdown_rows, with_completion_facts
+from lowvram_grpo.training.guards import NonFiniteGuard, StopOnSignal
+from lowvram_grpo.training.learning_signals import (
+    ALL_RIGHT_KEY,
+    ALL_WRONG_KEY,
+    SAMPLER_GAP_KEY,
+    SAMPLER_GAP_THRESHOLD,
+    SMOOTHING,
+    ZERO_STD_KEY,
+    SignalMonitor,
+)
+from lowvram_grpo.training.tool_metrics import TRANSCRIPT_KEY, with_tool_use
+from lowvram_grpo.training.trl_compat import (
+    DynamicSampling,
+    ModelSampler,
+    TrainerHooks,
+    grpo_trainer_base,
+    install_logprob_fallback,
+    sample_with,
+    trainer_name,
+)
+from lowvram_grpo.training.validation import due
 
 
 def grpo_config_kwargs(resolved, output_dir: Path) -> dict:
@@ -187,7 +206,6 @@ def effective_grpo_settings(trainer, asked: dict) -> dict:
 
 class MetricsWriter(TrainerCallback):
     """Appends each logged step to metrics.jsonl (through RunDir): `step`, `reward`, `loss` and every other TRL metric."""
-
     def __init__(self, run_dir: RunDir, tool_use=None):
         self.run_dir = run_dir
         self.tool_use = tool_use  # tool_metrics.ToolUse when the run has tools: a transcript at checkpoint steps
@@ -198,7 +216,6 @@ class MetricsWriter(TrainerCallback):
             step = state.global_step
             checkpoint = bool(args.save_steps) and step % int(args.save_steps) == 0 or step == state.max_steps
             if self.tool_use is not None and checkpoint and self.tool_use.transcript() is not None:
-                from lowvram_grpo.training.tool_metrics import TRANSCRIPT_KEY
 
                 row[TRANSCRIPT_KEY] = self.tool_use.transcript()
             self.run_dir.append_metrics(row)
@@ -230,13 +247,12 @@ class CompletionsWriter(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "reward" not in logs or not state.is_world_process_zero or not self.policy.due(state.global_step):
             return
-        from lowvram_grpo.training.trl_compat import completion_log
+        from lowvram_grpo.training.trl_compat import completion_log  # loads transformers
 
         written = self.policy.write(state.global_step, completion_log(self.trainer))
         writer = next((getattr(cb, "tb_writer", None) for cb in self.trainer.callback_handler.callbacks
                        if getattr(cb, "tb_writer", None) is not None), None)
         if written and writer is not None:
-            from lowvram_grpo.training.completions import markdown_rows
 
             writer.add_text("completions", markdown_rows(self.policy.run_dir.read_completions(), state.global_step),
                             state.global_step)
@@ -248,8 +264,6 @@ class ValidationCurve(TrainerCallback):
     resume the checkpoint's step is measured first if its point is missing."""
 
     def __init__(self, validation, run_dir: RunDir):
-        from lowvram_grpo.training.validation import due
-
         self.validation, self.run_dir, self.due, self.pending = validation, run_dir, due, None
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -277,9 +291,7 @@ class ValidationCurve(TrainerCallback):
 
 class SignalWarnings(TrainerCallback):
     """Prints a training-signal warning (signals.py) the first time its pattern shows in the logged metrics."""
-
     def __init__(self, max_completion_length: int):
-        from lowvram_grpo.training.learning_signals import SignalMonitor
 
         self.monitor = SignalMonitor(max_completion_length)
 
@@ -287,7 +299,6 @@ class SignalWarnings(TrainerCallback):
         row = metric_row(state.global_step, logs)
         if row is None:
             return
-        from tqdm.auto import tqdm
 
         for signal in self.monitor.add(row):
             tqdm.write(f"warning: {signal}", file=sys.stderr)  # above the progress bar, not through it
@@ -304,19 +315,13 @@ class ProgressBar(TrainerCallback):
     steps after the first (the first carries the warm-up, on a GPU the compiling)."""
 
     def __init__(self, total: int, initial: int = 0, beta: float = 0.0):
-        from lowvram_grpo.training.learning_signals import SMOOTHING
-
         self.total, self.initial, self.beta, self.bar = total, initial, beta, None
         self.rewards: collections.deque = collections.deque(maxlen=SMOOTHING)
         self.first_step = self.began = self.first_done = None  # this process's first step, its start, its end
         self.projected = False
 
     def on_train_begin(self, args, state, control, **kwargs):
-        import time
-
-        from tqdm.auto import tqdm
-
-        from lowvram_grpo.training.trl_compat import is_unsloth_trainer
+        from lowvram_grpo.training.trl_compat import is_unsloth_trainer  # loads transformers
 
         initial = max(self.initial, state.global_step)  # a resumed run starts at its checkpoint's step
         self.bar = tqdm(total=self.total, initial=initial, desc="GRPO", unit="step", dynamic_ncols=True)
@@ -327,8 +332,6 @@ class ProgressBar(TrainerCallback):
             tqdm.write(note)
 
     def on_step_end(self, args, state, control, **kwargs):
-        import time
-
         if self.bar is not None:
             self.bar.update(state.global_step - self.bar.n)
         if self.began is None or self.projected:
@@ -337,8 +340,6 @@ class ProgressBar(TrainerCallback):
         if done == 1:
             self.first_done = now
         if projection_due(done, self.total - self.first_step):
-            from tqdm.auto import tqdm
-
             self.projected = True
             after_first = now - self.first_done if self.first_done is not None else None
             tqdm.write(projection_line(state.global_step, self.total, done, now - self.began, after_first, time.time()))
@@ -372,7 +373,6 @@ def projection_line(step: int, total: int, done: int, elapsed: float, after_firs
     """'GRPO: 3 of 48 steps in 74 s, ~24.6 s/step: projected to end at 17:42 (~19 min more)'. `done` steps ran
     in this process in `elapsed` s (fewer than `step` on a resumed run); the time per step is from the steps after
     the first (`after_first`: seconds since the first ended) when there are any; `now`: the wall clock."""
-    import time
 
     per_step = after_first / (done - 1) if after_first is not None and done >= 2 else elapsed / done
     left = (total - step) * per_step
@@ -398,8 +398,6 @@ def compile_note(device: str | None, unsloth: bool, step: int = 1) -> str | None
 
 def progress_fields(logs: dict, recent: "collections.deque", beta: float) -> dict:
     """The bar's fields for one logged step; `recent` keeps the last rewards for the moving average."""
-    from lowvram_grpo.training.learning_signals import ZERO_STD_KEY
-
     reward = logs["reward"]
     if isinstance(reward, (int, float)) and math.isfinite(reward):
         recent.append(reward)

@@ -20,14 +20,13 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from lowvram_grpo.report.run_dir import resume_command
 from lowvram_grpo.run import stops
 from lowvram_grpo.run.errors import Interrupted, TrainingStopped
-from lowvram_grpo.report.run_dir import resume_command
 
 
 class NonFiniteGuard(TrainerCallback):
     """Skips optimizer steps with a non-finite gradient; stops after `max_in_a_row` of them in a row."""
-
     def __init__(self, max_in_a_row: int, learning_rate: float):
         self.max_in_a_row, self.learning_rate = max_in_a_row, learning_rate
         self.skipped, self.in_a_row, self.stopped_at = 0, 0, None

@@ -55,7 +55,6 @@ FLAT_TOLERANCE = 1e-4
 @dataclass(frozen=True)
 class Signal:
     """One warning: which check (`kind`), the step it first held at, and what to do (`message`)."""
-
     kind: str
     step: int
     message: str

@@ -23,18 +23,20 @@ and seconds so far, so a priming stopped and continued ends with the same adapte
 """
 from __future__ import annotations
 
+import json
 import random
 import re
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from lowvram_grpo.run import host_memory
-from lowvram_grpo.run import stops
-from lowvram_grpo.task.data import Question, prompt_of
-from lowvram_grpo.run.errors import RunDirError
-from lowvram_grpo.task.rewards import formatted
+from tqdm.auto import tqdm
+
 from lowvram_grpo.report.run_dir import PRIME_STATE
+from lowvram_grpo.run import host_memory, stops
+from lowvram_grpo.run.errors import RunDirError
+from lowvram_grpo.task.data import Question, prompt_of
+from lowvram_grpo.task.rewards import formatted
 from lowvram_grpo.task.tools import calculator, uses_tools
 from lowvram_grpo.task.user_code import of as user_code_of
 
@@ -119,7 +121,7 @@ def completion_loss(model, input_ids, attention_mask, labels):
     through the chunked, checkpointed log-probs that GRPO uses (logprobs_fallback), so only one chunk
     of logits is alive at a time. Same maths: log p(target) = z_t - logsumexp(z), in fp32.
     """
-    from lowvram_grpo.training.logprobs_fallback import torch_chunked_logprobs
+    from lowvram_grpo.training.logprobs_fallback import torch_chunked_logprobs  # loads torch
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -132,8 +134,6 @@ def completion_loss(model, input_ids, attention_mask, labels):
 
 def save_state(folder, model, optimizer, progress: dict) -> None:
     """One priming checkpoint's files in `folder` (run_dir.PRIME_REQUIRED_FILES)."""
-    import json
-
     import torch
 
     folder = Path(folder)
@@ -149,8 +149,6 @@ def save_state(folder, model, optimizer, progress: dict) -> None:
 
 def load_state(folder, model, optimizer) -> dict:
     """Put a priming checkpoint back into `model` and `optimizer` (and the RNGs); its progress dict."""
-    import json
-
     import torch
 
     folder = Path(folder)
@@ -205,7 +203,6 @@ def prime(handle, questions: list[Question], config, log=print, max_seconds: Opt
         progress = load_state(resume_from, model, optimizer)
         first, losses, earlier_seconds = int(progress["steps"]), list(progress["losses"]), float(progress["seconds"])
         log(f"resuming priming from {resume_from} (step {first} of {settings.steps})")
-    from tqdm.auto import tqdm
 
     if max_seconds is None:
         bar = tqdm(total=settings.steps, initial=first, desc="priming", unit="step", dynamic_ncols=True)

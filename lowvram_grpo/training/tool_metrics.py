@@ -69,7 +69,6 @@ def transcript_text(completion) -> str:
 
 class ToolUse:
     """The reward function TRL was handed, also logging the batch's tool use (see the module docstring)."""
-
     def __init__(self, fn, tools: list):
         self.fn, self.tools = fn, tools
         self.__name__ = self.__qualname__ = getattr(fn, "__name__", type(fn).__name__)

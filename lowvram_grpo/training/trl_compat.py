@@ -45,6 +45,7 @@ one warning line. The reaches, and why each is needed:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import os
 import sys
@@ -55,6 +56,7 @@ import trl
 from transformers import Trainer
 from trl.trainer import utils as trl_utils
 
+from lowvram_grpo.model.decoding import loop_takes, sampler_logprobs
 from lowvram_grpo.run.errors import AdapterError, BackendError
 
 WRITTEN_FOR = {"trl": "1.15.0", "transformers": "5.17.0"}
@@ -221,13 +223,11 @@ class ModelSampler:
 
     def sync_weights(self) -> None:
         """Nothing to sync: the sampler is the trained model."""
-
     def generate(self, prompts: list, images=None, num_generations: int = 1, profiler=None):
         """TRL's VLLMGeneration.generate: (prompt ids, completion ids [up to the first eos], per-token [log-prob]
         lists, None) for `prompts` (token ids, one row per completion)."""
         import torch
 
-        from lowvram_grpo.model.decoding import loop_takes, sampler_logprobs
 
         if images and any(images):
             raise BackendError("the importance-sampling correction of the model's own rollouts takes text prompts; "
@@ -278,7 +278,7 @@ def use_torch_logprobs(device_type: str, kernel_available: bool) -> bool:
 
 def install_logprob_fallback() -> None:
     """Route TRL's fused-LM-head log-probs by device (idempotent)."""
-    from lowvram_grpo.training.logprobs_fallback import torch_chunked_logprobs
+    from lowvram_grpo.training.logprobs_fallback import torch_chunked_logprobs  # loads torch
 
     current = getattr(trl_utils, LOGPROB_ATTRIBUTE, None)
     if getattr(current, "_lowvram_dispatch", False):
@@ -529,7 +529,6 @@ DECODE_GRAPH_COUNTERS = ("captures", "replays", "graphs", "eager_steps")
 def missing_decode_graph_stats() -> list[str]:
     """[] when the installed unsloth has the decode-graph counters decode_graph_stats reads; else what is missing.
     Checked when the unsloth backend is prepared (unsloth_backend.prepare: a warning, the counters are a report)."""
-    import importlib
 
     try:
         graphs = importlib.import_module(DECODE_GRAPHS_MODULE)
@@ -542,7 +541,6 @@ def decode_graph_stats(model) -> dict | None:
     """unsloth's decode CUDA-graph counters of `model` summed over the modules that hold them ({} where none was ever
     captured or run: no graph state), plus `disabled` (the first reason unsloth gave, else None); None where unsloth's
     module does not import (the CPU set) or lacks `stats` (another unsloth than requirements.txt's)."""
-    import importlib
 
     try:
         graphs = importlib.import_module(DECODE_GRAPHS_MODULE)

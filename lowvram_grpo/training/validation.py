@@ -19,6 +19,7 @@ the argmax of the curve in metrics.jsonl (`best_point`). Nothing here imports to
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 from typing import Optional
 
@@ -69,7 +70,6 @@ def logged_numbers(numbers: dict) -> dict:
 def random_state_kept():
     """Python's, numpy's and torch's random states (CPU and CUDA) as they were before the block: a measurement
     leaves the run's sampling and data order where they were."""
-    import random
 
     import numpy
     import torch  # lazily: only a training run measures
@@ -107,7 +107,7 @@ class Validation:
             return self._measure(step)
 
     def _measure(self, step: int) -> Optional[dict]:
-        from lowvram_grpo.evaluate.evaluation import generate_answers, score
+        from lowvram_grpo.evaluate.evaluation import generate_answers, score  # loads transformers
 
         staging = self.run_dir.validation_staging()
         request, training = None, self.handle.model.training  # TRL logs a step as 'train' only in training mode

@@ -74,7 +74,18 @@ import importlib.util
 
 from lowvram_grpo.model.vllm.engine import LocalVLLMEngine, closes_engines_on_error, engine_stop_cause
 from lowvram_grpo.model.vllm.rollouts import TRLRollouts, start_for_run
-from lowvram_grpo.model.vllm.settings import (CPU_HEAD_SIZES, EngineSettings, VLLMEngineDied, VLLMEngineError, check_run_servable, check_servable, engine_kwargs, eval_sampling_kwargs, rollout_sampling_kwargs, settings_for)
+from lowvram_grpo.model.vllm.settings import (
+    CPU_HEAD_SIZES,
+    EngineSettings,
+    VLLMEngineDied,
+    VLLMEngineError,
+    check_run_servable,
+    check_servable,
+    engine_kwargs,
+    eval_sampling_kwargs,
+    rollout_sampling_kwargs,
+    settings_for,
+)
 
 
 def vllm_installed() -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import itertools
 import os
 import shutil
@@ -19,16 +20,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import psutil
+
 from lowvram_grpo.model import lora_io
 from lowvram_grpo.model.handle import AdapterVersions, Completion, LoraRequest, SamplingParams
-from lowvram_grpo.model.vllm.processes import (allowed_cpus, child_pids, end_processes, engine_pids, environ, sigint_blocked, start_watchdog)
-from lowvram_grpo.model.vllm.settings import (EngineSettings, VLLMEngineDied, VLLMEngineError, engine_kwargs, eval_sampling_kwargs, rollout_sampling_kwargs)
+from lowvram_grpo.model.vllm.processes import (
+    allowed_cpus,
+    child_pids,
+    end_processes,
+    engine_pids,
+    environ,
+    sigint_blocked,
+    start_watchdog,
+)
+from lowvram_grpo.model.vllm.settings import (
+    EngineSettings,
+    VLLMEngineDied,
+    VLLMEngineError,
+    engine_kwargs,
+    eval_sampling_kwargs,
+    rollout_sampling_kwargs,
+)
 
 
 @dataclass
 class _Policy:
     """One synced version of the trained adapter, as vLLM serves it."""
-
     version: int
     step: int
     request: Any      # vllm.lora.request.LoRARequest
@@ -71,7 +88,6 @@ class LocalVLLMEngine:
 
     def release_lora(self, request: LoraRequest) -> None:
         """Nothing to free here: vLLM reads the adapter from disk and evicts it itself (max_loras)."""
-
     # -------------------------------------------------------------- life cycle
     def start(self) -> "LocalVLLMEngine":
         if self.llm is not None:
@@ -131,8 +147,6 @@ class LocalVLLMEngine:
         return False
 
     def alive_pids(self) -> list[int]:
-        import psutil
-
         alive = []
         for pid in self.pids:
             try:
@@ -322,7 +336,6 @@ def closes_engines_on_error(fn):
     """Decorator for pipeline.run: an engine started during the call is closed when the call raises
     (an error, a stop, a KeyboardInterrupt). After a normal return it stays with the handle, which the
     notebook keeps generating with; it is closed at exit."""
-    import functools
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from typing import Optional
 
+import psutil
+
 
 def allowed_cpus() -> list[int]:
     try:
@@ -57,15 +59,11 @@ def environ(changes: dict[str, Optional[str]]):
 
 
 def child_pids() -> set[int]:
-    import psutil
-
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
 def end_processes(pids, timeout: float = 10.0) -> list[int]:
     """SIGTERM then, after `timeout`, SIGKILL the processes still alive. Returns those that were left."""
-    import psutil
-
     procs = []
     for pid in pids:
         try:
@@ -111,8 +109,6 @@ def start_watchdog(pids: list[int]) -> subprocess.Popen:
 def engine_pids(pids) -> list[int]:
     """vLLM's own processes among new children: not multiprocessing's shared resource tracker, which
     serves the whole interpreter and ends with it."""
-    import psutil
-
     keep = []
     for pid in pids:
         try:

@@ -9,6 +9,7 @@ from typing import Any
 
 from lowvram_grpo.model.vllm.engine import _OPEN, LocalVLLMEngine
 from lowvram_grpo.model.vllm.settings import VLLMEngineError, settings_for
+from lowvram_grpo.settings.model_shapes import shape_from_config
 
 
 def _prompt_ids(tokenizer, prompt, trainer=None) -> list[int]:
@@ -135,7 +136,7 @@ class TRLRollouts:
         sampling is on, TRL's correction with sampling log-probs from this engine (no engine of TRL's)."""
         from transformers import TrainerCallback
 
-        from lowvram_grpo.training.trl_compat import sample_with
+        from lowvram_grpo.training.trl_compat import sample_with  # loads transformers
 
         self.trainer = trainer
         if self.importance_sampling:
@@ -144,7 +145,6 @@ class TRLRollouts:
 
         class AdapterVersionLog(TrainerCallback):
             """Adds the served adapter's version (and the step it was synced at) to each logged step."""
-
             def on_log(self, args, state, control, logs=None, **kwargs):
                 if logs is not None and "reward" in logs and rollouts.last:
                     logs.update(rollouts.last)
@@ -163,7 +163,6 @@ class TRLRollouts:
 def start_for_run(handle, log=print) -> TRLRollouts:
     """Start the engine for `handle`'s base checkpoint, make it the handle's generation engine (the
     before/after evaluation samples through it) and return the rollouts for build_trainer."""
-    from lowvram_grpo.settings.model_shapes import shape_from_config
 
     config, resolved = handle.config, handle.resolved
     if isinstance(handle.engine, LocalVLLMEngine) and handle.engine.llm is not None:  # a handle trained before
@@ -174,7 +173,7 @@ def start_for_run(handle, log=print) -> TRLRollouts:
     try:
         engine = LocalVLLMEngine(settings, handle.tokenizer).start()
     except VLLMEngineError as exc:
-        from lowvram_grpo.run.errors import EngineStopped
+        from lowvram_grpo.run.errors import EngineStopped  # optional: may be absent
 
         raise EngineStopped(f"the vLLM engine could not start: {exc}; it asked for a KV cache of "
                             f"{settings.kv_cache_bytes / 2**30:.2f} GiB for {settings.max_num_seqs} sequences of "

@@ -6,8 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from lowvram_grpo.model.builtin_models import resolve_model_path
 from lowvram_grpo.model.handle import SamplingParams
 from lowvram_grpo.model.vllm.processes import allowed_cpus
+from lowvram_grpo.run.errors import BackendError
+from lowvram_grpo.settings.memory_terms import engine_gpu_memory_utilization, engine_kv_cache_bytes, engine_sequences
+from lowvram_grpo.settings.model_shapes import model_shape
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32's CPU attention kernels
 
@@ -23,7 +27,6 @@ class VLLMEngineDied(VLLMEngineError):
 @dataclass(frozen=True)
 class EngineSettings:
     """Everything the engine is started with, decided before it starts."""
-
     model_path: str
     dtype: str                         # float32 | bfloat16 | float16 (the trainer's compute dtype)
     max_model_len: int                 # prompt + completion tokens (model.max_seq_length)
@@ -59,7 +62,6 @@ def settings_for(resolved, shape, model_path: str) -> EngineSettings:
     (resolve.vllm_lora_rank), and exactly the memory the plan counts (memory_plan_terms.engine_*): the KV cache in
     bytes and, on CUDA, the engine's own share of the card as gpu_memory_utilization. `shape`: the
     model's model_shapes.ModelShape (from the loaded model's config, so a hub id needs no local config.json)."""
-    from lowvram_grpo.settings.memory_terms import (engine_gpu_memory_utilization, engine_kv_cache_bytes, engine_sequences)
 
     config, cuda = resolved.config, resolved.device == "cuda"
     return EngineSettings(
@@ -142,13 +144,9 @@ def check_run_servable(resolved) -> None:
     if resolved.device != "cpu":
         problem = bf16_matmul_problem(resolved)
         if problem:
-            from lowvram_grpo.run.errors import BackendError
 
             raise BackendError(problem)
         return
-    from lowvram_grpo.model.builtin_models import resolve_model_path
-    from lowvram_grpo.run.errors import BackendError
-    from lowvram_grpo.settings.model_shapes import model_shape
 
     try:
         check_servable(model_shape(resolve_model_path(resolved.config.model.name)), resolved.device)
