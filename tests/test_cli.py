@@ -59,6 +59,18 @@ def test_dry_run_prints_the_resolved_config_and_writes_nothing(tmp_path):
     assert not out.exists()
 
 
+def test_the_runs_plan_file_is_what_dry_run_printed(tiny_run):
+    """One frozen plan (issue 50): the run writes to plan.txt what `--dry-run` prints for the same settings: the
+    config, the settings resolve decided, the memory plan."""
+    out, _ = tiny_run
+    dry = run_cli("--preset", "tiny", "--max-steps", "3", "--dry-run", "--output-dir", str(out))
+    assert dry.returncode == 0, dry.stderr
+    assert "\n# resolved for present:" in dry.stdout and "\n#   backend hf on cpu" in dry.stdout  # decided, as comments
+    assert (out / "plan.txt").read_text() == dry.stdout
+    other = run_cli("--preset", "tiny", "--max-steps", "4", "--dry-run", "--output-dir", str(out))
+    assert other.stdout != dry.stdout  # the comparison sees a change of settings
+
+
 def _bad_inputs(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

@@ -8,6 +8,7 @@
 
 A run folder holds:
 - `config.yaml`: the resolved config (preset + --set), which --resume reads back;
+- `plan.txt`: the run's plan as `--dry-run` prints it: config.yaml, the settings decided, the memory plan;
 - `metrics.jsonl`: one JSON object per logged GRPO step;
 - `summary.json`: `status: training` with the numbers measured before GRPO while it runs (a resumed run
   reuses them), then the whole summary with `status: complete`;
@@ -60,6 +61,7 @@ from lowvram_grpo.model.lora_io import atomic_replace_dir, atomic_write_text, ch
 from lowvram_grpo.run.errors import AdapterError, ConfigError, RunDirError
 
 CONFIG, SUMMARY, METRICS, RUN_STATE, REPORT = "config.yaml", "summary.json", "metrics.jsonl", "run_state.json", "report.md"
+PLAN = "plan.txt"
 ADAPTER, PRIMED_ADAPTER, BEST_ADAPTER = "adapter", "primed_adapter", "best_adapter"
 COMPLETIONS = "completions.jsonl"
 BEST_STEP = "best_step.json"  # inside best_adapter/: the GRPO step it is, and its validation numbers
@@ -183,7 +185,7 @@ class RunDir:
         `--overwrite`, at the new run's first write."""
         if not self.writer or not self.path.is_dir():
             return
-        doomed = [self.path / name for name in (CONFIG, SUMMARY, METRICS, REPORT, ADAPTER, PRIMED_ADAPTER, "runs", *PLOT_FILES,
+        doomed = [self.path / name for name in (CONFIG, PLAN, SUMMARY, METRICS, REPORT, ADAPTER, PRIMED_ADAPTER, "runs", *PLOT_FILES,
                                                  "README.md",  # the run's model card (TRL's, then model_card.py's)
                                                  COMPLETIONS, BEST_ADAPTER, TRL_COMPLETIONS, VALIDATION_PLOT,
                                                  SAMPLER_PLOT)]
@@ -298,6 +300,10 @@ class RunDir:
     # ------------------------------------------------------------------ config.yaml
     def write_config(self, config) -> None:
         self._write_text(CONFIG, config.to_yaml())
+
+    def write_plan(self, text: str) -> None:
+        """plan.txt: the run's plan as `--dry-run` prints it (memory_plan.run_plan_text)."""
+        self._write_text(PLAN, text)
 
     def read_config_raw(self) -> dict:
         """config.yaml as a mapping ({} when absent): what the report needs (names, lengths)."""

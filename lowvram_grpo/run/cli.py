@@ -20,7 +20,7 @@ from lowvram_grpo.settings.checks import before_load
 from lowvram_grpo.settings.config import list_presets, load_config, read_preset
 from lowvram_grpo.settings.hardware import detect, planning_hardware
 from lowvram_grpo.settings.memory_fit import apply_suggestions, default_preset
-from lowvram_grpo.settings.memory_plan import plan, plan_text
+from lowvram_grpo.settings.memory_plan import plan, run_plan_text
 from lowvram_grpo.settings.resolve import resolve
 
 
@@ -177,9 +177,7 @@ def _main(args, restart: bool = False) -> int:
             resolved = auto_fit(resolved)
             config = resolved.config
         if args.dry_run:
-            print(config.to_yaml(), end="")
-            print("\n".join(f"# {line}" for line in resolved.describe().splitlines()))  # YAML comments
-            print(plan_text(resolved))
+            print(run_plan_text(resolved), end="")  # what the run writes to its plan.txt
             return 0
 
     run(config, args.output_dir or default_output_dir(config.preset), backend=args.backend, export=args.export,

@@ -60,7 +60,7 @@ from lowvram_grpo.run.stops import StopRequested
 from lowvram_grpo.settings import checks
 from lowvram_grpo.settings.config import RunConfig, check_trackers_installed, load_config
 from lowvram_grpo.settings.hardware import detect
-from lowvram_grpo.settings.memory_plan import PlanError, format_plan, plan
+from lowvram_grpo.settings.memory_plan import PlanError, format_plan, plan, run_plan_text
 from lowvram_grpo.settings.resolve import resolve as resolve_settings
 from lowvram_grpo.task.data import (
     drop_long_prompts,
@@ -257,7 +257,7 @@ class GRPORun:
             self.run_dir.clear_run()
         self.written = True
         self.run_dir.create()
-        self.run_dir.write_config(self.config)
+        self._write_settings()
         self.run_dir.reset_metrics()  # a rerun into the same dir starts its log afresh
         self.run_dir.reset_completions()
         self.run_dir.reset_best()
@@ -351,9 +351,14 @@ class GRPORun:
             return f"config.yaml and summary.json in {self.run_dir.path}, no checkpoint yet (--resume starts the run again)"
         return ", ".join(parts)
 
+    def _write_settings(self) -> None:
+        """config.yaml (what --resume reads back) and plan.txt (what --dry-run prints for these settings)."""
+        self.run_dir.write_config(self.config)
+        self.run_dir.write_plan(run_plan_text(self.resolved))
+
     def restore_priming(self, checkpoint: Path) -> None:
         """A run resumed in its priming: its settings and the numbers measured before it (priming goes on in prime())."""
-        self.run_dir.write_config(self.config)
+        self._write_settings()
         self.run_dir.reset_metrics()
         self.run_dir.reset_completions()
         self.run_dir.reset_best()
@@ -366,7 +371,7 @@ class GRPORun:
         self.run_dir.restore_metrics(checkpoint)
         self.run_dir.restore_completions(self.run_dir.read_run_state(checkpoint).get("global_step", 0))
         self.run_dir.restore_best(checkpoint)  # the best as it was at the checkpoint: the curve after it is measured again
-        self.run_dir.write_config(self.config)  # with the --set keys the resume changed (config.RESUME_SETTABLE)
+        self._write_settings()  # with the --set keys the resume changed (config.RESUME_SETTABLE)
         start = self.run_dir.read_summary() or {}
         for stage in ("before", "primed"):
             self.measured[stage] = start.get(stage)
@@ -508,12 +513,13 @@ class GRPORun:
         trained batches and checks `max_steps` only at the end of the next step."""
         from transformers import TrainerState
 
+        from lowvram_grpo.training.trl_compat import set_trainer_state  # loads transformers and TRL
 
         state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
         if state.global_step < self.config.train.max_steps:
             return False
         load_adapter_weights(self.handle.model, checkpoint, base_model=self.handle.base_model)
-        trainer.state = state
+        set_trainer_state(trainer, state)
         self.log(f"{checkpoint.name} is GRPO step {state.global_step} of train.max_steps={self.config.train.max_steps}: "
                  "no step left to train, going on from its adapter")
         return True

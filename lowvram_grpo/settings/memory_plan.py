@@ -122,6 +122,13 @@ def plan_text(resolved) -> str:
         return f"GPU memory plan: {exc}"
 
 
+def run_plan_text(resolved) -> str:
+    """The run's plan, whole: the config as YAML (what --resume reads back), the settings resolve decided as YAML
+    comments, and the memory plan. What `--dry-run` prints and what a run writes to its folder's plan.txt."""
+    decided = "\n".join(f"# {line}" for line in resolved.describe().splitlines())
+    return f"{resolved.config.to_yaml()}{decided}\n{plan_text(resolved)}\n"
+
+
 def _verdict(p: MemoryPlan) -> str:
     short = p.short_max_model_len()
     warning = f"\nwarning: {short}" if short else ""
