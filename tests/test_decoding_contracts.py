@@ -10,7 +10,7 @@ import inspect
 import pytest
 import torch
 
-from lowvram_grpo.model import decoding
+from lowvram_grpo.model import decoding, internals
 from lowvram_grpo.model import fused_decode
 
 
@@ -87,10 +87,10 @@ MIRRORED = [
         if self.merged:
         self.unmerge()
         result = self.base_layer(x, *args, **kwargs)""",
-     decoding.merged_weights, "layer._disable_adapters = True"),
+     decoding.merged_weights, "internals.set_adapters_disabled(layer, True)"),
     ("the flag behind disable_adapters",
      "peft.tuners.tuners_utils:BaseTunerLayer.disable_adapters", "return self._disable_adapters",
-     decoding.merged_weights, "layer._disable_adapters = False"),
+     internals.set_adapters_disabled, "layer._disable_adapters = flag"),
     ("a merged layer's forward is its base layer (never merged twice)",
      "peft.tuners.lora.layer:Linear.forward",
      """elif self.merged:

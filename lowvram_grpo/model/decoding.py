@@ -34,7 +34,7 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
-from lowvram_grpo.model import fused_decode
+from lowvram_grpo.model import fused_decode, internals
 from lowvram_grpo.model.fused_decode import merged_weight
 
 SAMPLERS = ("inverse_cdf", "multinomial")
@@ -124,11 +124,11 @@ def sampler_logprobs(model):
     tokens' log-probs [B] (next_tokens' `logprobs`) to the yielded list; calls that go to transformers' generate
     add nothing (`loop_takes` says which beforehand)."""
     steps: list = []
-    model._lowvram_logprobs = steps
+    internals.set_mark(model, "logprobs", steps)
     try:
         yield steps
     finally:
-        model._lowvram_logprobs = None
+        internals.set_mark(model, "logprobs", None)
 
 
 # --------------------------------------------------------------------------- merged LoRA for sampling
@@ -247,12 +247,12 @@ def merged_weights(model):
                 original = base.weight
                 base.weight = torch.nn.Parameter(merged_weight(layer), requires_grad=False)
                 swapped.append((layer, base, original))
-                layer._disable_adapters = True  # peft's own flag, read by LoraLayer.forward (tests/test_decoding.py)
+                internals.set_adapters_disabled(layer, True)  # read by LoraLayer.forward (tests/test_decoding.py)
         yield
     finally:
         for layer, base, original in swapped:
             base.weight = original
-            layer._disable_adapters = False
+            internals.set_adapters_disabled(layer, False)
 
 
 # --------------------------------------------------------------------------- the loop
@@ -323,7 +323,7 @@ def _neutral_settings() -> dict:
     from transformers import GenerationConfig
 
     config = GenerationConfig()
-    config.update(**config._get_default_generation_params(), defaults_only=True)
+    config.update(**internals.default_generation_params(config), defaults_only=True)
     return {key: value for key, value in _settings(config).items() if key not in LOOP_SETTINGS | NO_TOKEN_EFFECT}
 
 
@@ -344,7 +344,7 @@ def _plan(model, kwargs) -> tuple[Optional[dict], str]:
         return None, "a call without input_ids"
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     extra = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "generation_config")}
-    config, model_kwargs = inner._prepare_generation_config(kwargs.get("generation_config"), **extra)
+    config, model_kwargs = internals.prepare_generation_config(inner, kwargs.get("generation_config"), **extra)
     others = sorted(set(model_kwargs) - {"use_cache"})
     if others:
         return None, ", ".join(others)
@@ -366,17 +366,17 @@ def _plan(model, kwargs) -> tuple[Optional[dict], str]:
 def loop_takes(model, kwargs: dict) -> bool:
     """Whether `model.generate(**kwargs)` runs our loop (install put it on this model and `_plan` covers the call),
     rather than transformers' generate."""
-    return getattr(model, "_lowvram_decode", None) is not None and _plan(model, kwargs)[0] is not None
+    return internals.mark(model, "decode") is not None and _plan(model, kwargs)[0] is not None
 
 
 def install(model, settings: DecodeSettings, log=None) -> None:
     """Make `model.generate` (a PEFT model) this module's loop for the calls it covers; idempotent.
-    `model._lowvram_decode_calls` counts them (the tests check TRL's rollouts reach it). A model type outside
+    `internals.mark(model, "decode_calls")` counts them (the tests check TRL's rollouts reach it). A model type outside
     `LOOP_TYPES`, or an adapter option beyond MERGE_OPTIONS and UNMERGED_OPTIONS, keeps transformers' generate; an
     adapter `mergeable` refuses is sampled unmerged; asked-for fused layers the architecture lacks fall back to this
     loop on transformers' layers; a call with a setting outside LOOP_SETTINGS goes to transformers' generate: each
     said once through `log`."""
-    if settings.loop != "lowvram" or getattr(model, "_lowvram_decode", None) is not None:
+    if settings.loop != "lowvram" or internals.mark(model, "decode") is not None:
         return
     import torch
 
@@ -414,7 +414,7 @@ def install(model, settings: DecodeSettings, log=None) -> None:
                 say(f"decode.loop=lowvram: a generate call with {why}, which our decode loop does not implement, "
                     "goes to transformers' generate")
             return plain(*args, **kwargs)
-        model._lowvram_decode_calls += 1
+        internals.set_mark(model, "decode_calls", internals.mark(model, "decode_calls") + 1)
         was_training = model.training
         model.eval()
         try:
@@ -423,10 +423,10 @@ def install(model, settings: DecodeSettings, log=None) -> None:
                 if merge and plan["do_sample"] and not fused:
                     stack.enter_context(merged_weights(model))
                 return decode(model, kwargs["input_ids"], kwargs.get("attention_mask"), settings=settings, fused=fused,
-                              logprobs=getattr(model, "_lowvram_logprobs", None), **plan)
+                              logprobs=internals.mark(model, "logprobs"), **plan)
         finally:
             model.train(was_training)
 
-    model._lowvram_decode = settings
-    model._lowvram_decode_calls = 0
-    model.generate = generate
+    internals.set_mark(model, "decode", settings)
+    internals.set_mark(model, "decode_calls", 0)
+    internals.replace_generate(model, generate)

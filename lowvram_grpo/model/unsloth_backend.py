@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
+from lowvram_grpo.model import internals
 from lowvram_grpo.model.builtin_models import resolve_model_path
 from lowvram_grpo.model.handle import AdapterVersions, Completion, LoraRequest, ModelHandle, SamplingParams
 from lowvram_grpo.model.lora_io import adapter_settings, load_adapter_weights
@@ -144,8 +145,7 @@ def mark_requested_float32(model, dtype) -> None:
     without bf16 (a CPU, a T4) is switched to fp16 mixed precision (`UnslothGRPOTrainer.__init__`)."""
     import torch
 
-    if getattr(model, "_unsloth_user_float32", None) is None:
-        model._unsloth_user_float32 = dtype is torch.float32
+    internals.mark_requested_float32(model, dtype is torch.float32)
 
 
 def load_model(resolved, log=print) -> ModelHandle:

@@ -34,6 +34,7 @@ import os
 
 from transformers import TrainerCallback
 
+from lowvram_grpo.model import internals
 from lowvram_grpo.run import allocator
 
 FEATURES = ("trim", "head")
@@ -73,8 +74,8 @@ def contiguous_head_input(model) -> bool:
         return False
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if head is None or getattr(head, "_lowvram_contiguous_input", False):
+    if head is None or internals.mark(head, "contiguous_input", False):
         return False
     head.register_forward_pre_hook(_contiguous_input)
-    head._lowvram_contiguous_input = True
+    internals.set_mark(head, "contiguous_input", True)
     return True

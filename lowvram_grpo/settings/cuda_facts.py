@@ -14,6 +14,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Optional
 
+from lowvram_grpo.model import internals
 from lowvram_grpo.settings.driver_fit import (
     MIN_DRIVER,
     SETS,
@@ -123,7 +124,7 @@ def read_cuda_facts(all_devices: bool = True) -> CudaFacts:
             free, total = torch.cuda.mem_get_info(index)
             cards.append(Card(index, props.name, (props.major, props.minor), total, free))
         if driver_cuda is None:
-            driver_cuda = _cuda_version(torch._C._cuda_getDriverVersion())
+            driver_cuda = _cuda_version(internals.cuda_driver_version())
     try:
         vllm_version = importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:

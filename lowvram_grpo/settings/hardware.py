@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+from lowvram_grpo.model import internals
 from lowvram_grpo.run.allocator import mimalloc_library
 from lowvram_grpo.run.errors import UnknownProfile
 
@@ -133,12 +134,7 @@ def _installed(module: str) -> bool:
 
 
 def cpu_has_native_bf16() -> bool:
-    import torch
-
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    return internals.mkldnn_bf16_supported()
 
 
 STANDBY_VARIABLE = "UNSLOTH_VLLM_STANDBY"

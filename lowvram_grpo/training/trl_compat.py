@@ -56,6 +56,7 @@ import trl
 from transformers import Trainer
 from trl.trainer import utils as trl_utils
 
+from lowvram_grpo.model import internals
 from lowvram_grpo.model.decoding import loop_takes, sampler_logprobs
 from lowvram_grpo.run.errors import AdapterError, BackendError
 
@@ -194,6 +195,25 @@ def sample_with(trainer, sampler) -> None:
         # model's max_position_embeddings, as on TRL's transformers path (colocate would read a vLLM engine's)
 
 
+def insert_callback(trainer, callback, before: tuple[str, ...] = ()) -> None:
+    """Put `callback` in the built trainer's callback list before the first callback whose class is named in `before`
+    (at the end when none is; first when `before` is empty): transformers' add_callback only appends, and a callback
+    that adds to a step's logs must run before those that write them."""
+    callbacks = trainer.callback_handler.callbacks
+    index = next((i for i, c in enumerate(callbacks) if type(c).__name__ in before), len(callbacks)) if before else 0
+    callbacks.insert(index, callback)
+
+
+def trainer_callbacks(trainer) -> tuple:
+    """The built trainer's callbacks, in the order they run."""
+    return tuple(trainer.callback_handler.callbacks)
+
+
+def set_trainer_state(trainer, state) -> None:
+    """Make `state` (a transformers TrainerState, e.g. a checkpoint's) the built trainer's own."""
+    trainer.state = state
+
+
 # TRL 1.15's own generation of one turn (the transformers branch of GRPOTrainer._generate_single_turn), which
 # ModelSampler runs with the sampler's log-probs captured; check_versions refuses a TRL whose signature differs.
 SINGLE_TURN = ("_generate_single_turn", ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"))
@@ -235,7 +255,6 @@ class ModelSampler:
         trainer = self.trainer
         model = trainer.accelerator.unwrap_model(trainer.model)
         inner = model.generate
-        own = model.__dict__.get("generate")  # decoding.install's loop, if any: put back after
         rows = []
 
         def generate(**kwargs):
@@ -252,17 +271,14 @@ class ModelSampler:
                         else tokens.new_zeros(tokens.shape).float())
             return out.sequences
 
-        model.generate = generate
+        own = internals.replace_generate(model, generate)  # decoding.install's loop, if any: put back after
         trainer.use_vllm = False  # TRL's transformers branch
         try:
             with profiler if profiler is not None else contextlib.nullcontext():
                 completion_ids, _ = trainer._generate_single_turn(prompts, images, {}, num_generations)
         finally:
             trainer.use_vllm = True
-            if own is None:
-                del model.generate
-            else:
-                model.generate = own
+            internals.restore_generate(model, own)
         logprobs = rows[0].cpu().tolist()
         return prompts, completion_ids, [[[lp] for lp in row[:len(ids)]] for row, ids in zip(logprobs, completion_ids)], None
 

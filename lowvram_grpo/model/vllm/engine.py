@@ -317,7 +317,7 @@ def _close_ref(ref) -> None:
         engine.close()
 
 
-_OPEN: "weakref.WeakSet[LocalVLLMEngine]" = weakref.WeakSet()  # engines started for runs (closes_engines_on_error)
+OPEN_ENGINES: "weakref.WeakSet[LocalVLLMEngine]" = weakref.WeakSet()  # engines started for runs (closes_engines_on_error)
 
 
 def engine_stop_cause(exc: BaseException) -> Optional[str]:
@@ -339,11 +339,11 @@ def closes_engines_on_error(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        before = set(_OPEN)
+        before = set(OPEN_ENGINES)
         try:
             return fn(*args, **kwargs)
         except BaseException:
-            for engine in list(_OPEN):
+            for engine in list(OPEN_ENGINES):
                 if engine not in before:
                     engine.close()
             raise

@@ -7,7 +7,7 @@ import contextlib
 import os
 from typing import Any
 
-from lowvram_grpo.model.vllm.engine import _OPEN, LocalVLLMEngine
+from lowvram_grpo.model.vllm.engine import OPEN_ENGINES, LocalVLLMEngine
 from lowvram_grpo.model.vllm.settings import VLLMEngineError, settings_for
 from lowvram_grpo.settings.model_shapes import shape_from_config
 
@@ -136,7 +136,7 @@ class TRLRollouts:
         sampling is on, TRL's correction with sampling log-probs from this engine (no engine of TRL's)."""
         from transformers import TrainerCallback
 
-        from lowvram_grpo.training.trl_compat import sample_with  # loads transformers
+        from lowvram_grpo.training.trl_compat import insert_callback, sample_with  # loads transformers
 
         self.trainer = trainer
         if self.importance_sampling:
@@ -152,12 +152,8 @@ class TRLRollouts:
                     if stats.sync_seconds:
                         logs["vllm/sync_seconds"] = stats.sync_seconds[-1]
 
-        callbacks = trainer.callback_handler.callbacks
-        callback = AdapterVersionLog()
         # before the metrics writer, so metrics.jsonl has the version
-        index = next((i for i, c in enumerate(callbacks) if type(c).__name__ in ("MetricsWriter", "SignalWarnings")),
-                     len(callbacks))
-        callbacks.insert(index, callback)
+        insert_callback(trainer, AdapterVersionLog(), before=("MetricsWriter", "SignalWarnings"))
 
 
 def start_for_run(handle, log=print) -> TRLRollouts:
@@ -179,6 +175,6 @@ def start_for_run(handle, log=print) -> TRLRollouts:
                             f"{settings.kv_cache_bytes / 2**30:.2f} GiB for {settings.max_num_seqs} sequences of "
                             f"{settings.max_model_len} tokens: lower memory.vllm_kv_cache_gb, eval.batch_size or "
                             "model.max_seq_length, or set model.generation=transformers; nothing was written") from None
-    _OPEN.add(engine)
+    OPEN_ENGINES.add(engine)
     handle.engine = engine
     return TRLRollouts(engine, sync_every=config.model.vllm_sync_steps, importance_sampling=resolved.is_correction)

@@ -1,0 +1,146 @@
+"""Every reach into transformers', PEFT's, torch's and unsloth's private names (trl_compat is the door to TRL's trainer),
+and the marks this package keeps on their objects, each a small function here; nowhere else touches a `_` name of a
+model, a layer or a library (tests/test_trl_compat.py::test_private_reaches_go_through_the_doors).
+
+Written for transformers 5.17.0, peft 0.21.2, torch 2.13.0 (requirements*.txt). Nothing heavy is imported here at
+module level (settings/ reads the machine through it before any model): each reach is looked up when it is used and a
+missing one raises BackendError saying to install the pinned versions; `missing_reaches()` lists them all at once
+(tests/test_trl_compat.py checks it against the installed wheels). The reaches:
+
+- `prepare_generation_config(model, generation_config, **kwargs)`: transformers' `GenerationMixin._prepare_generation_config`,
+  how generate reads a call's settings (decoding._plan).
+- `default_generation_params(config)`: `GenerationConfig._get_default_generation_params`, the values generate gives
+  settings nobody set (decoding._neutral_settings).
+- `set_adapters_disabled(layer, flag)`: PEFT's `BaseTunerLayer._disable_adapters`, the flag behind its read-only
+  `disable_adapters`, which LoraLayer.forward reads (decoding.merged_weights).
+- `cuda_driver_version()`: `torch._C._cuda_getDriverVersion()` (CUDA builds of torch only; settings.cuda_facts).
+- `mkldnn_bf16_supported()`: `torch.ops.mkldnn._is_mkldnn_bf16_supported()` (settings.hardware).
+- `mark_requested_float32(model, value)`: unsloth's `_unsloth_user_float32` (model.unsloth_backend).
+- `replace_generate(model, fn)` / `restore_generate(model, own)`: a model's `generate` replaced on the instance (our
+  decode loop, decoding.install; the sampler's log-probs, trl_compat.ModelSampler).
+- `mark(obj, name)` / `set_mark(obj, name, value)`: our own marks on a model or layer (MARKS), kept as `_lowvram_<name>`
+  attributes so that PEFT's and transformers' attribute forwarding never meets them.
+"""
+from __future__ import annotations
+
+import importlib
+
+from lowvram_grpo.run.errors import BackendError
+
+WRITTEN_FOR = {"transformers": "5.17.0", "peft": "0.21.2", "torch": "2.13.0"}
+# (module, owner's dotted path in it, private attribute): each reach this module makes
+REACHES = (
+    ("transformers.generation.utils", "GenerationMixin", "_prepare_generation_config"),
+    ("transformers.generation.configuration_utils", "GenerationConfig", "_get_default_generation_params"),
+    ("peft.tuners.tuners_utils", "BaseTunerLayer", "_disable_adapters"),
+    ("torch", "ops.mkldnn", "_is_mkldnn_bf16_supported"),
+    ("torch", "_C", "_cuda_getDriverVersion"),  # CUDA builds only: missing_reaches skips it on a CPU torch
+)
+MARKS = ("decode", "decode_calls", "logprobs", "contiguous_input")
+UNSLOTH_FLOAT32 = "_unsloth_user_float32"  # unsloth 2026.10.9: loader.py sets it, UnslothGRPOTrainer.__init__ reads it
+
+
+def _owner(module: str, path: str):
+    owner = importlib.import_module(module)
+    for part in path.split("."):
+        owner = getattr(owner, part)
+    return owner
+
+
+def _reach(module: str, path: str, name: str):
+    """The private `name` of `module`.`path`; BackendError naming the pins when it is gone."""
+    try:
+        return getattr(_owner(module, path), name)
+    except AttributeError:
+        pins = " ".join(f"{k}=={v}" for k, v in WRITTEN_FOR.items())
+        raise BackendError(f"lowvram_grpo uses {module}.{path}.{name}, which the installed {module.split('.')[0]} does "
+                           f"not have: install the pinned versions (pip install {pins})") from None
+
+
+def missing_reaches() -> list[str]:
+    """Each REACHES entry the installed libraries lack ('module.owner.name'); [] when all are there."""
+    import torch  # the reaches' owners are torch's, transformers' and PEFT's
+
+    missing = []
+    for module, path, name in REACHES:
+        if (path, name) == ("_C", "_cuda_getDriverVersion") and torch.version.cuda is None:
+            continue
+        try:
+            _reach(module, path, name)
+        except BackendError:
+            missing.append(f"{module}.{path}.{name}")
+    return missing
+
+
+# --------------------------------------------------------------------------- transformers' and PEFT's generation
+
+def prepare_generation_config(model, generation_config, **kwargs) -> tuple:
+    """(GenerationConfig, model kwargs) for a generate call on `model` (not a PEFT wrapper), as its generate reads them."""
+    _reach("transformers.generation.utils", "GenerationMixin", "_prepare_generation_config")
+    return model._prepare_generation_config(generation_config, **kwargs)
+
+
+def default_generation_params(config) -> dict:
+    """The defaults transformers' generate gives the settings of GenerationConfig `config` that nobody set."""
+    _reach("transformers.generation.configuration_utils", "GenerationConfig", "_get_default_generation_params")
+    return config._get_default_generation_params()
+
+
+def set_adapters_disabled(layer, flag: bool) -> None:
+    """Set PEFT's flag behind `layer.disable_adapters` (its forward then runs the base layer alone)."""
+    _reach("peft.tuners.tuners_utils", "BaseTunerLayer", "_disable_adapters")
+    layer._disable_adapters = flag
+
+
+def replace_generate(model, fn):
+    """Make `fn` the instance's `generate`; returns the instance's own one before (None: the class's)."""
+    own = model.__dict__.get("generate")
+    model.generate = fn
+    return own
+
+
+def restore_generate(model, own) -> None:
+    """Undo replace_generate: `own` (its return) back, or the class's generate when it was None."""
+    if own is None:
+        model.__dict__.pop("generate", None)
+    else:
+        model.generate = own
+
+
+# --------------------------------------------------------------------------- torch's machine facts
+
+def cuda_driver_version() -> int:
+    """The CUDA driver's version as torch reads it (e.g. 12090 for 12.9)."""
+    return _reach("torch", "_C", "_cuda_getDriverVersion")()
+
+
+def mkldnn_bf16_supported() -> bool:
+    """Whether oneDNN has native bf16 kernels on this CPU; False where this torch cannot say."""
+    try:
+        return bool(_reach("torch", "ops.mkldnn", "_is_mkldnn_bf16_supported")())
+    except (BackendError, RuntimeError):
+        return False
+
+
+# --------------------------------------------------------------------------- unsloth's float32 mark, and ours
+
+def mark_requested_float32(model, requested: bool) -> None:
+    """Record on `model` whether float32 was asked for (unsloth's mark), unless it carries one already."""
+    if getattr(model, UNSLOTH_FLOAT32, None) is None:
+        setattr(model, UNSLOTH_FLOAT32, requested)
+
+
+def _mark_name(name: str) -> str:
+    if name not in MARKS:
+        raise ValueError(f"unknown mark {name!r}: one of {', '.join(MARKS)}")
+    return f"_lowvram_{name}"
+
+
+def mark(obj, name: str, default=None):
+    """Our mark `name` (one of MARKS) on `obj`, or `default` where it has none."""
+    return getattr(obj, _mark_name(name), default)
+
+
+def set_mark(obj, name: str, value) -> None:
+    """Set our mark `name` (one of MARKS) on `obj`."""
+    setattr(obj, _mark_name(name), value)
