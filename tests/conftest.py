@@ -153,3 +153,18 @@ def tiny_run(tmp_path_factory):
     proc = run_cli("--preset", "tiny", "--max-steps", "3", "--output-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
+
+
+def assert_same_adapter(expected_dir: Path, got_dir: Path, atol: float = 0.0, what: str = "training") -> None:
+    """The adapter in `got_dir` is the one in `expected_dir` (same tensors; bit for bit when atol is 0), and its
+    LoRA B weights moved (`what` moved nothing otherwise)."""
+    import torch
+    from safetensors.torch import load_file
+
+    expected = load_file(str(Path(expected_dir) / "adapter_model.safetensors"))
+    got = load_file(str(Path(got_dir) / "adapter_model.safetensors"))
+    assert expected.keys() == got.keys()
+    for name in expected:
+        same = torch.equal(got[name], expected[name]) if atol == 0 else torch.allclose(got[name], expected[name], atol=atol, rtol=0)
+        assert same, name
+    assert any(torch.count_nonzero(v) for k, v in got.items() if "lora_B" in k), f"{what} moved nothing"

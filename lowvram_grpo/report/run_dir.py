@@ -494,14 +494,18 @@ class RunDir:
             shutil.rmtree(root, ignore_errors=True)
 
     # ------------------------------------------------------------------ checkpoints
-    def checkpoint_dirs(self) -> list[tuple[int, Path]]:
-        """(step, path) of every checkpoint-N folder, oldest first."""
+    def _numbered_dirs(self, pattern) -> list[tuple[int, Path]]:
+        """(N, path) of every folder whose whole name `pattern` matches (N its group 1), lowest N first."""
         found = []
-        for path in self.path.glob("checkpoint-*"):
-            match = _CHECKPOINT.fullmatch(path.name)
+        for path in self.path.iterdir() if self.path.is_dir() else ():
+            match = pattern.fullmatch(path.name)
             if match and path.is_dir():
                 found.append((int(match.group(1)), path))
         return sorted(found)
+
+    def checkpoint_dirs(self) -> list[tuple[int, Path]]:
+        """(step, path) of every checkpoint-N folder, oldest first."""
+        return self._numbered_dirs(_CHECKPOINT)
 
     @staticmethod
     def is_complete(checkpoint: Path) -> bool:
@@ -567,12 +571,7 @@ class RunDir:
     # ------------------------------------------------------------------ priming checkpoints
     def prime_checkpoint_dirs(self) -> list[tuple[int, Path]]:
         """(step, path) of every prime-checkpoint-N folder, oldest first."""
-        found = []
-        for path in self.path.glob("prime-checkpoint-*"):
-            match = _PRIME_CHECKPOINT.fullmatch(path.name)
-            if match and path.is_dir():
-                found.append((int(match.group(1)), path))
-        return sorted(found)
+        return self._numbered_dirs(_PRIME_CHECKPOINT)
 
     def latest_prime_checkpoint(self) -> Optional[Path]:
         """The newest complete priming checkpoint, or None."""

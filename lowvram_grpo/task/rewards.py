@@ -46,7 +46,7 @@ from typing import Callable, Optional
 from lowvram_grpo.run.errors import ConfigError, RewardError
 from lowvram_grpo.task import answers
 from lowvram_grpo.task.reward_models import RewardModel, is_reward_model, model_id_name
-from lowvram_grpo.task.user_files import first_line, import_user_file
+from lowvram_grpo.task.user_files import first_line, import_user_file, own_functions
 
 # The Unsloth GRPO notebook's system prompt (leading/trailing newlines dropped).
 NOTEBOOK_SYSTEM_PROMPT = """Respond in the following format:
@@ -366,8 +366,7 @@ def load_reward_module(path: str):
 
 def module_reward_names(module) -> list[str]:
     """The public functions a reward file defines itself (not the ones it imports)."""
-    return sorted(n for n, f in vars(module).items()
-                  if not n.startswith("_") and inspect.isfunction(f) and f.__module__ == module.__name__)
+    return own_functions(module)
 
 
 def lookup_reward(name: str, module=None, chat_template_kwargs: Optional[dict] = None) -> RewardFn:

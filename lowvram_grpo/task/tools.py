@@ -39,7 +39,7 @@ import threading
 from typing import Callable, Optional
 
 from lowvram_grpo.run.errors import ConfigError
-from lowvram_grpo.task.user_files import first_line, import_user_file
+from lowvram_grpo.task.user_files import first_line, import_user_file, own_functions
 
 MAX_RESULT_CHARS = 2000  # a tool result longer than this is cut (it becomes prompt tokens of the next turn)
 MAX_RUNAWAY = 4  # timed-out calls of one tool still running: beyond this, that tool is not started again
@@ -178,8 +178,7 @@ def load_tool_module(path: str):
 
 def module_tool_names(module) -> list[str]:
     """The public functions a tools file defines itself (not the ones it imports)."""
-    return sorted(n for n, f in vars(module).items()
-                  if not n.startswith("_") and inspect.isfunction(f) and f.__module__ == module.__name__)
+    return own_functions(module)
 
 
 def lookup_tool(name: str, module=None) -> Callable:

@@ -3,6 +3,7 @@ failure one line naming the setting. Pure: imports nothing heavy, runs only the 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from pathlib import Path
 
 _MODULES: dict[tuple, object] = {}
@@ -36,3 +37,9 @@ def import_user_file(path: str, setting: str, holds: str, error: type[Exception]
             raise error(f"{setting} {path} failed to import: {first_line(exc)}") from None
         _MODULES[key] = module
     return _MODULES[key]
+
+
+def own_functions(module) -> list[str]:
+    """The public functions a user's file defines itself (not the ones it imports), by name, sorted."""
+    return sorted(n for n, f in vars(module).items()
+                  if not n.startswith("_") and inspect.isfunction(f) and f.__module__ == module.__name__)
