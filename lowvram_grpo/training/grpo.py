@@ -19,6 +19,7 @@ memory: PEFT disables the adapters for the reference pass), paged 8-bit AdamW.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import math
 import sys
@@ -53,6 +54,7 @@ from lowvram_grpo.training.trl_compat import (
     grpo_trainer_base,
     install_logprob_fallback,
     sample_with,
+    trainer_callbacks,
     trainer_name,
 )
 from lowvram_grpo.training.validation import due
@@ -250,7 +252,7 @@ class CompletionsWriter(TrainerCallback):
         from lowvram_grpo.training.trl_compat import completion_log  # loads transformers
 
         written = self.policy.write(state.global_step, completion_log(self.trainer))
-        writer = next((getattr(cb, "tb_writer", None) for cb in self.trainer.callback_handler.callbacks
+        writer = next((getattr(cb, "tb_writer", None) for cb in trainer_callbacks(self.trainer)
                        if getattr(cb, "tb_writer", None) is not None), None)
         if written and writer is not None:
 
@@ -446,10 +448,48 @@ def with_group_outcomes(reward_funcs: list, group_size: int) -> list:
     return [GroupOutcomes(fn, group_size) if fn.__name__ == "correctness" else fn for fn in reward_funcs]
 
 
+@dataclasses.dataclass(frozen=True)
+class RunExtras:
+    """What a RunTrainer takes beside TRL's GRPOTrainer arguments (build_trainer fills it from the run's settings).
+
+    Args:
+        run_dir: where checkpoints, metrics.jsonl and completions.jsonl go.
+        tool_functions: the run's tools and environment methods, with their call / failure / timeout counts.
+        tool_use: tool_metrics.ToolUse when the run has tools (a transcript at checkpoint steps), else None.
+        max_nonfinite_steps, learning_rate: guards.NonFiniteGuard's.
+        keep_checkpoints: how many checkpoints stay on disk.
+        data_per_step: {"prompts": n, "completions": n} drawn per optimizer step.
+        max_steps, beta, max_completion_length: the progress bar's and the signal warnings'.
+        completions: completions.CompletionsLog's keyword arguments after run_dir, its `weights` a list in
+            rewards.names order (paired with the trainer's reward functions), or None: no completions.jsonl.
+        validation: a validation.Validation measuring the held-out curve, or None.
+        dynamic_sampling_draws: trl_compat.DynamicSampling's (0 = off); dynamic_sampling_reward / _column: judge by
+            that reward function's column alone (None: the weighted sum).
+        asked: the GRPOConfig keyword arguments build_trainer asked for (effective_grpo_settings compares them)."""
+
+    run_dir: RunDir
+    tool_functions: list
+    tool_use: object
+    max_nonfinite_steps: int
+    learning_rate: float
+    keep_checkpoints: int
+    data_per_step: dict
+    max_steps: int
+    beta: float
+    max_completion_length: int
+    completions: dict | None = None
+    validation: object = None
+    dynamic_sampling_draws: int = 0
+    dynamic_sampling_reward: str | None = None
+    dynamic_sampling_column: int | None = None
+    asked: dict = dataclasses.field(default_factory=dict)
+
+
 class RunTrainer(DynamicSampling, TrainerHooks):
     """Mixed over the GRPOTrainer class in use (trainer_class): our checkpoints (run_dir.RunDir.save_checkpoint:
     atomic, with our run state), the NaN guard's view of the gradient norm, and the trained adapter restored on
-    resume (trl_compat's hooks). build_trainer sets the attributes below."""
+    resume (trl_compat's hooks). Built with `extras` (RunExtras) beside GRPOTrainer's own arguments; everything it
+    keeps and every callback it runs is set here, nothing on the trainer after it is built (but trl_compat's)."""
 
     nonfinite_guard: NonFiniteGuard
     stop_signals: StopOnSignal
@@ -457,6 +497,39 @@ class RunTrainer(DynamicSampling, TrainerHooks):
     keep_checkpoints: int = 2
     data_per_step: dict
     completions_log = None  # completions.CompletionsLog when log.completions_every > 0
+
+    def __init__(self, *args, extras: RunExtras, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tool_functions = extras.tool_functions  # their call / failure / timeout counts
+        for callback in (PrinterCallback, ProgressCallback):
+            self.remove_callback(callback)
+        self.run_dir = extras.run_dir
+        self.nonfinite_guard = NonFiniteGuard(extras.max_nonfinite_steps, extras.learning_rate)
+        self.stop_signals = StopOnSignal()
+        self.keep_checkpoints = extras.keep_checkpoints
+        self.data_per_step = extras.data_per_step
+        self.checkpoint_saver = self.save_checkpoint_with
+        self.grad_norm_observer = self.nonfinite_guard.note_grad_norm
+        self.add_callback(self.nonfinite_guard)  # before MetricsWriter: it adds skipped_nonfinite to the logs
+        self.add_callback(self.stop_signals)
+        if self.is_world_process_zero():
+            self.add_callback(ProgressBar(extras.max_steps, beta=extras.beta))
+            self.add_callback(SignalWarnings(extras.max_completion_length))
+        self.add_callback(MetricsWriter(self.run_dir, extras.tool_use))
+        if extras.completions is not None and self.is_world_process_zero():
+            settings = dict(extras.completions)
+            settings["weights"] = dict(zip(self.reward_func_names, settings["weights"]))
+            self.completions_log = CompletionsLog(self.run_dir, **settings)
+            self.add_callback(CompletionsWriter(self.completions_log, self))
+        self.validation = extras.validation
+        if extras.validation is not None:  # first: its numbers join the step's logs before the trackers and metrics.jsonl read them
+            self.callback_handler.callbacks.insert(0, ValidationCurve(extras.validation, self.run_dir))
+        self.add_callback(ReleaseHostMemory())  # freed step memory back to the OS: RSS stays flat (host_memory.py)
+        self.dynamic_sampling_draws = extras.dynamic_sampling_draws
+        if extras.dynamic_sampling_reward is not None:
+            self.dynamic_sampling_reward = extras.dynamic_sampling_reward
+            self.dynamic_sampling_column = extras.dynamic_sampling_column
+        self.effective_settings = effective_grpo_settings(self, extras.asked)  # before our samplers switch use_vllm on
 
     def run_state(self) -> dict:
         step = self.state.global_step
@@ -522,48 +595,34 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward
         with_group_outcomes(reward_funcs or user.reward_functions(), config.train.num_generations), counted)
     if config.log.completions_every > 0:  # each completion's truncation and gold answer into TRL's log (log_extra)
         scored = with_completion_facts(scored, _stop_ids(handle))
+    generation_batch = handle.resolved.generation_batch_size
+    dynamic = config.train.dynamic_sampling
+    extras = RunExtras(
+        run_dir=run_dir, tool_functions=counted, tool_use=tool_use, max_nonfinite_steps=config.train.max_nonfinite_steps,
+        learning_rate=config.train.learning_rate, keep_checkpoints=config.train.keep_checkpoints,
+        data_per_step={"prompts": generation_batch // config.train.num_generations, "completions": generation_batch},
+        max_steps=config.train.max_steps, beta=config.train.beta, max_completion_length=config.train.max_completion_length,
+        completions=dict(every=config.log.completions_every, groups=config.log.completions_groups,
+                         max_mb=config.log.completions_max_mb, group_size=config.train.num_generations,
+                         weights=list(config.rewards.weight_list), max_steps=config.train.max_steps,
+                         logging_steps=config.train.logging_steps) if config.log.completions_every > 0 else None,
+        validation=validation, dynamic_sampling_draws=config.train.dynamic_sampling_max_draws if dynamic else 0,
+        # checks: dynamic_sampling_reward is one of rewards.names
+        dynamic_sampling_reward=config.train.dynamic_sampling_reward if dynamic else None,
+        dynamic_sampling_column=(config.rewards.names.index(config.train.dynamic_sampling_reward)
+                                 if dynamic and config.train.dynamic_sampling_reward is not None else None),
+        asked=asked)
     trainer = trainer_class()(
         model=handle.model,
         processing_class=handle.tokenizer,
         reward_funcs=scored,
         args=GRPOConfig(**asked),
         train_dataset=Dataset.from_list(train_rows),
+        extras=extras,
         **({"rollout_func": rollouts.rollout_func} if rollouts is not None else {}),
         **({"tools": tools} if tools else {}),  # multi-turn: TRL parses <tool_call>s, runs them, masks their results
         **({"environment_factory": environment} if environment is not None else {}),  # its methods are tools too
     )
-    trainer.tool_functions = counted  # their call / failure / timeout counts
-    for callback in (PrinterCallback, ProgressCallback):
-        trainer.remove_callback(callback)
-    trainer.run_dir = run_dir
-    trainer.nonfinite_guard = NonFiniteGuard(config.train.max_nonfinite_steps, config.train.learning_rate)
-    trainer.stop_signals = StopOnSignal()
-    trainer.keep_checkpoints = config.train.keep_checkpoints
-    generation_batch = handle.resolved.generation_batch_size
-    trainer.data_per_step = {"prompts": generation_batch // config.train.num_generations, "completions": generation_batch}
-    trainer.checkpoint_saver = trainer.save_checkpoint_with
-    trainer.grad_norm_observer = trainer.nonfinite_guard.note_grad_norm
-    trainer.add_callback(trainer.nonfinite_guard)  # before MetricsWriter: it adds skipped_nonfinite to the logs
-    trainer.add_callback(trainer.stop_signals)
-    if trainer.is_world_process_zero():
-        trainer.add_callback(ProgressBar(config.train.max_steps, beta=config.train.beta))
-        trainer.add_callback(SignalWarnings(config.train.max_completion_length))
-    trainer.add_callback(MetricsWriter(run_dir, tool_use))
-    if config.log.completions_every > 0 and trainer.is_world_process_zero():
-        trainer.completions_log = CompletionsLog(
-            run_dir, config.log.completions_every, config.log.completions_groups, config.log.completions_max_mb,
-            config.train.num_generations, dict(zip(trainer.reward_func_names, config.rewards.weight_list)),
-            config.train.max_steps, config.train.logging_steps)
-        trainer.add_callback(CompletionsWriter(trainer.completions_log, trainer))
-    trainer.validation = validation
-    if validation is not None:  # first: its numbers join the step's logs before the trackers and metrics.jsonl read them
-        trainer.callback_handler.callbacks.insert(0, ValidationCurve(validation, run_dir))
-    trainer.add_callback(ReleaseHostMemory())  # freed step memory back to the OS: RSS stays flat (host_memory.py)
-    trainer.dynamic_sampling_draws = config.train.dynamic_sampling_max_draws if config.train.dynamic_sampling else 0
-    if config.train.dynamic_sampling and config.train.dynamic_sampling_reward is not None:  # checks: one of rewards.names
-        trainer.dynamic_sampling_reward = config.train.dynamic_sampling_reward
-        trainer.dynamic_sampling_column = config.rewards.names.index(config.train.dynamic_sampling_reward)
-    trainer.effective_settings = effective_grpo_settings(trainer, asked)  # before our samplers switch use_vllm on
     if rollouts is not None:
         rollouts.attach(trainer)  # importance-sampling correction + vllm/adapter_version in metrics.jsonl
     elif handle.resolved.is_correction and not asked["use_vllm"]:  # the model samples its own rollouts (our loop,
