@@ -14,7 +14,7 @@ from `metrics.jsonl`, `summary.json` and `config.yaml`. It holds:
   it turned right and wrong, with one of each (`what_changed`; the first questions for older summaries);
 - after beside each control the run was measured against (summary.json `controls`, baseline.py: the random-reward
   control, the prime-only baseline), paired, with one line saying what the run added beyond it;
-- the training-signal warnings (signals.py), replayed over the whole log;
+- the training-signal warnings (learning_signals.py), replayed over the whole log;
 - the held-out curve during GRPO (validation.py: `validation/*` in metrics.jsonl), its best step and best_adapter/, and
   on the held-out questions the best adapter against the last (`best`, `paired_changes_best`);
 - what the model wrote (completions.jsonl, completions.py): for the latest written step and the worst-reward one, a

@@ -66,10 +66,10 @@ ADAPTER, PRIMED_ADAPTER, BEST_ADAPTER = "adapter", "primed_adapter", "best_adapt
 COMPLETIONS = "completions.jsonl"
 BEST_STEP = "best_step.json"  # inside best_adapter/: the GRPO step it is, and its validation numbers
 CHECKPOINT_BEST = "validation"  # checkpoint-N/validation/best_adapter: the best adapter as it was at step N
-TRL_COMPLETIONS = "completions"  # TRL's log_completions writes its parquet tables there (training.py turns it on)
-PLOT_FILES = ("reward.png", "kl.png", "completion_length.png", "clipped_ratio.png", "loss.png")  # report.py draws them
-VALIDATION_PLOT = "validation.png"  # report.py draws it for a run with the held-out curve
-SAMPLER_PLOT = "sampler_gap.png"  # report.py draws it for a run with the importance-sampling correction on
+TRL_COMPLETIONS = "completions"  # TRL's log_completions writes its parquet tables there (grpo.py turns it on)
+PLOT_FILES = ("reward.png", "kl.png", "completion_length.png", "clipped_ratio.png", "loss.png")  # report/build.py draws them
+VALIDATION_PLOT = "validation.png"  # report/build.py draws it for a run with the held-out curve
+SAMPLER_PLOT = "sampler_gap.png"  # report/build.py draws it for a run with the importance-sampling correction on
 # what a run leaves that marks the folder as holding one (any of them)
 RUN_MARKERS = (CONFIG, SUMMARY, METRICS, ADAPTER, PRIMED_ADAPTER)
 STAGING_PREFIX = ".checkpoint-staging-"

@@ -1,6 +1,6 @@
 """Every error a user can meet, with the exit code the CLI gives it. One base class, one mapping.
 
-`LowvramError` carries its exit code; the CLI (run.py) prints any of them as one `error: <message>`
+`LowvramError` carries its exit code; the CLI (run/cli.py) prints any of them as one `error: <message>`
 line on stderr and exits with `exit_code`: nothing else in the package decides exit codes. Messages
 are one line and say what to do next.
 

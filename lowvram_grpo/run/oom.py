@@ -37,7 +37,7 @@ def oom_phase(exc: BaseException, default: str) -> str:
     """'rollout' when the out-of-memory was raised while TRL generated or scored the rollouts (read from
     the traceback), else `default`."""
     # Imported here, not at the top: trl_compat imports trl, and the pipeline imports this module before training.
-    # An out-of-memory in training comes after training.py imported trl_compat, so this costs nothing then.
+    # An out-of-memory in training comes after grpo.py imported trl_compat, so this costs nothing then.
     from lowvram_grpo.training.trl_compat import TRL_ROLLOUT_METHODS
 
     rollout_frames = frozenset(TRL_ROLLOUT_METHODS + OUR_ROLLOUT_FRAMES)

@@ -48,7 +48,7 @@ EVAL_TO_TRAIN_WARNING = 5  # warn when evaluation generates this many times the 
 
 def _context_length(name: str) -> Optional[int]:
     """The model's own context (max_position_embeddings) where it is known without loading: a local
-    checkpoint's config.json, or the shape table (memory.py) for the built-ins and known hub models."""
+    checkpoint's config.json, or the shape table (memory_plan.py) for the built-ins and known hub models."""
 
     try:
         raw = local_model_config(name)

@@ -7,7 +7,7 @@
 Everything device-dependent (backend, compute dtype, checkpointing mode, vLLM on or off, batch sizes,
 the card's size) comes from the `Resolved` settings (resolve.py), the same object the run uses.
 
-The plan by job: model_shapes.py (an architecture's sizes), memory_plan_terms.py (the terms, each explained
+The plan by job: model_shapes.py (an architecture's sizes), memory_terms.py (the terms, each explained
 there, and their estimate), memory_fit.py (settings that fit; the default preset), this module (the plan with
 its suggestions, and its table), oom.py (a run's out-of-memory line). Pure Python: no torch, no transformers.
 """

@@ -1,4 +1,4 @@
-"""The memory plan's terms (memory.py sums them): an estimate, by component, of a run's peak GPU memory for the
+"""The memory plan's terms (memory_plan.py sums them): an estimate, by component, of a run's peak GPU memory for the
 resolved settings (resolve.py), and what the plan takes besides them: the memory free for the run, the batch vLLM's
 KV cache must hold, unsloth's standby mode, and priming's own peak.
 

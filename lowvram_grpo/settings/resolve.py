@@ -126,7 +126,7 @@ class Resolved:
     generation: str                   # 'unsloth_vllm' | 'vllm' (our engine, hf backend) | 'transformers'
     vllm_max_model_len: Optional[int]
     vllm_max_lora_rank: Optional[int]  # lora.r rounded up to a rank vLLM accepts (VLLM_LORA_RANKS); None without vLLM
-    gpu_memory_utilization: Optional[float]  # unsloth's shared engine; our own engine derives its own (memory.py)
+    gpu_memory_utilization: Optional[float]  # unsloth's shared engine; our own engine derives its own (memory_plan.py)
     vram_gib: Optional[float]         # the card planned for: memory.vram_gb, else the hardware's; None on CPU
     per_device_train_batch_size: int
     gradient_accumulation_steps: int

@@ -34,7 +34,7 @@ from typing import Optional
 from lowvram_grpo.task.rewards import is_async_callable
 
 TRUNCATED, ANSWER = "truncated", "answer"  # the log_extra columns CompletionFacts adds to TRL's log
-PREVIEW_CHARS = 1500  # report.py: longer completions are shown cut to this
+PREVIEW_CHARS = 1500  # report/build.py: longer completions are shown cut to this
 
 
 def prompt_id(prompt) -> str:

@@ -9,7 +9,7 @@
   raises `Interrupted` (exit 130 / 143 / 129) with the `--resume` command. A second Ctrl-C stops at once.
 
 Both raise `errors.TrainingStopped` (or its `Interrupted`), which the CLI prints as one `error:`
-line with its exit code. This module imports transformers: only training.py imports it.
+line with its exit code. This module imports transformers: only grpo.py imports it.
 """
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ Choices, and why:
   (atexit), after an error or a KeyboardInterrupt (the pipeline closes it in `finally`), and a
   watchdog process ends them if the trainer itself is killed (SIGKILL leaves no exit handler).
 
-Files, one job each: settings.py (what the engine is started with, sized as memory.py plans it),
+Files, one job each: settings.py (what the engine is started with, sized as memory_plan.py plans it),
 processes.py (vLLM's processes and the watchdog), engine.py (LocalVLLMEngine, the run's engines closed on
 error), rollouts.py (TRL's rollout_func and importance-sampling wiring, start_for_run).
 """
