@@ -1,7 +1,12 @@
 """trl_compat: the one module that reaches into TRL/transformers internals checks, at import, that they
 are what it was written for, and says what to do when they are not."""
-import pytest
+import ast
+from pathlib import Path
 
+import pytest
+from transformers import GenerationConfig
+
+from lowvram_grpo.model import internals
 from lowvram_grpo.training import trl_compat
 from lowvram_grpo.run.errors import BackendError
 
@@ -36,7 +41,7 @@ def test_private_reaches_live_only_here():
     import re
     from pathlib import Path
 
-    package = Path(trl_compat.__file__).parent
+    package = Path(trl_compat.__file__).parents[1]  # the whole package, every room
     pattern = re.compile(r"def (_save_checkpoint|_get_output_dir|_get_grad_norm|_load_from_checkpoint)\b|_ChunkedLogProbFunction\s*="
                          r"|\.(use_vllm|vllm_generation|_last_loaded_step)\s*=[^=]"
                          r"|[\"'](_generate_and_score_completions|_generate|_generate_single_turn)[\"']")
@@ -71,3 +76,87 @@ def test_the_model_sampler_calls_trls_single_turn_as_trl_defines_it(monkeypatch)
         "GRPOTrainer._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)"]
     with pytest.raises(BackendError, match=r"_generate_single_turn\(prompt_ids, images.*pip install trl==1\.15\.0"):
         trl_compat.check_versions()
+
+
+# --------------------------------------------------------------------------- the doors (issue 50)
+# The modules through which every reach into an upstream object's private names, and every change to a built trainer,
+# goes: trl_compat (TRL's trainer and transformers.Trainer) and model.internals (transformers' and PEFT's generation,
+# torch's machine facts, unsloth's float32 mark, our marks on models and layers). Everywhere else a `_` attribute is
+# only ever `self`'s or `cls`'s (or super()'s), and a trainer is assembled in its own constructor (training.grpo.
+# RunTrainer.__init__, on `self`).
+DOORS = ("lowvram_grpo/training/trl_compat.py", "lowvram_grpo/model/internals.py")
+TRAINER_CALLBACK_METHODS = {"add_callback", "remove_callback", "pop_callback"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _own(node) -> bool:
+    """`self`, `cls` or `super()`: the object whose code this is."""
+    return (isinstance(node, ast.Name) and node.id in ("self", "cls")) or (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super")
+
+
+def _is_trainer(node) -> bool:
+    """An expression naming a trainer (`trainer`, `self.trainer`, `run.trainer.state` ...), `self` itself excluded."""
+    return not _own(node) and "trainer" in ast.unparse(node).lower()
+
+
+def door_violations(source: str) -> list[str]:
+    """'line N: what' for each reach outside a door: an attribute (or a getattr/setattr/hasattr/delattr name, or an
+    imported name) beginning with `_` of anything but self/cls/super(); an attribute set or deleted on a trainer, by
+    assignment or setattr; a trainer's callback list touched (add/remove/pop_callback, its callback_handler)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Attribute):
+            if _private(node.attr) and not _own(node.value):
+                found.append(f"line {line}: {ast.unparse(node)}")
+            elif node.attr == "callback_handler" and not _own(node.value):
+                found.append(f"line {line}: {ast.unparse(node)}")
+            elif node.attr in TRAINER_CALLBACK_METHODS and not _own(node.value):
+                found.append(f"line {line}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args:
+            if node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) > 1:
+                name = node.args[1]
+                if isinstance(name, ast.Constant) and isinstance(name.value, str) and _private(name.value) \
+                        and not _own(node.args[0]):
+                    found.append(f"line {line}: {ast.unparse(node)}")
+            if node.func.id in ("setattr", "delattr") and _is_trainer(node.args[0]):
+                found.append(f"line {line}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom):
+            found += [f"line {line}: from {node.module} import {a.name}" for a in node.names if _private(a.name)]
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            for target in targets:
+                for sub in ast.walk(target):
+                    if isinstance(sub, ast.Attribute) and _is_trainer(sub.value):
+                        found.append(f"line {line}: {ast.unparse(sub)} set on a built trainer")
+    return sorted(set(found), key=lambda s: (int(s.split(":")[0].split()[1]), s))
+
+
+def test_private_reaches_go_through_the_doors():
+    planted = ("import torch\n\n\nclass T:\n    def f(self):\n        self._x = 1\n        return super()._y()\n\n\n"
+               "def g(model, trainer):\n    model._lowvram_decode = 1\n    getattr(model, '_tag', None)\n"
+               "    torch._C._cuda_getDriverVersion()\n    trainer.run_dir = 'x'\n    trainer.callback_handler.callbacks\n"
+               "    trainer.add_callback(None)\n    setattr(trainer, 'validation', None)\n"
+               "    from lowvram_grpo.model.vllm.engine import _OPEN\n    return model.__class__\n")
+    assert door_violations(planted) == [
+        "line 11: model._lowvram_decode", "line 12: getattr(model, '_tag', None)", "line 13: torch._C",
+        "line 13: torch._C._cuda_getDriverVersion", "line 14: trainer.run_dir set on a built trainer",
+        "line 15: trainer.callback_handler", "line 16: trainer.add_callback",
+        "line 17: setattr(trainer, 'validation', None)", "line 18: from lowvram_grpo.model.vllm.engine import _OPEN"]
+    package = Path(trl_compat.__file__).parents[1]
+    found = {path.relative_to(package.parent).as_posix(): bad for path in sorted(package.rglob("*.py"))
+             if path.relative_to(package.parent).as_posix() not in DOORS and (bad := door_violations(path.read_text()))}
+    assert not found, f"reach these through a door ({', '.join(DOORS)}), or build the trainer with them: {found}"
+
+
+def test_the_internals_door_finds_every_reach_in_the_pinned_wheels(monkeypatch):
+    assert internals.missing_reaches() == []
+    monkeypatch.delattr(GenerationConfig, "_get_default_generation_params")
+    assert internals.missing_reaches() == [
+        "transformers.generation.configuration_utils.GenerationConfig._get_default_generation_params"]
+    with pytest.raises(BackendError, match=r"_get_default_generation_params.*pip install transformers==5\.17\.0 peft==0\.21\.2"):
+        internals.default_generation_params(GenerationConfig())
