@@ -8,7 +8,7 @@ one warning line. The reaches, and why each is needed:
 - `TrainerHooks`, mixed over the GRPOTrainer that `trl` exports when the trainer is built
   (`grpo_trainer_base()`: TRL's own, or unsloth's generated `UnslothGRPOTrainer` once PatchFastRL has
   replaced it; both are transformers.Trainer subclasses), four private transformers.Trainer methods
-  overridden, each handing off to a hook the rest of the package sets (training.build_trainer):
+  overridden, each handing off to a hook our trainer sets in its constructor (training.grpo.RunTrainer):
   * `_save_checkpoint(model, trial)` + `_get_output_dir(trial)`: checkpoints are written under a hidden
     staging dir and renamed into place with our run state (`save_checkpoint_with(step, write_files)`;
     run_dir.RunDir.save_checkpoint), so a checkpoint that exists is complete;
@@ -38,6 +38,10 @@ one warning line. The reaches, and why each is needed:
 - `decode_graph_stats(model)`: unsloth's private `unsloth.models._decode_graphs.stats` (its CUDA-graph decode
   counters, kept on the model's CausalLM), summed for summary.json and the log of a CUDA run on the unsloth backend;
   imported when called (unsloth is not in the CPU set), None where it is missing.
+- `insert_callback(trainer, callback, before)`, `trainer_callbacks(trainer)`, `set_trainer_state(trainer, state)`: the
+  built trainer's callback list (transformers' add_callback only appends) and its state (a checkpoint's, when a resumed
+  run has no step left); nothing outside this module and the trainer's own constructor changes a built trainer.
+  transformers' generation, PEFT's and torch's private names go through model/internals.py, the sibling door.
 - `TRL_ROLLOUT_METHODS`: the names of GRPOTrainer's private methods that generate and score the rollouts.
   oom.oom_phase reads them in an out-of-memory traceback to tell the rollout from the training step;
   `check_versions` refuses a TRL whose GRPOTrainer lacks one (its out-of-memory advice would be wrong).
@@ -126,7 +130,7 @@ def is_unsloth_trainer(cls: type) -> bool:
 
 class TrainerHooks:
     """The private overrides above, mixed in before a GRPOTrainer class (training.trainer_class). The hooks
-    are set by training.build_trainer: `checkpoint_saver(step, write_trainer_files) -> Path`,
+    are set by training.grpo.RunTrainer.__init__: `checkpoint_saver(step, write_trainer_files) -> Path`,
     `grad_norm_observer(norm)`."""
 
     checkpoint_saver = None
@@ -370,7 +374,7 @@ def missing_dynamic_sampling_hooks(trainer_class: type) -> list[str]:
 
 class DynamicSampling:
     """The mixin (see the section's comment). `dynamic_sampling_draws`: 0 = off, else the most extra rounds per
-    generation batch (training.build_trainer sets it from train.dynamic_sampling / dynamic_sampling_max_draws)."""
+    generation batch (training.grpo.RunTrainer.__init__ sets it from train.dynamic_sampling / dynamic_sampling_max_draws)."""
 
     dynamic_sampling_draws = 0
     dynamic_sampling_column = None  # train.dynamic_sampling_reward: judge by that reward function's column alone
