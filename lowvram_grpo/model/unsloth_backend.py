@@ -218,7 +218,7 @@ def vllm_start_failure(exc: BaseException) -> Optional[str]:
 def vllm_engine_failure(exc: BaseException) -> Optional[str]:
     """The cause, in one line, when `exc` was raised inside vLLM's code (unsloth runs its engine in this process,
     VLLM_ENABLE_V1_MULTIPROCESSING=0: a dead engine core, a FlashInfer JIT failure, a sampler error surface as
-    plain exceptions from vllm's frames); None for anything else, an out-of-memory included (memory.py's line)."""
+    plain exceptions from vllm's frames); None for anything else, an out-of-memory included (oom.py's line)."""
 
     if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
         return None

@@ -5,11 +5,11 @@
     grpo.start()                       # the output dir, config.yaml, a fresh metrics.jsonl
     grpo.measure("before")             # the base model on the held-out questions (evaluation.py)
     grpo.prime()                       # optional supervised priming (priming.py) + measure("primed")
-    grpo.train()                       # TRL's GRPOTrainer with our callbacks (training.py)
+    grpo.train()                       # TRL's GRPOTrainer with our callbacks (grpo.py)
     grpo.save()                        # adapter/ (lora_io.py)
     grpo.measure("after")              # the trained adapter, loaded back from disk
     grpo.export("merged16")            # optional merged model (backends.export_model)
-    result = grpo.finish()             # summary.json + report.md and plots (report.py)
+    result = grpo.finish()             # summary.json + report.md and plots (report/build.py)
 
 The notebook calls the same steps, one per cell. `resume()` continues a killed run from its newest
 checkpoint: the numbers measured before GRPO come back from summary.json instead of being measured again;
@@ -272,7 +272,7 @@ class GRPORun:
     @contextlib.contextmanager
     def _failures_reported(self, phase: str):
         """What only a GPU or the vLLM engine raises, in `phase`, as one line that says what is kept and how
-        to go on: a CUDA out-of-memory (memory.py), the vLLM engine's process dying (OutOfMemory, EngineStopped).
+        to go on: a CUDA out-of-memory (oom.py), the vLLM engine's process dying (OutOfMemory, EngineStopped).
         A stop is never an engine failure: a StopRequested raised inside vLLM's frames, or any error once a signal
         was received (vLLM's processes end on the same SIGTERM), leaves as StopRequested for the stop line."""
 
@@ -458,7 +458,7 @@ class GRPORun:
 
     # ------------------------------------------------------------------ train / save
     def train(self, resume_from: Optional[Path] = None) -> None:
-        """GRPO with TRL's trainer (training.py); Ctrl-C / SIGTERM stop at a step's end with a checkpoint."""
+        """GRPO with TRL's trainer (grpo.py); Ctrl-C / SIGTERM stop at a step's end with a checkpoint."""
         from lowvram_grpo.training.grpo import build_trainer, describe_effective  # loads transformers
 
         self._enter("training")

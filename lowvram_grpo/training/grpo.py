@@ -4,7 +4,7 @@ This module maps our config onto `GRPOConfig`, hands TRL the PEFT model, the rew
 their weights; `correctness` also logs the share of all-right and all-wrong groups) and the prompt rows,
 and adds three callbacks: a progress bar (step, time left, the reward and its moving average, the share
 of groups with signal, the KL when beta > 0; not TRL's loss, ~0 by construction), a `metrics.jsonl`
-writer (one JSON object per logged step) and the training-signal warnings (signals.py: truncated
+writer (one JSON object per logged step) and the training-signal warnings (learning_signals.py: truncated
 completions, groups with all-equal rewards and which way, a flat reward), plus the guards
 (guards.py: NaN/inf steps skipped, Ctrl-C / SIGTERM at a step boundary). Checkpoints are written
 atomically with our run state through RunDir, and resuming restores the trained adapter; the private
@@ -292,7 +292,7 @@ class ValidationCurve(TrainerCallback):
 
 
 class SignalWarnings(TrainerCallback):
-    """Prints a training-signal warning (signals.py) the first time its pattern shows in the logged metrics."""
+    """Prints a training-signal warning (learning_signals.py) the first time its pattern shows in the logged metrics."""
     def __init__(self, max_completion_length: int):
 
         self.monitor = SignalMonitor(max_completion_length)

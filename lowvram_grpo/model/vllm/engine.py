@@ -61,7 +61,7 @@ class EngineStats:
 
 
 class LocalVLLMEngine:
-    """vLLM's LLM on the base checkpoint with per-request LoRA; the `GenerationEngine` of base.py, plus
+    """vLLM's LLM on the base checkpoint with per-request LoRA; the `GenerationEngine` of handle.py, plus
     `sync` (adapter-only policy update), `rollout` (TRL's rollout_func) and `close`."""
 
     def __init__(self, settings: EngineSettings, tokenizer):
