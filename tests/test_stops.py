@@ -35,7 +35,7 @@ SIGNALS = [signal.SIGINT, signal.SIGTERM]
 IDS = ["SIGINT", "SIGTERM"]
 
 # Pauses the PAUSE_CALL-th call of PAUSE_AT (module:function) for PAUSE_SECONDS after touching MARKER, then
-# runs DRIVE (lowvram_grpo.run or lowvram_grpo.baseline) with the command line's arguments.
+# runs DRIVE (lowvram_grpo.run.cli or lowvram_grpo.baseline) with the command line's arguments.
 DRIVER = """
 import importlib, os, sys, time
 from pathlib import Path
@@ -51,7 +51,7 @@ if target:
             time.sleep(float(os.environ.get("PAUSE_SECONDS", "4")))
         return original(*args, **kwargs)
     setattr(module, attr, paused)
-main = importlib.import_module(os.environ.get("DRIVE", "lowvram_grpo.run")).main
+main = importlib.import_module(os.environ.get("DRIVE", "lowvram_grpo.run.cli")).main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -100,7 +100,7 @@ def _stop(proc, tmp_path, signum, ready):
     return errors[0]
 
 
-def _paused(tmp_path, argv, target, call=1, drive="lowvram_grpo.run", seconds=3):
+def _paused(tmp_path, argv, target, call=1, drive="lowvram_grpo.run.cli", seconds=3):
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     marker = tmp_path / "paused"
@@ -250,7 +250,7 @@ def test_exporting(tmp_path, signum):
 @pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
 def test_report(tmp_path, signum):
     out = tmp_path / "run"
-    proc, marker = _paused(tmp_path, [*TINY, *NO_EVAL, "--output-dir", str(out)], "lowvram_grpo.report:write_report")
+    proc, marker = _paused(tmp_path, [*TINY, *NO_EVAL, "--output-dir", str(out)], "lowvram_grpo.report.build:write_report")
     line = _stop(proc, tmp_path, signum, marker)
     assert "while writing the report: the run is complete" in line, line
     card = (out / "README.md").read_text()  # the run's model card is written before the report, not TRL's left behind
