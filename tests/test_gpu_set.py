@@ -87,7 +87,7 @@ def test_every_module_the_package_imports_imports_in_the_gpu_set():
     candidates += ["bitsandbytes", "accelerate"]  # what transformers loads for a 4-bit base and TRL trains with
     proc = run_python(f"""
         import importlib, pkgutil
-        import lowvram_grpo.run.pipeline, lowvram_grpo.run                       # what the CLI imports first
+        import lowvram_grpo.run.pipeline, lowvram_grpo.run.cli                   # what the CLI imports first
         from lowvram_grpo.model.backends import prepare_backend
         prepare_backend("hf")
         for mod in ("lowvram_grpo.model.hf_backend", "lowvram_grpo.training.grpo", "lowvram_grpo.evaluate.evaluation",

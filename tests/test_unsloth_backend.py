@@ -52,7 +52,7 @@ def test_unsloth_is_imported_only_by_the_backend_module():
     package = Path(__file__).resolve().parent.parent / "lowvram_grpo"
     importers = sorted(p.relative_to(package).as_posix() for p in package.rglob("*.py")
                        if statement.search(p.read_text()))
-    assert importers == ["backends/unsloth_backend.py"]
+    assert importers == ["model/unsloth_backend.py"]
 
 
 def test_choosing_a_backend_imports_neither_trl_nor_transformers():
@@ -60,7 +60,7 @@ def test_choosing_a_backend_imports_neither_trl_nor_transformers():
     import subprocess
     import sys
 
-    code = ("import sys; import lowvram_grpo.run.pipeline, lowvram_grpo.run, lowvram_grpo.settings.config as c; "
+    code = ("import sys; import lowvram_grpo.run.pipeline, lowvram_grpo.run.cli, lowvram_grpo.settings.config as c; "
             "from lowvram_grpo.settings.resolve import resolve; from lowvram_grpo.settings.hardware import detect; resolve(c.load_config('tiny'), detect()); "
             "bad = [m for m in ('trl', 'transformers', 'peft', 'unsloth') if m in sys.modules]; "
             "assert not bad, bad")

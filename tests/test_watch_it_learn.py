@@ -177,7 +177,7 @@ def test_the_curve_goes_into_metrics_and_best_adapter_is_its_argmax(unbroken):
 DRIVER = """
 import os, sys, time
 from pathlib import Path
-from lowvram_grpo import evaluation
+from lowvram_grpo.evaluate import evaluation
 original, calls = evaluation.generate_answers, [0]
 def paused(*args, **kwargs):
     calls[0] += 1
@@ -187,7 +187,7 @@ def paused(*args, **kwargs):
     return original(*args, **kwargs)
 evaluation.generate_answers = paused
 from transformers import TrainerCallback
-from lowvram_grpo import training
+from lowvram_grpo.training import grpo as training
 build = training.build_trainer
 class Mark(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):

@@ -175,7 +175,7 @@ sys.path.insert(0, {tests!r})
 from lowvram_grpo.model.backends import prepare_backend
 prepare_backend({backend!r})  # unsloth's patches before trl is imported, as the CLI and train() do
 from tool_transcripts import TOOL_OVERRIDES, check_transcripts_and_mask, scripting_build
-from lowvram_grpo import training
+from lowvram_grpo.training import grpo as training
 from lowvram_grpo.settings.config import load_config
 from lowvram_grpo.run.pipeline import run
 from lowvram_grpo.training.trl_compat import trainer_name
