@@ -8,6 +8,7 @@ Prints and writes (`--out`) seconds per question and the accuracies per batch si
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 import time
@@ -37,16 +38,16 @@ def main(argv=None) -> int:
     handle = load_model(resolve(config, detect(), "hf"))
     train, held_out = load_questions(config.data)
     rows = to_prompt_rows(held_out, config.data.system_prompt)
-    generate_answers(handle, rows[:4], config, None)  # warm-up
+    generate_answers(handle, rows[:4], handle.plan.eval, None)  # warm-up
     results = []
 
     def measure(model: str, lora_request):
         for size in [int(s) for s in args.batch_sizes.split(",")]:
-            config.eval.batch_size = size
+            plan = dataclasses.replace(handle.plan.eval, batch_size=size)
             started = time.time()
-            generated = generate_answers(handle, rows, config, lora_request)
+            generated = generate_answers(handle, rows, plan, lora_request)
             seconds = time.time() - started
-            numbers = score(rows, generated, config)
+            numbers = score(rows, generated, plan)
             row = {"model": model, "batch_size": size, "seconds": round(seconds, 1),
                    "seconds_per_question": round(seconds / len(rows), 3),
                    "mean_completion_tokens": round(numbers["mean_completion_tokens"], 1),
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
             print(json.dumps(row), flush=True)
 
     measure("base", None)
-    prime(handle, train, config, log=lambda *a: None)
+    prime(handle, train, handle.plan.prime, log=lambda *a: None)
     primed = handle.save_lora(Path(tempfile.mkdtemp(prefix="eval-batch-")) / "primed")
     measure(f"primed {args.prime_steps} steps", handle.load_lora(primed))
     args.out.parent.mkdir(parents=True, exist_ok=True)

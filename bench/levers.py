@@ -99,10 +99,10 @@ def prime_once(args, common: list[str]) -> tuple[Path, dict, float]:
 
     config, handle, train_q, eval_rows = _setup(args.preset, common)
     started = time.time()
-    prime(handle, train_q, config, log=lambda *a: None)
+    prime(handle, train_q, handle.plan.prime, log=lambda *a: None)
     seconds = time.time() - started
     adapter = handle.save_lora(cache / "primed")
-    numbers, _ = evaluate(handle, eval_rows, config, lora_request=handle.load_lora(adapter))
+    numbers, _ = evaluate(handle, eval_rows, handle.plan.eval, lora_request=handle.load_lora(adapter))
     (cache / "primed.json").write_text(json.dumps({"numbers": _measured(numbers), "seconds": seconds}) + "\n")
     return adapter, _measured(numbers), seconds
 
@@ -130,7 +130,7 @@ def one_variant(args) -> int:
     train_seconds = time.time() - started
     adapter = handle.save_lora(out / "adapter")
     started = time.time()
-    after, texts = evaluate(handle, eval_rows, config, lora_request=handle.load_lora(adapter))
+    after, texts = evaluate(handle, eval_rows, handle.plan.eval, lora_request=handle.load_lora(adapter))
     print(json.dumps({"train_seconds": round(train_seconds, 1), "eval_seconds": round(time.time() - started, 1),
                       "after": _measured(after), "training": _training_signal(out / "metrics.jsonl"),
                       "sample": texts[:3]}))

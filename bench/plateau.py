@@ -102,7 +102,7 @@ def _prime_result(handle, eval_rows, config, args, steps: int, seconds: float, l
     from lowvram_grpo.evaluate.evaluation import evaluate
 
     out = prime_dir(args.root, args.seed, steps)
-    numbers, texts = evaluate(handle, eval_rows, config, lora_request=handle.load_lora(out / "adapter"))
+    numbers, texts = evaluate(handle, eval_rows, handle.plan.eval, lora_request=handle.load_lora(out / "adapter"))
     _write(out / "result.json", {"seed": args.seed, "prime_steps": steps, "common": args.common, "prime_seconds": round(seconds, 1),
                                  "last_loss": last_loss, "numbers": _measured(numbers) | {"protocol": numbers["protocol"]},
                                  "sample": texts[:2]})
@@ -147,7 +147,7 @@ def prime(args) -> int:
         if done in measure_at:
             _prime_result(handle, eval_rows, config, args, done, seconds, None)
 
-    losses = run_priming(handle, train_q, config, log=print, on_step=checkpoint).get("losses", [])
+    losses = run_priming(handle, train_q, handle.plan.prime, log=print, on_step=checkpoint).get("losses", [])
     for n in measure_at & set(made):  # the losses are known at the end
         path = prime_dir(args.root, args.seed, n) / "result.json"
         _write(path, _read(path) | {"last_loss": losses[n - 1] if len(losses) >= n else None})
@@ -207,7 +207,7 @@ def one_grpo(spec: dict) -> int:
     trainer.train()
     train_seconds = time.time() - started
     adapter = handle.save_lora(out / "adapter")
-    numbers, texts = evaluate(handle, eval_rows, config, lora_request=handle.load_lora(adapter))
+    numbers, texts = evaluate(handle, eval_rows, handle.plan.eval, lora_request=handle.load_lora(adapter))
     _write(out / "result.json", {**spec, "train_seconds": round(train_seconds, 1),
                                  "numbers": _measured(numbers) | {"protocol": numbers["protocol"]},
                                  "training": _signal(out / "metrics.jsonl"), "sample": texts[:2]})
@@ -279,7 +279,7 @@ def times(args) -> int:
     primed = prime_dir(args.root, args.seed, args.prime_steps) / "adapter"
     config, handle, train_q, _ = _setup(args.preset, [*args.common, *seed_overrides(args.seed), f"prime.steps={args.time_prime_steps}"])
     started = time.perf_counter()
-    priming = run_priming(handle, train_q, config, log=lambda *a: None)
+    priming = run_priming(handle, train_q, handle.plan.prime, log=lambda *a: None)
     total = time.perf_counter() - started  # over all steps, the first one's warm-up included
     result = {"command": "python -m bench.plateau " + " ".join(sys.argv[1:]), "common": args.common,
               "threads": __import__("torch").get_num_threads(), "prime_steps_timed": priming["steps"],

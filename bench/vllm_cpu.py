@@ -260,7 +260,7 @@ def child(variant: str, args) -> dict:
             rows = to_prompt_rows(held_out, config.data.system_prompt)[: args.heldout]
             adapter = handle.save_lora(Path(tempfile.mkdtemp(prefix="bench-adapter-")) / "adapter")
             t0 = time.perf_counter()
-            scores, texts = evaluate(handle, rows, config, lora_request=handle.load_lora(adapter))
+            scores, texts = evaluate(handle, rows, handle.plan.eval, lora_request=handle.load_lora(adapter))
             result["heldout"] = {"seconds": round(time.perf_counter() - t0, 2), **{k: round(v, 3) if isinstance(v, float) else v for k, v in scores.items()},
                                  "answers": [{"question": r["prompt"][-1]["content"], "gold": r["answer"], "answer": t[:300]}
                                              for r, t in zip(rows, texts)]}

@@ -117,6 +117,7 @@ def run_baseline(run_dir: Path, steps: Optional[int] = None, backend: str = "aut
     budget = training_seconds(summary)
     if backend == "auto":
         backend = summary.get("backend") or "auto"
+    config.prime.steps = steps if steps is not None else 10**9  # before resolve: its plan primes this long
     resolved = resolve(config, detect(), backend)
     train_questions, eval_questions = load_questions(config.data)
     prepare_backend(resolved.backend)
@@ -124,12 +125,11 @@ def run_baseline(run_dir: Path, steps: Optional[int] = None, backend: str = "aut
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    config.prime.steps = steps if steps is not None else 10**9
     max_seconds = None if steps is not None else budget
     log(f"prime-only baseline for {run_dir}: " + (f"{steps} priming steps" if steps is not None else
         f"priming for {budget:.0f} s (the run's priming {summary['priming']['seconds'] if summary.get('priming') else 0} s "
         f"+ GRPO {summary['train_seconds']} s)"))
-    priming = prime(handle, train_questions, config, log, max_seconds=max_seconds)
+    priming = prime(handle, train_questions, resolved.plan.prime, log, max_seconds=max_seconds)
     if not priming["steps"]:
         raise RunDirError("the run's training data has no worked solutions to prime on: no prime-only baseline")
     out = RunDir(run_dir / "prime_only").create()
@@ -138,7 +138,7 @@ def run_baseline(run_dir: Path, steps: Optional[int] = None, backend: str = "aut
     eval_rows = to_prompt_rows(eval_questions, config.data.system_prompt)
     try:
         with stops.deferred("after this batch of answers"):  # a signal stops between batches (stops.py)
-            numbers, texts = evaluate(handle, eval_rows, config, lora_request=handle.load_lora(adapter))
+            numbers, texts = evaluate(handle, eval_rows, resolved.plan.eval, lora_request=handle.load_lora(adapter))
     except stops.StopRequested as exc:
         raise stops.StopRequested(exc.signum, f"stopped by {stops.name(exc.signum)} while measuring the prime-only "
                                               f"adapter: {adapter} is written, its numbers are not; run it again: "

@@ -142,7 +142,7 @@ def smollm2():
 def _held_out_prompts(handle, n: int):
     from lowvram_grpo.task.data import load_questions, to_prompt_rows
 
-    config = handle.config
+    config = handle.resolved.config
     _, held_out = load_questions(config.data)
     rows = to_prompt_rows(held_out[:n], config.data.system_prompt)
     return [handle.tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from conftest import run_cli
+from lowvram_grpo.settings.plans import run_plan
 from lowvram_grpo.model.handle import Completion
 from lowvram_grpo.settings.config import load_config
 from lowvram_grpo.evaluate.evaluation import format_table, intervals_overlap, score, wilson_interval
@@ -39,7 +40,7 @@ def _rows_and_texts():
 def test_score_strict_lenient_and_intervals():
     config = load_config("tiny", ["rewards.names=[correctness, soft_format]", "rewards.weights=[1.0, 2.0]"])
     rows, generated = _rows_and_texts()
-    result = score(rows, generated, config)
+    result = score(rows, generated, run_plan(config).eval)
     assert result["accuracy_strict"] == 0.5 and result["strict_correct"] == [1, 1, 0, 0]
     assert result["accuracy_lenient"] == 0.75 and result["lenient_correct"] == [1, 1, 1, 0]
     assert result["accuracy_strict_ci"] == pytest.approx(list(wilson_interval(2, 4)))
@@ -54,7 +55,7 @@ def test_score_uses_a_reward_files_functions_and_weights(tmp_path):
     config = load_config("tiny", [f"rewards.module={module}", "rewards.names=[correctness, my_reward]",
                                   "rewards.weights=[1.0, 2.0]"])
     rows, generated = _rows_and_texts()
-    assert score(rows, generated, config)["reward_mean"] == pytest.approx((2.0 + 2.0 + 0 + 0) / 4 + 0.5)
+    assert score(rows, generated, run_plan(config).eval)["reward_mean"] == pytest.approx((2.0 + 2.0 + 0 + 0) / 4 + 0.5)
 
 
 def test_table_prints_intervals_and_says_whether_they_overlap():
@@ -117,10 +118,10 @@ def test_the_protocol_is_greedy_by_default_and_is_said_in_words():
     from lowvram_grpo.evaluate.evaluation import protocol, protocol_label
 
     for preset in ("tiny", "smollm2_cpu", "llama8b_4bit"):
-        described = protocol(load_config(preset))
+        described = protocol(run_plan(load_config(preset)).eval)
         assert described["decoding"] == "greedy" and described["temperature"] == 0
-    assert protocol_label(protocol(load_config("smollm2_cpu"))) == "greedy decoding, up to 64 new tokens"
-    sampled = protocol(load_config("tiny", ["eval.temperature=0.8", "eval.samples=4"]))
+    assert protocol_label(protocol(run_plan(load_config("smollm2_cpu")).eval)) == "greedy decoding, up to 64 new tokens"
+    sampled = protocol(run_plan(load_config("tiny", ["eval.temperature=0.8", "eval.samples=4"])).eval)
     assert protocol_label(sampled) == ("one answer sampled per question at T=0.8, top-p 0.95, seed 3407, up to 24 new "
                                        "tokens; mean@4 / pass@4 over 4 samples at T=0.8")
     assert protocol_label(None).startswith("protocol not recorded")

@@ -168,6 +168,7 @@ def test_a_think_format_run_scores_a_think_completion_right_and_a_malformed_one_
     from lowvram_grpo.settings.config import config_from_dict
     from lowvram_grpo.task.data import load_questions, to_prompt_rows
     from lowvram_grpo.evaluate.evaluation import score
+    from lowvram_grpo.settings.plans import run_plan
     from lowvram_grpo.training.priming import example_pieces
     from transformers import AutoTokenizer
 
@@ -183,7 +184,7 @@ def test_a_think_format_run_scores_a_think_completion_right_and_a_malformed_one_
     right = f"<think>\nLet me add: the total is {gold}.\n</think>\n\nThe answer is {gold}."
     only_thought = f"<think>\nThe answer is {gold}.\n</think>\n\nI am not sure."
     twice = f"<think>\nhm\n</think>\n<think>\nagain\n</think>\n\n{gold}"
-    numbers = score([row] * 3, [Completion(t, 10) for t in (right, only_thought, twice)], config)
+    numbers = score([row] * 3, [Completion(t, 10) for t in (right, only_thought, twice)], run_plan(config).eval)
     assert numbers["strict_correct"] == [1, 0, 0]
     assert numbers["format_rate"] == pytest.approx(2 / 3)  # the second one is well formed, only wrong
     assert numbers["reward_mean"] == pytest.approx((2.5 + 0.5 + 2.0) / 3)  # think_correctness reads after the last </think>

@@ -231,7 +231,7 @@ def test_bitsandbytes_and_lora_configs_of_the_hf_backend(combos):
     from peft import LoraConfig
     from transformers import BitsAndBytesConfig
 
-    from lowvram_grpo.model.hf_backend import lora_kwargs, quantization_kwargs
+    from lowvram_grpo.model.hf_backend import quantization_kwargs
 
     for preset, name, path, resolved in combos[0]:
         if path == "unsloth":
@@ -239,7 +239,7 @@ def test_bitsandbytes_and_lora_configs_of_the_hf_backend(combos):
         bnb = BitsAndBytesConfig(**quantization_kwargs(resolved))
         assert bnb.load_in_4bit and bnb.bnb_4bit_quant_type == "nf4"
         assert bnb.bnb_4bit_compute_dtype == getattr(torch, resolved.dtype)
-        lora = LoraConfig(**lora_kwargs(resolved.config))
+        lora = LoraConfig(**resolved.plan.model.lora_kwargs())
         assert lora.r == resolved.config.lora.r and set(lora.target_modules) == set(resolved.config.lora.target_modules)
 
 

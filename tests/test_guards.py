@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from conftest import run_cli
+from lowvram_grpo.settings.plans import run_plan
 from lowvram_grpo.run.errors import TrainingStopped
 from lowvram_grpo.settings.config import load_config
 from lowvram_grpo.task.rewards import RewardError, guarded
@@ -115,7 +116,7 @@ def test_a_users_reward_file_is_loaded_probed_and_selectable_by_name(user_reward
     monkeypatch.undo()
 
     # selectable by name: what TRL is handed, in order, under the names it logs, scoring as the file says
-    says, brevity = load_user_code(config).reward_functions()
+    says, brevity = load_user_code(run_plan(config)).reward_functions()
     assert (says.__name__, brevity.__name__) == ("says_four", "brevity")
     chat = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
     assert says(prompts=["p", "p"], completions=[chat("<answer>4</answer>"), chat("<answer>5</answer>")]) == [1.0, 0.0]

@@ -245,16 +245,13 @@ def test_an_import_inside_a_function_is_heavy_or_says_why():
 # --------------------------------------------------------------------------- config below the pipeline (issue 50)
 
 SECTIONS = {"model", "lora", "train", "data", "rewards", "tools", "environment", "prime", "eval", "log", "memory", "decode"}
-# Where the plan is built and the user's settings are checked, and the commands at the edge that build it.
-READS_CONFIG = {"settings/config.py", "settings/resolve.py", "settings/checks.py", "settings/memory_plan.py",
-                "settings/memory_terms.py", "settings/memory_fit.py", "settings/step_time.py", "settings/hardware.py",
-                "model/vllm/settings.py", "doctor.py", "baseline.py", "evaluate/cli.py", "run/cli.py", "run/pipeline.py"}
-# Not there yet (issue 50 is open): the phases below the pipeline that still read the config, with their reads
-# today. A count may only go down; a module reaches 0 when its phase takes the plan or plain values.
-STILL_READ = {"training/grpo.py": 30, "evaluate/evaluation.py": 21, "model/unsloth_backend.py": 13,
-              "model/hf_backend.py": 9, "task/user_code.py": 7, "training/priming.py": 6, "evaluate/tool_turns.py": 3,
-              "model/vllm/rollouts.py": 2, "run/oom.py": 2, "task/tools.py": 2, "model/handle.py": 1,
-              "training/validation.py": 1}
+# Where the plan is built (resolve.py, plans.py: the phases' frozen settings) and the user's settings are checked or
+# changed (checks, the memory plan and its fixes; run/oom.py turns an out-of-memory into `--set` changes, re-resolved),
+# and the commands at the edge that build the plan. Every other module takes the plan (plans.RunPlan) or plain values.
+READS_CONFIG = {"settings/config.py", "settings/resolve.py", "settings/plans.py", "settings/checks.py",
+                "settings/memory_plan.py", "settings/memory_terms.py", "settings/memory_fit.py", "settings/step_time.py",
+                "settings/hardware.py", "model/vllm/settings.py", "doctor.py", "baseline.py", "evaluate/cli.py",
+                "run/cli.py", "run/pipeline.py", "run/oom.py"}
 
 
 def config_reads(source: str) -> int:
@@ -269,9 +266,8 @@ def config_reads(source: str) -> int:
     return count
 
 
-def test_config_is_read_where_the_plan_is_built_and_reads_below_the_pipeline_only_shrink():
+def test_config_is_read_only_where_the_plan_is_built_and_the_settings_are_checked():
     assert config_reads("def f(config, handle):\n    return config.train.seed + handle.config.lora.r\n") == 2
     reads = {str(path.relative_to(PACKAGE)): n for path in PACKAGE.rglob("*.py")
              if str(path.relative_to(PACKAGE)) not in READS_CONFIG and (n := config_reads(path.read_text()))}
-    grown = {m: (n, STILL_READ.get(m, 0)) for m, n in reads.items() if n > STILL_READ.get(m, 0)}
-    assert not grown, f"config read below the pipeline (module: reads now, allowed): pass the plan or plain values: {grown}"
+    assert not reads, f"config read below the pipeline (module: reads): pass the plan (plans.RunPlan) or plain values: {reads}"

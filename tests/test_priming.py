@@ -16,7 +16,7 @@ def test_priming_lowers_the_completion_loss(tiny_model_dir):
     config = load_config("tiny", ["prime.steps=30", "prime.learning_rate=5e-3", "prime.batch_size=4"])
     handle = load_model(resolve(config, detect(), "hf"))
     train, _ = load_questions(config.data)
-    result = prime(handle, train, config, log=lambda *_: None)
+    result = prime(handle, train, handle.plan.prime, log=lambda *_: None)
     assert result["steps"] == 30
     first, last = result["losses"][:5], result["losses"][-5:]
     assert sum(last) / 5 < 0.95 * sum(first) / 5
@@ -124,7 +124,7 @@ def test_priming_with_the_calculator_trains_on_transcripts_that_call_it(tiny_mod
     tok = handle.tokenizer
     train, _ = load_questions(config.data)
     question = next(q for q in train if len(calculations(q.solution)) == 2)  # a two-step problem: two calls
-    pieces = example_pieces(tok, question, config.data.system_prompt, of(config).prompt_tools())
+    pieces = example_pieces(tok, question, config.data.system_prompt, of(handle.plan).prompt_tools())
     assert [trained for _, trained in pieces] == [False, True, False, True]
     head, call, results, answer = (text for text, _ in pieces)
     assert "<tools>" in head and '"calculator"' in head and head.endswith("<|im_start|>assistant\n")

@@ -240,11 +240,11 @@ def test_no_tools_by_default_and_the_section_is_recorded():
     config = load_config("tiny")
     assert config.tools.names == [] and config.tools.module is None
     assert "tools:\n  names: []\n" in config.to_yaml()
-    from lowvram_grpo.training.grpo import tool_config_kwargs
+    from lowvram_grpo.settings.plans import run_plan, tool_config_kwargs
 
-    assert tool_config_kwargs(config.tools) == {}  # GRPOConfig as before: TRL's defaults
+    assert tool_config_kwargs(run_plan(config).tools) == {}  # GRPOConfig as before: TRL's defaults
     with_tools = load_config("tiny", ["tools.names=[calculator]", "tools.max_turns=2"])
-    assert tool_config_kwargs(with_tools.tools) == {"max_tool_calling_iterations": 2}
+    assert tool_config_kwargs(run_plan(with_tools).tools) == {"max_tool_calling_iterations": 2}
     assert "  names:\n  - calculator\n" in with_tools.to_yaml()
 
 
@@ -500,7 +500,7 @@ def test_each_turn_is_cut_at_tools_max_tokens_per_turn(tools_file, tmp_path, mon
 def test_a_turn_cap_above_the_completion_budget_is_refused_and_without_tools_is_inert():
     from lowvram_grpo.settings.checks import check_tools
     from lowvram_grpo.run.errors import ConfigError
-    from lowvram_grpo.training.grpo import tool_config_kwargs
+    from lowvram_grpo.settings.plans import run_plan, tool_config_kwargs
 
     config = load_config("tiny", ["tools.names=[calculator]", "tools.max_tokens_per_turn=65",
                                   "train.max_completion_length=64"])
@@ -508,11 +508,11 @@ def test_a_turn_cap_above_the_completion_budget_is_refused_and_without_tools_is_
         check_tools(config)
     config = load_config("tiny", ["tools.names=[calculator]", "tools.max_tokens_per_turn=16"])
     check_tools(config)
-    assert tool_config_kwargs(config.tools)["generation_kwargs"] == {"max_new_tokens": 16}  # transformers' generate
-    assert tool_config_kwargs(config.tools, use_vllm=True)["generation_kwargs"] == {"max_tokens": 16}  # SamplingParams
+    assert tool_config_kwargs(run_plan(config).tools)["generation_kwargs"] == {"max_new_tokens": 16}  # transformers' generate
+    assert tool_config_kwargs(run_plan(config).tools, use_vllm=True)["generation_kwargs"] == {"max_tokens": 16}  # SamplingParams
     plain = load_config("tiny", ["tools.max_tokens_per_turn=16"])  # a tools preset run with tools.names=[]
     check_tools(plain)
-    assert tool_config_kwargs(plain.tools) == {}
+    assert tool_config_kwargs(run_plan(plain).tools) == {}
 
 
 # --------------------------------------------------------------------------- an environment (environment.*)
@@ -562,8 +562,7 @@ def test_environment_settings_go_together_and_a_missing_file_is_one_line_before_
 def test_an_environments_methods_are_bounded_tools_and_its_hooks_are_not(environment_file):
     from lowvram_grpo.task.tools import bounded_environment, environment_class, environment_methods
 
-    cls = environment_class(load_config("tiny", [f"environment.module={environment_file}",
-                                                 "environment.name=Shop"]).environment)
+    cls = environment_class("Shop", str(environment_file))
     bounded_cls = bounded_environment(cls, 0.2)
     assert [n for n, _ in environment_methods(bounded_cls)] == ["lookup", "slow"]  # not reset, get_reward, _private
     shop = bounded_cls()

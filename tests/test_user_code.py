@@ -64,7 +64,7 @@ def test_one_run_loads_each_user_file_and_looks_up_each_name_once(tmp_path, monk
     _count(monkeypatch, counts, "lowvram_grpo.task.user_files", "import_user_file", lambda path, setting, *a, **k: ("file", setting))
     _count(monkeypatch, counts, "lowvram_grpo.task.rewards", "lookup_reward", lambda name, *a, **k: ("reward", name))
     _count(monkeypatch, counts, "lowvram_grpo.task.tools", "lookup_tool", lambda name, *a, **k: ("tool", name))
-    _count(monkeypatch, counts, "lowvram_grpo.task.tools", "environment_class", lambda env: ("environment", env.name))
+    _count(monkeypatch, counts, "lowvram_grpo.task.tools", "environment_class", lambda name, *a: ("environment", name))
     config = load_config("tiny", [
         "train.max_steps=2", "prime.steps=1", "data.eval_size=2", "eval.batch_size=2", "train.max_prompt_length=1400",
         "model.max_seq_length=1500", "train.max_completion_length=32", "tools.max_turns=1",

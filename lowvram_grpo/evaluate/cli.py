@@ -45,9 +45,9 @@ from lowvram_grpo.settings import checks
 from lowvram_grpo.settings.config import load_config
 from lowvram_grpo.settings.hardware import detect
 from lowvram_grpo.settings.memory_fit import default_preset
+from lowvram_grpo.settings.plans import run_plan
 from lowvram_grpo.settings.resolve import resolve
 from lowvram_grpo.task.data import load_questions, to_prompt_rows
-from lowvram_grpo.task.tools import uses_tools
 
 PROG = "lowvram-grpo eval"
 
@@ -204,8 +204,9 @@ def as_json(config, where: str, named: list[tuple[str, dict]], adapters: list[Op
             if got is not None:
                 paired.append({"from": start_name, "to": end_name, "metric": key, "change": end[key] - start[key],
                                "newly_right": got[0], "newly_wrong": got[1], "mcnemar_p": got[2]})
+    measured = run_plan(config).eval
     return {"model": config.model.name, "questions": where, "n": named[0][1]["n"],
-            "protocol": protocol(config), "protocol_label": protocol_label(protocol(config)),
+            "protocol": protocol(measured), "protocol_label": protocol_label(protocol(measured)),
             "columns": [{"name": name, "adapter": str(path) if path else None, **numbers}
                         for (name, numbers), path in zip(named, adapters)],
             "paired": paired}
@@ -220,7 +221,7 @@ def score_columns(args) -> int:
 
     plain = None
     if args.without_tools:
-        if not uses_tools(config):
+        if not config.uses_tools:
             raise ConfigError("--without-tools: these settings have no tools (tools.names, environment) to measure "
                               "without; give a run's adapter whose config.yaml has them, or drop --without-tools")
         plain = build_config(args, columns, without_tools=True)
@@ -239,7 +240,7 @@ def score_columns(args) -> int:
     # loads transformers
     from lowvram_grpo.evaluate.evaluation import evaluate, format_columns, protocol, protocol_label
 
-    say(f"{config.model.name} on {len(rows)} questions from {where}; {protocol_label(protocol(config))}")
+    say(f"{config.model.name} on {len(rows)} questions from {where}; {protocol_label(protocol(resolved.plan.eval))}")
     named = []
     column = None
     try:
@@ -252,11 +253,11 @@ def score_columns(args) -> int:
                         request = handle.load_lora(column.adapter)
                     except AdapterError as exc:
                         raise AdapterError(str(exc), exit_code=2) from None
-                numbers, _ = evaluate(handle, rows, config, lora_request=request)
+                numbers, _ = evaluate(handle, rows, resolved.plan.eval, lora_request=request)
                 named.append((column.name, numbers))
                 if plain is not None:
                     say(f"measuring {column.name} without tools ...")
-                    numbers, _ = evaluate(handle, rows, plain, lora_request=request)
+                    numbers, _ = evaluate(handle, rows, run_plan(plain).eval, lora_request=request)
                     named.append((f"{column.name} no-tools", numbers))
                 if request is not None:  # one adapter in memory at a time, however many columns
                     handle.release_lora(request)

@@ -1,6 +1,6 @@
 """Held-out numbers: the base model and adapters on the same questions, under one named protocol.
 
-The protocol (`protocol(config)`, stored with every column in summary.json) is **greedy decoding** by
+The protocol (`protocol(plan.eval)`, stored with every column in summary.json) is **greedy decoding** by
 default (`eval.temperature: 0`), as published GSM8K numbers are (lm-eval-harness, verl's validation, model
 cards): one deterministic answer per question, so a column's accuracy is a property of the adapter, not of
 a sampling draw. `eval.temperature > 0` samples one answer per question instead (the same seed in every
@@ -10,7 +10,7 @@ the trained adapter (`lora_request=handle.load_lora(saved)`), so the columns dif
 Reported per column:
 
 - `reward_mean`: the mean total reward, from the very reward functions and weights the trainer used
-  (`user_code.of(config).reward_functions()`: built-in ones and a `rewards.module` file's alike), called
+  (`user_code.of(plan.eval).reward_functions()`: built-in ones and a `rewards.module` file's alike), called
   with the keywords TRL passes (conversational prompts and completions, the dataset columns, completion
   ids, a trainer state at step 0 for every column, so a step-dependent reward is one yardstick);
 - `accuracy_strict`: the answer inside a closed <answer>...</answer> block is right;
@@ -42,9 +42,9 @@ from typing import Optional
 from lowvram_grpo.evaluate import tool_turns
 from lowvram_grpo.model.handle import Completion, LoraRequest, ModelHandle, SamplingParams
 from lowvram_grpo.run import host_memory, stops
+from lowvram_grpo.settings.plans import EvalPlan
 from lowvram_grpo.task import answers
 from lowvram_grpo.task.rewards import call_reward, completion_text, well_formed
-from lowvram_grpo.task.tools import uses_tools
 from lowvram_grpo.task.user_code import of as user_code_of
 
 METRICS = ("reward_mean", "accuracy_strict", "accuracy_lenient", "format_rate", "mean_completion_tokens")
@@ -91,24 +91,23 @@ def paired_change(start: dict, end: dict, key: str) -> Optional[tuple[int, int, 
     return gained, lost, mcnemar_p(gained, lost)
 
 
-def protocol(config) -> dict:
-    """How the held-out answers are decoded, as stored beside every column's numbers."""
-    ev = config.eval
+def protocol(ev: EvalPlan) -> dict:
+    """How the held-out answers are decoded under `ev` (plans.EvalPlan), as stored beside every column's numbers."""
     described = {"decoding": "greedy" if ev.greedy else "sampled", "temperature": ev.temperature,
-                 "max_tokens": config.train.max_completion_length, "batch_size": ev.batch_size}
+                 "max_tokens": ev.max_tokens, "batch_size": ev.batch_size}
     if not ev.greedy:
         described.update(top_p=ev.top_p, seed=ev.seed, answers_per_question=1)
     if ev.samples:
         described["samples"] = {"k": ev.samples, "temperature": ev.sample_temperature, "top_p": ev.top_p, "seed": ev.seed}
-    if config.tools.names or config.environment.name:  # answered with tools (tool_turns.py): max_tokens per turn
-        described["tools"] = {"names": list(config.tools.names), "environment": config.environment.name,
-                              "max_turns": config.tools.max_turns}
-        if config.tools.max_tokens_per_turn is not None:
-            described["tools"]["max_tokens_per_turn"] = described["max_tokens"] = config.turn_tokens
-    if config.data.answer_format != "xml":  # answers read in another format (answers.extractors)
-        described["answer_format"] = config.data.answer_format
-    if config.data.chat_template_kwargs:
-        described["chat_template_kwargs"] = dict(config.data.chat_template_kwargs)
+    tools, prompts = ev.tools, ev.prompts
+    if tools.used:  # answered with tools (tool_turns.py): max_tokens per turn
+        described["tools"] = {"names": list(tools.names), "environment": tools.environment, "max_turns": tools.max_turns}
+        if tools.max_tokens_per_turn is not None:
+            described["tools"]["max_tokens_per_turn"] = described["max_tokens"] = tools.turn_tokens
+    if prompts.answer_format != "xml":  # answers read in another format (answers.extractors)
+        described["answer_format"] = prompts.answer_format
+    if prompts.chat_template_kwargs:
+        described["chat_template_kwargs"] = prompts.template_kwargs
     return described
 
 
@@ -129,15 +128,14 @@ def protocol_label(described: Optional[dict]) -> str:
     return text
 
 
-def generate_answers(handle: ModelHandle, rows: list[dict], config, lora_request: Optional[LoraRequest],
+def generate_answers(handle: ModelHandle, rows: list[dict], ev: EvalPlan, lora_request: Optional[LoraRequest],
                      temperature: Optional[float] = None, tool_counts: Optional[dict] = None) -> list[Completion]:
-    """One completion per row, in batches of eval.batch_size, at `temperature` (default eval.temperature;
+    """One completion per row under `ev` (plans.EvalPlan), in batches of eval.batch_size, at `temperature` (default eval.temperature;
     0 = greedy). Sampling uses eval.top_p and a seed per batch, identical for every column. A run with tools
     answers with them (tool_turns.py: multi-turn, the answer is the model's last turn); `tool_counts` then adds up
     the calls, the calls that ran and the answers that called a tool."""
 
-    with_tools = uses_tools(config)
-    ev = config.eval
+    with_tools = ev.tools.used
     temperature = ev.temperature if temperature is None else temperature
     texts: list[Completion] = []
     for start in range(0, len(rows), ev.batch_size):
@@ -145,12 +143,12 @@ def generate_answers(handle: ModelHandle, rows: list[dict], config, lora_request
         batch = rows[start:start + ev.batch_size]
         params = SamplingParams(
             temperature=temperature, top_p=ev.top_p if temperature > 0 else 1.0,
-            max_tokens=config.turn_tokens if with_tools else config.train.max_completion_length,
+            max_tokens=ev.tools.turn_tokens if with_tools else ev.max_tokens,
             seed=ev.seed + start,  # per batch, identical for before and after
         )
         if with_tools:
 
-            answers, _, counts = tool_turns.generate_with_tools(handle, batch, config, params, lora_request)
+            answers, _, counts = tool_turns.generate_with_tools(handle, batch, ev, params, lora_request)
             texts += answers
             if tool_counts is not None:
                 for key, value in counts.items():
@@ -161,7 +159,7 @@ def generate_answers(handle: ModelHandle, rows: list[dict], config, lora_request
     return texts
 
 
-def _reward_keywords(rows: list[dict], completions: list[str], config, tokenizer=None) -> dict:
+def _reward_keywords(rows: list[dict], completions: list[str], max_steps: int, tokenizer=None) -> dict:
     """What TRL passes a reward function besides prompts and completions: every dataset column but the
     prompt, the completion ids, a trainer state and the two logging hooks."""
     columns = {key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion", "completion_ids")}
@@ -169,23 +167,23 @@ def _reward_keywords(rows: list[dict], completions: list[str], config, tokenizer
         ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in completions]
     else:
         ids = [[] for _ in completions]
-    state = types.SimpleNamespace(global_step=0, max_steps=config.train.max_steps, epoch=0.0, log_history=[])
+    state = types.SimpleNamespace(global_step=0, max_steps=max_steps, epoch=0.0, log_history=[])
     return {**columns, "completion_ids": ids, "trainer_state": state,
             "log_extra": lambda *a, **k: None, "log_metric": lambda *a, **k: None}
 
 
-def score(rows: list[dict], generated: list[Completion], config, reward_funcs=None, tokenizer=None) -> dict:
-    """The summary numbers for completions of `rows`. `reward_funcs`: what the trainer was handed
-    (default: the run's, `user_code.of(config).reward_functions()`)."""
+def score(rows: list[dict], generated: list[Completion], ev: EvalPlan, reward_funcs=None, tokenizer=None) -> dict:
+    """The summary numbers for completions of `rows`, weighted and read as `ev` (plans.EvalPlan) says.
+    `reward_funcs`: what the trainer was handed (default: the run's, `user_code.of(ev).reward_functions()`)."""
     if reward_funcs is None:
-        reward_funcs = user_code_of(config).reward_functions()
+        reward_funcs = user_code_of(ev).reward_functions()
     texts = [c.text for c in generated]
     prompts = [r["prompt"] for r in rows]
     # as TRL passes them: messages for chat prompts, plain text for TRL's standard (text) prompts
     completions = texts if isinstance(prompts[0], str) else [[{"role": "assistant", "content": t}] for t in texts]
-    keywords = _reward_keywords(rows, texts, config, tokenizer)
+    keywords = _reward_keywords(rows, texts, ev.max_steps, tokenizer)
     total: list = [None] * len(rows)  # as TRL sums: None (does not apply) and NaN left out; all left out: no score
-    for fn, weight in zip(reward_funcs, config.rewards.weight_list):
+    for fn, weight in zip(reward_funcs, ev.rewards.weights):
         for i, value in enumerate(call_reward(fn, prompts=prompts, completions=completions, **keywords)):
             if value is not None and not math.isnan(value):
                 total[i] = (total[i] or 0.0) + weight * value
@@ -193,7 +191,7 @@ def score(rows: list[dict], generated: list[Completion], config, reward_funcs=No
     n = len(rows)
     numbers = {
         **({"reward_mean": sum(scored) / len(scored)} if scored else {}),
-        "format_rate": sum(1 for t in texts if well_formed(config.data.answer_format, completion_text(t))) / n,
+        "format_rate": sum(1 for t in texts if well_formed(ev.prompts.answer_format, completion_text(t))) / n,
         "mean_completion_tokens": sum(c.num_tokens for c in generated) / n,
         "n": n,
     }
@@ -201,7 +199,7 @@ def score(rows: list[dict], generated: list[Completion], config, reward_funcs=No
     if not graded:  # data without gold answers: no accuracy to measure
         return numbers
     failures: list[str] = []
-    strict, lenient = verdicts([r for r, _ in graded], [t for _, t in graded], failures, config.data.answer_format)
+    strict, lenient = verdicts([r for r, _ in graded], [t for _, t in graded], failures, ev.prompts.answer_format)
     k = len(graded)
     return {
         **numbers,
@@ -265,21 +263,21 @@ def sampled_numbers(rows: list[dict], texts: list[str], k: int, answer_format: s
     return out
 
 
-def evaluate(handle: ModelHandle, rows: list[dict], config, lora_request: Optional[LoraRequest]) -> tuple[dict, list[str]]:
-    """The column's numbers under the configured protocol, and its answers (the greedy ones by default)."""
+def evaluate(handle: ModelHandle, rows: list[dict], ev: EvalPlan, lora_request: Optional[LoraRequest]) -> tuple[dict, list[str]]:
+    """The column's numbers under the protocol of `ev` (plans.EvalPlan), and its answers (the greedy ones by default)."""
     tool_counts: dict = {}
-    generated = generate_answers(handle, rows, config, lora_request, tool_counts=tool_counts)
-    numbers = score(rows, generated, config, tokenizer=handle.tokenizer)
-    numbers["protocol"] = protocol(config)
+    generated = generate_answers(handle, rows, ev, lora_request, tool_counts=tool_counts)
+    numbers = score(rows, generated, ev, tokenizer=handle.tokenizer)
+    numbers["protocol"] = protocol(ev)
     if tool_counts:  # answered with tools (tool_turns.py)
         calls = tool_counts["calls"]
         numbers["tools"] = {"calls_per_answer": calls / len(rows), "answers_with_calls": tool_counts["answers_with_calls"] / len(rows),
                             "ran_share": tool_counts["ran"] / calls if calls else None}
-    k = config.eval.samples
+    k = ev.samples
     if k:
         repeated = [r for r in rows for _ in range(k)]
-        sampled = generate_answers(handle, repeated, config, lora_request, temperature=config.eval.sample_temperature)
-        numbers["sampled"] = sampled_numbers(rows, [c.text for c in sampled], k, config.data.answer_format)
+        sampled = generate_answers(handle, repeated, ev, lora_request, temperature=ev.sample_temperature)
+        numbers["sampled"] = sampled_numbers(rows, [c.text for c in sampled], k, ev.prompts.answer_format)
     return numbers, [c.text for c in generated]
 
 

@@ -19,9 +19,9 @@ from lowvram_grpo.task.tools import environment_methods
 from lowvram_grpo.task.user_code import of as user_code_of
 
 
-def _tools_for(config, rows: list[dict]) -> tuple[list[list], list[list[dict]]]:
+def _tools_for(plan, rows: list[dict]) -> tuple[list[list], list[list[dict]]]:
     """Per row: the tools it may call and its conversation (an environment's reset text appended)."""
-    user = user_code_of(config)  # the run's tools and environment, looked up once (user_code.load)
+    user = user_code_of(plan)  # the run's tools and environment, looked up once (user_code.load)
     functions = user.tool_functions()
     bounded_cls = user.bounded_environment()
     tools, conversations = [], []
@@ -89,19 +89,19 @@ def _call(tool_by_name: dict, call: dict) -> tuple[str, str, bool]:
     return name, str(text), not str(text).startswith("error: ")
 
 
-def generate_with_tools(handle, rows: list[dict], config, params: SamplingParams,
+def generate_with_tools(handle, rows: list[dict], plan, params: SamplingParams,
                         lora_request: Optional[LoraRequest]) -> tuple[list[Completion], list[list[dict]], dict]:
-    """Each row's answer (its last turn) with its tokens over all turns, each row's turns and tool messages, and
+    """`plan`: a plans.EvalPlan (or any phase's plan: its tools, prompts and rewards). Each row's answer (its last turn) with its tokens over all turns, each row's turns and tool messages, and
     the batch's counts: tool calls, calls that ran without an error, answers with at least one call."""
     tokenizer = handle.tokenizer
-    tools, conversations = _tools_for(config, rows)
+    tools, conversations = _tools_for(plan, rows)
     turns: list[list[dict]] = [[] for _ in rows]
     answers, tokens = [""] * len(rows), [0] * len(rows)
     counts = {"calls": 0, "ran": 0, "answers_with_calls": 0}
     active = list(range(len(rows)))
-    for round_number in range(config.tools.max_turns + 1):
+    for round_number in range(plan.tools.max_turns + 1):
         prefixes = [tokenizer.apply_chat_template(conversations[i], tools=tools[i] or None, tokenize=False,
-                                                  add_generation_prompt=True, **config.data.chat_template_kwargs)
+                                                  add_generation_prompt=True, **plan.prompts.template_kwargs)
                     for i in active]
         generated = handle.engine.generate(prefixes, params, lora_request)
         still = []
@@ -111,7 +111,7 @@ def generate_with_tools(handle, rows: list[dict], config, params: SamplingParams
             turns[i].append(message)
             answers[i] = message.get("content") or ""
             calls = message.get("tool_calls") or []
-            if not calls or round_number == config.tools.max_turns:  # answered, or out of rounds
+            if not calls or round_number == plan.tools.max_turns:  # answered, or out of rounds
                 continue
             if round_number == 0:
                 counts["answers_with_calls"] += 1

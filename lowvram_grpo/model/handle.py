@@ -189,15 +189,16 @@ class ModelHandle:
         return self.resolved.backend
 
     @property
-    def config(self):
-        return self.resolved.config
+    def plan(self):
+        """The run's phases' settings (plans.RunPlan), decided with the rest (resolve.py)."""
+        return self.resolved.plan
 
     # -------------------------------------------------------------- generation
     def apply_chat_template(self, prompt: Prompt) -> str:
         if isinstance(prompt, str):
             return prompt
         return self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True,
-                                                  **self.config.data.chat_template_kwargs)
+                                                  **self.plan.prompts.template_kwargs)
 
     def fast_generate(self, prompts: Union[Prompt, list[Prompt]], sampling_params: Optional[SamplingParams] = None,
                       lora_request: Optional[LoraRequest] = None) -> list[str]:

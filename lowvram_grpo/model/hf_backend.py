@@ -26,28 +26,22 @@ def quantization_kwargs(resolved) -> dict:
                 bnb_4bit_compute_dtype=getattr(torch, resolved.dtype))
 
 
-def lora_kwargs(config) -> dict:
-    """peft's `LoraConfig` arguments for the config's lora section."""
-    return dict(r=config.lora.r, lora_alpha=config.lora.alpha, lora_dropout=config.lora.dropout,
-                target_modules=list(config.lora.target_modules), bias="none", task_type="CAUSAL_LM")
-
-
 def load_model(resolved) -> ModelHandle:
     """The PEFT model for `resolved` (resolve.py decided dtype, device and checkpointing)."""
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-    config = resolved.config
-    path = resolve_model_path(config.model.name)
+    plan = resolved.plan.model
+    path = resolve_model_path(plan.name)
     dtype = getattr(torch, resolved.dtype)
     checkpointing = resolved.gradient_checkpointing != "false"
 
     quantization = BitsAndBytesConfig(**quantization_kwargs(resolved)) if resolved.load_in_4bit else None
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=quantization,
                                                  device_map=resolved.device)
-    checks.after_load(config, model)  # lengths and LoRA layers against the loaded model, before anything is written
-    tokenizer = AutoTokenizer.from_pretrained(path, model_max_length=config.model.max_seq_length)
+    checks.after_load(resolved.config, model)  # lengths and LoRA layers against the loaded model, before anything is written
+    tokenizer = AutoTokenizer.from_pretrained(path, model_max_length=plan.max_seq_length)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if quantization is not None:  # casts embeddings, lm_head and norms to fp32 (the memory plan counts it)
@@ -56,12 +50,12 @@ def load_model(resolved) -> ModelHandle:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
 
-    if config.lora.init_adapter:  # a saved adapter as the trainable LoRA, as PEFT loads it (checks.py checked its base)
+    if plan.init_adapter:  # a saved adapter as the trainable LoRA, as PEFT loads it (checks.py checked its base)
 
-        return ModelHandle(load_trainable_adapter(model, config.lora.init_adapter, base_model=path), tokenizer,
+        return ModelHandle(load_trainable_adapter(model, plan.init_adapter, base_model=path), tokenizer,
                            resolved, base_model=path)
-    torch.manual_seed(config.lora.random_state)  # the adapters' initial A matrices
-    model = get_peft_model(model, LoraConfig(**lora_kwargs(config)))
+    torch.manual_seed(plan.lora_random_state)  # the adapters' initial A matrices
+    model = get_peft_model(model, LoraConfig(**plan.lora_kwargs()))
     return ModelHandle(model, tokenizer, resolved, base_model=path)
 
 

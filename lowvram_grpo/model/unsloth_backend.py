@@ -97,15 +97,15 @@ def from_pretrained_kwargs(resolved, path: str) -> dict:
     The dtype is passed explicitly (resolve.py: bf16 only where native), never left to unsloth's guess."""
     import torch
 
-    config = resolved.config
+    plan = resolved.plan.model
     return dict(
         model_name=path,
-        max_seq_length=config.model.max_seq_length,
+        max_seq_length=plan.max_seq_length,
         dtype=getattr(torch, resolved.dtype),
         load_in_4bit=resolved.load_in_4bit,
         fast_inference=resolved.fast_inference,
-        max_lora_rank=resolved.vllm_max_lora_rank or config.lora.r,  # vLLM's accepted rank (resolve.vllm_lora_rank)
-        gpu_memory_utilization=config.memory.gpu_memory_utilization,
+        max_lora_rank=resolved.vllm_max_lora_rank or plan.lora_r,  # vLLM's accepted rank (resolve.vllm_lora_rank)
+        gpu_memory_utilization=plan.gpu_memory_utilization,
         float8_kv_cache=resolved.kv_cache_dtype == "fp8",  # resolve.choose_kv_cache_dtype (vLLM kv_cache_dtype="fp8")
         use_gradient_checkpointing=_checkpointing(resolved),
     )
@@ -114,18 +114,15 @@ def from_pretrained_kwargs(resolved, path: str) -> dict:
 def get_peft_model_kwargs(resolved) -> dict:
     """`FastLanguageModel.get_peft_model`'s arguments (after the model). With `lora.init_adapter`, the r / alpha /
     targets / dropout the config read from its adapter_config.json, plus the options it sets (lora_io.LORA_EXTRAS)."""
-    config = resolved.config
-    extras = {}
-    if config.lora.init_adapter:
-
-        extras = adapter_settings(config.lora.init_adapter)["extras"]
+    plan = resolved.plan.model
+    extras = adapter_settings(plan.init_adapter)["extras"] if plan.init_adapter else {}
     return dict(
-        r=config.lora.r,
-        target_modules=list(config.lora.target_modules),
-        lora_alpha=config.lora.alpha,
-        lora_dropout=config.lora.dropout,
+        r=plan.lora_r,
+        target_modules=list(plan.lora_target_modules),
+        lora_alpha=plan.lora_alpha,
+        lora_dropout=plan.lora_dropout,
         use_gradient_checkpointing=_checkpointing(resolved),
-        random_state=config.lora.random_state,
+        random_state=plan.lora_random_state,
         **extras,
     )
 
@@ -152,7 +149,7 @@ def load_model(resolved, log=print) -> ModelHandle:
     from unsloth import FastLanguageModel
 
 
-    path = resolve_model_path(resolved.config.model.name)
+    path = resolve_model_path(resolved.plan.model.name)
     kwargs = from_pretrained_kwargs(resolved, path)
     os.environ.update(resolved.engine_environment)  # read by unsloth_zoo's load_vllm (resolve: FlashInfer below sm80)
     os.environ.update(resolved.trainer_environment)  # read by unsloth_zoo's GRPO loss (resolve: the IS mode)
@@ -170,9 +167,8 @@ def load_model(resolved, log=print) -> ModelHandle:
     mark_requested_float32(model, kwargs["dtype"])
     checks.after_load(resolved.config, model)  # lengths and LoRA layers against the loaded model
     model = FastLanguageModel.get_peft_model(model, **get_peft_model_kwargs(resolved))
-    if resolved.config.lora.init_adapter:  # its weights into the LoRA just made with its settings
-
-        load_adapter_weights(model, resolved.config.lora.init_adapter, base_model=path)
+    if resolved.plan.model.init_adapter:  # its weights into the LoRA just made with its settings
+        load_adapter_weights(model, resolved.plan.model.init_adapter, base_model=path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     resolved = follow_loaded_dtype(resolved, loaded_dtype(model))

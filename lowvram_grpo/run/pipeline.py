@@ -59,6 +59,7 @@ from lowvram_grpo.run.oom import OOM_PHASES, out_of_memory_reported
 from lowvram_grpo.run.stops import StopRequested
 from lowvram_grpo.settings import checks
 from lowvram_grpo.settings.config import RunConfig, check_trackers_installed, load_config
+from lowvram_grpo.settings.plans import RunPlan, run_plan
 from lowvram_grpo.settings.hardware import detect
 from lowvram_grpo.settings.memory_plan import PlanError, format_plan, plan, run_plan_text
 from lowvram_grpo.settings.resolve import resolve as resolve_settings
@@ -72,7 +73,7 @@ from lowvram_grpo.task.data import (
 )
 from lowvram_grpo.task.reward_models import load_reward_models
 from lowvram_grpo.task.rewards import check_rewards
-from lowvram_grpo.task.tools import check_tool_prompts, uses_tools
+from lowvram_grpo.task.tools import check_tool_prompts
 from lowvram_grpo.task.user_code import load as load_user_code
 from lowvram_grpo.training.validation import Validation
 
@@ -113,7 +114,7 @@ class GRPORun:
             self.run_dir.check_free(overwrite=existing == "overwrite")
         self.overwrite = existing == "overwrite"
         check_trackers_installed(config.train)
-        self.user = load_user_code(config)  # the user's reward, tool and environment files: imported and looked up once
+        self.user = load_user_code(run_plan(config))  # the user's reward, tool and environment files: imported and looked up once
         checks.before_load(config)  # settings that cannot work together (lengths, LoRA vs the model's shape)
         checks.check_offline_model(config.model.name)  # offline, a hub model not in the cache cannot load
         self.resolved = resolve_settings(config, hardware or detect(), backend, num_processes=_num_processes())
@@ -130,7 +131,7 @@ class GRPORun:
                 config.data, self.train_questions, self.eval_questions, config.eval.validation_size)
         check_rewards(config.rewards, to_prompt_rows(self.train_questions, config.data.system_prompt),
                       config.data.dataset or "built-in problems", self.user.reward_fns)  # as TRL will call each, on this data
-        if uses_tools(config):  # TRL runs tools for chat-message prompts only
+        if config.uses_tools:  # TRL runs tools for chat-message prompts only
             check_tool_prompts(to_prompt_rows(self.train_questions[:1], config.data.system_prompt),
                                config.data.dataset or "built-in problems")
         for warning in checks.surprises(config, len(self.train_questions)):
@@ -153,6 +154,11 @@ class GRPORun:
     @property
     def config(self) -> RunConfig:
         return self.resolved.config
+
+    @property
+    def plan(self) -> RunPlan:
+        """The phases' settings (plans.RunPlan): what priming, training and the measurements are handed."""
+        return self.resolved.plan
 
     # ------------------------------------------------------------------ load
     def load(self, handle=None):
@@ -392,11 +398,11 @@ class GRPORun:
 
         what = f"the adapter in {adapter}" if adapter else "the base model"
         self.log(f"measuring {what} on {len(self.eval_rows)} held-out questions ({stage}; "
-                 f"{protocol_label(protocol(self.config))}) ...")
+                 f"{protocol_label(protocol(self.plan.eval))}) ...")
         request = self.handle.load_lora(adapter) if adapter else None
         try:
             with self._failures_reported("evaluation"):
-                self.measured[stage], self.texts[stage] = evaluate(self.handle, self.eval_rows, self.config, lora_request=request)
+                self.measured[stage], self.texts[stage] = evaluate(self.handle, self.eval_rows, self.plan.eval, lora_request=request)
         finally:  # measured, it leaves the model as it was: GRPO trains and checkpoints the trained adapter alone
             if request is not None:
                 self.handle.release_lora(request)
@@ -448,7 +454,7 @@ class GRPORun:
             self._enter("priming")
             self.run_dir.write_summary(self._start_summary())  # the numbers measured before: a resumed priming reuses them
             with self._failures_reported("priming"):
-                self.priming = prime(self.handle, self.train_questions, self.config, self.log,
+                self.priming = prime(self.handle, self.train_questions, self.plan.prime, self.log,
                                      checkpoints=self.run_dir if self.run_dir.writer else None, resume_from=resume_from)
             primed_dir = self.handle.save_lora(self.run_dir.primed_adapter_dir) if self.run_dir.writer else None
             if primed_dir is not None:
@@ -465,7 +471,7 @@ class GRPORun:
         validation = None
         if self.resolved.validation_every and self.validation_rows:
 
-            validation = Validation(self.handle, self.validation_rows, self.config, self.run_dir,
+            validation = Validation(self.handle, self.validation_rows, self.plan.eval, self.run_dir,
                                     self.resolved.validation_every, self.log)
         self.trainer = trainer = build_trainer(self.handle, self.train_rows, self.run_dir, rollouts=self.rollouts,
                                                reward_funcs=self.trainer_rewards, validation=validation)

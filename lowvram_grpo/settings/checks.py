@@ -29,6 +29,7 @@ from lowvram_grpo.model.builtin_models import is_builtin, resolve_model_path
 from lowvram_grpo.model.decoding import options_beyond_merge
 from lowvram_grpo.model.lora_io import adapter_settings
 from lowvram_grpo.run.errors import ConfigError, PlanError
+from lowvram_grpo.settings.plans import run_plan
 from lowvram_grpo.settings.model_shapes import (
     HUB_ID,
     STANDARD_MODULE_FAMILIES,
@@ -38,7 +39,6 @@ from lowvram_grpo.settings.model_shapes import (
     model_shape,
 )
 from lowvram_grpo.task import tools
-from lowvram_grpo.task.tools import uses_tools
 from lowvram_grpo.task.user_code import of
 
 # The decoder-layer linear modules of Llama-style architectures (Llama, Qwen2, Mistral, SmolLM2) by name.
@@ -166,7 +166,7 @@ def check_reward_names(config) -> None:
     """Every name in rewards.names is a built-in reward, a function of the rewards.module file, or a reward
     model; importing that file is where the user's code first runs (never when a config is built)."""
 
-    of(config)  # looked up once for the run (user_code.load): an unknown name or a broken file is one line
+    of(run_plan(config))  # looked up once for the run (user_code.load): an unknown name or a broken file is one line
     by = config.train.dynamic_sampling_reward
     if by is not None and by not in config.rewards.names:
         raise ConfigError(f"train.dynamic_sampling_reward must be one of the run's rewards.names "
@@ -184,7 +184,7 @@ def check_tools(config) -> None:
     can express), and the environment built once as TRL builds it; every error one line. Imports the user's files
     and builds the environment (user code runs)."""
 
-    if not tools.uses_tools(config):
+    if not config.uses_tools:
         return  # tools.max_tokens_per_turn then caps nothing: a tools preset run with tools.names=[] keeps it
     cap, budget = config.tools.max_tokens_per_turn, config.train.max_completion_length
     if cap is not None and cap > budget:
@@ -193,7 +193,7 @@ def check_tools(config) -> None:
     from transformers.utils.chat_template_utils import get_json_schema
 
 
-    user = of(config)  # the run's tools and environment, looked up once (user_code.load)
+    user = of(run_plan(config))  # the run's tools and environment, looked up once (user_code.load)
     named = list(zip(config.tools.names, user.tool_functions()))
     cls = user.environment
     if cls is not None:
@@ -241,7 +241,7 @@ def check_tool_template(config, tokenizer) -> None:
     on the tokenizer, or one TRL knows for the template), and the template must keep earlier turns' tokens when
     turns follow (or TRL must have a training version of it)."""
 
-    if not uses_tools(config):
+    if not config.uses_tools:
         return
     from trl.chat_template_utils import (
         add_response_schema,

@@ -655,6 +655,11 @@ class RunConfig:
         (TRL's cap for each turn; its tool loop cuts the whole trajectory there either way)."""
         return self.tools.max_tokens_per_turn or self.train.max_completion_length
 
+    @property
+    def uses_tools(self) -> bool:
+        """The run has a tool loop: tools.names, an environment, or both."""
+        return bool(self.tools.names or self.environment.name)
+
     def __post_init__(self):
         from lowvram_grpo.task.rewards import FORMAT_REWARDS  # plain-Python module, no heavy imports
 

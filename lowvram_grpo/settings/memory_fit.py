@@ -20,7 +20,6 @@ from lowvram_grpo.settings.config import RunConfig, config_from_dict, list_prese
 from lowvram_grpo.settings.hardware import detect
 from lowvram_grpo.settings.memory_terms import GIB, estimate
 from lowvram_grpo.settings.resolve import resolve
-from lowvram_grpo.task.tools import uses_tools
 
 SUGGESTION_SPARE = 0.05           # suggested settings leave this share of the card unplanned
 
@@ -174,7 +173,7 @@ def presets_that_fit(hardware, vram_gb: float, tools: Optional[bool] = None) -> 
     for name in list_presets():
         try:
             config = load_config(name)
-            if not config.requires_cuda or (tools is not None and uses_tools(config) != tools):
+            if not config.requires_cuda or (tools is not None and config.uses_tools != tools):
                 continue
             p = estimate(resolve(config, hardware), vram_gb)
         except ConfigError:

@@ -24,7 +24,6 @@ from lowvram_grpo.settings.memory_terms import (
     refuse_standby,
 )
 from lowvram_grpo.settings.model_shapes import UNSLOTH_NO_VLLM, vllm_serves
-from lowvram_grpo.task.tools import uses_tools
 
 
 def plan(resolved) -> MemoryPlan:
@@ -123,9 +122,10 @@ def plan_text(resolved) -> str:
 
 
 def run_plan_text(resolved) -> str:
-    """The run's plan, whole: the config as YAML (what --resume reads back), the settings resolve decided as YAML
-    comments, and the memory plan. What `--dry-run` prints and what a run writes to its folder's plan.txt."""
-    decided = "\n".join(f"# {line}" for line in resolved.describe().splitlines())
+    """The run's plan, whole: the config as YAML (what --resume reads back), the settings resolve decided and what
+    each phase reads (plans.RunPlan) as YAML comments, and the memory plan. What `--dry-run` prints and what a run
+    writes to its folder's plan.txt."""
+    decided = "\n".join(f"# {line}" for line in (resolved.describe() + "\n" + resolved.plan.describe()).splitlines())
     return f"{resolved.config.to_yaml()}{decided}\n{plan_text(resolved)}\n"
 
 
@@ -158,7 +158,7 @@ def _verdict(p: MemoryPlan) -> str:
         return (f"{why}\nto fit, change: {', '.join(map(str, p.suggestions))} -> {p.suggested_total_gb:.1f} GiB planned\n"
                 f"  (run with --auto-fit, or add: {sets})")
 
-    others = presets_that_fit(p.resolved.hardware, p.vram_gb, tools=uses_tools(p.config))
+    others = presets_that_fit(p.resolved.hardware, p.vram_gb, tools=p.config.uses_tools)
     alternative = (f"use a smaller model: {', '.join(f'--preset {n} ({gb:.1f} GiB)' for n, gb in others)}"
                    if others else "no preset fits this card")
     return f"{why}\nno settings of this preset fit: {p.no_fit_reason}; {alternative}"

@@ -73,6 +73,7 @@ from lowvram_grpo.model.decoding import DecodeSettings
 from lowvram_grpo.run.errors import PlanError, ResolveError
 from lowvram_grpo.settings.config import RunConfig
 from lowvram_grpo.settings.hardware import Hardware
+from lowvram_grpo.settings.plans import IS_MODE, RunPlan, run_plan  # IS_MODE: TRL 1.15's default, one ratio per completion
 
 BACKENDS = ("auto", "unsloth", "hf")
 # vllm 0.31's wheels are built with CUDA 13, which dropped compute capability 7.0 (the V100) and below: its
@@ -97,7 +98,6 @@ NO_FLASHINFER_ENV = "UNSLOTH_VLLM_NO_FLASHINFER"
 # overrides). tests/test_gpu_wheels.py reads those lines in the pinned wheels.
 IS_CORRECTION_CHOICES = ("auto", "on", "off")
 IS_MODE_ENV = "UNSLOTH_GRPO_VLLM_IS_MODE"
-IS_MODE = "sequence_mask"          # TRL 1.15's default: one ratio per completion, masked above clip_max
 IS_MODE_VESPO = "token_truncate"   # TRL refuses VESPO with a sequence mode (grpo_trainer.py: token_* only)
 # unsloth 2026.10.9's CUDA-graph decode (unsloth/models/_decode_graphs.py): inside an RL trainer's generate, on NVIDIA
 # CUDA, for these model types only (its _SUPPORTED_MODEL_TYPES; qwen2 shares the Llama attention but is "untested").
@@ -149,6 +149,7 @@ class Resolved:
     kv_cache_reason: str = ""
     validation_every: int = 0            # the held-out curve: every N GRPO steps (0 = off): choose_validation
     notes: tuple[str, ...] = ()
+    plan: Optional[RunPlan] = field(default=None, repr=False)  # the phases' settings from the config (plans.run_plan)
 
     @property
     def cuda(self) -> bool:
@@ -212,7 +213,7 @@ class Resolved:
 
     def summary(self) -> dict:
         """The decided values, for --dry-run, the run log and summary.json."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("config", "hardware", "notes")}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("config", "hardware", "notes", "plan")}
         out.update(fast_inference=self.fast_inference, use_vllm=self.use_vllm)
         out["hardware"] = self.hardware.describe()
         out["notes"] = list(self.notes)
@@ -682,7 +683,7 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         decode_loop=decode_loop, decode_sampler=decode_sampler, decode_merge_lora=decode_merge, decode_fused=decode_fused,
         validation_every=validation_every, is_correction=is_on, is_mode=is_mode, is_reason=is_reason,
         decode_graphs=graphs, decode_graphs_reason=graphs_reason, kv_cache_dtype=kv_dtype, kv_cache_reason=kv_reason,
-        notes=tuple(notes),
+        notes=tuple(notes), plan=run_plan(config),
     )
     if plan_decides:  # auto on sm80+ with unsloth's engine: fp8 where the plan's 16-bit KV cache is short
         resolved = dataclasses.replace(resolved, kv_cache_reason=_auto_kv_reason(resolved))

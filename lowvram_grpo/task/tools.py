@@ -247,34 +247,29 @@ def tool_functions(tools_config) -> list[Callable]:
 ENVIRONMENT_HOOKS = ("reset", "get_reward")
 
 
-def uses_tools(config) -> bool:
-    """The run has a tool loop: tools.names, an environment, or both."""
-    return bool(config.tools.names or config.environment.name)
-
-
-def environment_class(env_config) -> Optional[type]:
-    """The class environment.name in environment.module, checked without building it (ConfigError, one line): a
-    class, with a callable reset, and at least one public method, each a tool as check_tool_function wants (its
-    self aside). None without an environment."""
-    if not env_config.name:
+def environment_class(name: Optional[str], module_path: Optional[str]) -> Optional[type]:
+    """The class `name` (environment.name) in the file `module_path` (environment.module), checked without building
+    it (ConfigError, one line): a class, with a callable reset, and at least one public method, each a tool as
+    check_tool_function wants (its self aside). None without an environment."""
+    if not name:
         return None
-    module = import_user_file(env_config.module, "environment.module", "an environment class", ConfigError)
-    cls = vars(module).get(env_config.name)
-    where = f"environment.module {env_config.module}"
+    module = import_user_file(module_path, "environment.module", "an environment class", ConfigError)
+    cls = vars(module).get(name)
+    where = f"environment.module {module_path}"
     if not inspect.isclass(cls):
         found = sorted(n for n, v in vars(module).items() if inspect.isclass(v) and v.__module__ == module.__name__)
         what = "is not a class" if cls is not None else "is not defined there"
-        raise ConfigError(f"environment.name {env_config.name!r} {what}: {where} defines the classes "
+        raise ConfigError(f"environment.name {name!r} {what}: {where} defines the classes "
                           f"{', '.join(found) or '(none)'}")
     if not callable(getattr(cls, "reset", None)):
-        raise ConfigError(f"environment {env_config.name!r} in {where} has no reset method: TRL calls reset() before "
+        raise ConfigError(f"environment {name!r} in {where} has no reset method: TRL calls reset() before "
                           "each prompt (return None, or text to append to the prompt)")
     methods = environment_methods(cls)
     if not methods:
-        raise ConfigError(f"environment {env_config.name!r} in {where} has no public method for the model to call: "
+        raise ConfigError(f"environment {name!r} in {where} has no public method for the model to call: "
                           "each public method (not reset or get_reward) is a tool")
-    for name, fn in methods:
-        check_tool_function(f"{env_config.name}.{name}", fn, where, method=True)
+    for method, fn in methods:
+        check_tool_function(f"{name}.{method}", fn, where, method=True)
     return cls
 
 

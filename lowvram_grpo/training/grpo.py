@@ -32,7 +32,7 @@ from trl import GRPOConfig
 
 from lowvram_grpo.report.run_dir import RunDir
 from lowvram_grpo.run.host_memory import ReleaseHostMemory
-from lowvram_grpo.settings.resolve import IS_MODE
+from lowvram_grpo.settings.plans import grpo_config_kwargs
 from lowvram_grpo.task.tools import environment_methods
 from lowvram_grpo.task.user_code import of as user_code_of
 from lowvram_grpo.training.completions import CompletionsLog, markdown_rows, with_completion_facts
@@ -58,81 +58,6 @@ from lowvram_grpo.training.trl_compat import (
     trainer_name,
 )
 from lowvram_grpo.training.validation import due
-
-
-def grpo_config_kwargs(resolved, output_dir: Path) -> dict:
-    """`GRPOConfig`'s arguments: the config's GRPO settings and the resolved device settings (resolve.py)."""
-    t = resolved.config.train
-    return dict(
-        output_dir=str(output_dir),
-        learning_rate=t.learning_rate,
-        adam_beta1=t.adam_beta1,
-        adam_beta2=t.adam_beta2,
-        weight_decay=t.weight_decay,
-        warmup_steps=t.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of max_steps
-        lr_scheduler_type=t.lr_scheduler_type,
-        optim=resolved.optim,
-        per_device_train_batch_size=resolved.per_device_train_batch_size,
-        gradient_accumulation_steps=resolved.gradient_accumulation_steps,
-        num_generations=t.num_generations,
-        max_completion_length=t.max_completion_length,
-        temperature=t.temperature,
-        top_p=t.top_p,
-        beta=t.beta,
-        epsilon=t.epsilon,
-        loss_type=t.loss_type,
-        scale_rewards=t.scale_rewards,
-        mask_truncated_completions=t.mask_truncated_completions,
-        importance_sampling_level=t.importance_sampling_level,  # GSPO: sequence
-        epsilon_high=t.epsilon_high,  # DAPO's clip-higher; None = epsilon
-        top_entropy_quantile=t.top_entropy_quantile,
-        max_grad_norm=t.max_grad_norm,
-        max_steps=t.max_steps,
-        save_strategy="steps",
-        save_steps=resolved.save_steps,  # train.save_steps, or auto's choice (resolve.choose_save_steps)
-        logging_steps=t.logging_steps,
-        seed=t.seed,
-        data_seed=t.seed,
-        reward_weights=resolved.config.rewards.weight_list,
-        chat_template_kwargs=dict(resolved.config.data.chat_template_kwargs) or None,  # e.g. enable_thinking
-        use_vllm=resolved.use_vllm,  # only unsloth's engine, which shares the weights; never a second TRL engine
-        # resolve.choose_is_correction: on wherever a vLLM engine samples (unsloth's GRPOConfig would default it off)
-        vllm_importance_sampling_correction=resolved.is_correction,
-        vllm_importance_sampling_mode=resolved.is_mode or IS_MODE,
-        vllm_mode="colocate",
-        vllm_gpu_memory_utilization=resolved.config.memory.gpu_memory_utilization,
-        vllm_max_model_length=resolved.vllm_max_model_len,
-        gradient_checkpointing=resolved.gradient_checkpointing != "false",
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-        bf16=resolved.bf16,
-        fp16=resolved.fp16,
-        use_cpu=not resolved.cuda,
-        report_to=t.trackers,  # TRL's integrations; metrics.jsonl is written either way
-        # TRL's completions table for the trackers that show one (W&B, trackio; never printed: completions.jsonl has them)
-        log_completions=bool(set(t.trackers) & set(COMPLETION_TRACKERS)) and resolved.config.log.completions_every > 0,
-        num_completions_to_print=0,
-        disable_tqdm=True,  # our ProgressBar replaces HF's bar and its printed log dicts
-        remove_unused_columns=False,
-        dataloader_num_workers=0,
-        # several processes (accelerate): every LoRA weight takes part in each forward, so DDP need not search
-        ddp_find_unused_parameters=False if resolved.num_processes > 1 else None,
-    )
-
-
-def tool_config_kwargs(tools_config, environment: bool = False, use_vllm: bool = False) -> dict:
-    """GRPOConfig's tool settings: with tools.names or an environment, max_tool_calling_iterations = tools.max_turns
-    (TRL: rounds of running the latest turn's tool calls and generating on) and, with tools.max_tokens_per_turn,
-    TRL's generation_kwargs capping every turn's new tokens (TRL's tool loop caps each at max_completion_length):
-    `max_tokens` for vLLM's SamplingParams, `max_new_tokens` for transformers' generate, which TRL merges into the
-    settings of each turn it generates (backends/vllm/rollouts.py reads it too). Without tools, nothing: TRL's
-    defaults stay."""
-    if not (tools_config.names or environment):
-        return {}
-    kwargs = {"max_tool_calling_iterations": tools_config.max_turns}
-    if tools_config.max_tokens_per_turn is not None:
-        key = "max_tokens" if use_vllm else "max_new_tokens"
-        kwargs["generation_kwargs"] = {key: tools_config.max_tokens_per_turn}
-    return kwargs
 
 
 def grpo_args(resolved, output_dir: Path) -> GRPOConfig:
@@ -232,11 +157,6 @@ def metric_row(step: int, logs) -> dict | None:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             row[key] = value if math.isfinite(value) else None
     return row
-
-
-# Trackers TRL 1.15's log_completions sends its completions table to (GRPOTrainer.log); TensorBoard gets a text
-# summary from CompletionsWriter instead.
-COMPLETION_TRACKERS = ("wandb", "trackio")
 
 
 class CompletionsWriter(TrainerCallback):
@@ -581,36 +501,31 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward
 
     run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
 
-    config = handle.config
+    plan = handle.plan.train
     install_logprob_fallback()  # TRL's log-prob kernel is Triton (GPU only): route CPU tensors to PyTorch
-    asked = grpo_config_kwargs(handle.resolved, run_dir.path)
-    asked.update(tool_config_kwargs(config.tools, bool(config.environment.name), asked["use_vllm"]))  # TRL's rounds
-    user = user_code_of(config)  # the run's callables, looked up once (user_code.load)
+    asked = grpo_config_kwargs(handle.resolved, run_dir.path)  # with TRL's tool rounds (plans.tool_config_kwargs)
+    user = user_code_of(plan)  # the run's callables, looked up once (user_code.load)
     tools = user.tool_functions()  # each call bounded in time, every answer text (tools.bounded)
     environment = user.bounded_environment()  # TRL builds it (one per concurrent rollout), methods bounded
     counted = tools + [fn for _, fn in environment_methods(environment)] if environment is not None else tools
     # each checked: one finite number per completion; correctness also logs all-right / all-wrong groups, and with
     # tools the first also logs the batch's tool use and keeps a transcript (tool_metrics.py)
     scored, tool_use = with_tool_use(
-        with_group_outcomes(reward_funcs or user.reward_functions(), config.train.num_generations), counted)
-    if config.log.completions_every > 0:  # each completion's truncation and gold answer into TRL's log (log_extra)
+        with_group_outcomes(reward_funcs or user.reward_functions(), plan.num_generations), counted)
+    if plan.completions is not None:  # each completion's truncation and gold answer into TRL's log (log_extra)
         scored = with_completion_facts(scored, _stop_ids(handle))
     generation_batch = handle.resolved.generation_batch_size
-    dynamic = config.train.dynamic_sampling
+    written = plan.completions
     extras = RunExtras(
-        run_dir=run_dir, tool_functions=counted, tool_use=tool_use, max_nonfinite_steps=config.train.max_nonfinite_steps,
-        learning_rate=config.train.learning_rate, keep_checkpoints=config.train.keep_checkpoints,
-        data_per_step={"prompts": generation_batch // config.train.num_generations, "completions": generation_batch},
-        max_steps=config.train.max_steps, beta=config.train.beta, max_completion_length=config.train.max_completion_length,
-        completions=dict(every=config.log.completions_every, groups=config.log.completions_groups,
-                         max_mb=config.log.completions_max_mb, group_size=config.train.num_generations,
-                         weights=list(config.rewards.weight_list), max_steps=config.train.max_steps,
-                         logging_steps=config.train.logging_steps) if config.log.completions_every > 0 else None,
-        validation=validation, dynamic_sampling_draws=config.train.dynamic_sampling_max_draws if dynamic else 0,
-        # checks: dynamic_sampling_reward is one of rewards.names
-        dynamic_sampling_reward=config.train.dynamic_sampling_reward if dynamic else None,
-        dynamic_sampling_column=(config.rewards.names.index(config.train.dynamic_sampling_reward)
-                                 if dynamic and config.train.dynamic_sampling_reward is not None else None),
+        run_dir=run_dir, tool_functions=counted, tool_use=tool_use, max_nonfinite_steps=plan.max_nonfinite_steps,
+        learning_rate=plan.learning_rate, keep_checkpoints=plan.keep_checkpoints,
+        data_per_step={"prompts": generation_batch // plan.num_generations, "completions": generation_batch},
+        max_steps=plan.max_steps, beta=plan.beta, max_completion_length=plan.max_completion_length,
+        completions=dict(every=written.every, groups=written.groups, max_mb=written.max_mb,
+                         group_size=plan.num_generations, weights=list(plan.rewards.weights), max_steps=plan.max_steps,
+                         logging_steps=plan.logging_steps) if written is not None else None,
+        validation=validation, dynamic_sampling_draws=plan.dynamic_sampling_draws,
+        dynamic_sampling_reward=plan.dynamic_sampling_reward, dynamic_sampling_column=plan.dynamic_sampling_column,
         asked=asked)
     trainer = trainer_class()(
         model=handle.model,

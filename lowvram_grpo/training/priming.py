@@ -35,9 +35,10 @@ from tqdm.auto import tqdm
 from lowvram_grpo.report.run_dir import PRIME_STATE
 from lowvram_grpo.run import host_memory, stops
 from lowvram_grpo.run.errors import RunDirError
+from lowvram_grpo.settings.plans import PrimePlan
 from lowvram_grpo.task.data import Question, prompt_of
 from lowvram_grpo.task.rewards import formatted
-from lowvram_grpo.task.tools import calculator, uses_tools
+from lowvram_grpo.task.tools import calculator
 from lowvram_grpo.task.user_code import of as user_code_of
 
 _ANNOTATION = re.compile(r"<<([^=<>]+)=[^<>]*>>")  # GSM8K's calculator annotations: <<48/2=24>>
@@ -175,10 +176,10 @@ def load_state(folder, model, optimizer) -> dict:
     return progress
 
 
-def prime(handle, questions: list[Question], config, log=print, max_seconds: Optional[float] = None,
+def prime(handle, questions: list[Question], plan: PrimePlan, log=print, max_seconds: Optional[float] = None,
           on_step: Optional[Callable[[int, float], None]] = None, checkpoints=None,
           resume_from: Optional[Path] = None) -> dict:
-    """Run `config.prime.steps` supervised steps on `questions` that have worked solutions (cycling through
+    """Run `plan.steps` (plans.PrimePlan: prime.*) supervised steps on `questions` that have worked solutions (cycling through
     them); with `max_seconds`, no step starts once that much wall time has passed (the prime-only
     baseline's equal-time budget, baseline.py). `on_step(steps_done, seconds_training_so_far)` runs after each step (bench/plateau.py
     saves and measures checkpoints of one priming there; the time it takes is not counted against `max_seconds`
@@ -187,25 +188,24 @@ def prime(handle, questions: list[Question], config, log=print, max_seconds: Opt
     a checkpoint when there is `checkpoints`."""
     import torch
 
-    settings = config.prime
     examples = [q for q in questions if q.solution and q.answer is not None]
     if not examples:
         log("priming skipped: the training data has no worked solutions with gold answers")
         return {"steps": 0}
-    model, tokenizer = handle.model, handle.tokenizer
-    tools = user_code_of(config).prompt_tools() if uses_tools(config) else None
+    model, tokenizer, prompts = handle.model, handle.tokenizer, plan.prompts
+    tools = user_code_of(plan).prompt_tools() if plan.tools.used else None
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=plan.learning_rate, weight_decay=0.0)
     model.train()
     started, losses, outside = time.time(), [], 0.0  # outside: seconds spent in on_step and writing checkpoints
     earlier_seconds, first = 0.0, 0
     if resume_from is not None:
         progress = load_state(resume_from, model, optimizer)
         first, losses, earlier_seconds = int(progress["steps"]), list(progress["losses"]), float(progress["seconds"])
-        log(f"resuming priming from {resume_from} (step {first} of {settings.steps})")
+        log(f"resuming priming from {resume_from} (step {first} of {plan.steps})")
 
     if max_seconds is None:
-        bar = tqdm(total=settings.steps, initial=first, desc="priming", unit="step", dynamic_ncols=True)
+        bar = tqdm(total=plan.steps, initial=first, desc="priming", unit="step", dynamic_ncols=True)
     else:  # a time budget: the bar counts seconds, not the (open-ended) steps
         bar = tqdm(total=round(max_seconds), desc="priming (time budget)", unit="s", dynamic_ncols=True)
 
@@ -215,22 +215,22 @@ def prime(handle, questions: list[Question], config, log=print, max_seconds: Opt
     def save(steps_done: int) -> None:
         nonlocal outside
         before = time.time()
-        progress = {"steps": steps_done, "of": settings.steps, "losses": losses, "seconds": round(seconds(), 3)}
+        progress = {"steps": steps_done, "of": plan.steps, "losses": losses, "seconds": round(seconds(), 3)}
         checkpoints.save_prime_checkpoint(steps_done, lambda folder: save_state(folder, model, optimizer, progress),
-                                          keep=config.train.keep_checkpoints)
+                                          keep=plan.keep_checkpoints)
         outside += time.time() - before
 
     where = f"after this priming step{', with a checkpoint' if checkpoints is not None else ''}"
     last_started = None  # when the newest step of this call started (training seconds)
     with stops.deferred(where, check_at_exit=False):  # a signal after the last step: checked below, after its save
-        for step in range(first, settings.steps):
+        for step in range(first, plan.steps):
             if max_seconds is not None and seconds() >= max_seconds:
                 break
             last_started = seconds()  # a time budget's check: no step starts after it is spent
-            chunk = [examples[(step * settings.batch_size + i) % len(examples)] for i in range(settings.batch_size)]
-            pieces = [example_pieces(tokenizer, q, config.data.system_prompt, tools, config.data.answer_format,
-                                     config.data.chat_template_kwargs) for q in chunk]
-            input_ids, attention, labels = _batch(tokenizer, pieces, config.model.max_seq_length)
+            chunk = [examples[(step * plan.batch_size + i) % len(examples)] for i in range(plan.batch_size)]
+            pieces = [example_pieces(tokenizer, q, prompts.system_prompt, tools, prompts.answer_format,
+                                     prompts.template_kwargs) for q in chunk]
+            input_ids, attention, labels = _batch(tokenizer, pieces, prompts.max_seq_length)
             device = next(model.parameters()).device
             loss = completion_loss(model, input_ids.to(device), attention.to(device), labels.to(device))
             loss.backward()
@@ -247,7 +247,7 @@ def prime(handle, questions: list[Question], config, log=print, max_seconds: Opt
                 model.train()
                 outside += time.time() - before
             stopping = stops.received() is not None  # a signal came during this step: stop after it
-            if checkpoints is not None and (stopping or (settings.save_steps and len(losses) % settings.save_steps == 0)):
+            if checkpoints is not None and (stopping or (plan.save_steps and len(losses) % plan.save_steps == 0)):
                 save(len(losses))
             if stopping:
                 bar.close()

@@ -90,8 +90,8 @@ class Validation:
     """Measures the curve's points for one run: `measure(step)` after a GRPO step, `catch_up(step, rows)` on resume.
     `handle`: the model handle; `rows`: the validation prompt rows; `run_dir`: the RunDir."""
 
-    def __init__(self, handle, rows: list[dict], config, run_dir, every: int, log=print):
-        self.handle, self.rows, self.config, self.run_dir, self.every, self.log = handle, rows, config, run_dir, every, log
+    def __init__(self, handle, rows: list[dict], plan, run_dir, every: int, log=print):
+        self.handle, self.rows, self.plan, self.run_dir, self.every, self.log = handle, rows, plan, run_dir, every, log
         self.best: Optional[dict] = None  # {'step', 'criterion', 'value'} of best_adapter/
 
     def restore(self, metric_rows: list[dict]) -> None:
@@ -115,10 +115,10 @@ class Validation:
             saved = self.handle.save_lora(staging / "adapter")
             request = self.handle.load_lora(saved)
             try:
-                generated = generate_answers(self.handle, self.rows, self.config, request)
+                generated = generate_answers(self.handle, self.rows, self.plan, request)
             except stops.StopRequested:
                 return None
-            numbers = logged_numbers(score(self.rows, generated, self.config, tokenizer=self.handle.tokenizer))
+            numbers = logged_numbers(score(self.rows, generated, self.plan, tokenizer=self.handle.tokenizer))
             key = next((k for k in CRITERIA if k in numbers), None)
             if key is not None and (self.best is None or numbers[key] > self.best["value"]):
                 self.best = {"step": step, "criterion": key, "value": numbers[key]}
@@ -136,7 +136,7 @@ class Validation:
         """On resume from checkpoint `step`: measure its point if it is due and its row lacks it (a stop during the
         measurement), into that row of metrics.jsonl."""
         self.restore(metric_rows)
-        if not due(step, self.every, self.config.train.max_steps):
+        if not due(step, self.every, self.plan.max_steps):
             return
         if any(row["step"] == step and criterion([row]) is not None for row in metric_rows):
             return

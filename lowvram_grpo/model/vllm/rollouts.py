@@ -39,7 +39,7 @@ def _runs(prompts: list) -> list[tuple[Any, int]]:
 
 
 def turn_tokens(trainer) -> int:
-    """Most new tokens of one turn: tools.max_tokens_per_turn as training.tool_config_kwargs hands it to TRL
+    """Most new tokens of one turn: tools.max_tokens_per_turn as plans.tool_config_kwargs hands it to TRL
     (generation_kwargs' max_new_tokens: this engine stands in for transformers' generate), else TRL's cap for each
     turn, max_completion_length. TRL's tool loop cuts the whole trajectory at max_completion_length either way."""
     asked = (trainer.args.generation_kwargs or {}).get("max_new_tokens")
@@ -160,9 +160,9 @@ def start_for_run(handle, log=print) -> TRLRollouts:
     """Start the engine for `handle`'s base checkpoint, make it the handle's generation engine (the
     before/after evaluation samples through it) and return the rollouts for build_trainer."""
 
-    config, resolved = handle.config, handle.resolved
+    sync_every, resolved = handle.plan.model.vllm_sync_steps, handle.resolved
     if isinstance(handle.engine, LocalVLLMEngine) and handle.engine.llm is not None:  # a handle trained before
-        return TRLRollouts(handle.engine, sync_every=config.model.vllm_sync_steps, importance_sampling=resolved.is_correction)
+        return TRLRollouts(handle.engine, sync_every=sync_every, importance_sampling=resolved.is_correction)
     shape = shape_from_config(handle.model.config.to_dict(), handle.base_model)  # the model loaded: hub ids too
     settings = settings_for(resolved, shape, handle.base_model)
     log(f"starting the vLLM engine: {settings.describe()} ...")
@@ -177,4 +177,4 @@ def start_for_run(handle, log=print) -> TRLRollouts:
                             "model.max_seq_length, or set model.generation=transformers; nothing was written") from None
     OPEN_ENGINES.add(engine)
     handle.engine = engine
-    return TRLRollouts(engine, sync_every=config.model.vllm_sync_steps, importance_sampling=resolved.is_correction)
+    return TRLRollouts(engine, sync_every=sync_every, importance_sampling=resolved.is_correction)
