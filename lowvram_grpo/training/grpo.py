@@ -1,7 +1,7 @@
 """GRPO training through TRL's `GRPOTrainer`: the algorithm stays in TRL.
 
-This module maps our config onto `GRPOConfig`, hands TRL the PEFT model, the reward functions (with
-their weights; `correctness` also logs the share of all-right and all-wrong groups) and the prompt rows,
+This module hands TRL the `GRPOConfig` built from the run's plan (settings/plans.py), the PEFT model, the reward
+functions (with their weights; `correctness` also logs the share of all-right and all-wrong groups) and the prompt rows,
 and adds three callbacks: a progress bar (step, time left, the reward and its moving average, the share
 of groups with signal, the KL when beta > 0; not TRL's loss, ~0 by construction), a `metrics.jsonl`
 writer (one JSON object per logged step) and the training-signal warnings (learning_signals.py: truncated
