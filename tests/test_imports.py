@@ -271,3 +271,33 @@ def test_config_is_read_only_where_the_plan_is_built_and_the_settings_are_checke
     reads = {str(path.relative_to(PACKAGE)): n for path in PACKAGE.rglob("*.py")
              if str(path.relative_to(PACKAGE)) not in READS_CONFIG and (n := config_reads(path.read_text()))}
     assert not reads, f"config read below the pipeline (module: reads): pass the plan (plans.RunPlan) or plain values: {reads}"
+
+
+# --------------------------------------------------------------------------- files read where a config is built (issue 50)
+
+# What reads a file's contents (a path's existence is a check, and stays in __post_init__)
+FILE_READERS = {"open", "read_text", "read_bytes", "safe_load", "load", "adapter_settings", "import_user_file"}
+
+
+def post_init_file_reads(source: str) -> list[str]:
+    """The calls in `source`'s `__post_init__` methods that read a file (or call a `_read...` helper)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and node.name == "__post_init__":
+            for call in ast.walk(node):
+                if isinstance(call, ast.Call):
+                    func = call.func
+                    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                    if name in FILE_READERS or name.startswith("_read"):
+                        found.append(f"{node.lineno}: {name}")
+    return found
+
+
+def test_no_post_init_reads_a_file():
+    """A config is checked in __post_init__ and built from files in the functions that read them (litgpt reads in
+    classmethods such as `Config.from_checkpoint`): constructing a section never touches the disk."""
+    assert post_init_file_reads("class A:\n    def __post_init__(self):\n        self._read_adapter()\n")
+    assert post_init_file_reads("class A:\n    def __post_init__(self):\n        x = Path(self.p).read_text()\n")
+    found = {str(path.relative_to(PACKAGE)): hits for path in PACKAGE.rglob("*.py")
+             if (hits := post_init_file_reads(path.read_text()))}
+    assert not found, f"__post_init__ reads a file (module: calls): read it where the config is built: {found}"

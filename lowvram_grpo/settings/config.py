@@ -106,25 +106,29 @@ class LoraConfig:
         "is skipped unless asked for (--set prime.steps=N). CLI: --init-adapter PATH.", None)
 
     def __post_init__(self):
-        if self.init_adapter is not None:
-            self._read_init_adapter()
+        _check(self.init_adapter is None or bool(self.init_adapter.strip()),
+               "lora.init_adapter is empty: give an adapter folder, or null")
         _check(self.r > 0, f"lora.r must be > 0 (e.g. 16); got {self.r}")
         _check(self.alpha > 0, f"lora.alpha must be > 0 (e.g. equal to lora.r); got {self.alpha}")
         _check(0.0 <= self.dropout < 1.0, f"lora.dropout must be in [0, 1); got {self.dropout}")
         _check(len(self.target_modules) > 0, "lora.target_modules is empty: name at least one layer, e.g. [q_proj, v_proj]")
 
-    def _read_init_adapter(self) -> None:
-        """r, alpha, target_modules and dropout from the adapter's own adapter_config.json (the path kept absolute,
-        so config.yaml works from any directory)."""
-
-        _check(bool(self.init_adapter.strip()), "lora.init_adapter is empty: give an adapter folder, or null")
-        self.init_adapter = str(Path(self.init_adapter).expanduser().resolve())
+    @classmethod
+    def raw_with_adapter(cls, raw):
+        """The raw `lora` section with r, alpha, target_modules and dropout read from lora.init_adapter's
+        adapter_config.json, its path made absolute (so config.yaml works from any directory); the section as given
+        without an adapter. Where the adapter's file is read (config_from_dict), never in __post_init__."""
+        path = raw.get("init_adapter") if isinstance(raw, dict) else None
+        if not isinstance(path, str):
+            return raw  # none, or a value _build_section refuses with its type
+        _check(bool(path.strip()), "lora.init_adapter is empty: give an adapter folder, or null")
+        path = str(Path(path).expanduser().resolve())
         try:
-            adapter = adapter_settings(self.init_adapter)
+            adapter = adapter_settings(path)
         except AdapterError as exc:
             raise ConfigError(f"lora.init_adapter: {exc}") from None
-        self.r, self.alpha, self.dropout = adapter["r"], adapter["alpha"], adapter["dropout"]
-        self.target_modules = adapter["target_modules"]
+        return {**raw, "init_adapter": path, "r": adapter["r"], "alpha": adapter["alpha"], "dropout": adapter["dropout"],
+                "target_modules": adapter["target_modules"]}
 
 
 # Trackers transformers 5.17 can report to (transformers.integrations INTEGRATION_TO_CALLBACK), and none.
@@ -767,6 +771,8 @@ def config_from_dict(raw: dict) -> RunConfig:
     sections = {}
     for key, value in raw.items():
         if key in SECTIONS:
+            if key == "lora":  # an adapter's own settings, read from its folder (LoraConfig.raw_with_adapter)
+                value = LoraConfig.raw_with_adapter(value)
             sections[key] = _build_section(SECTIONS[key], value, key)
         elif key in _TOP_LEVEL_SCALARS:
             top[key] = _coerce(value, _TOP_LEVEL_SCALARS[key], key)
