@@ -178,3 +178,26 @@ def test_under_accelerate_launch_the_main_process_refuses_and_nothing_is_written
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_an_append_a_kill_cut_short_is_skipped_in_completions_and_any_other_damage_is_one_line(tmp_path):
+    """completions.jsonl is appended to (a kill can cut its last line): that line is skipped; a damaged line elsewhere,
+    or a cut line in metrics.jsonl (whose rows resume reads back), is a RunDirError naming the file and line."""
+    from lowvram_grpo.report.run_dir import RunDir
+
+    run = RunDir(tmp_path / "run").create()
+    run.append_completions([{"step": 1, "completion": "a"}, {"step": 2, "completion": "b"}])
+    (run.path / "completions.jsonl").write_text((run.path / "completions.jsonl").read_text() + '{"step": 3, "compl')
+    assert [r["step"] for r in run.read_completions()] == [1, 2]
+    (run.path / "completions.jsonl").write_text('{"step": 1}\n{"step": 2, "compl\n{"step": 3}\n')
+    with pytest.raises(RunDirError, match=r"completions.jsonl line 2 is not JSON"):
+        run.read_completions()
+    (run.path / "completions.jsonl").write_text('{"step": 1}\n[1, 2]\n')
+    with pytest.raises(RunDirError, match=r"line 2 is not a completion row"):
+        run.read_completions()
+    (run.path / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "rew')
+    with pytest.raises(RunDirError, match=r"metrics.jsonl line 2 is not JSON"):
+        run.read_metrics()
+    (run.path / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n\n{"reward": 1}\n')
+    with pytest.raises(RunDirError, match=r"line 3 is not a metrics row"):
+        run.read_metrics()

@@ -356,6 +356,27 @@ class RunDir:
             with (self.path / METRICS).open("a", encoding="utf-8") as fh:
                 fh.write(json.dumps(row) + "\n")
 
+    def _rows(self, name: str, text: str, what: str, cut_tail: bool = False) -> list[dict]:
+        """The JSON rows of the file `name` (its `text`): each an object with a 'step', blank lines skipped; any other
+        line raises RunDirError, but with `cut_tail` a last line without its newline that is not JSON (an append a
+        kill cut short) is skipped."""
+        lines = text.split("\n")
+        rows = []
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                if cut_tail and number == len(lines):  # no newline after it: the append was cut short
+                    break
+                raise RunDirError(f"{self.path / name} line {number} is not JSON ({exc.msg}): the file is damaged") from None
+            if not isinstance(row, dict) or "step" not in row:
+                raise RunDirError(f"{self.path / name} line {number} is not {what} (an object with a 'step'): "
+                                  "the file is damaged")
+            rows.append(row)
+        return rows
+
     def read_metrics(self, required: bool = True) -> list[dict]:
         """The logged rows; a missing file raises when `required` (the report needs it), else reads as []."""
         text = self._read_text(METRICS)
@@ -363,19 +384,7 @@ class RunDir:
             if required:
                 raise RunDirError(f"{self.path} has no {METRICS}: pass the --output-dir of a lowvram_grpo run")
             return []
-        rows = []
-        for number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise RunDirError(f"{self.path / METRICS} line {number} is not JSON ({exc.msg}): the file is damaged") from None
-            if not isinstance(row, dict) or "step" not in row:
-                raise RunDirError(f"{self.path / METRICS} line {number} is not a metrics row (an object with a 'step'): "
-                                  "the file is damaged")
-            rows.append(row)
-        return rows
+        return self._rows(METRICS, text, "a metrics row")
 
     def write_report(self, text: str) -> Path:
         self._write_text(REPORT, text)
@@ -424,22 +433,7 @@ class RunDir:
         text = self._read_text(COMPLETIONS)
         if text is None:
             return []
-        lines = text.split("\n")
-        rows = []
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                if number == len(lines):  # no newline after it: the append was cut short
-                    break
-                raise RunDirError(f"{self.path / COMPLETIONS} line {number} is not JSON ({exc.msg}): the file is damaged") from None
-            if not isinstance(row, dict) or "step" not in row:
-                raise RunDirError(f"{self.path / COMPLETIONS} line {number} is not a completion row (an object with a "
-                                  "'step'): the file is damaged")
-            rows.append(row)
-        return rows
+        return self._rows(COMPLETIONS, text, "a completion row", cut_tail=True)
 
     def restore_completions(self, step: int) -> None:
         """completions.jsonl without the rows of steps after `step` (a resumed run writes them again)."""
