@@ -154,7 +154,7 @@ def test_greedy_answers_are_token_for_token_those_of_transformers_generate(smoll
     column) and on (a perturbed adapter, as after training): identical token ids, to the last pad."""
     model, tokenizer = smollm2.model, smollm2.tokenizer
     texts = _held_out_prompts(smollm2, 64)
-    kwargs = dict(max_new_tokens=smollm2.config.train.max_completion_length * 2, do_sample=False,
+    kwargs = dict(max_new_tokens=smollm2.plan.train.max_completion_length * 2, do_sample=False,
                   pad_token_id=tokenizer.pad_token_id, use_cache=True)
     _perturb_adapter(model, 0.02)
     calls = model._lowvram_decode_calls
