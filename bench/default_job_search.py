@@ -34,6 +34,7 @@ OUT = Path("bench/results/default_job")
 # name -> --set overrides on top of the smollm2_cpu preset (its priming, rewards and lengths stay)
 VARIANTS: dict[str, list[str]] = {
     "preset": [],
+    "lr2e-4": ["train.learning_rate=2e-4"],
     "steps72": ["train.max_steps=72"],
     "steps96": ["train.max_steps=96"],
     "three_prompts": ["train.per_device_train_batch_size=24"],
