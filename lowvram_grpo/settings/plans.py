@@ -50,11 +50,7 @@ class ToolPlan:
     turn_tokens: int                   # new tokens of one turn: max_tokens_per_turn, else train.max_completion_length
     environment: Optional[str]         # environment.name
     environment_module: Optional[str]
-
-    @property
-    def used(self) -> bool:
-        """The run has a tool loop: tools.names, an environment, or both."""
-        return bool(self.names or self.environment)
+    used: bool                         # the run has a tool loop (RunConfig.uses_tools)
 
 
 @dataclass(frozen=True)
@@ -191,7 +187,8 @@ def run_plan(config: RunConfig) -> RunPlan:
                          max_seq_length=config.model.max_seq_length)
     tool_plan = ToolPlan(names=tuple(tools.names), module=tools.module, max_turns=tools.max_turns,
                          timeout_seconds=tools.timeout_seconds, max_tokens_per_turn=tools.max_tokens_per_turn,
-                         turn_tokens=config.turn_tokens, environment=env.name, environment_module=env.module)
+                         turn_tokens=config.turn_tokens, environment=env.name, environment_module=env.module,
+                         used=config.uses_tools)
     rewards = RewardPlan(names=tuple(config.rewards.names), weights=tuple(config.rewards.weight_list),
                          module=config.rewards.module, on_error=config.rewards.on_error)
     shared = dict(prompts=prompts, tools=tool_plan, rewards=rewards)

@@ -36,10 +36,6 @@ class UserCode:
         self.environment = environment       # environment.name's class, checked (tools.environment_class)
         self._prompt_tools: Optional[list[Callable]] = None
 
-    @property
-    def uses_tools(self) -> bool:
-        return bool(self.tools) or self.environment is not None
-
     def reward_functions(self, warn=None) -> list[Callable]:
         """The configured rewards in order, each wrapped by rewards.guarded (its own failure count)."""
         return [rewards.guarded(fn, rewards.logged_name(name), self.on_error, warn) for name, fn in self.reward_fns]
