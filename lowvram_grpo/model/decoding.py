@@ -14,7 +14,7 @@ without its per-token machinery. Its levers, each one setting of `decode:`:
 
 - `sampler`: 'inverse_cdf' draws one uniform number per row and inverts the cumulative distribution of the
   (temperature, top-k, top-p) probabilities; 'multinomial' is transformers' draw (torch.multinomial, which draws a
-  full-vocabulary exponential per token: ~13 ms of a ~53 ms decode step of 16 SmolLM2 sequences on 2 CPU cores).
+  full-vocabulary exponential per token; what each costs: docs/results.md, "Rollout speed").
   Same distribution, a different random stream (tests/test_decoding.py compares token frequencies).
 - `merge_lora`: sampled tokens (rollouts, eval.samples) come from the adapter merged into a copy of the 16-bit
   weights, made once per call: one matmul per layer instead of three (the base's and LoRA's A and B) and no
@@ -22,8 +22,8 @@ without its per-token machinery. Its levers, each one setting of `decode:`:
   other adapters are sampled unmerged (UNMERGED_OPTIONS) or generate with transformers' generate (`loop_refusal`);
   no tensor is written (a weight tied to another module keeps its values there), and a layer PEFT merged already is
   read as it is. Never into 4-bit weights (resolve refuses it); greedy answers always use the unmerged adapter,
-  so the held-out columns are exactly those of the unmerged model. The merged copy holds the projections' weights
-  once more while it generates (SmolLM2-135M: ~0.2 GB).
+  so the held-out columns are exactly those of the unmerged model. The merged copy holds the LoRA-targeted
+  projections' weights once more while it generates (2 bytes a parameter in bf16).
 - `fused`: sampled tokens through fused_decode.py's Llama-family layers (merged weights, q/k/v and gate/up each one
   matmul, ~30 ops a layer instead of transformers' ~500) where the architecture is covered; else the loop above.
 """

@@ -1,28 +1,22 @@
 """Host (CPU RAM) memory: keep the process's resident memory flat over a run.
 
-Two measured causes of the default CPU job's 3-4 GB peak RSS (SmolLM2-135M, `bench/host_memory.py`):
+Two causes of a CPU run's peak RSS, and what this module does about each (measured per variant by
+`bench/host_memory.py`; the figures: docs/results.md, "Host memory over the default job"):
 
-1. **A 432 MB copy in every generation prefill.** transformers' causal-LM head gets the last position
-   as a strided view, `hidden[:, -1:, :]` ([batch, 1, hidden], not contiguous). On CPU, `F.linear` on a
-   non-contiguous 3-D bf16 input cannot fold the batch into one matrix product: it goes through
-   `matmul`/`bmm` with the weight expanded to [batch, hidden, vocab] and made contiguous — 8 x 576 x
-   49152 bf16 = 432 MB allocated and copied once per `generate` call (each GRPO step, each held-out
-   batch; seen in torch.profiler as one `aten::contiguous` on [8, 576, 49152]). `contiguous_head_input`
-   registers a forward pre-hook on the output embeddings that makes that [batch, 1, hidden] input
-   contiguous (a 9 KB copy): the same samples (tested), no 432 MB transient, no large copy.
+1. **A [batch, hidden, vocab] copy in every generation prefill.** transformers' causal-LM head gets the last
+   position as a strided view, `hidden[:, -1:, :]` ([batch, 1, hidden], not contiguous). On CPU, `F.linear` on a
+   non-contiguous 3-D input cannot fold the batch into one matrix product: it goes through `matmul`/`bmm` with
+   the weight expanded to [batch, hidden, vocab] and made contiguous, once per `generate` call.
+   `contiguous_head_input` registers a forward pre-hook on the output embeddings that makes that
+   [batch, 1, hidden] input contiguous (a [batch, hidden] copy): the same samples (tested), no large transient.
 
-2. **glibc heap fragmentation.** Freed tensors stay in glibc's heap: the KV cache grows by `torch.cat`
-   every decoded token (each new block slightly larger than the freed one; 1.25 GB of `aten::cat`
-   allocations in one 8 x 64-token generate), training shapes change every step, and glibc's dynamic
-   mmap threshold rises (up to 32 MB) to the size of each large block freed, so most tensors live in
-   the heap. Measured with `mallinfo2` on a shortened default job: ~300-450 MB in use, 1.1-1.5 GB free
-   inside the heap, and the heap grows by ~25-40 MB per GRPO step. `release()` hands the allocator's
-   free pages back to the kernel (glibc: `malloc_trim(0)`, every arena, `madvise(MADV_DONTNEED)`;
-   mimalloc: `mi_collect(true)`; allocator.py) at the boundaries where almost nothing is alive: each
-   priming step, each GRPO step (`ReleaseHostMemory` callback) and each held-out batch. The RSS between
-   steps then stays ~1 GB instead of climbing. Within a step glibc's heap still spreads (3.5-4 GB peaks);
-   the cure for that is the allocator itself: the CPU run starts on mimalloc (allocator.py,
-   `memory.host_allocator`), which does not spread. Both are measured per variant in bench/host_memory.py.
+2. **Heap fragmentation.** Freed tensors stay in glibc's heap: the KV cache grows by `torch.cat` every decoded
+   token, training shapes change every step, and glibc's dynamic mmap threshold rises to the size of each large
+   block freed, so most tensors live in the heap. `release()` hands the allocator's free pages back to the kernel
+   (glibc: `malloc_trim(0)`, every arena; mimalloc: `mi_collect(true)`; allocator.py) at the boundaries where
+   almost nothing is alive: each priming step, each GRPO step (`ReleaseHostMemory` callback) and each held-out
+   batch. Within a step glibc's heap still spreads; the cure for that is the allocator itself: a CPU run starts
+   on mimalloc (allocator.py, `memory.host_allocator`).
 
 No-ops where they do not apply: `release()` on another allocator (macOS, musl) returns False; the hook only
 acts on non-contiguous 3-D CPU inputs. `LOWVRAM_GRPO_HOST_MEMORY` turns them off for comparison: a

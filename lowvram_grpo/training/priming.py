@@ -118,7 +118,7 @@ def completion_loss(model, input_ids, attention_mask, labels):
     """Mean next-token cross-entropy over the labelled (completion) tokens, without the full logits.
 
     The model's own `labels=` loss builds [batch, length, vocab] logits in fp32, plus their softmax and
-    gradient: ~1.9 GB of peak for 8 SmolLM2 examples (vocab 49152). Here the backbone's hidden states go
+    gradient (three [batch, length, vocab] fp32 tensors at once). Here the backbone's hidden states go
     through the chunked, checkpointed log-probs that GRPO uses (logprobs_fallback), so only one chunk
     of logits is alive at a time. Same maths: log p(target) = z_t - logsumexp(z), in fp32.
     """
