@@ -58,6 +58,29 @@ def test_a_local_checkpoint_is_planned_from_its_config_json(tiny_model_dir):
     assert {k: t.bytes for k, t in local.terms.items()} == {k: t.bytes for k, t in builtin.terms.items()}
 
 
+@pytest.mark.slow
+def test_the_merged_copy_for_sampling_is_counted_where_the_loop_merges(tiny_model_dir):
+    """decode.merge_lora=true on a card: the plan counts the merged copy as the targeted base weights the built
+    model's LoRA layers hold, at the compute dtype's bytes; the plan without the merge has no such term."""
+    import torch
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForCausalLM
+
+    asked = ["decode.loop=lowvram", "memory.load_in_4bit=false"]
+    merged = planned(load_config("tiny", [*asked, "decode.merge_lora=true"]), card=16, backend="hf")
+    unmerged = planned(load_config("tiny", [*asked, "decode.merge_lora=false"]), card=16, backend="hf")
+    assert "merged" not in unmerged.terms
+    config = merged.config
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16),
+                           PeftLoraConfig(r=config.lora.r, lora_alpha=config.lora.alpha,
+                                          target_modules=list(config.lora.target_modules)))
+    held = sum(m.get_base_layer().weight.numel() for m in model.modules() if isinstance(m, LoraLayer))
+    assert merged.terms["merged"].bytes == held * merged.resolved.compute_bytes
+    assert merged.total_bytes - unmerged.total_bytes == merged.terms["merged"].bytes
+    assert "merged LoRA copy" in format_plan(merged)
+
+
 def test_an_unknown_model_says_how_to_give_its_shape():
     with pytest.raises(PlanError, match="config.json"):
         planned(load_config("llama8b_4bit", ["model.name=someone/Mystery-7B"]))

@@ -222,7 +222,7 @@ def priming_peak(shape, resolved, terms: dict, free_gib: Optional[float], activa
 @dataclass(frozen=True)
 class Term:
     """One component of the planned peak."""
-    key: str        # weights, lora, optimizer, activations, logits, vllm, cuda
+    key: str        # weights, lora, optimizer, activations, logits, merged, vllm, cuda
     label: str      # what it is, with the setting's value (e.g. 'optimizer state, paged_adamw_8bit')
     bytes: int
     detail: str     # how it was computed
@@ -459,7 +459,22 @@ def _training_terms(shape: ModelShape, resolved) -> dict[str, Term]:
                           f"{lora / 1e6:.1f}M params x {optim_bytes} B", "train.optim"),
         "activations": _activation_term(shape, resolved, s),
         "logits": _logits_term(shape, s, resolved.backend),
+        **({"merged": _merged_copy_term(shape, resolved)} if resolved.decode_merge_lora else {}),
     }
+
+
+def merged_copy_params(shape: ModelShape, config: RunConfig) -> int:
+    """Parameters of the LoRA-targeted projections (and lm_head when targeted): what decoding.py's merged copy for
+    sampled tokens holds once more while it generates."""
+    modules = {**shape.layer_modules(), "lm_head": (shape.hidden, shape.vocab, 1)}
+    return sum(a * b * n for m, (a, b, n) in modules.items() if m in config.lora.target_modules)
+
+
+def _merged_copy_term(shape: ModelShape, resolved) -> Term:
+    params = merged_copy_params(shape, resolved.config)
+    return Term("merged", "merged LoRA copy for sampled tokens", params * resolved.compute_bytes,
+                f"{params / 1e6:.1f}M targeted params x {resolved.compute_bytes} B, while our decode loop samples "
+                "(counted whole: the plan adds every term)", "decode.merge_lora")
 
 
 # --------------------------------------------------------------------------- the hf backend's vLLM engine

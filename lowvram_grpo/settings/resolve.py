@@ -380,7 +380,7 @@ def choose_decode(config: RunConfig, hardware: Hardware, backend: str, generatio
     on the hf backend: measured faster on CPU (bench/decode_step.py); on CUDA transformers' generate stays the default
     until a card measures ours (bench/gpu_first_run.py). unsloth's backend patches generate with its own fast path;
     vLLM engines do not use this. merge_lora: a copy of the 16-bit weights merged for sampling, by default on a CPU
-    (host RAM; on a GPU the copy would take card memory the plan has not counted); never into 4-bit weights.
+    (host RAM); on a GPU when asked (card memory: the memory plan's `merged` term); never into 4-bit weights.
     fused: the merged weights' fused layers (fused_decode.py) wherever the merge is on."""
     asked = config.decode
     applies = backend == "hf" and generation == "transformers"
