@@ -109,3 +109,21 @@ def test_docs_tools_table_is_what_bench_tools_table_prints_from_the_committed_se
     start = docs.index(printed[0])
     assert docs[start:start + len(printed)] == printed
     assert not docs[start + len(printed)].startswith("|"), "docs/results.md's tools table has rows the JSON lacks"
+
+
+def test_each_int8_candidate_computes_the_product_of_the_pinned_torch():
+    """bench.int8_matmul's candidates run on the pinned torch and compute x @ W.T within int8's rounding."""
+    import torch
+
+    from bench.int8_matmul import candidates
+
+    torch.manual_seed(0)
+    weight = (torch.randn(96, 64) / 8).to(torch.bfloat16)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    ref = x.float() @ weight.float().t()
+    fns = candidates(weight)
+    assert set(fns) == {"bf16", "int8_weight_only", "int8_dynamic_fbgemm", "int8_int_mm"}
+    for name, fn in fns.items():
+        out = fn(x).float()
+        assert out.shape == (4, 96), name
+        assert (out - ref).abs().mean() / ref.abs().mean() < 0.03, name
