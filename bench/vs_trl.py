@@ -59,6 +59,7 @@ class StepClock:
         self._current: dict | None = None
         self._started = 0.0
         self.peak_growth_mb = {part: 0.0 for part in PARTS}  # how much each part raised the peak RSS
+        self._open: set[str] = set()  # the parts whose outermost call is running
 
     def begin(self):
         self._current = {part: 0.0 for part in PARTS}
@@ -71,14 +72,21 @@ class StepClock:
             self._current = None
 
     def wrap(self, obj, name: str, part_for_call):
+        """Time `obj.name` as the part `part_for_call()` names; a call nested in a call of the same part (TRL's
+        vLLM branch of `_generate_single_turn` calls it again through trl_compat.ModelSampler when the
+        importance-sampling correction is on) is inside the outer one's time and is not counted again."""
         original = getattr(obj, name)
 
         def timed(*a, **kw):
-            t0, peak0 = time.perf_counter(), peak_rss_mb()
             part = part_for_call()
+            if part in self._open:
+                return original(*a, **kw)
+            t0, peak0 = time.perf_counter(), peak_rss_mb()
+            self._open.add(part)
             try:
                 return original(*a, **kw)
             finally:
+                self._open.discard(part)
                 self.peak_growth_mb[part] += peak_rss_mb() - peak0
                 if self._current is not None:
                     self._current[part] += time.perf_counter() - t0

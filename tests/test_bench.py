@@ -59,6 +59,7 @@ def test_vs_trl_writes_step_times_memory_and_ratios(tmp_path, tiny_model_dir):
         assert len(result["all_steps_s"]) == 2
         assert set(result["parts_s"]) == {"generate", "rewards", "logps_nograd", "forward", "backward"}
         assert result["parts_s"]["generate"] > 0 and result["parts_s"]["backward"] > 0
+        assert result["parts_s"]["generate"] <= result["step_s"]  # a part is within its step, never counted twice
     assert report["trl"]["optim"].endswith("ADAMW_TORCH")
     assert set(report["ratios_vs_trl"]) == {"ours"}  # every variant but the reference
     for key in ("step_s", "peak_rss_mb"):  # ours over TRL's, not the other way round
@@ -127,3 +128,23 @@ def test_each_int8_candidate_computes_the_product_of_the_pinned_torch():
         out = fn(x).float()
         assert out.shape == (4, 96), name
         assert (out - ref).abs().mean() / ref.abs().mean() < 0.03, name
+
+
+def test_the_step_clock_counts_a_part_called_inside_itself_once():
+    """TRL's vLLM branch of _generate_single_turn calls _generate_single_turn again (trl_compat.ModelSampler, the
+    importance-sampling correction on): the inner call is inside the outer one's time."""
+    import time
+
+    from bench.vs_trl import StepClock
+
+    class Trainer:
+        def _generate_single_turn(self, depth):
+            time.sleep(0.05)
+            return self._generate_single_turn(depth - 1) if depth else None
+
+    trainer, clock = Trainer(), StepClock()
+    clock.wrap(trainer, "_generate_single_turn", lambda: "generate")
+    clock.begin()
+    trainer._generate_single_turn(1)
+    clock.end()
+    assert clock.steps[0]["generate"] <= clock.steps[0]["step"]
