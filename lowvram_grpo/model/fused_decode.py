@@ -148,7 +148,6 @@ class FusedLayers:
     def forward(self, ids, positions, start: int, mask):
         """Logits of the last position [B, V] for tokens `ids` [B, T] at `positions` [B, T], written to cache
         positions start..start+T-1; `mask` [B, 1, T, start+T] (True = attend)."""
-        import torch
         import torch.nn.functional as F
 
         batch, steps = ids.shape

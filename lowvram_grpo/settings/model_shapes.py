@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
