@@ -31,12 +31,9 @@ from bench.harness import machine, run_cli
 ROOT = Path("runs/default_job")
 OUT = Path("bench/results/default_job")
 
-# name -> --set overrides on top of the smollm2_cpu preset (its priming, rewards and lengths stay). The search of
-# 2026-11-27 (bench/results/default_job/search-*.json) ran at code 543b986, whose preset trained at lr 1e-4: its
-# `preset` is today's `lr1e-4`, and its winner `lr2e-4` is today's preset
+# name -> --set overrides on top of the smollm2_cpu preset (its priming, rewards and lengths stay)
 VARIANTS: dict[str, list[str]] = {
     "preset": [],
-    "lr1e-4": ["train.learning_rate=1e-4"],
     "lr2e-4": ["train.learning_rate=2e-4"],
     "steps72": ["train.max_steps=72"],
     "steps96": ["train.max_steps=96"],
