@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 from conftest import REPO
+from lowvram_grpo.settings.config import load_config
 
 MAP_MAX_LINES = 20  # the map stays a map: a line a room, not a line a module
 
@@ -74,8 +75,6 @@ def test_every_package_module_and_folder_is_in_the_readme_layout():
 
 
 def _where_questions_enter(module, tmp_path):
-    from lowvram_grpo.settings.config import load_config
-
     train, held_out = module.load_questions(load_config("tiny").data)
     assert train and held_out and train[0].question and train[0].answer
 
@@ -159,6 +158,7 @@ def _range(values, digits: int = 2, same: bool = False) -> str:
 
 
 FIRST_COMMAND = REPO / "bench" / "results" / "readme_first_command"
+DEFAULT_JOB = REPO / "bench" / "results" / "default_job"  # bench.default_job_search's records (issue 53)
 
 
 def _machines(records) -> str:
@@ -176,9 +176,16 @@ def first_command_records() -> list[dict]:
     return [json.loads(FIRST_COMMAND.with_suffix(".json").read_text())]
 
 
+def _change(paired: dict) -> str:
+    """'+17/-12 (p 0.458)', '+3/-28 (p < 0.001)': a paired change as the README writes it."""
+    p = paired["p"]
+    return f"+{paired['right']}/-{paired['wrong']} ({f'p {p:.3f}' if p >= 0.001 else 'p < 0.001'})"
+
+
 def _readme_results() -> dict[str, str]:
-    """What the README's "GRPO or supervised priming?" section states, each computed from the committed results
-    (bench/results/seeds.json, bench/results/plateau/): the phrase as the README writes it."""
+    """What the README's "GRPO or supervised priming?" section and its first command's paragraph state, each
+    computed from the committed results (bench/results/seeds.json, plateau/, readme_first_command/, default_job/):
+    the phrase as the README writes it."""
     gains = [r["after"]["accuracy_strict"] - r["primed"]["accuracy_strict"] for r in SEEDS]
     worst_p = max(max(r["paired_accuracy_strict"][2], r["paired_accuracy_lenient"][2]) for r in SEEDS)
     bound = math.ceil(worst_p * 1000) / 1000  # the smallest 3-decimal bound every seed is below
@@ -196,7 +203,11 @@ def _readme_results() -> dict[str, str]:
     minutes = [r["run_total_seconds"] / 60 for r in first]
     steps = [r["grpo_train_seconds"] / r["grpo_steps"] for r in first]
     seeds = [json.loads((REPO / "bench" / "results" / "variants" / f"seed-{s}.json").read_text()) for s in (1, 2, 3407)]
+    searched = [json.loads((DEFAULT_JOB / f"seeds-lr2e-4-seed{s}.json").read_text()) for s in (3407, 1, 2)]
+    assert all(r["overrides"] == ["train.learning_rate=2e-4"] for r in searched)
     return {
+        "searched": ", ".join(_change(r["paired_grpo"]) for r in searched[:2]) + f" and {_change(searched[2]['paired_grpo'])}"
+                    " on seeds 3407, 1 and 2",
         "minutes": f"{min(minutes):.0f}-{max(minutes):.0f} minutes on the 2-core machines measured",
         "machines": _machines(first) + ", all with AVX512-BF16",
         "step": f"({min(steps):.1f}-{max(steps):.1f} s a GRPO step;",
