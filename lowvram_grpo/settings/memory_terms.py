@@ -353,8 +353,13 @@ def _sizes(resolved, shape: Optional[ModelShape] = None) -> _Sizes:
 def lora_param_count(shape: ModelShape, config: RunConfig) -> int:
     """LoRA parameters of config.lora on the shape: r x (in + out) of each targeted module, in each layer that has
     it (Qwen3.5's q/k/v/o only in its full-attention layers), and of lm_head when targeted."""
+    return config.lora.r * sum((a + b) * n for a, b, n in _targeted(shape, config))
+
+
+def _targeted(shape: ModelShape, config: RunConfig) -> list[tuple[int, int, int]]:
+    """(in, out, how many) of each linear module config.lora targets: the layers' (layer_modules) and lm_head."""
     modules = {**shape.layer_modules(), "lm_head": (shape.hidden, shape.vocab, 1)}
-    return config.lora.r * sum((a + b) * n for m, (a, b, n) in modules.items() if m in config.lora.target_modules)
+    return [dims for name, dims in modules.items() if name in config.lora.target_modules]
 
 
 def _layer_activation_elements(shape: ModelShape, layer_type: str) -> int:
@@ -466,8 +471,7 @@ def _training_terms(shape: ModelShape, resolved) -> dict[str, Term]:
 def merged_copy_params(shape: ModelShape, config: RunConfig) -> int:
     """Parameters of the LoRA-targeted projections (and lm_head when targeted): what decoding.py's merged copy for
     sampled tokens holds once more while it generates."""
-    modules = {**shape.layer_modules(), "lm_head": (shape.hidden, shape.vocab, 1)}
-    return sum(a * b * n for m, (a, b, n) in modules.items() if m in config.lora.target_modules)
+    return sum(a * b * n for a, b, n in _targeted(shape, config))
 
 
 def _merged_copy_term(shape: ModelShape, resolved) -> Term:
