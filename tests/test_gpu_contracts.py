@@ -502,3 +502,21 @@ def test_gpu_presets_name_ids_unsloth_maps_to_pre_quantized_4bit(wheels):
         assert all(key.endswith("bnb-4bit") for key in keys), keys
         comment = (REPO / "presets" / f"{preset}.yaml").read_text()
         assert any(key in comment for key in keys), f"{preset}: the comment should name {keys}"
+
+
+def test_vllm_versions_that_serve_bitsandbytes_in_tree_match_unsloth_zoo(wheels):
+    """A 4-bit base with vLLM needs vllm-bnb-plugin only from vLLM 0.28 on; before that, vLLM's own bitsandbytes
+    serves it, and unsloth_zoo imports that one "for vLLM <= 0.27.1" (vllm_utils.py and empty_model.py name both
+    paths). The lent H100's image could only take vLLM 0.26 (torch 2.11): a check that asked every vLLM for the
+    plugin refused the run there before it started. Our boundary, set against the versions unsloth_zoo names."""
+    from lowvram_grpo.settings.hardware import vllm_has_in_tree_bitsandbytes
+
+    for member, in_tree in (("unsloth_zoo/vllm_utils.py", "vllm.model_executor.layers.quantization.bitsandbytes"),
+                            ("unsloth_zoo/empty_model.py", "vllm.model_executor.model_loader.bitsandbytes_loader")):
+        source = wheels["unsloth_zoo"].source(member)
+        named = re.search(re.escape(f'"{in_tree}",') + r"\s*#\s*vLLM <= (\d+\.\d+\.\d+)", source)
+        assert named, f"unsloth_zoo {wheels['unsloth_zoo'].version}'s {member} no longer names {in_tree}'s vLLM range"
+        last = named.group(1)
+        major, minor, _ = map(int, last.split("."))
+        assert vllm_has_in_tree_bitsandbytes(last) and not vllm_has_in_tree_bitsandbytes(f"{major}.{minor + 1}.0")
+    assert not vllm_has_in_tree_bitsandbytes(read_pins()["vllm"])   # the pin (0.31) needs the plugin

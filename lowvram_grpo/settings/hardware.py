@@ -22,6 +22,7 @@ typed in is the one the run inherits); the memory plan refuses it (memory_plan_t
 """
 from __future__ import annotations
 
+import importlib.metadata as md
 import importlib.util
 import os
 import re
@@ -162,13 +163,26 @@ def nvcc_cuda_version(environ) -> Optional[tuple[int, int]]:
     return (int(found.group(1)), int(found.group(2))) if found else None
 
 
+def vllm_has_in_tree_bitsandbytes(version: Optional[str] = None) -> bool:
+    """Whether vLLM `version` (default: the installed one, read from its metadata, nothing imported) still serves
+    bitsandbytes 4-bit in tree: vLLM < 0.28 (0.28 moved it to vllm-bnb-plugin; unsloth_zoo uses the in-tree
+    loader for vLLM <= 0.27.1). False where vLLM is not installed."""
+    if version is None:
+        try:
+            version = md.version("vllm")
+        except md.PackageNotFoundError:
+            return False
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return bool(found) and (int(found.group(1)), int(found.group(2))) < (0, 28)
+
+
 def detect() -> Hardware:
     """The machine this process runs on. Imports torch (fine before unsloth), not transformers or trl."""
     import torch
 
 
     unsloth, vllm, mimalloc = _installed("unsloth"), _installed("vllm"), mimalloc_library()
-    plugin = _installed("vllm_bnb_plugin")
+    plugin = _installed("vllm_bnb_plugin") or (vllm and vllm_has_in_tree_bitsandbytes())
     if not torch.cuda.is_available():
         return Hardware(name="present", device="cpu", cpu_bf16=cpu_has_native_bf16(),
                         unsloth_installed=unsloth, vllm_installed=vllm, vllm_bnb_plugin_installed=plugin,
