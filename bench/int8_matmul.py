@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from bench.harness import machine
+from lowvram_grpo.run.commands import ArgumentParser
 
 
 def shapes() -> list[tuple[str, int, int, int]]:
@@ -103,16 +104,27 @@ def measure(rows: int, passes: int = 10) -> dict:
             "relative_error": errors}
 
 
+def row_counts(text: str) -> list[int]:
+    """--rows: positive whole numbers, comma-separated ("4,16")."""
+    try:
+        rows = [int(part) for part in text.split(",")]
+    except ValueError:
+        rows = []
+    if not rows or min(rows) < 1:
+        raise argparse.ArgumentTypeError(f"takes positive whole numbers separated by commas (4,16), got {text!r}")
+    return rows
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.int8_matmul", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="4,16", help="activation rows (the rollout batch): comma list")
+    parser = ArgumentParser(prog="python -m bench.int8_matmul", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=row_counts, default=[4, 16], help="activation rows (the rollout batch): comma list")
     parser.add_argument("--out", type=Path, default=Path("bench/results/int8_matmul.json"))
     args = parser.parse_args(argv)
     import torch
 
     report = {"command": "python -m bench.int8_matmul " + " ".join(argv or []), "machine": machine(),
               "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "results": [measure(int(r)) for r in args.rows.split(",")]}
+              "results": [measure(r) for r in args.rows]}
     for r in report["results"]:
         print(f"{r['rows']} rows: token step matmuls " + ", ".join(
             f"{k} {v} ms ({r['vs_bf16'][k]}x)" for k, v in r["token_step_ms"].items()))

@@ -130,6 +130,17 @@ def test_each_int8_candidate_computes_the_product_of_the_pinned_torch():
         assert (out - ref).abs().mean() / ref.abs().mean() < 0.03, name
 
 
+@pytest.mark.parametrize("rows", ["x", "4,", "0", "-4,16"])
+def test_int8_matmul_refuses_bad_rows_in_one_line(tmp_path, rows):
+    """`--rows` that is not positive whole numbers: one error line, exit 2, nothing measured or written."""
+    out = tmp_path / "int8.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.int8_matmul", "--rows", rows, "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: argument --rows: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
 def test_the_step_clock_counts_a_part_called_inside_itself_once():
     """TRL's vLLM branch of _generate_single_turn calls _generate_single_turn again (trl_compat.ModelSampler, the
     importance-sampling correction on): the inner call is inside the outer one's time."""
