@@ -2,6 +2,7 @@
 
     python -m bench.default_job_search search [--variants a,b] [--seeds 3407] [--validation-size 128]
     python -m bench.default_job_search seeds --variant NAME [--seeds 1,2,3407]
+    python -m bench.default_job_search record --variant NAME --seed S --run DIR --wall-seconds W --command CMD
     python -m bench.default_job_search table
 
 `search`: each variant (VARIANTS: --set overrides of the smollm2_cpu preset: GRPO steps, prompts a step, learning
@@ -79,9 +80,20 @@ def seeds_one(variant: str, seed: int) -> dict:
             *[part for s in sets for part in ("--set", s)]]
     run.parent.mkdir(parents=True, exist_ok=True)
     wall, _ = run_cli(argv, run.parent / f"{run.name}.log")
+    return seeds_record(variant, seed, run, wall, "python -m " + " ".join(argv))
+
+
+def seeds_record(variant: str, seed: int, run: Path, wall: float, command: str) -> dict:
+    """The `seeds` record of a finished run folder: held-out strict accuracy per column, GRPO's own paired change
+    (primed -> after), the times, the best adapter."""
     from bench.seeds_table import row_of
     from lowvram_grpo.evaluate.evaluation import paired_change
 
+    from lowvram_grpo.settings.config import load_config
+
+    ran = load_config(str(Path(run) / "config.yaml")).train.seed
+    if ran != seed:
+        raise SystemExit(f"error: {run} ran train.seed={ran}, not {seed}: name the seed its config.yaml has")
     summary = row_of(run)["summary"]
     right, wrong, p = paired_change(summary["primed"], summary["after"], "accuracy_strict")
     return {"what": "seeds", "variant": variant, "overrides": VARIANTS[variant], "seed": seed, "wall_seconds": wall,
@@ -89,7 +101,7 @@ def seeds_one(variant: str, seed: int) -> dict:
             "steps": summary["steps"], "n": summary["after"]["n"],
             **{c: summary[c]["accuracy_strict"] for c in ("before", "primed", "after")},
             "paired_grpo": {"right": right, "wrong": wrong, "p": p}, "best_adapter": summary.get("best_adapter"),
-            "command": "python -m " + " ".join(argv), "machine": machine()}
+            "command": command, "machine": machine()}
 
 
 def table() -> str:
@@ -118,12 +130,23 @@ def main(argv=None) -> int:
     seeds = sub.add_parser("seeds", help="the chosen variant on the held-out questions, per seed")
     seeds.add_argument("--variant", required=True, choices=sorted(VARIANTS))
     seeds.add_argument("--seeds", default="1,2,3407")
+    made = sub.add_parser("record", help="the seeds record of a run made otherwise (the README's first command)")
+    made.add_argument("--variant", required=True, choices=sorted(VARIANTS))
+    made.add_argument("--seed", type=int, required=True)
+    made.add_argument("--run", type=Path, required=True, help="the finished run folder")
+    made.add_argument("--wall-seconds", type=float, required=True, help="the command's wall time, as timed")
+    made.add_argument("--command", required=True, help="the command that made the run, as typed")
     sub.add_parser("table", help=f"the tables from {OUT}/*.json")
     args = parser.parse_args(argv)
     if args.what == "table":
         print(table())
         return 0
     OUT.mkdir(parents=True, exist_ok=True)
+    if args.what == "record":
+        record = seeds_record(args.variant, args.seed, args.run, args.wall_seconds, args.command)
+        (OUT / f"seeds-{args.variant}-seed{args.seed}.json").write_text(json.dumps(record, indent=1) + "\n")
+        print(table())
+        return 0
     for seed in (int(s) for s in args.seeds.split(",")):
         if args.what == "search":
             for variant in args.variants.split(","):
