@@ -202,7 +202,8 @@ def _readme_results() -> dict[str, str]:
     of = lambda stage: [r[stage]["accuracy_strict"] for r in first]  # noqa: E731
     minutes = [r["run_total_seconds"] / 60 for r in first]
     steps = [r["grpo_train_seconds"] / r["grpo_steps"] for r in first]
-    seeds = [json.loads((REPO / "bench" / "results" / "variants" / f"seed-{s}.json").read_text()) for s in (1, 2, 3407)]
+    preset = [json.loads((DEFAULT_JOB / f"seeds-preset-seed{s}.json").read_text()) for s in (3407, 1, 2)]
+    assert all(r["overrides"] == [] for r in preset)  # the default job itself, today's code
     searched = [json.loads((DEFAULT_JOB / f"seeds-lr2e-4-seed{s}.json").read_text()) for s in (3407, 1, 2)]
     assert all(r["overrides"] == ["train.learning_rate=2e-4"] for r in searched)
     return {
@@ -213,8 +214,9 @@ def _readme_results() -> dict[str, str]:
         "step": f"({min(steps):.1f}-{max(steps):.1f} s a GRPO step;",
         "accuracy": f"held-out accuracy {_range(of('before'), 2, same=True)} before, {_range(of('primed'), 2)} primed, "
                     f"{_range(of('after'), 2)} after on those machines",
-        "seeds": f"seeds 1, 2 and 3407 on the EPYC ended at "
-                 f"{_range([s['variants']['default']['after']['accuracy_strict'] for s in seeds], 2)} after GRPO",
+        "seeds": f"seeds 3407, 1 and 2 on the EPYC ended at {_range([r['after'] for r in preset], 2)} after GRPO, "
+                 + ", ".join(_change(r["paired_grpo"]) for r in preset[:2])
+                 + f" and {_change(preset[2]['paired_grpo'])} past priming",
         "gain": f"(+{min(gains):.2f} to +{max(gains):.2f}, paired p < {bound:g})",
         "equal time": f"({_range([r['prime_only']['accuracy_strict'] for r in SEEDS])} against "
                       f"{_range([r['after']['accuracy_strict'] for r in SEEDS])}, sampled at T=0.8)",
