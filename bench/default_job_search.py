@@ -24,10 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 from pathlib import Path
 
 from bench.harness import machine, run_cli
+from lowvram_grpo.training.learning_signals import SAMPLER_GAP_KEY, SAMPLER_GAP_MAX_KEY
+
+IS_RATIO_KEY = "sampling/importance_sampling_ratio/mean"  # TRL 1.15's name
 
 ROOT = Path("runs/default_job")
 OUT = Path("bench/results/default_job")
@@ -42,6 +46,7 @@ VARIANTS: dict[str, list[str]] = {
     "steps72_lr2e-4": ["train.max_steps=72", "train.learning_rate=2e-4"],
     "steps96_three_prompts": ["train.max_steps=96", "train.per_device_train_batch_size=24"],
     "steps72_eval256": ["train.max_steps=72", "data.eval_size=256"],  # held-out size: the paired test's n (not searched on)
+    "int8": ["decode.weights=int8"],  # issue 51: rollouts from the int8 base + unmerged adapter, against "preset" (bf16)
 }
 
 
@@ -80,7 +85,25 @@ def seeds_one(variant: str, seed: int) -> dict:
             *[part for s in sets for part in ("--set", s)]]
     run.parent.mkdir(parents=True, exist_ok=True)
     wall, _ = run_cli(argv, run.parent / f"{run.name}.log")
-    return seeds_record(variant, seed, run, wall, "python -m " + " ".join(argv))
+    record = seeds_record(variant, seed, run, wall, "python -m " + " ".join(argv))
+    # the largest child's peak RSS (the run: this bench process waits for nothing else); one seed a bench process
+    # makes it that run's own
+    record["peak_rss_gib_largest_child"] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 3)
+    return record
+
+
+def sampler_gap(run: Path) -> "dict | None":
+    """The sampler/trainer gap over a run's GRPO steps (TRL's sampling/* metrics in metrics.jsonl, present where the
+    importance-sampling correction ran): the mean of each step's mean |trainer - sampler| log-prob a token, the
+    largest step max, and the mean of the steps' mean importance ratio; None without them."""
+    path = Path(run) / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = [r for r in rows if r.get(SAMPLER_GAP_KEY) is not None]
+    if not rows:
+        return None
+    return {"steps": len(rows), "mean_abs_logp_difference": round(sum(r[SAMPLER_GAP_KEY] for r in rows) / len(rows), 4),
+            "max_abs_logp_difference": round(max(r[SAMPLER_GAP_MAX_KEY] for r in rows), 3),
+            "mean_is_ratio": round(sum(r.get(IS_RATIO_KEY, 1.0) for r in rows) / len(rows), 4)}
 
 
 def seeds_record(variant: str, seed: int, run: Path, wall: float, command: str) -> dict:
@@ -101,7 +124,7 @@ def seeds_record(variant: str, seed: int, run: Path, wall: float, command: str) 
             "steps": summary["steps"], "n": summary["after"]["n"],
             **{c: summary[c]["accuracy_strict"] for c in ("before", "primed", "after")},
             "paired_grpo": {"right": right, "wrong": wrong, "p": p}, "best_adapter": summary.get("best_adapter"),
-            "command": command, "machine": machine()}
+            "sampler_gap": sampler_gap(run), "command": command, "machine": machine()}
 
 
 def table() -> str:

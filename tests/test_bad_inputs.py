@@ -37,6 +37,9 @@ CLI_CASES = [
      "model.kv_cache_dtype=fp8 needs compute capability >= 8.0 (unsloth_zoo refuses a float8 KV cache below) and "
      "Tesla T4 is sm75"),
     ("max-steps-word", ["--preset", "tiny", "--max-steps", "many"], "--max-steps: expected a whole number"),
+    ("decode-int8-on-a-gpu", ["--preset", "qwen1_5b_4bit", "--dry-run", "--gpu", "t4", "--set", "decode.weights=int8"],
+     "decode.weights=int8 quantizes the weights of our decode loop's fused layers (FBGEMM's CPU int8 linear) and this "
+     "run is on CUDA (Tesla T4): set decode.weights=auto"),
     ("dataset-missing", ["--preset", "tiny", "--dataset", "{tmp}/missing.jsonl"], "does not exist"),
     ("dataset-empty", ["--preset", "tiny", "--dataset", "{tmp}/empty.jsonl"], "is empty"),
     ("dataset-no-columns", ["--preset", "tiny", "--dataset", "{tmp}/cols.jsonl"],
@@ -286,6 +289,7 @@ CONFIG_CASES = [
     ("decode.sampler", "gumbel", "decode.sampler must be one of"),
     ("decode.merge_lora", "always", "decode.merge_lora must be one of"),
     ("decode.fused", "maybe", "decode.fused must be one of"),
+    ("decode.weights", "int4", "decode.weights must be one of auto, bf16, int8; got 'int4'"),
     ("train.is_correction", "maybe", "train.is_correction must be one of auto, on, off; got 'maybe'"),
     ("model.kv_cache_dtype", "int4", "model.kv_cache_dtype must be one of auto, fp8, bfloat16, float16, float32"),
 ]

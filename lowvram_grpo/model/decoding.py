@@ -26,6 +26,9 @@ without its per-token machinery. Its levers, each one setting of `decode:`:
   projections' weights once more while it generates (2 bytes a parameter in bf16).
 - `fused`: sampled tokens through fused_decode.py's Llama-family layers (merged weights, q/k/v and gate/up each one
   matmul, ~30 ops a layer instead of transformers' ~500) where the architecture is covered; else the loop above.
+- `weights` (opt-in, CPU): 'int8' multiplies the fused layers' base weights, quantized and packed once per model,
+  with FBGEMM's dynamic int8 linear and adds the adapter unmerged (fused_decode.Int8Linear); where the fused layers do not run, sampled tokens read
+  the model's own weights, said once in the log. 'bf16': the model's own weights (its dtype).
 """
 from __future__ import annotations
 
@@ -51,13 +54,19 @@ class DecodeSettings:
     sampler: str       # one of SAMPLERS
     merge_lora: bool   # sampled tokens from the adapter merged into a copy of the 16-bit weights
     fused: bool = False  # sampled tokens through fused_decode.py's layers (merged, q/k/v and gate/up fused)
+    weights: str = "bf16"  # fused_decode.WEIGHTS: what the fused layers multiply with ('int8': FBGEMM's int8 linear)
 
-    def describe(self) -> str:
+    def describe(self, own: Optional[str] = None) -> str:
+        """One phrase for --dry-run and the bench; `own`: what the model's own weights are ('bfloat16', '4-bit'),
+        named as what sampled tokens read unless decode.weights=int8."""
         if self.loop == "transformers":
             return "transformers' generate"
-        return (f"own decode loop, {self.sampler.replace('_', '-')} sampler, "
-                f"LoRA {'merged' if self.merge_lora else 'unmerged'} when sampling"
-                + (", fused layers when sampling" if self.fused else ""))
+        int8 = self.weights == "int8"
+        reads = ("int8 weights (decode.weights=int8: the base packed once for FBGEMM's dynamic int8 linear)" if int8
+                 else f"{own} weights" if own else "the model's own weights")
+        merged = "unmerged on the int8 base" if int8 else "merged" if self.merge_lora else "unmerged"
+        return (f"own decode loop, {self.sampler.replace('_', '-')} sampler, LoRA {merged} when sampling"
+                + (", fused layers when sampling" if self.fused else "") + f"; sampled tokens read {reads}")
 
 
 # --------------------------------------------------------------------------- sampling
@@ -280,7 +289,8 @@ def decode(model, input_ids, attention_mask, *, max_new_tokens: int, do_sample: 
 
     if fused and do_sample:
         return fused_decode.decode(inner, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                                   eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, pick=pick)
+                                   eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, pick=pick,
+                                   weights=settings.weights)
     batch, prompt_len = input_ids.shape
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -403,6 +413,10 @@ def install(model, settings: DecodeSettings, log=None) -> None:
     if why_not is not None:
         say(f"decode.fused: the fused layers do not cover {why_not}: sampled tokens go through transformers' layers "
             "in our decode loop")
+    if settings.weights == "int8" and not fused:
+        say(f"decode.weights=int8: the fused layers do not run for this model "
+            f"({why_not or why_unmerged or 'the adapter is not merged'}): sampled tokens read the model's own "
+            f"{str(inner.dtype).removeprefix('torch.')} weights")
     said = set()
 
     @functools.wraps(plain)

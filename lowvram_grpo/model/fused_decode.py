@@ -12,6 +12,21 @@ the merged weights (tests/test_decoding.py compares the logits with transformers
 bf16 16 greedy tokens with transformers' generate on the weights PEFT merges, for every RoPE type; the lines copied
 from transformers are read from its installed source by tests/test_decoding_contracts.py).
 
+decode.weights=int8 (opt-in, CPU): the base weights (frozen while the LoRA trains) are quantized once per model, not
+per call: each fused group (q/k/v, o, gate/up, down, and the LM head) to int8 with one scale per output row, after
+SmoothQuant's per-input-channel rescaling (W * s, x / s, s = sqrt(max|x_j| / max|W_j|), the activations' maxima
+recorded once, on the first call's prompts through the merged 16-bit layers), packed for FBGEMM's dynamic int8
+linear (internals.int8_prepack / int8_linear). The adapter is not merged into them: each call adds it unmerged in
+16 bits, (x @ A^T) @ (scaling B)^T with the q/k/v and gate/up adapters concatenated (one pair of small matmuls a
+group), so the learned part is sampled exactly and nothing is repacked as the adapter changes. Why not per call:
+repacking SmolLM2-135M's weights takes ~1.3 s on 2 cores, more than a short rollout saves. Why the rescaling:
+without it FBGEMM's one activation scale a tensor is set by a few outlier channels (the down projection's input
+most), and sampled log-probs move 0.42 nats from the 16-bit layers' (mean |difference| on SmolLM2-135M), 0.21 with
+it. Sampled tokens then come from a slightly different distribution than the trainer's (its log-probs go to TRL as
+always; tests/test_decode_int8.py measures the gap); resolve() turns the importance-sampling correction on, per
+token. The packed base (~1 byte a parameter) lives as long as the model (`int8_base`), rebuilt if a base weight
+changes (a merge).
+
 Supported: model_type llama, mistral, qwen2 (q/k/v biases) and qwen3 (RMSNorm of each head's query and key before
 RoPE, as Qwen3Attention) with SiLU MLPs, no sliding window, on 16-bit weights (`unsupported()` says why not; the
 plain loop runs then).
@@ -20,9 +35,13 @@ Shapes: B rows, P prompt positions (left-padded), N new tokens, H query heads, K
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
+from lowvram_grpo.model import internals
+
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+WEIGHTS = ("bf16", "int8")  # decode.weights as resolved: the model's own 16-bit (or float32) weights | int8 (FBGEMM)
 
 
 def unsupported(inner) -> Optional[str]:
@@ -110,10 +129,27 @@ def _rope(x, cos, sin):
 
 
 class FusedLayers:
-    """The model's layers with merged, fused weights, and a KV cache for B rows of up to `length` positions."""
-    def __init__(self, inner, batch: int, length: int):
+    """The model's layers with merged, fused weights, and a KV cache for B rows of up to `length` positions.
+    `weights` (one of WEIGHTS): 'bf16' keeps the merged weights in the model's dtype (F.linear); 'int8' multiplies
+    with `int8` (int8_base's packed base weights) plus the adapter unmerged (Int8Linear). `record` (bf16 only): a
+    dict that gets each matmul input's per-channel max |x| [in] of the first forward, by (layer index, group) and
+    'head' (what build_int8_base smooths with)."""
+    def __init__(self, inner, batch: int, length: int, weights: str = "bf16", int8=None, record=None):
         import torch
+        import torch.nn.functional as F
 
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}; got {weights!r}")
+        if weights == "int8" and int8 is None:
+            raise ValueError("weights='int8' needs int8=int8_base(...) (the packed base weights)")
+        self.linear = F.linear if weights == "bf16" and record is None else _call
+
+        def pack(key, weight, bias, modules=()):
+            if weights == "int8":
+                return (Int8Linear(*int8[key], lora=_unmerged_lora(modules, dtype)),)
+            if record is not None:
+                return (_Recording(record, key, weight, bias),)
+            return weight, bias
         config = inner.config
         body = inner.model
         self.inner, self.body = inner, body
@@ -124,32 +160,39 @@ class FusedLayers:
         self.layers = []
         dtype = body.embed_tokens.weight.dtype
         device = body.embed_tokens.weight.device
-        for layer in body.layers:
+        for index, layer in enumerate(body.layers):
             attention, mlp = layer.self_attn, layer.mlp
-            q, k, v = (_merged(m) for m in (attention.q_proj, attention.k_proj, attention.v_proj))
-            o = _merged(attention.o_proj)
-            gate, up = _merged(mlp.gate_proj), _merged(mlp.up_proj)
-            down = _merged(mlp.down_proj)
-            qkv_weight = torch.cat([q[0], k[0], v[0]])                     # [(H + 2 KV) D, hidden]
-            gate_up = torch.cat([gate[0], up[0]])                          # [2 intermediate, hidden]
+            groups = _groups(layer)
+            if weights == "int8":                       # the base is packed already: nothing merged, no weight read
+                merged = {name: (None, None) for name in groups}
+            else:
+                q, k, v = (_merged(m) for m in groups["qkv"])
+                gate, up = (_merged(m) for m in groups["gate_up"])
+                merged = dict(qkv=(torch.cat([q[0], k[0], v[0]]),                          # [(H + 2 KV) D, hidden]
+                                   _cat_bias([q[1], k[1], v[1]], [q[0], k[0], v[0]])),
+                              o=_merged(groups["o"][0]),
+                              gate_up=(torch.cat([gate[0], up[0]]),                          # [2 intermediate, hidden]
+                                       _cat_bias([gate[1], up[1]], [gate[0], up[0]])),
+                              down=_merged(groups["down"][0]))
+            packed = {name: pack((index, name), *merged[name], groups[name]) for name in groups}
             self.layers.append(dict(
                 norm1=(layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon),
-                qkv=(qkv_weight, _cat_bias([q[1], k[1], v[1]], [q[0], k[0], v[0]])), o=o,
                 norm2=(layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon),
-                gate_up=(gate_up, _cat_bias([gate[1], up[1]], [gate[0], up[0]])), down=down,
                 q_norm=_norm(getattr(attention, "q_norm", None)), k_norm=_norm(getattr(attention, "k_norm", None)),
                 keys=torch.zeros(batch, self.kv_heads, length, self.head_dim, dtype=dtype, device=device),
                 values=torch.zeros(batch, self.kv_heads, length, self.head_dim, dtype=dtype, device=device),
+                **packed,
             ))
         self.final_norm = (body.norm.weight.detach(), body.norm.variance_epsilon)
         head = inner.get_output_embeddings()
-        self.head = _merged(head)
+        self.head = pack("head", *((None, None) if weights == "int8" else _merged(head)), (head,))
 
     def forward(self, ids, positions, start: int, mask):
         """Logits of the last position [B, V] for tokens `ids` [B, T] at `positions` [B, T], written to cache
         positions start..start+T-1; `mask` [B, 1, T, start+T] (True = attend)."""
         import torch.nn.functional as F
 
+        linear = self.linear                                                              # F.linear, or int8
         batch, steps = ids.shape
         hidden = self.body.embed_tokens(ids)                                              # [B, T, hidden]
         cos, sin = self.body.rotary_emb(hidden, positions)                                # [B, T, D] each
@@ -158,7 +201,7 @@ class FusedLayers:
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for layer in self.layers:
             x = rms_norm(hidden, *layer["norm1"])
-            qkv = F.linear(x, *layer["qkv"])                                              # [B, T, (H+2KV) D]
+            qkv = linear(x, *layer["qkv"])                                              # [B, T, (H+2KV) D]
             q = qkv[..., :q_size].view(batch, steps, self.heads, self.head_dim)              # [B, T, H, D]
             k = qkv[..., q_size:q_size + kv_size].view(batch, steps, self.kv_heads, self.head_dim)
             if layer["q_norm"] is not None:                                               # Qwen3: per head, before RoPE
@@ -170,16 +213,18 @@ class FusedLayers:
             attended = F.scaled_dot_product_attention(
                 _rope(q, cos, sin), layer["keys"][:, :, :end], layer["values"][:, :, :end], attn_mask=mask,
                 scale=self.scale, enable_gqa=self.kv_heads != self.heads)                # [B, H, T, D]
-            hidden = hidden + F.linear(attended.transpose(1, 2).reshape(batch, steps, q_size), *layer["o"])
+            hidden = hidden + linear(attended.transpose(1, 2).reshape(batch, steps, q_size), *layer["o"])
             x = rms_norm(hidden, *layer["norm2"])
-            gate, up = F.linear(x, *layer["gate_up"]).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, *layer["down"])
+            gate, up = linear(x, *layer["gate_up"]).chunk(2, dim=-1)
+            hidden = hidden + linear(F.silu(gate) * up, *layer["down"])
         last = rms_norm(hidden[:, -1], *self.final_norm)                                  # [B, hidden]
-        return F.linear(last, *self.head)                                                 # [B, V]
+        return linear(last, *self.head)                                                 # [B, V]
 
 
-def decode(inner, input_ids, attention_mask, *, max_new_tokens: int, eos_token_ids, pad_token_id, pick):
-    """decoding.decode's contract for sampled tokens on the fused layers; `pick(logits [B, V]) -> tokens [B]`."""
+def decode(inner, input_ids, attention_mask, *, max_new_tokens: int, eos_token_ids, pad_token_id, pick,
+           weights: str = "bf16"):
+    """decoding.decode's contract for sampled tokens on the fused layers; `pick(logits [B, V]) -> tokens [B]`;
+    `weights`: FusedLayers'."""
     import torch
 
     batch, prompt_len = input_ids.shape
@@ -187,12 +232,18 @@ def decode(inner, input_ids, attention_mask, *, max_new_tokens: int, eos_token_i
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     length = prompt_len + max_new_tokens
-    layers = FusedLayers(inner, batch, length)
     valid = torch.cat([attention_mask.bool(), attention_mask.new_ones(batch, max_new_tokens, dtype=torch.bool)], 1)
     positions = prompt_positions(attention_mask)
     causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=device).tril()
     prefill_mask = (causal[None] & valid[:, None, :prompt_len]) | torch.eye(prompt_len, dtype=torch.bool,
                                                                              device=device)[None]
+    int8 = int8_base(inner) if weights == "int8" else None
+    if weights == "int8" and int8 is None:  # once per model: the prefill on the 16-bit layers gives the smoothing
+        recorded = {}
+        FusedLayers(inner, batch, prompt_len, "bf16", record=recorded).forward(input_ids, positions, 0,
+                                                                               prefill_mask[:, None])
+        int8 = build_int8_base(inner, recorded)
+    layers = FusedLayers(inner, batch, length, weights, int8=int8)
     logits = layers.forward(input_ids, positions, 0, prefill_mask[:, None])               # [B, V]
 
     def forward_next(token, last, step):
@@ -201,6 +252,124 @@ def decode(inner, input_ids, attention_mask, *, max_new_tokens: int, eos_token_i
 
     return token_loop(input_ids, positions[:, -1:], logits, forward_next, pick, max_new_tokens=max_new_tokens,
                       eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
+
+
+def _groups(layer) -> dict:
+    """A decoder layer's fused groups: name -> the projection modules concatenated (in FusedLayers' order)."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return dict(qkv=(attention.q_proj, attention.k_proj, attention.v_proj), o=(attention.o_proj,),
+                gate_up=(mlp.gate_proj, mlp.up_proj), down=(mlp.down_proj,))
+
+
+def _base_layer(module):
+    return module.get_base_layer() if hasattr(module, "get_base_layer") else module
+
+
+def _call(x, op):
+    """FusedLayers.linear where each weight entry is one callable (int8, or recording)."""
+    return op(x)
+
+
+class _Recording:
+    """F.linear(x, weight, bias) that keeps the per-channel max |x| [in] (float32) of its first call in `record[key]`."""
+    def __init__(self, record: dict, key, weight, bias):
+        self.record, self.key, self.weight, self.bias = record, key, weight, bias
+
+    def __call__(self, x):
+        import torch.nn.functional as F
+
+        if self.key not in self.record:
+            self.record[self.key] = x.detach().float().abs().reshape(-1, x.shape[-1]).amax(0)
+        return F.linear(x, self.weight, self.bias)
+
+
+class Int8Linear:
+    """x [..., in] -> [..., out] in x's dtype: FBGEMM's dynamic int8 linear on the smoothed base weight (x / s times
+    W * s, internals.int8_linear; its bias inside), plus the adapter unmerged: (x @ A^T) @ B^T, A [R, in] the active
+    adapters' lora_A weights concatenated over the group's projections, B [out, R] their lora_B weights times PEFT's
+    scaling, block by block (zero elsewhere); none when no adapter is active."""
+    def __init__(self, packed, inverse_scale, lora=None):
+        self.packed, self.inverse_scale, self.lora = packed, inverse_scale, lora
+
+    def __call__(self, x):
+        import torch.nn.functional as F
+
+        out = internals.int8_linear(x * self.inverse_scale, self.packed)
+        if self.lora is not None:
+            out = out + F.linear(F.linear(x, self.lora[0]), self.lora[1])
+        return out
+
+
+def _unmerged_lora(modules, dtype):
+    """(A [R, in], B [out, R]) of the active, not already merged LoRA adapters of `modules` (a fused group, outputs
+    concatenated in order), in `dtype`, or None. PEFT's plain LoRA arithmetic (what lora.Linear.get_delta_weight
+    computes as B @ A * scaling, unmerged; decoding.mergeable admits only plain LoRA here)."""
+    import torch
+
+    rows, downs, ups = [], [], []
+    for module in modules:
+        out = _base_layer(module).weight.shape[0]
+        names = ([] if not hasattr(module, "lora_A") or module.disable_adapters or module.merged else
+                 [name for name in module.active_adapters if name in module.lora_A])
+        rows.append((out, [(module.lora_A[n].weight.detach(), module.lora_B[n].weight.detach() * module.scaling[n])
+                           for n in names]))
+    if not any(pairs for _, pairs in rows):
+        return None
+    total_out = sum(out for out, _ in rows)
+    rank = sum(a.shape[0] for _, pairs in rows for a, _ in pairs)
+    up = torch.zeros(total_out, rank, dtype=dtype, device=_base_layer(modules[0]).weight.device)
+    row = col = 0
+    for out, pairs in rows:
+        for a, b in pairs:
+            downs.append(a.to(dtype))
+            up[row:row + out, col:col + a.shape[0]] = b.to(dtype)
+            col += a.shape[0]
+        row += out
+    return torch.cat(downs), up
+
+
+# the packed base weights of each model (a weak key: they go with the model), with the key they were packed for
+_INT8_BASES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _int8_key(inner) -> tuple:
+    """What the packed base depends on: every base weight's storage and version, and whether PEFT merged into it."""
+    modules = [m for layer in inner.model.layers for group in _groups(layer).values() for m in group]
+    modules.append(inner.get_output_embeddings())
+    return tuple((w.data_ptr(), w._version, bool(getattr(m, "merged", False)))
+                 for m in modules for w in [_base_layer(m).weight])
+
+
+def int8_base(inner):
+    """The packed base weights build_int8_base made for `inner`, or None (never built, or a base weight changed)."""
+    held = _INT8_BASES.get(inner)
+    return held[1] if held is not None and held[0] == _int8_key(inner) else None
+
+
+def build_int8_base(inner, recorded: dict) -> dict:
+    """Pack `inner`'s base weights for Int8Linear, once: key (layer index, group) or 'head' -> (packed int8 weight with
+    its bias, inverse smoothing scale [in] in the model's dtype). Each group's weights are concatenated as
+    FusedLayers does; the smoothing s_j = sqrt(max|x_j| / max_i |W_ij|) (SmoothQuant, alpha 0.5) from `recorded`
+    (the first call's prefill: per-channel max |x| by the same keys). Held for the model (int8_base) until a base
+    weight changes. A layer PEFT merged keeps W + ΔW in its base weight: packed as it is (its adapter is then
+    never added)."""
+    import torch
+
+    dtype = inner.model.embed_tokens.weight.dtype
+
+    def pack(key, modules):
+        bases = [_base_layer(m) for m in modules]
+        weight = torch.cat([b.weight.detach() for b in bases]).float()                     # [out, in]
+        bias = _cat_bias([None if b.bias is None else b.bias.detach() for b in bases], [b.weight for b in bases])
+        seen = recorded[key].clamp(min=1e-5)
+        scale = (seen / weight.abs().amax(0).clamp(min=1e-5)).sqrt().clamp(min=1e-5)      # [in]
+        return internals.int8_prepack(weight * scale, bias), (1 / scale).to(dtype)
+
+    packed = {(index, name): pack((index, name), modules)
+              for index, layer in enumerate(inner.model.layers) for name, modules in _groups(layer).items()}
+    packed["head"] = pack("head", (inner.get_output_embeddings(),))
+    _INT8_BASES[inner] = (_int8_key(inner), packed)
+    return packed
 
 
 def prompt_positions(attention_mask):

@@ -15,6 +15,10 @@ missing one raises BackendError saying to install the pinned versions; `missing_
   `disable_adapters`, which LoraLayer.forward reads (decoding.merged_weights).
 - `cuda_driver_version()`: `torch._C._cuda_getDriverVersion()` (CUDA builds of torch only; settings.cuda_facts).
 - `mkldnn_bf16_supported()`: `torch.ops.mkldnn._is_mkldnn_bf16_supported()` (settings.hardware).
+- `int8_prepack(weight, bias)` / `int8_linear(x, packed)`: torch's quantized API, deprecated in torch 2.13
+  (`torch.quantize_per_channel`, `torch.ops.quantized.linear_prepack`, `torch.ops.quantized.linear_dynamic`: FBGEMM's
+  dynamic int8 linear on x86), public names but on their way out, so reached here like the private ones
+  (fused_decode.FusedLayers with decode.weights=int8; bench/int8_matmul.py measured it).
 - `mark_requested_float32(model, value)`: unsloth's `_unsloth_user_float32` (model.unsloth_backend).
 - `replace_generate(model, fn)` / `restore_generate(model, own)`: a model's `generate` replaced on the instance (our
   decode loop, decoding.install; the sampler's log-probs, trl_compat.ModelSampler).
@@ -23,18 +27,23 @@ missing one raises BackendError saying to install the pinned versions; `missing_
 """
 from __future__ import annotations
 
+import functools
 import importlib
 
 from lowvram_grpo.run.errors import BackendError
 
 WRITTEN_FOR = {"transformers": "5.17.0", "peft": "0.21.2", "torch": "2.13.0"}
-# (module, owner's dotted path in it, private attribute): each reach this module makes
+# (module, owner's dotted path in it ('' = the module itself), private or deprecated attribute): each reach this
+# module makes
 REACHES = (
     ("transformers.generation.utils", "GenerationMixin", "_prepare_generation_config"),
     ("transformers.generation.configuration_utils", "GenerationConfig", "_get_default_generation_params"),
     ("peft.tuners.tuners_utils", "BaseTunerLayer", "_disable_adapters"),
     ("torch", "ops.mkldnn", "_is_mkldnn_bf16_supported"),
     ("torch", "_C", "_cuda_getDriverVersion"),  # CUDA builds only: missing_reaches skips it on a CPU torch
+    ("torch", "", "quantize_per_channel"),      # deprecated in torch 2.13 (the quantized API): decode.weights=int8
+    ("torch", "ops.quantized", "linear_prepack"),
+    ("torch", "ops.quantized", "linear_dynamic"),
 )
 MARKS = ("decode", "decode_calls", "logprobs", "contiguous_input")
 UNSLOTH_FLOAT32 = "_unsloth_user_float32"  # unsloth 2026.10.9: loader.py sets it, UnslothGRPOTrainer.__init__ reads it
@@ -42,19 +51,23 @@ UNSLOTH_FLOAT32 = "_unsloth_user_float32"  # unsloth 2026.10.9: loader.py sets i
 
 def _owner(module: str, path: str):
     owner = importlib.import_module(module)
-    for part in path.split("."):
+    for part in filter(None, path.split(".")):
         owner = getattr(owner, part)
     return owner
 
 
+def _dotted(module: str, path: str, name: str) -> str:
+    return ".".join(part for part in (module, path, name) if part)
+
+
 def _reach(module: str, path: str, name: str):
-    """The private `name` of `module`.`path`; BackendError naming the pins when it is gone."""
+    """The private (or deprecated) `name` of `module`.`path`; BackendError naming the pins when it is gone."""
     try:
         return getattr(_owner(module, path), name)
     except AttributeError:
         pins = " ".join(f"{k}=={v}" for k, v in WRITTEN_FOR.items())
-        raise BackendError(f"lowvram_grpo uses {module}.{path}.{name}, which the installed {module.split('.')[0]} does "
-                           f"not have: install the pinned versions (pip install {pins})") from None
+        raise BackendError(f"lowvram_grpo uses {_dotted(module, path, name)}, which the installed {module.split('.')[0]} "
+                           f"does not have: install the pinned versions (pip install {pins})") from None
 
 
 def missing_reaches() -> list[str]:
@@ -68,7 +81,7 @@ def missing_reaches() -> list[str]:
         try:
             _reach(module, path, name)
         except BackendError:
-            missing.append(f"{module}.{path}.{name}")
+            missing.append(_dotted(module, path, name))
     return missing
 
 
@@ -120,6 +133,44 @@ def mkldnn_bf16_supported() -> bool:
         return bool(_reach("torch", "ops.mkldnn", "_is_mkldnn_bf16_supported")())
     except (BackendError, RuntimeError):
         return False
+
+
+# --------------------------------------------------------------------------- torch's quantized int8 linear (deprecated)
+
+INT8_DEPRECATION = r"torch\.quantize_per_tensor, torch\.quantize_per_channel and other quantized tensor creation"
+
+
+def int8_prepack(weight, bias=None):
+    """`weight` [out, in] (any float dtype) as the packed int8 weight of torch's quantized linear: symmetric, one
+    scale per output row (max |w| / 127, zero point 0, so the largest entry of each row is exactly +-127), packed once
+    for FBGEMM's kernels with `bias` [out] (float32) beside it; int8_linear multiplies with it. Half the bytes of a
+    16-bit weight. The deprecation warning torch 2.13 gives for the quantized tensor this goes through is silenced
+    here, where the reach is."""
+    import warnings
+
+    import torch
+
+    quantize = _reach("torch", "", "quantize_per_channel")
+    prepack = _reach("torch", "ops.quantized", "linear_prepack")
+    w32 = weight.detach().float()
+    scale = w32.abs().amax(1).clamp(min=1e-8) / 127                                          # [out]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=INT8_DEPRECATION, category=UserWarning)
+        quantized = quantize(w32, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
+    return prepack(quantized, None if bias is None else bias.detach().float())
+
+
+def int8_linear(x, packed):
+    """x [..., in] times int8_prepack's weight, + its bias, in x's dtype: FBGEMM's dynamic int8 linear
+    (`quantized::linear_dynamic`: x in float32 quantized per call to 8 bits with one scale for the tensor, int32
+    accumulation, float32 out)."""
+    out = _linear_dynamic()(x.float(), packed)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+@functools.cache
+def _linear_dynamic():
+    return _reach("torch", "ops.quantized", "linear_dynamic")
 
 
 # --------------------------------------------------------------------------- unsloth's float32 mark, and ours

@@ -146,19 +146,23 @@ def check_init_adapter(config) -> None:
 
 def check_init_adapter_merge(config) -> None:
     """An adapter_config.json option our decode loop cannot merge by PEFT's arithmetic (decoding.MERGE_OPTIONS:
-    plain LoRA, rslora, alpha), with decode.merge_lora or decode.fused asked for explicitly, is refused before
+    plain LoRA, rslora, alpha), with decode.merge_lora or decode.fused asked for explicitly (or decode.weights=int8,
+    which adds the adapter to the int8 base by the same plain-LoRA arithmetic), is refused before
     anything loads; with `auto` the run samples from the unmerged adapter (decoding.install says so)."""
 
 
     asked = [f"decode.{key}=true" for key in ("merge_lora", "fused") if getattr(config.decode, key) == "true"]
+    asked += ["decode.weights=int8"] if config.decode.weights == "int8" else []  # plain LoRA's arithmetic, unmerged
     if not asked:
         return
     raw = json.loads((Path(config.lora.init_adapter) / "adapter_config.json").read_text(encoding="utf-8"))
     beyond = options_beyond_merge(raw)
     if beyond:
+        resets = ["decode.merge_lora=auto", "decode.fused=auto"] + (
+            ["decode.weights=auto"] if config.decode.weights == "int8" else [])
         raise ConfigError(f"lora.init_adapter {config.lora.init_adapter} sets {', '.join(beyond)} in its "
                           f"adapter_config.json, which {' and '.join(asked)} cannot merge (merged here: plain LoRA, "
-                          "rslora, alpha): set decode.merge_lora=auto and decode.fused=auto to sample from the "
+                          f"rslora, alpha): set {', '.join(resets[:-1])} and {resets[-1]} to sample from the "
                           "unmerged adapter")
 
 

@@ -610,12 +610,20 @@ class DecodeConfig:
         "Our loop's sampled tokens through Llama-family layers written out (fused_decode.py: the merged q/k/v and "
         "gate/up projections each one matmul, ~30 ops a layer instead of transformers' ~500; llama, mistral, qwen2 "
         "and qwen3 models, else the plain loop): 'auto' (wherever decode.merge_lora is on), 'true' or 'false'.", "auto")
+    weights: str = _help(
+        "What the fused layers' sampled tokens multiply with: 'auto' (= bf16), 'bf16' (the merged weights in the "
+        "model's own dtype) or 'int8' (opt-in, CPU only: the base weights smoothed per input channel, quantized per "
+        "output row and packed once per model for FBGEMM's dynamic int8 linear, the adapter added unmerged in 16 "
+        "bits; needs decode.fused on, refused on CUDA, 4-bit or decode.loop=transformers). int8 samples from a "
+        "slightly different distribution: train.is_correction=auto corrects it per token (sampling/* in "
+        "metrics.jsonl). Greedy answers never use it.", "auto")
 
     def __post_init__(self):
         _one_of("decode", "loop", self.loop, ("auto", "lowvram", "transformers"))
         _one_of("decode", "sampler", self.sampler, ("auto", "inverse_cdf", "multinomial"))
         _one_of("decode", "merge_lora", self.merge_lora, ("auto", "true", "false"))
         _one_of("decode", "fused", self.fused, ("auto", "true", "false"))
+        _one_of("decode", "weights", self.weights, ("auto", "bf16", "int8"))
 
 
 SECTIONS: dict[str, type] = {

@@ -51,7 +51,9 @@ Decisions, and why:
   vLLM has not run on a GPU here. The CLI starts the process on it (allocator.py).
 - decode (choose_decode): where transformers generates on the hf backend, our decode loop (decoding.py) on a CPU,
   the inverse-CDF sampler, LoRA merged into a copy of 16-bit weights for sampled tokens: each measured there
-  (bench/decode_step.py). On CUDA transformers' generate until a card measures ours.
+  (bench/decode_step.py). On CUDA transformers' generate until a card measures ours. decode.weights=int8 (opt-in):
+  the fused layers' weights quantized for FBGEMM's int8 linear, only where they run (our loop, a CPU, 16-bit base,
+  a covered model type), refused anywhere else; the importance-sampling correction then stays on (auto).
 - batch sizes: per_device_train_batch_size defaults to num_generations (one prompt's group per
   micro-step); the generation batch is per_device x gradient_accumulation x processes.
 - train.dynamic_sampling (DAPO): the hf backend in one process only (`check_dynamic_sampling` says why).
@@ -70,6 +72,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lowvram_grpo.model.decoding import DecodeSettings
+from lowvram_grpo.model.fused_decode import SUPPORTED_TYPES as FUSED_TYPES
 from lowvram_grpo.run.errors import PlanError, ResolveError
 from lowvram_grpo.settings.config import RunConfig
 from lowvram_grpo.settings.hardware import Hardware
@@ -99,6 +102,10 @@ NO_FLASHINFER_ENV = "UNSLOTH_VLLM_NO_FLASHINFER"
 IS_CORRECTION_CHOICES = ("auto", "on", "off")
 IS_MODE_ENV = "UNSLOTH_GRPO_VLLM_IS_MODE"
 IS_MODE_VESPO = "token_truncate"   # TRL refuses VESPO with a sequence mode (grpo_trainer.py: token_* only)
+# decode.weights=int8: each sampled token's log-prob is ~0.05 nats off the trainer's on average (tests/test_decode_int8.py
+# measures it), so a completion's summed ratio exp(sum) would be ~e^-7 over 150 tokens and sequence_mask would all but
+# zero its loss; per token, TRL's truncated ratio (clipped at 3) reweights each token instead
+IS_MODE_INT8 = "token_truncate"
 # unsloth 2026.10.9's CUDA-graph decode (unsloth/models/_decode_graphs.py): inside an RL trainer's generate, on NVIDIA
 # CUDA, for these model types only (its _SUPPORTED_MODEL_TYPES; qwen2 shares the Llama attention but is "untested").
 DECODE_GRAPH_MODEL_TYPES = ("llama", "qwen3")
@@ -140,6 +147,7 @@ class Resolved:
     decode_sampler: str = "multinomial"  # 'inverse_cdf' | 'multinomial'
     decode_merge_lora: bool = False      # sampled tokens from the adapter merged into a copy of 16-bit weights
     decode_fused: bool = False           # sampled tokens through fused_decode.py's layers (needs the merge)
+    decode_weights: str = "bf16"         # what the fused layers multiply with: 'bf16' (the model's own) | 'int8'
     is_correction: bool = False          # vLLM's sampling log-probs corrected against the trainer's: choose_is_correction
     is_mode: Optional[str] = None        # GRPOConfig vllm_importance_sampling_mode where is_correction is on
     is_reason: str = ""
@@ -196,7 +204,7 @@ class Resolved:
     def decode(self):
         """decoding.DecodeSettings: what backends.load_model installs on the model."""
         return DecodeSettings(loop=self.decode_loop, sampler=self.decode_sampler, merge_lora=self.decode_merge_lora,
-                              fused=self.decode_fused)
+                              fused=self.decode_fused, weights=self.decode_weights)
 
     @property
     def reward_model_device(self) -> str:
@@ -232,7 +240,8 @@ class Resolved:
                                                           f", FlashInfer {'allowed' if self.vllm_flashinfer else 'off'}")
                                                        + ")"
                                                        if self.vllm_max_model_len is not None else "")
-                 + (f"; decode: {self.decode.describe()}" if self.generation == "transformers" else "")
+                 + (f"; decode: {self.decode.describe('4-bit' if self.load_in_4bit else self.dtype)}"
+                    if self.generation == "transformers" else "")
                  + f"; batch {self.per_device_train_batch_size} completions/micro-step x {self.gradient_accumulation_steps} "
                    f"accumulation x {self.num_processes} process(es) = {self.generation_batch_size} per generation; "
                    f"host allocator {self.host_allocator}"]
@@ -375,13 +384,15 @@ def choose_host_allocator(asked: str, hardware: Hardware) -> str:
     return asked
 
 
-def choose_decode(config: RunConfig, hardware: Hardware, backend: str, generation: str) -> tuple[str, str, bool, bool]:
-    """(loop, sampler, merge_lora, fused) for transformers' generation (decoding.py). Our loop where transformers generates
+def choose_decode(config: RunConfig, hardware: Hardware, backend: str,
+                  generation: str) -> tuple[str, str, bool, bool, str]:
+    """(loop, sampler, merge_lora, fused, weights) for transformers' generation (decoding.py). Our loop where transformers generates
     on the hf backend: measured faster on CPU (bench/decode_step.py); on CUDA transformers' generate stays the default
     until a card measures ours (bench/gpu_first_run.py). unsloth's backend patches generate with its own fast path;
     vLLM engines do not use this. merge_lora: a copy of the 16-bit weights merged for sampling, by default on a CPU
     (host RAM); on a GPU when asked (card memory: the memory plan's `merged` term); never into 4-bit weights.
-    fused: the merged weights' fused layers (fused_decode.py) wherever the merge is on."""
+    fused: the merged weights' fused layers (fused_decode.py) wherever the merge is on. weights: 'bf16' (auto), or
+    'int8' where the fused layers run (decode_int8_refusal says why not elsewhere, before anything loads)."""
     asked = config.decode
     applies = backend == "hf" and generation == "transformers"
     if asked.loop == "lowvram" and not applies:
@@ -405,11 +416,50 @@ def choose_decode(config: RunConfig, hardware: Hardware, backend: str, generatio
     fused = merge and asked.fused != "false"
     if loop != "lowvram":
         sampler, merge, fused = "multinomial", False, False
-    return loop, sampler, merge, fused
+    weights = "bf16" if asked.weights == "auto" else asked.weights
+    if weights == "int8":
+        refused = decode_int8_refusal(config, hardware, backend, generation, loop, fused)
+        if refused:
+            raise ResolveError(refused)
+    return loop, sampler, merge, fused, weights
+
+
+def decode_int8_refusal(config: RunConfig, hardware: Hardware, backend: str, generation: str, loop: str,
+                        fused: bool) -> Optional[str]:
+    """Why decode.weights=int8 cannot hold here (one line with the fix), or None: it is FBGEMM's CPU int8 linear in
+    our decode loop's fused layers (fused_decode.FusedLayers), so it needs those to run: a CPU, the hf backend's
+    transformers generation, decode.loop not transformers, a 16-bit base, decode.merge_lora and decode.fused not off,
+    a model type the fused layers cover (where resolve can tell), and the importance-sampling correction possible
+    (a single-turn rollout: with tools its log-probs cover one turn)."""
+    asked = config.decode
+    head = "decode.weights=int8 quantizes the weights of our decode loop's fused layers (FBGEMM's CPU int8 linear)"
+    if hardware.cuda:
+        return f"{head} and this run is on CUDA ({hardware.gpu_name or 'a GPU'}): set decode.weights=auto"
+    if backend != "hf" or generation != "transformers":
+        where = "the unsloth backend samples with its own generate" if backend != "hf" else \
+            f"model.generation={generation} samples with vLLM"
+        return f"{head} and {where}: set decode.weights=auto"
+    if config.memory.load_in_4bit:
+        return (f"{head}, which merge the adapter into 16-bit weights, and memory.load_in_4bit is on: set "
+                "decode.weights=auto or memory.load_in_4bit=false")
+    if loop != "lowvram":
+        return f"{head} and decode.loop=transformers samples with transformers' generate: set decode.loop=auto or decode.weights=auto"
+    if not fused:
+        off = "decode.merge_lora=false" if asked.merge_lora == "false" else "decode.fused=false"
+        return f"{head} and {off} keeps them off: set {off.split('=')[0]}=auto or decode.weights=auto"
+    model_type = model_type_of(config.model.name)
+    if model_type is not None and model_type not in FUSED_TYPES:
+        return (f"{head}, which cover {', '.join(FUSED_TYPES)}, and model.name {config.model.name} is model type "
+                f"{model_type}: set decode.weights=auto")
+    if config.uses_tools and config.train.is_correction != "off":
+        return (f"{head} and its samples need the importance-sampling correction, which tools or an environment keep "
+                "off (the sampler's log-probs cover one turn): set decode.weights=auto, or train.is_correction=off to "
+                "train on them uncorrected")
+    return None
 
 
 def choose_is_correction(config: RunConfig, generation: str, strict: bool = True, decode_loop: str = "transformers",
-                         backend: str = "unsloth") -> tuple[bool, Optional[str], str]:
+                         backend: str = "unsloth", decode_weights: str = "bf16") -> tuple[bool, Optional[str], str]:
     """(on, GRPOConfig's vllm_importance_sampling_mode, why) for train.is_correction (auto | on | off).
 
     The correction re-weights each completion by the trainer's probability of it over the sampler's (TRL 1.15:
@@ -417,7 +467,9 @@ def choose_is_correction(config: RunConfig, generation: str, strict: bool = True
     is not exactly the forward that scores (0.03-0.04 nats a token on our CPU vLLM path, docs/results.md). auto = on
     for both vLLM paths (unsloth's shared engine, whose GRPOConfig would leave it off, and our own) and for our decode
     loop (`decode_loop` 'lowvram': merged, fused, bf16-rounded weights, batched and cached; its sampled tokens'
-    log-probs go to TRL through trl_compat.ModelSampler); off for transformers' generate on the hf backend, where
+    log-probs go to TRL through trl_compat.ModelSampler; with decode.weights=int8 they come from int8 weights, a larger
+    gap: choose_decode refuses int8 where auto would leave the correction off); off for transformers' generate on the
+    hf backend, where
     `on` captures its processed scores (one [batch, vocab] float tensor per new token held until the call ends);
     off where unsloth's patched generate samples (no log-probs to correct with), where `on` is refused (strict) or,
     for a run that lost its vLLM engine at load (without_vllm), turned off with the reason."""
@@ -426,6 +478,8 @@ def choose_is_correction(config: RunConfig, generation: str, strict: bool = True
     own_loop = generation == "transformers" and backend == "hf" and decode_loop == "lowvram"
     capturable = generation == "transformers" and backend == "hf"
     mode = IS_MODE_VESPO if config.train.loss_type == "vespo" else IS_MODE
+    if own_loop and decode_weights == "int8":
+        mode = IS_MODE_INT8
     multi_turn = bool(config.tools.names) or bool(config.environment.name)
     if multi_turn and (own_loop or capturable) and asked != "off":
         # TRL's tool loop regenerates after each tool result through the same sampler; our sampler's log-probs are
@@ -442,6 +496,9 @@ def choose_is_correction(config: RunConfig, generation: str, strict: bool = True
     if sampled_elsewhere:
         sampler = ("unsloth's vLLM engine samples with its own kernels (unsloth's GRPOConfig would leave the correction "
                    "off)" if generation == "unsloth_vllm" else "our vLLM engine samples from the base + synced adapter")
+    elif own_loop and decode_weights == "int8":
+        sampler = ("our decode loop samples from int8 weights (decode.weights=int8: the fused base weights quantized "
+                   "for FBGEMM's int8 linear, the adapter added unmerged; one ratio a token, truncated at 3)")
     elif own_loop:
         sampler = "our decode loop samples (merged/fused 16-bit weights, its own batched cache)"
     elif capturable and asked == "on":
@@ -656,8 +713,13 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
     if generation == "vllm" and hardware.cuda:
         notes.append("model.generation=vllm: the engine asks vLLM for its KV cache in bytes (kv_cache_memory_bytes) and "
                      "passes its own share of the card as gpu_memory_utilization; memory.gpu_memory_utilization is unsloth's")
-    decode_loop, decode_sampler, decode_merge, decode_fused = choose_decode(config, hardware, chosen, generation)
-    is_on, is_mode, is_reason = choose_is_correction(config, generation, decode_loop=decode_loop, backend=chosen)
+    decode_loop, decode_sampler, decode_merge, decode_fused, decode_weights = choose_decode(config, hardware, chosen,
+                                                                                           generation)
+    is_on, is_mode, is_reason = choose_is_correction(config, generation, decode_loop=decode_loop, backend=chosen,
+                                                     decode_weights=decode_weights)
+    if decode_weights == "int8" and not is_on:
+        notes.append("decode.weights=int8 with train.is_correction=off: the rollouts sampled from int8 weights train "
+                     "uncorrected (train.is_correction=auto corrects them)")
     graphs, graphs_reason = choose_decode_graphs(config, hardware, chosen, generation)
     kv_dtype, kv_reason, plan_decides = choose_kv_cache_dtype(config, hardware, generation, dtype)
     per_device = config.train.batch_size
@@ -681,6 +743,7 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         host_allocator=choose_host_allocator(config.memory.host_allocator, hardware), vllm_flashinfer=flashinfer,
         save_steps=save_steps, step_seconds=step_seconds,
         decode_loop=decode_loop, decode_sampler=decode_sampler, decode_merge_lora=decode_merge, decode_fused=decode_fused,
+        decode_weights=decode_weights,
         validation_every=validation_every, is_correction=is_on, is_mode=is_mode, is_reason=is_reason,
         decode_graphs=graphs, decode_graphs_reason=graphs_reason, kv_cache_dtype=kv_dtype, kv_cache_reason=kv_reason,
         notes=tuple(notes), plan=run_plan(config),
