@@ -14,6 +14,11 @@ model, prompts, seed and GRPO settings (G completions x L tokens, LoRA r=16 on a
 - `trl_nogc`: the same plain TRL with gradient checkpointing off (see the README: with it on, TRL's
              train-mode sampling on a CPU decodes without the KV cache's context).
 - `unsloth`: lowvram_grpo's path on the unsloth backend (unsloth's CPU backend here).
+- `ours_int8`: `ours` with decode.weights=int8 (rollouts from the int8 base + the adapter unmerged, the
+             importance-sampling correction per token).
+
+Where the importance-sampling correction runs, the record also keeps the sampler/trainer gap TRL logs
+(`sampling/sampling_logp_difference/mean` and `/max`, averaged and maxed over the counted steps).
 
 Per step it records wall seconds and where they go: generation, reward scoring, log-prob forwards
 without grad (old/reference policy), the training forward, and backward. Reports the median over
@@ -30,6 +35,8 @@ from pathlib import Path
 from bench.harness import bench_variants, peak_rss_mb, variant_parser
 
 PARTS = ("generate", "rewards", "logps_nograd", "forward", "backward")
+VARIANT_SETS = {"ours_int8": ["decode.weights=int8"]}  # a variant's own overrides (before the user's --set)
+GAP_MEAN, GAP_MAX = "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"  # TRL 1.15
 
 
 def bench_overrides(args, extra: list[str] = ()) -> list[str]:
@@ -209,7 +216,7 @@ def build_plain_trl(config, gradient_checkpointing: bool = True):
 def child(variant: str, args) -> dict:
     from lowvram_grpo.settings.config import load_config
 
-    config = load_config(args.preset, bench_overrides(args))
+    config = load_config(args.preset, bench_overrides(args, VARIANT_SETS.get(variant, [])))
     rss_start = peak_rss_mb()
     if variant.startswith("trl"):
         trainer = build_plain_trl(config, gradient_checkpointing=variant != "trl_nogc")
@@ -222,6 +229,7 @@ def child(variant: str, args) -> dict:
     steps = clock.steps[1:] or clock.steps  # the first step warms up allocators and caches
     median = {key: round(statistics.median(s[key] for s in steps), 3) for key in ("step",) + PARTS}
     lengths = [row.get("completions/mean_length") for row in trainer.state.log_history if "completions/mean_length" in row]
+    gaps = [row for row in trainer.state.log_history[1:] if GAP_MEAN in row]  # the counted steps' (the first warms up)
     return {
         "step_s": median["step"],
         "parts_s": {part: median[part] for part in PARTS},
@@ -234,6 +242,8 @@ def child(variant: str, args) -> dict:
         "sample_completions": samples,  # the first completion of each step: is the sampling sane?
         "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
         "optim": str(trainer.args.optim),
+        "sampler_gap": {"mean_abs_logp_difference": round(statistics.mean(r[GAP_MEAN] for r in gaps), 4),
+                        "max_abs_logp_difference": round(max(r[GAP_MAX] for r in gaps), 3)} if gaps else None,
     }
 
 
@@ -243,19 +253,21 @@ def child(variant: str, args) -> dict:
 def table(results: dict) -> str:
     trl = results.get("trl")
     lines = ["| variant | s/step (median) | generate | rewards | log-probs (no grad) | train forward | backward "
-             "| peak RSS MB | time vs TRL | memory vs TRL |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak RSS MB | time vs TRL | memory vs TRL | sampler gap mean / max |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         p = r["parts_s"]
         time_ratio = f"{r['step_s'] / trl['step_s']:.2f}x" if trl else "-"
         mem_ratio = f"{r['peak_rss_mb'] / trl['peak_rss_mb']:.2f}x" if trl else "-"
+        gap = r.get("sampler_gap")
+        gap = f"{gap['mean_abs_logp_difference']:.4f} / {gap['max_abs_logp_difference']:.3f}" if gap else "-"
         lines.append(f"| {name} | {r['step_s']:.2f} | {p['generate']:.2f} | {p['rewards']:.3f} | {p['logps_nograd']:.2f} "
-                     f"| {p['forward']:.2f} | {p['backward']:.2f} | {r['peak_rss_mb']:.0f} | {time_ratio} | {mem_ratio} |")
+                     f"| {p['forward']:.2f} | {p['backward']:.2f} | {r['peak_rss_mb']:.0f} | {time_ratio} | {mem_ratio} | {gap} |")
     return "\n".join(lines)
 
 
 def main() -> int:
-    args = variant_parser(__doc__, "ours,trl,trl_nogc,unsloth", steps=4, generations=4,
+    args = variant_parser(__doc__, "ours,ours_int8,trl,trl_nogc,unsloth", steps=4, generations=4,
                           out=Path(__file__).resolve().parent / "results" / "vs_trl.json").parse_args()
     return bench_variants("bench.vs_trl", args, child, table, memory=("peak RSS", "peak_rss_mb"), references=("trl",))
 

@@ -81,6 +81,24 @@ def test_the_merged_copy_for_sampling_is_counted_where_the_loop_merges(tiny_mode
     assert "merged LoRA copy" in format_plan(merged)
 
 
+@pytest.mark.slow
+def test_the_int8_base_is_counted_instead_of_the_merged_copy(tiny_model_dir):
+    """decode.weights=int8 (a CPU): the plan counts what fused_decode.build_int8_base packs, 1 byte for each weight of
+    every decoder projection (targeted or not) and the LM head of the built model, and no merged copy."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cpu = profile("cpu")
+    int8 = plan(resolve(load_config("tiny", ["decode.weights=int8"]), cpu, "hf"))
+    bf16 = plan(resolve(load_config("tiny", []), cpu, "hf"))
+    assert "merged" in bf16.terms and "merged" not in int8.terms
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    packed = sum(m.weight.numel() for layer in model.model.layers for m in layer.modules()
+                 if isinstance(m, torch.nn.Linear)) + model.get_output_embeddings().weight.numel()
+    assert int8.terms["int8"].bytes == packed
+    assert "int8 base for sampled tokens" in format_plan(int8)
+
+
 def test_an_unknown_model_says_how_to_give_its_shape():
     with pytest.raises(PlanError, match="config.json"):
         planned(load_config("llama8b_4bit", ["model.name=someone/Mystery-7B"]))

@@ -161,7 +161,7 @@ class FusedLayers:
         dtype = body.embed_tokens.weight.dtype
         device = body.embed_tokens.weight.device
         for index, layer in enumerate(body.layers):
-            attention, mlp = layer.self_attn, layer.mlp
+            attention = layer.self_attn
             groups = _groups(layer)
             if weights == "int8":                       # the base is packed already: nothing merged, no weight read
                 merged = {name: (None, None) for name in groups}
@@ -306,7 +306,7 @@ def _unmerged_lora(modules, dtype):
     computes as B @ A * scaling, unmerged; decoding.mergeable admits only plain LoRA here)."""
     import torch
 
-    rows, downs, ups = [], [], []
+    rows, downs = [], []
     for module in modules:
         out = _base_layer(module).weight.shape[0]
         names = ([] if not hasattr(module, "lora_A") or module.disable_adapters or module.merged else

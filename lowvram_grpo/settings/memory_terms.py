@@ -464,7 +464,8 @@ def _training_terms(shape: ModelShape, resolved) -> dict[str, Term]:
                           f"{lora / 1e6:.1f}M params x {optim_bytes} B", "train.optim"),
         "activations": _activation_term(shape, resolved, s),
         "logits": _logits_term(shape, s, resolved.backend),
-        **({"merged": _merged_copy_term(shape, resolved)} if resolved.decode_merge_lora else {}),
+        **({"int8": _int8_base_term(shape)} if resolved.decode_weights == "int8" else
+           {"merged": _merged_copy_term(shape, resolved)} if resolved.decode_merge_lora else {}),
     }
 
 
@@ -479,6 +480,19 @@ def _merged_copy_term(shape: ModelShape, resolved) -> Term:
     return Term("merged", "merged LoRA copy for sampled tokens", params * resolved.compute_bytes,
                 f"{params / 1e6:.1f}M targeted params x {resolved.compute_bytes} B, while our decode loop samples "
                 "(counted whole: the plan adds every term)", "decode.merge_lora")
+
+
+def int8_base_params(shape: ModelShape) -> int:
+    """Parameters fused_decode.build_int8_base packs for decode.weights=int8: every layer's projections (targeted or
+    not) and the LM head."""
+    return sum(a * b * n for a, b, n in shape.layer_modules().values()) + shape.hidden * shape.vocab
+
+
+def _int8_base_term(shape: ModelShape) -> Term:
+    params = int8_base_params(shape)
+    return Term("int8", "int8 base for sampled tokens (decode.weights=int8)", params,
+                f"{params / 1e6:.1f}M params x 1 B, packed once and held for the run (no merged copy: the adapter "
+                "is added unmerged)", "decode.weights")
 
 
 # --------------------------------------------------------------------------- the hf backend's vLLM engine
