@@ -112,12 +112,12 @@ def seeds_record(variant: str, seed: int, run: Path, wall: float, command: str) 
     from bench.seeds_table import row_of
     from lowvram_grpo.evaluate.evaluation import paired_change
 
-    from lowvram_grpo.settings.config import load_config
-
-    ran = load_config(str(Path(run) / "config.yaml")).train.seed
-    if ran != seed:
-        raise SystemExit(f"error: {run} ran train.seed={ran}, not {seed}: name the seed its config.yaml has")
-    summary = row_of(run)["summary"]
+    row = row_of(run)  # one error line and exit 2 where `run` holds no finished run (no config.yaml, no summary)
+    if row["seed"] != seed:
+        print(f"error: {run} ran train.seed={row['seed']}, not {seed}: name the seed its config.yaml has",
+              file=sys.stderr)
+        raise SystemExit(2)
+    summary = row["summary"]
     right, wrong, p = paired_change(summary["primed"], summary["after"], "accuracy_strict")
     return {"what": "seeds", "variant": variant, "overrides": VARIANTS[variant], "seed": seed, "wall_seconds": wall,
             "run_total_seconds": summary["total_seconds"], "grpo_train_seconds": summary["train_seconds"],

@@ -2,6 +2,7 @@
 docs quote: `ours` and `trl` with `step_s` and `peak_rss_mb`, and the ratios between them. The ratio
 helpers themselves are checked on fixed numbers (fast tier)."""
 import json
+import os
 import subprocess
 import sys
 
@@ -165,3 +166,18 @@ def test_the_step_clock_counts_a_part_called_inside_itself_once():
     trainer._generate_single_turn(1)
     clock.end()
     assert clock.steps[0]["generate"] <= clock.steps[0]["step"]
+
+
+def test_default_job_search_record_of_a_folder_without_a_run_is_one_line(tmp_path):
+    """`bench.default_job_search record --run DIR` where DIR holds no finished run: one error line, exit 2, no
+    traceback, no record written (the records folder is relative to where it runs: tmp_path here)."""
+    empty = tmp_path / "not-a-run"
+    empty.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.default_job_search", "record", "--variant", "preset", "--seed", "1", "--run",
+         str(empty), "--wall-seconds", "1", "--command", "x"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {empty} has no finished run"), proc.stderr
+    assert not list(tmp_path.rglob("*.json"))
