@@ -18,11 +18,10 @@ SmoothQuant's per-input-channel rescaling (W * s, x / s, s = sqrt(max|x_j| / max
 recorded once, on the first call's prompts through the merged 16-bit layers), packed for FBGEMM's dynamic int8
 linear (internals.int8_prepack / int8_linear). The adapter is not merged into them: each call adds it unmerged in
 16 bits, (x @ A^T) @ (scaling B)^T with the q/k/v and gate/up adapters concatenated (one pair of small matmuls a
-group), so the learned part is sampled exactly and nothing is repacked as the adapter changes. Why not per call:
-repacking SmolLM2-135M's weights takes ~1.3 s on 2 cores, more than a short rollout saves. Why the rescaling:
-without it FBGEMM's one activation scale a tensor is set by a few outlier channels (the down projection's input
-most), and sampled log-probs move 0.42 nats from the 16-bit layers' (mean |difference| on SmolLM2-135M), 0.21 with
-it. Sampled tokens then come from a slightly different distribution than the trainer's (its log-probs go to TRL as
+group), so the learned part is sampled exactly and nothing is repacked as the adapter changes (repacking every weight
+each call costs more than a short rollout saves on 2 cores). Why the rescaling: without it FBGEMM's one activation
+scale a tensor is set by a few outlier channels (the down projection's input most), far from the 16-bit layers'
+log-probs. Sampled tokens then come from a slightly different distribution than the trainer's (its log-probs go to TRL as
 always; tests/test_decode_int8.py measures the gap); resolve() turns the importance-sampling correction on, per
 token. The packed base (~1 byte a parameter) lives as long as the model (`int8_base`), rebuilt if a base weight
 changes (a merge).
