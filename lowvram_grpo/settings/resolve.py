@@ -102,9 +102,10 @@ NO_FLASHINFER_ENV = "UNSLOTH_VLLM_NO_FLASHINFER"
 IS_CORRECTION_CHOICES = ("auto", "on", "off")
 IS_MODE_ENV = "UNSLOTH_GRPO_VLLM_IS_MODE"
 IS_MODE_VESPO = "token_truncate"   # TRL refuses VESPO with a sequence mode (grpo_trainer.py: token_* only)
-# decode.weights=int8: each sampled token's log-prob is ~0.05 nats off the trainer's on average (tests/test_decode_int8.py
-# measures it), so a completion's summed ratio exp(sum) would be ~e^-7 over 150 tokens and sequence_mask would all but
-# zero its loss; per token, TRL's truncated ratio (clipped at 3) reweights each token instead
+# decode.weights=int8: each sampled token's log-prob is ~0.09 nats off the trainer's on average over the default job
+# (bench/results/default_job/seeds-int8-seed*.json), so a completion's summed ratio exp(sum) would be far below 1 over
+# 100+ tokens and sequence_mask would all but zero its loss; per token, TRL's truncated ratio (clipped at 3) reweights
+# each token instead
 IS_MODE_INT8 = "token_truncate"
 # unsloth 2026.10.9's CUDA-graph decode (unsloth/models/_decode_graphs.py): inside an RL trainer's generate, on NVIDIA
 # CUDA, for these model types only (its _SUPPORTED_MODEL_TYPES; qwen2 shares the Llama attention but is "untested").
