@@ -335,7 +335,7 @@ def _int8_key(inner) -> tuple:
     """What the packed base depends on: every base weight's storage and version, and whether PEFT merged into it."""
     modules = [m for layer in inner.model.layers for group in _groups(layer).values() for m in group]
     modules.append(inner.get_output_embeddings())
-    return tuple((w.data_ptr(), w._version, bool(getattr(m, "merged", False)))
+    return tuple((w.data_ptr(), internals.tensor_version(w), bool(getattr(m, "merged", False)))
                  for m in modules for w in [_base_layer(m).weight])
 
 

@@ -19,6 +19,8 @@ missing one raises BackendError saying to install the pinned versions; `missing_
   (`torch.quantize_per_channel`, `torch.ops.quantized.linear_prepack`, `torch.ops.quantized.linear_dynamic`: FBGEMM's
   dynamic int8 linear on x86), public names but on their way out, so reached here like the private ones
   (fused_decode.FusedLayers with decode.weights=int8; bench/int8_matmul.py measured it).
+- `tensor_version(tensor)`: torch's in-place write counter `Tensor._version` (fused_decode's int8 base: repacked when a
+  base weight was written).
 - `mark_requested_float32(model, value)`: unsloth's `_unsloth_user_float32` (model.unsloth_backend).
 - `replace_generate(model, fn)` / `restore_generate(model, own)`: a model's `generate` replaced on the instance (our
   decode loop, decoding.install; the sampler's log-probs, trl_compat.ModelSampler).
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import warnings
 
 from lowvram_grpo.run.errors import BackendError
 
@@ -44,6 +47,7 @@ REACHES = (
     ("torch", "", "quantize_per_channel"),      # deprecated in torch 2.13 (the quantized API): decode.weights=int8
     ("torch", "ops.quantized", "linear_prepack"),
     ("torch", "ops.quantized", "linear_dynamic"),
+    ("torch", "Tensor", "_version"),           # fused_decode.int8_base's key
 )
 MARKS = ("decode", "decode_calls", "logprobs", "contiguous_input")
 UNSLOTH_FLOAT32 = "_unsloth_user_float32"  # unsloth 2026.10.9: loader.py sets it, UnslothGRPOTrainer.__init__ reads it
@@ -146,8 +150,6 @@ def int8_prepack(weight, bias=None):
     for FBGEMM's kernels with `bias` [out] (float32) beside it; int8_linear multiplies with it. Half the bytes of a
     16-bit weight. The deprecation warning torch 2.13 gives for the quantized tensor this goes through is silenced
     here, where the reach is."""
-    import warnings
-
     import torch
 
     quantize = _reach("torch", "", "quantize_per_channel")
@@ -171,6 +173,11 @@ def int8_linear(x, packed):
 @functools.cache
 def _linear_dynamic():
     return _reach("torch", "ops.quantized", "linear_dynamic")
+
+
+def tensor_version(tensor) -> int:
+    """How many in-place writes `tensor` has had (torch's `_version`; autograd's own check reads it)."""
+    return _reach("torch", "Tensor", "_version").__get__(tensor)
 
 
 # --------------------------------------------------------------------------- unsloth's float32 mark, and ours
