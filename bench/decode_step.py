@@ -10,7 +10,8 @@ resolve() would hand it to decoding.install, so what is timed is what a run call
 
 - `transformers`: transformers' generate (decode.loop=transformers), the adapter unmerged: the plain path.
 - `loop`, `loop+inverse_cdf`, `loop+inverse_cdf+merged`, `loop+inverse_cdf+merged+fused`: our loop, one lever more
-  each; `...+fused+int8`: the fused layers on int8 weights (decode.weights=int8, opt-in; its once-per-call
+  each; `loop+inverse_cdf+fused`: the fused layers with the adapter unmerged (decode.merge_lora=false: the base
+  weights read in place, no merged copy); `...+fused+int8`: the fused layers on int8 weights (decode.weights=int8, opt-in; its once-per-call
   quantization cancels out of the token step as the merge does); `default`: the settings resolve() decides on this
   machine.
 
@@ -41,6 +42,8 @@ VARIANTS = {  # name: decode settings (config keys) on top of the preset's; one 
                                 "decode.fused=false"],
     "loop+inverse_cdf+merged+fused": ["decode.loop=lowvram", "decode.sampler=inverse_cdf", "decode.merge_lora=true",
                                       "decode.fused=true"],
+    "loop+inverse_cdf+fused": ["decode.loop=lowvram", "decode.sampler=inverse_cdf", "decode.merge_lora=false",
+                               "decode.fused=true"],  # the fused layers, the adapter unmerged on the base in place
     "loop+inverse_cdf+merged+fused+int8": ["decode.loop=lowvram", "decode.sampler=inverse_cdf", "decode.merge_lora=true",
                                            "decode.fused=true", "decode.weights=int8"],
     "default": [],  # what resolve decides on this machine

@@ -47,6 +47,7 @@ VARIANTS: dict[str, list[str]] = {
     "steps96_three_prompts": ["train.max_steps=96", "train.per_device_train_batch_size=24"],
     "steps72_eval256": ["train.max_steps=72", "data.eval_size=256"],  # held-out size: the paired test's n (not searched on)
     "int8": ["decode.weights=int8"],  # issue 51: rollouts from the int8 base + unmerged adapter, against "preset" (bf16)
+    "unmerged": ["decode.merge_lora=false"],  # issue 51: the fused layers on the bf16 base in place, adapter unmerged
 }
 
 

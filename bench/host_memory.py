@@ -17,6 +17,8 @@ a time, differing only in their environment (`LOWVRAM_GRPO_HOST_MEMORY`, lowvram
 - `head+mmap1m`, `head+mmap4m`: glibc alternatives to trimming (`MALLOC_MMAP_THRESHOLD_` fixed at 1 or 4
                MiB: larger blocks are mmapped and unmapped when freed, never spread the heap)
 - `head+trim+mmap4m`: trimming between steps and the 4 MiB mmap threshold within them
+- `head+trim+mimalloc+unmerged`: the default with decode.merge_lora=false (the fused layers read the base weights
+               in place and add the adapter unmerged: no merged copy of the projections while sampling)
 
 Every variant sets `memory.host_allocator` (system or mimalloc). The child runs the CLI's `main` in its
 own process, where the CLI would restart itself on mimalloc: the bench preloads the installed
@@ -56,6 +58,7 @@ class Variant(NamedTuple):
     features: str                    # LOWVRAM_GRPO_HOST_MEMORY: what host_memory.py keeps on
     allocator: str = "system"        # memory.host_allocator of the run
     env: tuple = ()                  # more (name, value) environment of the run
+    sets: tuple = ()                 # more --set overrides of the run
 
 
 VARIANTS = {
@@ -70,6 +73,8 @@ VARIANTS = {
     "head+mmap1m": Variant("head", env=(("MALLOC_MMAP_THRESHOLD_", "1048576"),)),
     "head+mmap4m": Variant("head", env=(("MALLOC_MMAP_THRESHOLD_", "4194304"),)),
     "head+trim+mmap4m": Variant("head,trim", env=(("MALLOC_MMAP_THRESHOLD_", "4194304"),)),
+    # issue 51: the default, with the fused layers sampling from the base weights in place and the adapter unmerged
+    "head+trim+mimalloc+unmerged": Variant("head,trim", "mimalloc", sets=("decode.merge_lora=false",)),
 }
 CLEAN = 0.10  # a step counts as clean when other processes used less than this share of the CPUs
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -237,7 +242,8 @@ def run_variant(name: str, args, out_dir: Path) -> dict:
         run_args += ["--set", f"data.eval_size={args.eval_size}"]
     variant = VARIANTS[name]
     env = dict(os.environ, LOWVRAM_GRPO_HOST_MEMORY=variant.features, **dict(variant.env))
-    run_args += ["--set", f"memory.host_allocator={variant.allocator}"] + args.run_args
+    run_args += ["--set", f"memory.host_allocator={variant.allocator}"]
+    run_args += [part for extra in variant.sets for part in ("--set", extra)] + args.run_args
     if variant.allocator == "mimalloc":  # the child runs the CLI's main in its own process: preload as the CLI's restart does
         from lowvram_grpo.run.allocator import mimalloc_library
 
@@ -255,6 +261,7 @@ def run_variant(name: str, args, out_dir: Path) -> dict:
     summary = summarize(raw, args.window)
     run_summary = json.loads((run_dir / "summary.json").read_text())
     summary["host_allocator_active"] = run_summary.get("host_allocator_active")
+    summary["decode_merge_lora"] = (run_summary.get("resolved") or {}).get("decode_merge_lora")
     summary["held_out"] = {k: run_summary.get(k) for k in ("before", "primed", "after")}
     summary["losses_first_last"] = _losses(run_dir / "metrics.jsonl")
     print(f"[{name}] peak {summary['peak_rss_mb']} MB, slope {summary['rss_slope_mb_per_grpo_step_last']} , "

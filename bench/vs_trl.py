@@ -16,6 +16,8 @@ model, prompts, seed and GRPO settings (G completions x L tokens, LoRA r=16 on a
 - `unsloth`: lowvram_grpo's path on the unsloth backend (unsloth's CPU backend here).
 - `ours_int8`: `ours` with decode.weights=int8 (rollouts from the int8 base + the adapter unmerged, the
              importance-sampling correction per token).
+- `ours_unmerged`: `ours` with decode.merge_lora=false (the fused layers read the bf16 base weights in place and
+             add the adapter unmerged: no merged copy).
 
 Where the importance-sampling correction runs, the record also keeps the sampler/trainer gap TRL logs
 (`sampling/sampling_logp_difference/mean` and `/max`, averaged and maxed over the counted steps).
@@ -35,7 +37,8 @@ from pathlib import Path
 from bench.harness import bench_variants, peak_rss_mb, variant_parser
 
 PARTS = ("generate", "rewards", "logps_nograd", "forward", "backward")
-VARIANT_SETS = {"ours_int8": ["decode.weights=int8"]}  # a variant's own overrides (before the user's --set)
+VARIANT_SETS = {"ours_int8": ["decode.weights=int8"],  # a variant's own overrides (before the user's --set)
+                "ours_unmerged": ["decode.merge_lora=false"]}
 GAP_MEAN, GAP_MAX = "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"  # TRL 1.15
 
 
@@ -267,7 +270,7 @@ def table(results: dict) -> str:
 
 
 def main() -> int:
-    args = variant_parser(__doc__, "ours,ours_int8,trl,trl_nogc,unsloth", steps=4, generations=4,
+    args = variant_parser(__doc__, "ours,ours_int8,ours_unmerged,trl,trl_nogc,unsloth", steps=4, generations=4,
                           out=Path(__file__).resolve().parent / "results" / "vs_trl.json").parse_args()
     return bench_variants("bench.vs_trl", args, child, table, memory=("peak RSS", "peak_rss_mb"), references=("trl",))
 

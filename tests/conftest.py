@@ -131,6 +131,31 @@ def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subproce
     )
 
 
+def load_handle(preset: str, sets=(), hardware=None):
+    """The product's model for `preset` with `sets` (resolved on `hardware`, default this machine's), hf backend,
+    as a run loads it (decode settings installed)."""
+    from lowvram_grpo.model.backends import load_model, prepare_backend  # torch and transformers: only tests that load
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.settings.hardware import detect
+    from lowvram_grpo.settings.resolve import resolve
+
+    resolved = resolve(load_config(preset, list(sets)), hardware or detect(), "hf")
+    prepare_backend(resolved.backend)
+    return load_model(resolved, log=lambda *_: None)
+
+
+def perturb_adapter(model, scale: float, seed: int = 0) -> None:
+    """A trained-looking adapter: LoRA's B starts at zero (the adapter changes nothing); give it values drawn at
+    `scale`."""
+    import torch  # only tests with a model
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     from lowvram_grpo.model.builtin_models import ensure_tiny_model

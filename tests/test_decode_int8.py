@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import load_handle, perturb_adapter
 
 from lowvram_grpo.model import decoding, fused_decode, internals
 from lowvram_grpo.run.errors import BackendError, ConfigError, ResolveError
@@ -45,6 +46,8 @@ def test_resolve_takes_int8_where_the_fused_layers_run_and_says_so():
     assert int8.is_correction and int8.is_reason.startswith("auto -> on: our decode loop samples from int8 weights")
     assert "IS correction on (token_truncate): auto -> on: our decode loop samples from int8 weights" in int8.describe()
     assert int8.is_mode == "token_truncate" and default.is_mode == "sequence_mask"  # one ratio a token under int8
+    unmerged = resolve(load_config("smollm2_cpu", ["decode.weights=int8", "decode.merge_lora=false"]), CPU, "hf")
+    assert (unmerged.decode_merge_lora, unmerged.decode_fused, unmerged.decode_weights) == (False, True, "int8")
     off = resolve(load_config("smollm2_cpu", ["decode.weights=int8", "train.is_correction=off"]), CPU, "hf")
     assert not off.is_correction and any(n.startswith("decode.weights=int8 with train.is_correction=off")
                                          for n in off.notes)
@@ -60,8 +63,6 @@ def test_resolve_takes_int8_where_the_fused_layers_run_and_says_so():
      "memory.load_in_4bit=false"),
     ("smollm2_cpu", ["decode.loop=transformers"], "cpu", "hf",
      "and decode.loop=transformers samples with transformers' generate: set decode.loop=auto or decode.weights=auto"),
-    ("smollm2_cpu", ["decode.merge_lora=false"], "cpu", "hf",
-     "and decode.merge_lora=false keeps them off: set decode.merge_lora=auto or decode.weights=auto"),
     ("smollm2_cpu", ["decode.fused=false"], "cpu", "hf",
      "and decode.fused=false keeps them off: set decode.fused=auto or decode.weights=auto"),
     ("smollm2_cpu", ["model.name=google/gemma-3-1b-it"], "cpu", "hf",
@@ -104,19 +105,10 @@ def test_int8_linear_is_close_to_the_float_product():
 # --------------------------------------------------------------------------- the product's generate on int8 weights
 
 def _handle(sets=()):
-    from lowvram_grpo.model.backends import load_model, prepare_backend
-
-    resolved = resolve(load_config("tiny", list(sets)), CPU, "hf")
-    prepare_backend(resolved.backend)
-    return load_model(resolved, log=lambda *_: None)
+    return load_handle("tiny", sets, CPU)
 
 
-def _perturb_adapter(model, scale: float, seed: int = 0) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+_perturb_adapter = perturb_adapter
 
 
 @pytest.fixture

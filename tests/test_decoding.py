@@ -4,6 +4,7 @@ distribution (token frequencies at temperature 1, fixed seeds), the filters equa
 merged weights put back untouched, calls it does not cover left to transformers, and TRL's rollouts reaching it."""
 import pytest
 import torch
+from conftest import load_handle, perturb_adapter
 
 from lowvram_grpo.model import decoding
 from lowvram_grpo.settings.config import load_config
@@ -11,21 +12,8 @@ from lowvram_grpo.settings.hardware import detect
 from lowvram_grpo.settings.resolve import resolve
 
 
-def _handle(preset: str, sets=()):
-    from lowvram_grpo.model.backends import load_model, prepare_backend
-
-    resolved = resolve(load_config(preset, list(sets)), detect(), "hf")
-    prepare_backend(resolved.backend)
-    return load_model(resolved, log=lambda *_: None)
-
-
-def _perturb_adapter(model, scale: float, seed: int = 0) -> None:
-    """A trained-looking adapter: LoRA's B starts at zero (the adapter changes nothing); give it values."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+_handle = load_handle
+_perturb_adapter = perturb_adapter
 
 
 def _plain_generate(model, **kwargs):
@@ -59,8 +47,11 @@ def test_resolve_decides_the_levers_per_device_and_refuses_what_cannot_hold():
     four_bit = resolve(load_config("smollm2_cpu", ["memory.load_in_4bit=true"]), detect(), "hf")
     assert four_bit.decode_loop == "lowvram" and not four_bit.decode_merge_lora  # never merged into 4-bit
     assert not four_bit.decode_fused
-    with pytest.raises(ResolveError, match="decode.fused=true samples from the merged weights"):
+    with pytest.raises(ResolveError, match="decode.fused=true reads 16-bit base weights and memory.load_in_4bit is on"):
         resolve(load_config("smollm2_cpu", ["memory.load_in_4bit=true", "decode.fused=true"]), detect(), "hf")
+    unmerged = resolve(load_config("smollm2_cpu", ["decode.merge_lora=false"]), detect(), "hf")
+    assert (unmerged.decode_merge_lora, unmerged.decode_fused) == (False, True)  # fused, the adapter unmerged
+    assert "LoRA unmerged when sampling, fused layers when sampling" in unmerged.describe()
     with pytest.raises(ResolveError, match="never merged into 4-bit"):
         resolve(load_config("smollm2_cpu", ["memory.load_in_4bit=true", "decode.merge_lora=true"]), detect(), "hf")
     gpu = resolve(load_config("qwen1_5b_4bit", []), profile("t4"), "hf")
@@ -297,11 +288,12 @@ def _peft_tiny(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_fused_layers_compute_transformers_logits_with_the_adapter(kind):
-    """float32, a left-padded batch: the fused layers' logits after the prefill and after each new token equal
-    transformers' forward of the PEFT model (adapter unmerged, its own KV cache) to float32 rounding, and the
-    greedy tokens are the same; for qwen2 with its q/k/v biases, for llama with llama3 RoPE scaling, for qwen3 with
-    its per-head q/k RMSNorms."""
+@pytest.mark.parametrize("merged", [True, False])
+def test_fused_layers_compute_transformers_logits_with_the_adapter(kind, merged):
+    """float32, a left-padded batch: the fused layers' logits (the adapter merged into copies, or unmerged on the
+    base weights) after the prefill and after each new token equal transformers' forward of the PEFT model (adapter
+    unmerged, its own KV cache) to float32 rounding, and the greedy tokens are the same; for qwen2 with its q/k/v
+    biases, for llama with llama3 RoPE scaling, for qwen3 with its per-head q/k RMSNorms."""
     from lowvram_grpo.model import fused_decode
 
     model = _peft_tiny(kind)
@@ -316,7 +308,8 @@ def test_fused_layers_compute_transformers_logits_with_the_adapter(kind):
         return logits.argmax(-1)
 
     with torch.no_grad():
-        ours = fused_decode.decode(inner, ids, mask, max_new_tokens=5, eos_token_ids=[], pad_token_id=0, pick=pick)
+        ours = fused_decode.decode(inner, ids, mask, max_new_tokens=5, eos_token_ids=[], pad_token_id=0, pick=pick,
+                                   merged=merged)
         theirs = _plain_generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
                                  eos_token_id=None, pad_token_id=0)
         assert torch.equal(ours, theirs)
@@ -395,7 +388,10 @@ def test_bf16_sixteen_greedy_tokens_equal_transformers_on_each_rope_type(kind, r
     """bf16 weights, tied embeddings, biases, a left-padded batch, 16 greedy tokens: our loop on transformers' layers
     (adapter unmerged) gives transformers' generate's tokens, and the fused layers (adapter merged by PEFT's
     get_delta_weight, rounded once to bf16) give those of transformers' generate on the model PEFT merged itself
-    (the same bf16 weights: W + ΔW rounded once). The adapter matters: without it the tokens differ."""
+    (the same bf16 weights: W + ΔW rounded once). Unmerged (the base weights read in place, the adapter added as
+    PEFT's forward adds it), fed transformers' greedy tokens, their log-probs stay as near PEFT's unmerged forward as
+    the merged layers' do (within 1.5x and 0.005 nats: bf16 rounding of other ops, not token for token). The
+    adapter matters: without it the tokens differ."""
     from lowvram_grpo.model import fused_decode
 
     model = _tiny_peft(kind, rope=rope)
@@ -407,6 +403,8 @@ def test_bf16_sixteen_greedy_tokens_equal_transformers_on_each_rope_type(kind, r
         ours = decoding.decode(model, _IDS, _MASK, max_new_tokens=16, do_sample=False, eos_token_ids=[],
                                pad_token_id=0, settings=settings)
         assert torch.equal(ours, theirs)
+        gap = {merged: _forced_gap(model, theirs, merged) for merged in (True, False)}
+        assert gap[False] <= 1.5 * gap[True] + 0.005, gap
         fused = fused_decode.decode(inner, _IDS, _MASK, max_new_tokens=16, eos_token_ids=[], pad_token_id=0,
                                     pick=lambda logits: logits.argmax(-1))
         model.merge_adapter()
@@ -419,14 +417,64 @@ def test_bf16_sixteen_greedy_tokens_equal_transformers_on_each_rope_type(kind, r
             assert not torch.equal(_greedy(model), theirs)
 
 
+def _forced_logits(model, tokens, merged: bool) -> list:
+    """The fused layers' (`merged` or not) logits [B, V] at each step, fed `tokens` [B, P + N] (_IDS's prompt)."""
+    from lowvram_grpo.model import fused_decode
+
+    forced, seen = tokens[:, _IDS.shape[1]:], []
+
+    def pick(logits):
+        seen.append(logits.float())
+        return forced[:, len(seen) - 1]
+
+    with torch.no_grad():
+        fused_decode.decode(model.get_base_model(), _IDS, _MASK, max_new_tokens=forced.shape[1], eos_token_ids=[],
+                            pad_token_id=0, pick=pick, merged=merged)
+    return seen
+
+
+def _largest_logp_gap(ours: list, theirs: list) -> float:
+    return max(float((a.float().log_softmax(-1) - b.float().log_softmax(-1)).abs().max()) for a, b in zip(ours, theirs))
+
+
+def _forced_gap(model, tokens, merged: bool) -> float:
+    """The largest |log-prob| difference, over every step and token, between the fused layers (`merged` or not)
+    fed `tokens` [B, P + N] and PEFT's forward as the model stands (what the trainer scores with)."""
+    return _largest_logp_gap(_forced_logits(model, tokens, merged), _reference_logits(model, tokens[:, :-1]))
+
+
+def test_unmerged_fused_layers_read_the_base_weights_in_place_and_the_adapter_counts():
+    """bf16, a trained-looking adapter: the unmerged fused layers multiply with the base weights themselves (the
+    very tensors of the model: nothing copied for sampling; the tied head without LoRA is the embeddings' tensor), and
+    the adapter is in what they compute: fed one sequence, their log-probs are near PEFT's forward with the adapter
+    and far from it without."""
+    from lowvram_grpo.model import fused_decode
+
+    model = _tiny_peft("llama")
+    inner = model.get_base_model()
+    layers = fused_decode.FusedLayers(inner, 2, 8, merged=False)
+    read = {weight.data_ptr() for layer in layers.layers for name in ("qkv", "o", "gate_up", "down")
+            for weight, _ in layer[name][0].bases}
+    assert read == {layer.get_base_layer().weight.data_ptr() for layer in decoding._lora_layers(model)}
+    assert layers.head[0].bases[0][0].data_ptr() == inner.lm_head.weight.data_ptr() and layers.head[0].lora is None
+    with torch.no_grad():
+        tokens = _greedy(model)
+    ours = _forced_logits(model, tokens, merged=False)
+    near = _largest_logp_gap(ours, _reference_logits(model, tokens[:, :-1]))
+    with model.disable_adapter():
+        far = _largest_logp_gap(ours, _reference_logits(model, tokens[:, :-1]))
+    assert near < 0.05 < far, (near, far)
+
+
 # --------------------------------------------------------------------------- the adapter in the sampled tokens
 
-def test_the_adapter_really_shifts_the_sampled_distribution():
-    """Our installed generate (merged, fused: the CPU default) at temperature 1, 2,048 first tokens of one prompt:
-    with the adapter their frequencies differ from those without it (two-sample chi-square p < 1e-6) and agree with
-    transformers' generate on the unmerged adapter (p > 1e-3)."""
+@pytest.mark.parametrize("merge", [True, False])
+def test_the_adapter_really_shifts_the_sampled_distribution(merge):
+    """Our installed generate (fused; merged: the CPU default, or unmerged) at temperature 1, 2,048 first tokens of
+    one prompt: with the adapter their frequencies differ from those without it (two-sample chi-square p < 1e-6) and
+    agree with transformers' generate on the unmerged adapter (p > 1e-3)."""
     model = _tiny_peft("llama", init=0.3)  # logits far from uniform
-    decoding.install(model, decoding.DecodeSettings(loop="lowvram", sampler="inverse_cdf", merge_lora=True, fused=True))
+    decoding.install(model, decoding.DecodeSettings(loop="lowvram", sampler="inverse_cdf", merge_lora=merge, fused=True))
     prompt = torch.tensor([[5, 9, 14, 3]]).expand(2048, -1).contiguous()
     kwargs = dict(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=1, do_sample=True,
                   temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
@@ -453,8 +501,8 @@ def _snapshot(model):
     return {name: (tensor.data_ptr(), tensor.detach().clone()) for name, tensor in model.state_dict(keep_vars=True).items()}
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_an_exception_mid_loop_leaves_the_model_exactly_as_it_was(fused):
+@pytest.mark.parametrize("fused, merge", [(False, True), (True, True), (True, False)])
+def test_an_exception_mid_loop_leaves_the_model_exactly_as_it_was(fused, merge):
     """A forward that raises at the third token step (in a decoder layer on transformers' layers, in the rotary
     module on the fused ones, where each path computes), while sampling from the merged adapter: the error reaches
     the caller; every parameter and buffer is the same tensor with the same bytes, no LoRA layer is merged or left
@@ -462,7 +510,7 @@ def test_an_exception_mid_loop_leaves_the_model_exactly_as_it_was(fused):
     the untouched model samples."""
     model = _tiny_peft("qwen2", dtype=torch.bfloat16)
     model.train()
-    decoding.install(model, decoding.DecodeSettings(loop="lowvram", sampler="inverse_cdf", merge_lora=True,
+    decoding.install(model, decoding.DecodeSettings(loop="lowvram", sampler="inverse_cdf", merge_lora=merge,
                                                     fused=fused))
     installed = model.generate
     before = _snapshot(model)
@@ -499,9 +547,10 @@ def test_an_exception_mid_loop_leaves_the_model_exactly_as_it_was(fused):
 
 # --------------------------------------------------------------------------- merges refused or decoded right
 
-def _recorded_logits(model, *, fused: bool, steps: int = 4):
+def _recorded_logits(model, *, fused: bool, steps: int = 4, merged: bool = True):
     """The logits [B, V] our loop samples from at each step, sampling from the merged adapter (fused layers, or
-    merged_weights on transformers' layers), with greedy picks so both sides follow one sequence."""
+    merged_weights on transformers' layers; with `fused` and not `merged`: the fused layers' unmerged adapter), with
+    greedy picks so both sides follow one sequence."""
     from lowvram_grpo.model import fused_decode
 
     seen = []
@@ -514,7 +563,7 @@ def _recorded_logits(model, *, fused: bool, steps: int = 4):
     with torch.no_grad():
         if fused:
             out = fused_decode.decode(inner, _IDS, _MASK, max_new_tokens=steps, eos_token_ids=[], pad_token_id=0,
-                                      pick=pick)
+                                      pick=pick, merged=merged)
         else:
             original = decoding.next_tokens
             decoding.next_tokens = lambda logits, **_: pick(logits)  # the loop's own pick, recording
@@ -541,8 +590,8 @@ def _reference_logits(model, out):
     return reference
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_lora_on_the_lm_head_of_a_tied_model_is_sampled_right_and_leaves_the_embeddings(fused):
+@pytest.mark.parametrize("fused, merged", [(False, True), (True, True), (True, False)])
+def test_lora_on_the_lm_head_of_a_tied_model_is_sampled_right_and_leaves_the_embeddings(fused, merged):
     """Tied embeddings, LoRA on lm_head and every projection (float32, so rounding stays below 1e-4): the logits
     our loop samples from are those of PEFT's unmerged forward at every step, and the input embeddings (the tensor
     lm_head shares) keep their bytes throughout: no merge writes through a tied weight."""
@@ -550,7 +599,7 @@ def test_lora_on_the_lm_head_of_a_tied_model_is_sampled_right_and_leaves_the_emb
     embeddings = model.get_base_model().model.embed_tokens.weight
     copy = embeddings.detach().clone()
     assert decoding.mergeable(model) is None
-    out, seen = _recorded_logits(model, fused=fused)
+    out, seen = _recorded_logits(model, fused=fused, merged=merged)
     assert torch.equal(embeddings, copy) and model.get_base_model().lm_head.base_layer.weight is embeddings
     for step, (ours, theirs) in enumerate(zip(seen, _reference_logits(model, out))):
         assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4), (step, (ours - theirs).abs().max())
@@ -559,8 +608,8 @@ def test_lora_on_the_lm_head_of_a_tied_model_is_sampled_right_and_leaves_the_emb
     assert all((ours - theirs).abs().max() > 1e-2 for ours, theirs in zip(seen, base))
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_an_adapter_peft_already_merged_is_never_merged_twice(fused):
+@pytest.mark.parametrize("fused, merged", [(False, True), (True, True), (True, False)])
+def test_an_adapter_peft_already_merged_is_never_merged_twice(fused, merged):
     """PEFT's merge_adapter (its `merged` flag): our sampled path reads the merged weights as they are: its logits
     are PEFT's forward of the merged model at every step, the layers stay merged, their weights keep their bytes."""
     model = _tiny_peft("qwen2", dtype=torch.float32)
@@ -568,7 +617,7 @@ def test_an_adapter_peft_already_merged_is_never_merged_twice(fused):
     layers = decoding._lora_layers(model)
     assert all(layer.merged for layer in layers)
     before = _snapshot(model)
-    out, seen = _recorded_logits(model, fused=fused)
+    out, seen = _recorded_logits(model, fused=fused, merged=merged)
     assert all(layer.merged and not layer.disable_adapters for layer in layers)
     assert all(torch.equal(_snapshot(model)[name][1], values) for name, (_, values) in before.items())
     for step, (ours, theirs) in enumerate(zip(seen, _reference_logits(model, out))):

@@ -24,8 +24,10 @@ without its per-token machinery. Its levers, each one setting of `decode:`:
   read as it is. Never into 4-bit weights (resolve refuses it); greedy answers always use the unmerged adapter,
   so the held-out columns are exactly those of the unmerged model. The merged copy holds the LoRA-targeted
   projections' weights once more while it generates (2 bytes a parameter in bf16).
-- `fused`: sampled tokens through fused_decode.py's Llama-family layers (merged weights, q/k/v and gate/up each one
-  matmul, ~30 ops a layer instead of transformers' ~500) where the architecture is covered; else the loop above.
+- `fused`: sampled tokens through fused_decode.py's Llama-family layers (~30 ops a layer instead of transformers'
+  ~500) where the architecture is covered and the adapter is plain LoRA; else the loop above. With `merge_lora`:
+  the merged copies, q/k/v and gate/up each one matmul; without: the base weights read in place and the adapter
+  added unmerged (fused_decode.UnmergedLinear: no copy of the weights).
 - `weights` (opt-in, CPU): 'int8' multiplies the fused layers' base weights, quantized and packed once per model,
   with FBGEMM's dynamic int8 linear and adds the adapter unmerged (fused_decode.Int8Linear); where the fused layers do not run, sampled tokens read
   the model's own weights, said once in the log. 'bf16': the model's own weights (its dtype).
@@ -53,7 +55,7 @@ class DecodeSettings:
     loop: str          # 'lowvram' (this module's loop) | 'transformers' (transformers' generate, untouched)
     sampler: str       # one of SAMPLERS
     merge_lora: bool   # sampled tokens from the adapter merged into a copy of the 16-bit weights
-    fused: bool = False  # sampled tokens through fused_decode.py's layers (merged, q/k/v and gate/up fused)
+    fused: bool = False  # sampled tokens through fused_decode.py's layers (merged or not, as merge_lora says)
     weights: str = "bf16"  # fused_decode.WEIGHTS: what the fused layers multiply with ('int8': FBGEMM's int8 linear)
 
     def describe(self, own: Optional[str] = None) -> str:
@@ -290,7 +292,7 @@ def decode(model, input_ids, attention_mask, *, max_new_tokens: int, do_sample: 
     if fused and do_sample:
         return fused_decode.decode(inner, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                                    eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, pick=pick,
-                                   weights=settings.weights)
+                                   weights=settings.weights, merged=settings.merge_lora)
     batch, prompt_len = input_ids.shape
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -404,12 +406,13 @@ def install(model, settings: DecodeSettings, log=None) -> None:
             "transformers' generate (through PEFT's)")
         return
     plain = model.generate
-    why_unmerged = mergeable(model) if settings.merge_lora else None
+    why_unmerged = mergeable(model) if settings.merge_lora or settings.fused else None  # not plain LoRA
     if why_unmerged not in (None, "no LoRA layers"):
         say(f"decode.merge_lora: {why_unmerged}: sampled tokens come from the unmerged adapter (PEFT's forward)")
     merge = settings.merge_lora and why_unmerged is None
-    why_not = fused_decode.unsupported(inner) if settings.fused and merge else None
-    fused = settings.fused and merge and why_not is None
+    plain_lora = why_unmerged is None           # what the fused layers' merged or unmerged arithmetic reproduces
+    why_not = fused_decode.unsupported(inner) if settings.fused and plain_lora else None
+    fused = settings.fused and plain_lora and why_not is None
     if why_not is not None:
         say(f"decode.fused: the fused layers do not cover {why_not}: sampled tokens go through transformers' layers "
             "in our decode loop")

@@ -1,5 +1,5 @@
-"""Sampled tokens through Llama-family layers written out with the adapter merged and the projections fused
-(decode.fused, used by decoding.py for rollouts and eval.samples where decode.merge_lora holds).
+"""Sampled tokens through Llama-family layers written out with the projections fused (decode.fused, used by
+decoding.py for rollouts and eval.samples where the adapter is plain LoRA).
 
 Why: a CPU decode step of transformers' Llama forward runs ~500 small ops per layer (views, dtype casts, the
 KV cache's concatenation, LoRA's disabled branches, mask building): at 16 rows of SmolLM2-135M more time than its
@@ -11,6 +11,11 @@ token those of transformers' generate); sampled ones come from the same distribu
 the merged weights (tests/test_decoding.py compares the logits with transformers' forward at every step, and in
 bf16 16 greedy tokens with transformers' generate on the weights PEFT merges, for every RoPE type; the lines copied
 from transformers are read from its installed source by tests/test_decoding_contracts.py).
+
+decode.merge_lora=false: the same layers with the adapter unmerged (UnmergedLinear): each base weight read in place
+(no merged copy: the projections' weights are not held twice while it generates) and the adapter added in 16 bits,
+(x @ A^T) @ (scaling B)^T, the q/k/v and gate/up adapters concatenated, as PEFT's forward adds it; so the learned
+part is not lost to the rounding of W + ΔW, at a few more small matmuls a layer.
 
 decode.weights=int8 (opt-in, CPU): the base weights (frozen while the LoRA trains) are quantized once per model, not
 per call: each fused group (q/k/v, o, gate/up, down, and the LM head) to int8 with one scale per output row, after
@@ -128,12 +133,15 @@ def _rope(x, cos, sin):
 
 
 class FusedLayers:
-    """The model's layers with merged, fused weights, and a KV cache for B rows of up to `length` positions.
-    `weights` (one of WEIGHTS): 'bf16' keeps the merged weights in the model's dtype (F.linear); 'int8' multiplies
-    with `int8` (int8_base's packed base weights) plus the adapter unmerged (Int8Linear). `record` (bf16 only): a
-    dict that gets each matmul input's per-channel max |x| [in] of the first forward, by (layer index, group) and
-    'head' (what build_int8_base smooths with)."""
-    def __init__(self, inner, batch: int, length: int, weights: str = "bf16", int8=None, record=None):
+    """The model's layers with fused weights, and a KV cache for B rows of up to `length` positions.
+    `weights` (one of WEIGHTS): 'bf16' multiplies in the model's dtype: with `merged`, copies of the weights with
+    the adapter merged, q/k/v and gate/up concatenated (F.linear, one matmul a group); without, the base weights
+    read in place (no copy) plus the adapter unmerged (UnmergedLinear); 'int8' multiplies with `int8` (int8_base's
+    packed base weights) plus the adapter unmerged (Int8Linear). `record` (bf16 only): a dict that gets each matmul
+    input's per-channel max |x| [in] of the first forward, by (layer index, group) and 'head' (what
+    build_int8_base smooths with)."""
+    def __init__(self, inner, batch: int, length: int, weights: str = "bf16", int8=None, record=None,
+                 merged: bool = True):
         import torch
         import torch.nn.functional as F
 
@@ -141,13 +149,16 @@ class FusedLayers:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}; got {weights!r}")
         if weights == "int8" and int8 is None:
             raise ValueError("weights='int8' needs int8=int8_base(...) (the packed base weights)")
-        self.linear = F.linear if weights == "bf16" and record is None else _call
+        unmerged = weights == "bf16" and not merged and record is None
+        self.linear = F.linear if weights == "bf16" and record is None and merged else _call
 
         def pack(key, weight, bias, modules=()):
             if weights == "int8":
                 return (Int8Linear(*int8[key], lora=_unmerged_lora(modules, dtype)),)
             if record is not None:
                 return (_Recording(record, key, weight, bias),)
+            if unmerged:
+                return (UnmergedLinear([_base_weight(m) for m in modules], _unmerged_lora(modules, dtype)),)
             return weight, bias
         config = inner.config
         body = inner.model
@@ -162,18 +173,18 @@ class FusedLayers:
         for index, layer in enumerate(body.layers):
             attention = layer.self_attn
             groups = _groups(layer)
-            if weights == "int8":                       # the base is packed already: nothing merged, no weight read
-                merged = {name: (None, None) for name in groups}
+            if weights == "int8" or unmerged:  # the base packed already, or read in place: nothing merged here
+                fused = {name: (None, None) for name in groups}
             else:
                 q, k, v = (_merged(m) for m in groups["qkv"])
                 gate, up = (_merged(m) for m in groups["gate_up"])
-                merged = dict(qkv=(torch.cat([q[0], k[0], v[0]]),                          # [(H + 2 KV) D, hidden]
-                                   _cat_bias([q[1], k[1], v[1]], [q[0], k[0], v[0]])),
-                              o=_merged(groups["o"][0]),
-                              gate_up=(torch.cat([gate[0], up[0]]),                          # [2 intermediate, hidden]
-                                       _cat_bias([gate[1], up[1]], [gate[0], up[0]])),
-                              down=_merged(groups["down"][0]))
-            packed = {name: pack((index, name), *merged[name], groups[name]) for name in groups}
+                fused = dict(qkv=(torch.cat([q[0], k[0], v[0]]),                           # [(H + 2 KV) D, hidden]
+                                  _cat_bias([q[1], k[1], v[1]], [q[0], k[0], v[0]])),
+                             o=_merged(groups["o"][0]),
+                             gate_up=(torch.cat([gate[0], up[0]]),                           # [2 intermediate, hidden]
+                                      _cat_bias([gate[1], up[1]], [gate[0], up[0]])),
+                             down=_merged(groups["down"][0]))
+            packed = {name: pack((index, name), *fused[name], groups[name]) for name in groups}
             self.layers.append(dict(
                 norm1=(layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon),
                 norm2=(layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon),
@@ -184,7 +195,7 @@ class FusedLayers:
             ))
         self.final_norm = (body.norm.weight.detach(), body.norm.variance_epsilon)
         head = inner.get_output_embeddings()
-        self.head = pack("head", *((None, None) if weights == "int8" else _merged(head)), (head,))
+        self.head = pack("head", *((None, None) if weights == "int8" or unmerged else _merged(head)), (head,))
 
     def forward(self, ids, positions, start: int, mask):
         """Logits of the last position [B, V] for tokens `ids` [B, T] at `positions` [B, T], written to cache
@@ -221,9 +232,9 @@ class FusedLayers:
 
 
 def decode(inner, input_ids, attention_mask, *, max_new_tokens: int, eos_token_ids, pad_token_id, pick,
-           weights: str = "bf16"):
+           weights: str = "bf16", merged: bool = True):
     """decoding.decode's contract for sampled tokens on the fused layers; `pick(logits [B, V]) -> tokens [B]`;
-    `weights`: FusedLayers'."""
+    `weights`, `merged`: FusedLayers'."""
     import torch
 
     batch, prompt_len = input_ids.shape
@@ -242,7 +253,7 @@ def decode(inner, input_ids, attention_mask, *, max_new_tokens: int, eos_token_i
         FusedLayers(inner, batch, prompt_len, "bf16", record=recorded).forward(input_ids, positions, 0,
                                                                                prefill_mask[:, None])
         int8 = build_int8_base(inner, recorded)
-    layers = FusedLayers(inner, batch, length, weights, int8=int8)
+    layers = FusedLayers(inner, batch, length, weights, int8=int8, merged=merged)
     logits = layers.forward(input_ids, positions, 0, prefill_mask[:, None])               # [B, V]
 
     def forward_next(token, last, step):
@@ -294,6 +305,31 @@ class Int8Linear:
         import torch.nn.functional as F
 
         out = internals.int8_linear(x * self.inverse_scale, self.packed)
+        if self.lora is not None:
+            out = out + F.linear(F.linear(x, self.lora[0]), self.lora[1])
+        return out
+
+
+def _base_weight(module):
+    """(weight, bias or None) of `module`'s base layer, the tensors themselves (detached views, never copies)."""
+    base = _base_layer(module)
+    return base.weight.detach(), None if getattr(base, "bias", None) is None else base.bias.detach()
+
+
+class UnmergedLinear:
+    """x [..., in] -> [..., out]: each base weight of a fused group read in place (F.linear per projection, outputs
+    concatenated in order: [..., sum of outs]), plus the adapter unmerged as Int8Linear adds it, (x @ A^T) @ B^T
+    (`lora`: _unmerged_lora's (A, B), or None). PEFT's lora.Linear forward computes the same terms, base(x) +
+    lora_B(lora_A(x)) * scaling, in the same dtype; no weight is copied or written."""
+    def __init__(self, bases, lora=None):
+        self.bases, self.lora = bases, lora
+
+    def __call__(self, x):
+        import torch
+        import torch.nn.functional as F
+
+        outs = [F.linear(x, weight, bias) for weight, bias in self.bases]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if self.lora is not None:
             out = out + F.linear(F.linear(x, self.lora[0]), self.lora[1])
         return out

@@ -604,12 +604,15 @@ class DecodeConfig:
     merge_lora: str = _help(
         "Our loop's sampled tokens (rollouts, eval.samples) from the adapter merged into a copy of the 16-bit weights "
         "(one matmul per projection instead of three; the copy costs the projections' weights once more while it "
-        "generates): 'auto' (on a CPU with a 16-bit base), 'true' (16-bit bases only; never into 4-bit) or 'false'. "
-        "Greedy answers always use the unmerged adapter.", "auto")
+        "generates): 'auto' (on a CPU with a 16-bit base), 'true' (16-bit bases only; never into 4-bit) or 'false' "
+        "(the fused layers then add the adapter unmerged to the base weights read in place: no copy, a few more small "
+        "matmuls). Greedy answers always use the unmerged adapter.", "auto")
     fused: str = _help(
-        "Our loop's sampled tokens through Llama-family layers written out (fused_decode.py: the merged q/k/v and "
-        "gate/up projections each one matmul, ~30 ops a layer instead of transformers' ~500; llama, mistral, qwen2 "
-        "and qwen3 models, else the plain loop): 'auto' (wherever decode.merge_lora is on), 'true' or 'false'.", "auto")
+        "Our loop's sampled tokens through Llama-family layers written out (fused_decode.py: ~30 ops a layer instead "
+        "of transformers' ~500, the merged q/k/v and gate/up projections each one matmul, or the adapter unmerged "
+        "with decode.merge_lora=false; llama, mistral, qwen2 and qwen3 models with a plain LoRA, else the plain "
+        "loop): 'auto' (wherever decode.merge_lora is on, and on a CPU with a 16-bit base), 'true' (16-bit bases) "
+        "or 'false'.", "auto")
     weights: str = _help(
         "What the fused layers' sampled tokens multiply with: 'auto' (= bf16), 'bf16' (the merged weights in the "
         "model's own dtype) or 'int8' (opt-in, CPU only: the base weights smoothed per input channel, quantized per "

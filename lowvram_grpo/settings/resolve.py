@@ -147,7 +147,7 @@ class Resolved:
     decode_loop: str = "transformers"   # 'lowvram' (decoding.py) | 'transformers' (its generate): choose_decode
     decode_sampler: str = "multinomial"  # 'inverse_cdf' | 'multinomial'
     decode_merge_lora: bool = False      # sampled tokens from the adapter merged into a copy of 16-bit weights
-    decode_fused: bool = False           # sampled tokens through fused_decode.py's layers (needs the merge)
+    decode_fused: bool = False           # sampled tokens through fused_decode.py's layers (merged or unmerged)
     decode_weights: str = "bf16"         # what the fused layers multiply with: 'bf16' (the model's own) | 'int8'
     is_correction: bool = False          # vLLM's sampling log-probs corrected against the trainer's: choose_is_correction
     is_mode: Optional[str] = None        # GRPOConfig vllm_importance_sampling_mode where is_correction is on
@@ -392,7 +392,8 @@ def choose_decode(config: RunConfig, hardware: Hardware, backend: str,
     until a card measures ours (bench/gpu_first_run.py). unsloth's backend patches generate with its own fast path;
     vLLM engines do not use this. merge_lora: a copy of the 16-bit weights merged for sampling, by default on a CPU
     (host RAM); on a GPU when asked (card memory: the memory plan's `merged` term); never into 4-bit weights.
-    fused: the merged weights' fused layers (fused_decode.py) wherever the merge is on. weights: 'bf16' (auto), or
+    fused: the fused layers (fused_decode.py; the adapter merged or, with merge_lora off, unmerged on the base weights
+    read in place) wherever the merge is on, and on a CPU with a 16-bit base. weights: 'bf16' (auto), or
     'int8' where the fused layers run (decode_int8_refusal says why not elsewhere, before anything loads)."""
     asked = config.decode
     applies = backend == "hf" and generation == "transformers"
@@ -411,10 +412,11 @@ def choose_decode(config: RunConfig, hardware: Hardware, backend: str,
     sampler = "inverse_cdf" if asked.sampler == "auto" else asked.sampler
     merge = (asked.merge_lora == "true" or (asked.merge_lora == "auto" and not hardware.cuda
                                              and not config.memory.load_in_4bit))
-    if asked.fused == "true" and not merge:
-        raise ResolveError("decode.fused=true samples from the merged weights and decode.merge_lora is off here: set "
-                           "decode.merge_lora=true (16-bit base) or decode.fused=auto")
-    fused = merge and asked.fused != "false"
+    if asked.fused == "true" and config.memory.load_in_4bit:
+        raise ResolveError("decode.fused=true reads 16-bit base weights and memory.load_in_4bit is on: set "
+                           "decode.fused=auto or memory.load_in_4bit=false")
+    fused = asked.fused == "true" or (asked.fused == "auto" and (merge or (not hardware.cuda
+                                                                            and not config.memory.load_in_4bit)))
     if loop != "lowvram":
         sampler, merge, fused = "multinomial", False, False
     weights = "bf16" if asked.weights == "auto" else asked.weights
@@ -429,10 +431,9 @@ def decode_int8_refusal(config: RunConfig, hardware: Hardware, backend: str, gen
                         fused: bool) -> Optional[str]:
     """Why decode.weights=int8 cannot hold here (one line with the fix), or None: it is FBGEMM's CPU int8 linear in
     our decode loop's fused layers (fused_decode.FusedLayers), so it needs those to run: a CPU, the hf backend's
-    transformers generation, decode.loop not transformers, a 16-bit base, decode.merge_lora and decode.fused not off,
+    transformers generation, decode.loop not transformers, a 16-bit base, decode.fused not off,
     a model type the fused layers cover (where resolve can tell), and the importance-sampling correction possible
     (a single-turn rollout: with tools its log-probs cover one turn)."""
-    asked = config.decode
     head = "decode.weights=int8 quantizes the weights of our decode loop's fused layers (FBGEMM's CPU int8 linear)"
     if hardware.cuda:
         return f"{head} and this run is on CUDA ({hardware.gpu_name or 'a GPU'}): set decode.weights=auto"
@@ -446,8 +447,7 @@ def decode_int8_refusal(config: RunConfig, hardware: Hardware, backend: str, gen
     if loop != "lowvram":
         return f"{head} and decode.loop=transformers samples with transformers' generate: set decode.loop=auto or decode.weights=auto"
     if not fused:
-        off = "decode.merge_lora=false" if asked.merge_lora == "false" else "decode.fused=false"
-        return f"{head} and {off} keeps them off: set {off.split('=')[0]}=auto or decode.weights=auto"
+        return f"{head} and decode.fused=false keeps them off: set decode.fused=auto or decode.weights=auto"
     model_type = model_type_of(config.model.name)
     if model_type is not None and model_type not in FUSED_TYPES:
         return (f"{head}, which cover {', '.join(FUSED_TYPES)}, and model.name {config.model.name} is model type "
