@@ -291,6 +291,7 @@ CONFIG_CASES = [
     ("decode.fused", "maybe", "decode.fused must be one of"),
     ("decode.weights", "int4", "decode.weights must be one of auto, bf16, int8; got 'int4'"),
     ("train.is_correction", "maybe", "train.is_correction must be one of auto, on, off; got 'maybe'"),
+    ("train.is_logprobs", "nograd", "train.is_logprobs must be one of auto, loss, forward; got 'nograd'"),
     ("model.kv_cache_dtype", "int4", "model.kv_cache_dtype must be one of auto, fp8, bfloat16, float16, float32"),
 ]
 
@@ -443,6 +444,9 @@ CROSS_CASES = [
     ("kv-fp8-without-vllm", ["--set", "model.kv_cache_dtype=fp8"],
      "model.kv_cache_dtype=fp8 is unsloth's vLLM engine's fp8 KV cache and this run generates with transformers"),
     ("kv-dtype-not-compute", ["--set", "model.kv_cache_dtype=float16"], "the KV cache is kept in the compute dtype"),
+    ("is-logprobs-loss-uncorrected", ["--set", "train.is_logprobs=loss", "--set", "train.is_correction=off"],
+     "train.is_logprobs=loss takes the correction's trainer log-probs from TRL's loss, and the importance-sampling "
+     "correction is off in this run (train.is_correction): set train.is_logprobs=auto"),
     ("environment", ["--set", "environment.module={tmp}/no_env.py", "--set", "environment.name=Shop"],
      "environment.module {tmp}/no_env.py does not exist"),
     # the '-before-load' ones need only the tokenizer: their models have no weights, so a check that came after

@@ -72,6 +72,28 @@ def test_off_is_kept_on_vllm_and_on_is_refused_without_a_second_sampler():
         resolved("qwen1_5b_4bit", "rtx3090", "model.fast_inference=false", "train.is_correction=on")
 
 
+def test_the_trainers_log_probs_come_from_the_loss_on_trls_own_trainer_only():
+    """train.is_logprobs (trl_compat.RatioFromLoss): auto = the loss's forward where TRL's trainer applies the
+    correction (the hf backend: our loop, our vLLM engine), TRL's extra forward on unsloth's trainer; loss refused
+    where it cannot apply; forward keeps TRL's; a run that loses its vLLM engine re-decides it."""
+    loop = resolved("smollm2_cpu", "cpu")
+    assert loop.is_correction and loop.is_from_loss
+    assert "(the trainer's log-probs from the loss's own forward, no extra forward)" in loop.describe()
+    assert resolved("smollm2_cpu", "cpu", "model.generation=vllm", hardware=CPU_WITH_VLLM).is_from_loss
+    forward = resolved("smollm2_cpu", "cpu", "train.is_logprobs=forward")
+    assert forward.is_correction and not forward.is_from_loss
+    assert "(the trainer's log-probs from an extra no-grad forward)" in forward.describe()
+    assert not resolved("smollm2_cpu", "cpu", "decode.loop=transformers").is_from_loss  # no correction
+    unsloth = resolved("llama8b_4bit", "rtx3090")
+    assert unsloth.is_correction and not unsloth.is_from_loss
+    with pytest.raises(ResolveError, match="train.is_logprobs=loss takes the correction's trainer log-probs from "
+                                           "TRL's loss, and the unsloth backend trains with unsloth's GRPO trainer"):
+        resolved("llama8b_4bit", "rtx3090", "train.is_logprobs=loss")
+    hf = resolved("llama8b_4bit", "rtx3090", "model.fast_inference=false", "train.is_correction=on", backend="hf")
+    assert hf.is_correction and hf.is_from_loss
+    assert not without_vllm(resolved("llama8b_4bit", "rtx3090"), "no vllm_engine").is_from_loss
+
+
 def test_vespo_gets_a_token_mode_as_trl_requires():
     r = resolved("qwen1_5b_4bit", "rtx3090", "train.loss_type=vespo")
     assert r.is_correction and r.is_mode == IS_MODE_VESPO == "token_truncate"

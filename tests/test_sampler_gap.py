@@ -42,6 +42,66 @@ def test_our_loop_is_corrected_by_default_and_its_bf16_gap_is_logged_and_reporte
     assert f"above the threshold {SAMPLER_GAP_THRESHOLD}" in report and (out / "sampler_gap.png").is_file()
 
 
+@pytest.mark.parametrize("extra", [("train.gradient_accumulation_steps=2", "train.per_device_train_batch_size=2"),
+                                   ("train.loss_type=vespo",)], ids=["sequence_mask-two-micro-batches", "token_truncate"])
+def test_the_ratio_from_the_loss_is_the_one_of_trls_extra_forward_to_the_bit(tmp_path, extra):
+    """train.is_logprobs=auto (trl_compat.RatioFromLoss) takes the correction's trainer log-probs from the loss's own
+    forward instead of TRL's extra no-grad forward: the same run with train.is_logprobs=forward (TRL's) logs the same
+    loss, gradient norm, rewards, gap and ratios, bit for bit, in both modes resolve gives (sequence_mask over two
+    micro-batches of one generation: the metrics gathered over the whole batch; token_truncate, which vespo gets)."""
+    rows = {}
+    for source in ("auto", "forward"):
+        out = tmp_path / source
+        sets = [item for s in ("model.dtype=bfloat16", "eval.enabled=false", f"train.is_logprobs={source}", *extra)
+                for item in ("--set", s)]
+        proc = run_cli("--preset", "tiny", "--max-steps", "2", *sets, "--output-dir", str(out))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        said = "loss's own forward, no extra forward" if source == "auto" else "from an extra no-grad forward"
+        assert said in proc.stdout + proc.stderr
+        rows[source] = rows_of(out)
+    timing = ("second", "time", "rss", "memory", "runtime", "per_second")
+    compared = [{k: v for k, v in r.items() if not any(t in k.lower() for t in timing)} for r in rows["auto"]]
+    assert [r["step"] for r in compared] == [1, 2]
+    assert all(key in compared[0] for key in (SAMPLER_GAP_KEY, SAMPLER_GAP_MAX_KEY, RATIO_KEY, "loss", "grad_norm"))
+    assert any(r[RATIO_KEY] != 1.0 for r in compared), compared  # bf16: a ratio that weighs
+    assert compared == [{k: v for k, v in r.items() if not any(t in k.lower() for t in timing)} for r in rows["forward"]]
+
+
+def test_the_ratio_from_the_loss_leaves_trls_extra_forward_out(tmp_path):
+    """The forward it saves: per GRPO step, TRL's no-grad passes of the policy (its old log-probs and, beta > 0, the
+    reference's with the adapter off) drop from two to one, and the loss still carries the ratio."""
+    import torch
+
+    from lowvram_grpo.model.backends import load_model
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.settings.hardware import detect
+    from lowvram_grpo.settings.resolve import resolve
+    from lowvram_grpo.task.data import load_questions, to_prompt_rows
+    from lowvram_grpo.training.grpo import build_trainer
+
+    no_grad_passes = {}
+    for source in ("auto", "forward"):
+        config = load_config("tiny", ["train.max_steps=2", "eval.enabled=false", "model.dtype=bfloat16",
+                                      f"train.is_logprobs={source}"])
+        assert config.train.beta > 0
+        handle = load_model(resolve(config, detect(), "hf"))
+        train_q, _ = load_questions(config.data)
+        trainer = build_trainer(handle, to_prompt_rows(train_q, config.data.system_prompt), tmp_path / source)
+        own = trainer._get_per_token_logps_and_entropies
+        calls = []
+
+        def counted(*args, **kwargs):
+            calls.append(torch.is_grad_enabled())
+            return own(*args, **kwargs)
+
+        trainer._get_per_token_logps_and_entropies = counted
+        trainer.train()
+        no_grad_passes[source] = calls.count(False)
+        assert calls.count(True) == 2  # the loss's forward, one a step
+        assert trainer.ratio_batches_from_loss == (2 if source == "auto" else 0)
+    assert no_grad_passes == {"auto": 2, "forward": 4}
+
+
 def test_transformers_generate_logs_the_gap_when_the_correction_is_asked_for(tmp_path):
     """decode.loop=transformers with train.is_correction=on: transformers' processed scores give the sampled
     tokens' log-probs; in float32 with the trainer's own forward they agree with the trainer's to rounding. With

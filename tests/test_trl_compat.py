@@ -136,6 +136,28 @@ def door_violations(source: str) -> list[str]:
     return sorted(set(found), key=lambda s: (int(s.split(":")[0].split()[1]), s))
 
 
+def test_the_ratio_from_the_loss_reads_trls_own_lines(monkeypatch):
+    """trl_compat.RatioFromLoss mirrors TRL 1.15's importance-sampling ratio and relies on its loss calling
+    _get_per_token_logps_and_entropies before multiplying by inputs["importance_sampling_ratio"]: check_versions
+    reads those lines in the installed GRPOTrainer (RATIO_SOURCE), and a TRL whose loss no longer has them is refused."""
+    import trl
+
+    assert trl_compat.missing_ratio_hooks(trl.GRPOTrainer) == []
+    original = trl.GRPOTrainer._compute_loss
+
+    def _compute_loss(self, model, inputs):  # as a TRL whose loss applies the ratio elsewhere
+        return original(self, model, inputs)
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_compute_loss", _compute_loss)
+    missing = trl_compat.missing_ratio_hooks(trl.GRPOTrainer)
+    assert missing == [f"GRPOTrainer._compute_loss: {line}" for line in trl_compat.RATIO_SOURCE["_compute_loss"]]
+    with pytest.raises(BackendError, match=r"GRPOTrainer\._compute_loss: per_token_logps.*pip install trl==1\.15\.0"):
+        trl_compat.check_versions()
+    monkeypatch.setattr(trl.GRPOTrainer, "_get_per_token_logps_and_entropies", lambda self, model, input_ids: None)
+    assert ("GRPOTrainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, ...)"
+            in trl_compat.missing_ratio_hooks(trl.GRPOTrainer))
+
+
 def test_private_reaches_go_through_the_doors():
     planted = ("import torch\n\n\nclass T:\n    def f(self):\n        self._x = 1\n        return super()._y()\n\n\n"
                "def g(model, trainer):\n    model._lowvram_decode = 1\n    getattr(model, '_tag', None)\n"

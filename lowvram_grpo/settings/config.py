@@ -225,6 +225,12 @@ class TrainConfig:
         "fast_inference included, whose own default is off) and where our decode loop samples (decode.loop), off for "
         "transformers' generate (on: its scores are kept per token to read the log-probs) and unsloth's generate "
         "(no log-probs; on is refused); on; off.", "auto")
+    is_logprobs: str = _help(
+        "Where the correction's trainer log-probs come from. TRL 1.15 runs an extra no-grad forward of the whole "
+        "rollout batch for them; with one optimization pass per generation (this tool's GRPO) the loss's own forward, "
+        "detached, computes the same numbers under the same weights. auto = the loss's forward wherever TRL's own "
+        "trainer applies the correction (the hf backend), TRL's extra forward elsewhere (unsloth's trainer applies "
+        "the ratio its own way); loss; forward (TRL's extra forward).", "auto")
     max_grad_norm: float = _help("Gradient clipping norm (the notebook uses 0.1).", 0.1)
     max_steps: int = _help("Optimizer steps to train.", 250)
     save_steps: Optional[int] = _help(
@@ -275,6 +281,7 @@ class TrainConfig:
         # YAML 1.1 reads a bare on/off as a bool, which a str field receives as "true"/"false" (_coerce)
         self.is_correction = {"true": "on", "false": "off"}.get(self.is_correction, self.is_correction)
         _one_of("train", "is_correction", self.is_correction, ("auto", "on", "off"))
+        _one_of("train", "is_logprobs", self.is_logprobs, ("auto", "loss", "forward"))
         _one_of("train", "importance_sampling_level", self.importance_sampling_level, ("token", "sequence"))
         _check(self.epsilon_high is None or self.epsilon_high > 0,
                f"train.epsilon_high must be > 0 (DAPO: 0.28) or null (= train.epsilon); got {self.epsilon_high}")

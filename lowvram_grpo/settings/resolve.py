@@ -152,6 +152,7 @@ class Resolved:
     is_correction: bool = False          # vLLM's sampling log-probs corrected against the trainer's: choose_is_correction
     is_mode: Optional[str] = None        # GRPOConfig vllm_importance_sampling_mode where is_correction is on
     is_reason: str = ""
+    is_from_loss: bool = False           # the correction's trainer log-probs from the loss's forward: choose_is_logprobs
     decode_graphs: bool = False          # unsloth captures its one-token decode step as CUDA graphs: choose_decode_graphs
     decode_graphs_reason: str = ""
     kv_cache_dtype: Optional[str] = None  # vLLM's KV cache: 'fp8' or the compute dtype; None without vLLM: choose_kv_cache_dtype
@@ -197,8 +198,12 @@ class Resolved:
     def levers(self) -> str:
         """One line: the importance-sampling correction, unsloth's decode graphs and the KV-cache dtype, each with why."""
         is_part = f"on ({self.is_mode})" if self.is_correction else "off"
+        source = ""
+        if self.is_correction:  # train.is_logprobs: choose_is_logprobs
+            source = (" (the trainer's log-probs from the loss's own forward, no extra forward)" if self.is_from_loss
+                      else " (the trainer's log-probs from an extra no-grad forward)")
         kv_part = self.kv_cache_dtype or "no vLLM"
-        return (f"  IS correction {is_part}: {self.is_reason}; decode CUDA graphs {'on' if self.decode_graphs else 'off'}: "
+        return (f"  IS correction {is_part}: {self.is_reason}{source}; decode CUDA graphs {'on' if self.decode_graphs else 'off'}: "
                 f"{self.decode_graphs_reason}; KV cache {kv_part}: {self.kv_cache_reason}")
 
     @property
@@ -519,6 +524,29 @@ def choose_is_correction(config: RunConfig, generation: str, strict: bool = True
     return True, mode, f"{how}: {sampler} and the trainer scores with its own forward: their log-probs differ"
 
 
+def choose_is_logprobs(config: RunConfig, is_on: bool, backend: str, strict: bool = True) -> bool:
+    """Whether the correction's trainer log-probs come from the loss's own forward (train.is_logprobs: auto | loss |
+    forward): training.ratio_from_loss.RatioFromLoss on TRL's own trainer, instead of TRL 1.15's extra no-grad forward
+    of the rollout batch. The same numbers: GRPOConfig here keeps num_iterations=1 and steps_per_generation =
+    gradient_accumulation_steps (one optimizer step per generation), so the weights that score the rollouts at
+    generation are those of the loss. auto = the loss's forward on the hf backend with the correction on; unsloth's
+    trainer applies the ratio in its own loss (TRL's forward stays); `loss` where it cannot apply is refused (strict)."""
+    asked = config.train.is_logprobs
+    if asked == "forward":
+        return False
+    why_not = None
+    if not is_on:
+        why_not = "the importance-sampling correction is off in this run (train.is_correction)"
+    elif backend != "hf":
+        why_not = "the unsloth backend trains with unsloth's GRPO trainer, whose loss applies the ratio its own way"
+    if why_not is None:
+        return True
+    if asked == "loss" and strict:
+        raise ResolveError(f"train.is_logprobs=loss takes the correction's trainer log-probs from TRL's loss, and "
+                           f"{why_not}: set train.is_logprobs=auto")
+    return False
+
+
 def model_type_of(name: str) -> Optional[str]:
     """transformers' model_type of model `name` (of its text config, without `_text`): the family the memory plan's
     shape reads from its config.json (model_shapes.model_shape: a local folder, the hub cache, the offline table),
@@ -718,6 +746,7 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
                                                                                            generation)
     is_on, is_mode, is_reason = choose_is_correction(config, generation, decode_loop=decode_loop, backend=chosen,
                                                      decode_weights=decode_weights)
+    is_from_loss = choose_is_logprobs(config, is_on, chosen)
     if decode_weights == "int8" and not is_on:
         notes.append("decode.weights=int8 with train.is_correction=off: the rollouts sampled from int8 weights train "
                      "uncorrected (train.is_correction=auto corrects them)")
@@ -746,7 +775,7 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         decode_loop=decode_loop, decode_sampler=decode_sampler, decode_merge_lora=decode_merge, decode_fused=decode_fused,
         decode_weights=decode_weights,
         validation_every=validation_every, is_correction=is_on, is_mode=is_mode, is_reason=is_reason,
-        decode_graphs=graphs, decode_graphs_reason=graphs_reason, kv_cache_dtype=kv_dtype, kv_cache_reason=kv_reason,
+        is_from_loss=is_from_loss, decode_graphs=graphs, decode_graphs_reason=graphs_reason, kv_cache_dtype=kv_dtype, kv_cache_reason=kv_reason,
         notes=tuple(notes), plan=run_plan(config),
     )
     if plan_decides:  # auto on sm80+ with unsloth's engine: fp8 where the plan's 16-bit KV cache is short
@@ -867,6 +896,7 @@ def without_vllm(resolved: Resolved, why: str) -> Resolved:
     return dataclasses.replace(resolved, generation="transformers",
                                vllm_max_model_len=None, vllm_max_lora_rank=None, gpu_memory_utilization=None,
                                vllm_flashinfer=None, is_correction=is_on, is_mode=is_mode, is_reason=is_reason,
+                               is_from_loss=choose_is_logprobs(resolved.config, is_on, resolved.backend, strict=False),
                                decode_graphs=graphs, decode_graphs_reason=graphs_reason, kv_cache_dtype=None,
                                kv_cache_reason="no vLLM engine (transformers' KV cache, compute dtype)",
                                notes=resolved.notes + (why,))

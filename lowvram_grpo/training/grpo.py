@@ -50,9 +50,11 @@ from lowvram_grpo.training.tool_metrics import TRANSCRIPT_KEY, with_tool_use
 from lowvram_grpo.training.trl_compat import (
     DynamicSampling,
     ModelSampler,
+    RatioFromLoss,
     TrainerHooks,
     grpo_trainer_base,
     install_logprob_fallback,
+    is_unsloth_trainer,
     sample_with,
     trainer_callbacks,
     trainer_name,
@@ -104,7 +106,8 @@ def describe_effective(effective: dict) -> str:
             f"generation_batch_size={s['generation_batch_size']} use_vllm={s['use_vllm']} bf16={s['bf16']} fp16={s['fp16']}")
     if s["use_vllm"] or s["vllm_importance_sampling_correction"]:  # resolve decides it for every vLLM path
         line += (f" vllm_importance_sampling_correction={s['vllm_importance_sampling_correction']}"
-                 f" ({s['vllm_importance_sampling_mode']})")
+                 f" ({s['vllm_importance_sampling_mode']}"
+                 f"{', trainer log-probs from the loss' if s.get('is_ratio_from_loss') else ''})")
     if effective["changed"]:
         line += "; changed from the config by the trainer: " + ", ".join(
             f"{k} {a!r} -> {u!r}" for k, (a, u) in effective["changed"].items())
@@ -124,6 +127,7 @@ def effective_grpo_settings(trainer, asked: dict) -> dict:
     used = {key: _plain(getattr(trainer, key, getattr(trainer.args, key, None))) for key in EFFECTIVE_KEYS}
     used["dynamic_sampling_max_draws"] = getattr(trainer, "dynamic_sampling_draws", 0)  # ours (trl_compat.DynamicSampling)
     used["dynamic_sampling_reward"] = getattr(trainer, "dynamic_sampling_reward", None)
+    used["is_ratio_from_loss"] = isinstance(trainer, RatioFromLoss) and trainer.is_ratio_from_loss  # ours
     if asked.get("epsilon_high") is None and "epsilon" in asked:  # null asks for epsilon's value (as TRL reads it)
         asked = {**asked, "epsilon_high": asked["epsilon"]}
     changed = {key: [_plain(asked[key]), used[key]] for key in EFFECTIVE_KEYS
@@ -243,7 +247,6 @@ class ProgressBar(TrainerCallback):
         self.projected = False
 
     def on_train_begin(self, args, state, control, **kwargs):
-        from lowvram_grpo.training.trl_compat import is_unsloth_trainer  # loads transformers
 
         initial = max(self.initial, state.global_step)  # a resumed run starts at its checkpoint's step
         self.bar = tqdm(total=self.total, initial=initial, desc="GRPO", unit="step", dynamic_ncols=True)
@@ -385,6 +388,8 @@ class RunExtras:
         validation: a validation.Validation measuring the held-out curve, or None.
         dynamic_sampling_draws: trl_compat.DynamicSampling's (0 = off); dynamic_sampling_reward / _column: judge by
             that reward function's column alone (None: the weighted sum).
+        is_ratio_from_loss: trl_compat.RatioFromLoss's (resolve.choose_is_logprobs): the correction's trainer log-probs
+            from the loss's forward instead of TRL's extra no-grad forward.
         asked: the GRPOConfig keyword arguments build_trainer asked for (effective_grpo_settings compares them)."""
 
     run_dir: RunDir
@@ -402,6 +407,7 @@ class RunExtras:
     dynamic_sampling_draws: int = 0
     dynamic_sampling_reward: str | None = None
     dynamic_sampling_column: int | None = None
+    is_ratio_from_loss: bool = False
     asked: dict = dataclasses.field(default_factory=dict)
 
 
@@ -449,6 +455,7 @@ class RunTrainer(DynamicSampling, TrainerHooks):
         if extras.dynamic_sampling_reward is not None:
             self.dynamic_sampling_reward = extras.dynamic_sampling_reward
             self.dynamic_sampling_column = extras.dynamic_sampling_column
+        self.is_ratio_from_loss = extras.is_ratio_from_loss  # read only where RatioFromLoss is mixed in (TRL's trainer)
         self.effective_settings = effective_grpo_settings(self, extras.asked)  # before our samplers switch use_vllm on
 
     def run_state(self) -> dict:
@@ -484,8 +491,9 @@ def trainer_class() -> type:
     """`GRPORunTrainer`: RunTrainer over the GRPOTrainer `trl` exports now (trl_compat.grpo_trainer_base): stock
     TRL's, or on the unsloth backend unsloth's generated UnslothGRPOTrainer, the class a GPU run trains with."""
     base = grpo_trainer_base()
-    if base not in _TRAINER_CLASSES:
-        _TRAINER_CLASSES[base] = type("GRPORunTrainer", (RunTrainer, base), {"__module__": __name__})
+    if base not in _TRAINER_CLASSES:  # unsloth's trainer applies the ratio in its own loss: RatioFromLoss stays out
+        bases = (RunTrainer, base) if is_unsloth_trainer(base) else (RunTrainer, RatioFromLoss, base)
+        _TRAINER_CLASSES[base] = type("GRPORunTrainer", bases, {"__module__": __name__})
     return _TRAINER_CLASSES[base]
 
 
@@ -526,7 +534,7 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward
                          logging_steps=plan.logging_steps) if written is not None else None,
         validation=validation, dynamic_sampling_draws=plan.dynamic_sampling_draws,
         dynamic_sampling_reward=plan.dynamic_sampling_reward, dynamic_sampling_column=plan.dynamic_sampling_column,
-        asked=asked)
+        is_ratio_from_loss=handle.resolved.is_from_loss, asked=asked)
     trainer = trainer_class()(
         model=handle.model,
         processing_class=handle.tokenizer,

@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import math
 import os
 import sys
 from pathlib import Path
@@ -90,8 +91,9 @@ def check_versions(warn=None) -> list[str]:
     missing += missing_rollout_methods(trl.GRPOTrainer)  # section: TRL's rollout methods (below)
     missing += missing_single_turn(trl.GRPOTrainer)  # ModelSampler (below sample_with)
     missing += missing_completion_log(trl.GRPOTrainer)  # section: the completions of a step (below)
-    if not is_unsloth_trainer(trl.GRPOTrainer):  # unsloth's generated trainer wraps them; dynamic sampling is refused
-        missing += missing_dynamic_sampling_hooks(trl.GRPOTrainer)  # there (resolve): section dynamic sampling (below)
+    if not is_unsloth_trainer(trl.GRPOTrainer):  # unsloth's generated trainer wraps them; dynamic sampling and the
+        missing += missing_dynamic_sampling_hooks(trl.GRPOTrainer)  # ratio from the loss are kept off there (resolve):
+        missing += missing_ratio_hooks(trl.GRPOTrainer)  # their sections below
     pins = ", ".join(f"{k}=={v}" for k, v in WRITTEN_FOR.items())
     if missing:
         raise BackendError(f"lowvram_grpo overrides {', '.join(missing)}, which trl {installed['trl']} / transformers "
@@ -531,6 +533,160 @@ def completion_log(trainer) -> dict:
     return {"prompt": list(logs["prompt"]), "completion": list(logs["completion"]),
             "rewards": {name: list(values) for name, values in logs["rewards"].items()},
             "advantages": list(logs["advantages"]), "extra": {name: list(values) for name, values in logs["extra"].items()}}
+
+
+
+# --------------------------------------------------------------------------- the ratio from the loss (train.is_logprobs)
+# TRL 1.15's importance-sampling correction (use_vllm + vllm_importance_sampling_correction) scores every rollout batch
+# with an extra no-grad forward of the policy in _generate_and_score_completions (old_per_token_logps) and takes the
+# ratio exp(old - sampler's) there. Where generation and optimization are aligned (TRL's own test:
+# gradient_accumulation_steps % (steps_per_generation x num_iterations) == 0, which GRPOConfig here always meets:
+# num_iterations 1, steps_per_generation = gradient_accumulation_steps), nothing moves the weights between that
+# forward and the loss's, and TRL's loss already uses its own forward's log-probs, detached, as the old ones. So
+# `RatioFromLoss` (train.is_logprobs auto/loss on TRL's own trainer: resolve.choose_is_logprobs) leaves the extra
+# forward out: `_generate_and_score_completions(inputs)` runs with the correction flag off for the call (TRL then
+# skips the forward, the ratio and their metrics; the batch keeps sampling_per_token_logps), and `_compute_loss(model,
+# inputs)` puts the ratio into the micro-batch right after `_get_per_token_logps_and_entropies(model, input_ids,
+# attention_mask, logits_to_keep, ...)` returns the loss's log-probs and before TRL's loss multiplies by
+# inputs["importance_sampling_ratio"]. The ratio is TRL's arithmetic (`is_ratio`, its four modes, NaN sampler
+# log-probs counted as no difference) and the sampling/* metrics TRL logs with it are TRL's, over the whole generation
+# batch (its micro-batches gathered until the last). check_versions reads TRL's lines it mirrors (RATIO_SOURCE).
+RATIO_HOOKS = (("_compute_loss", ("model", "inputs")),
+               ("_get_per_token_logps_and_entropies", ("model", "input_ids", "attention_mask", "logits_to_keep")))
+RATIO_SOURCE = {  # method -> lines of TRL 1.15 that RatioFromLoss mirrors or relies on
+    "_generate_and_score_completions": (
+        "if self.args.gradient_accumulation_steps % generate_every != 0 or (",
+        "per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * mask",
+        "per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)",
+        'sequence_level_is = self.vllm_importance_sampling_mode in ["sequence_mask", "sequence_truncate"]',
+        "per_sequence_logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)",
+        'if self.vllm_importance_sampling_mode in ["sequence_truncate", "token_truncate"]:',
+        'elif self.vllm_importance_sampling_mode in ["sequence_mask", "token_mask"]:',
+        "invalid_mis_mask, value=0.0",
+        "delta = delta[mask & ~torch.isnan(delta)]",
+        "flat_is_ratio = vllm_importance_sampling_ratio[mask]",
+        'output["importance_sampling_ratio"] = vllm_importance_sampling_ratio'),
+    "_compute_loss": (
+        "per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(",
+        'old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps',
+        'per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]'),
+}
+RATIO_METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+                 "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+                 "sampling/importance_sampling_ratio/max")
+
+
+def missing_ratio_hooks(trainer_class: type) -> list[str]:
+    """What RatioFromLoss needs of `trainer_class` (RATIO_HOOKS' signatures, RATIO_SOURCE's lines) and it lacks."""
+    missing = [f"GRPOTrainer.{name}({', '.join(params)}, ...)" for name, params in RATIO_HOOKS
+               if not callable(method := getattr(trainer_class, name, None))
+               or tuple(inspect.signature(method).parameters)[1:1 + len(params)] != params]
+    for name, lines in RATIO_SOURCE.items():
+        with contextlib.suppress(OSError, TypeError):
+            source = " ".join(inspect.getsource(getattr(trainer_class, name)).split())
+            missing += [f"GRPOTrainer.{name}: {line}" for line in lines if " ".join(line.split()) not in source]
+    return missing
+
+
+def is_ratio(trainer_logps, sampler_logps, mask, mode: str, clip_min, clip_max):
+    """TRL 1.15's importance-sampling ratio of `mode` (vllm_importance_sampling_mode) between the trainer's and the
+    sampler's log-probs [B, T] under `mask` [B, T] (completion x tool mask): [B, T] for token_* modes, [B, 1] for
+    sequence_* ones; truncated to [clip_min, clip_max] (*_truncate) or set to 0 outside it (*_mask)."""
+    import torch
+
+    diff = torch.nan_to_num((trainer_logps - sampler_logps) * mask, nan=0.0)
+    if mode in ("sequence_mask", "sequence_truncate"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode in ("sequence_truncate", "token_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    if mode in ("sequence_mask", "token_mask"):
+        low = clip_min if clip_min is not None else -math.inf
+        high = clip_max if clip_max is not None else math.inf
+        return ratio.masked_fill((ratio < low) | (ratio > high), value=0.0)
+    raise BackendError(f"unknown vllm_importance_sampling_mode {mode!r} (trl {WRITTEN_FOR['trl']} knows token_truncate, "
+                       "token_mask, sequence_truncate, sequence_mask)")
+
+
+class RatioFromLoss:
+    """The mixin (see the section's comment). `is_ratio_from_loss`: on (training.grpo.RunTrainer.__init__ sets it from
+    resolve's is_from_loss); each rollout batch it leaves unscored is counted in `ratio_batches_from_loss`."""
+
+    is_ratio_from_loss = False
+    ratio_batches_from_loss = 0
+    _ratio_inputs = None   # the micro-batch whose loss runs now, while its ratio is still to come
+    _ratio_parts = None    # the generation batch's [(|delta| of scored tokens, ratios)], one a micro-batch so far
+
+    def _ratio_deferred(self) -> bool:
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return (self.is_ratio_from_loss and self.use_vllm and self.vllm_importance_sampling_correction
+                and self.model.training and self.args.gradient_accumulation_steps % generate_every == 0)
+
+    def _generate_and_score_completions(self, inputs):
+        if not self._ratio_deferred():
+            return super()._generate_and_score_completions(inputs)
+        self.vllm_importance_sampling_correction = False  # read only by that method's forward, ratio and metrics
+        try:
+            batch = super()._generate_and_score_completions(inputs)
+        finally:
+            self.vllm_importance_sampling_correction = True
+        self.ratio_batches_from_loss += 1
+        self._ratio_parts = []
+        return batch
+
+    def _compute_loss(self, model, inputs):
+        if "importance_sampling_ratio" in inputs or "sampling_per_token_logps" not in inputs or not self._ratio_deferred():
+            return super()._compute_loss(model, inputs)
+        self._ratio_inputs = inputs
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._ratio_inputs = None
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        inputs, self._ratio_inputs = self._ratio_inputs, None  # the loss's own forward: its first call
+        if inputs is not None:
+            self._add_ratio(inputs, out[0].detach())
+        return out
+
+    def _add_ratio(self, inputs: dict, trainer_logps) -> None:
+        """inputs["importance_sampling_ratio"] from the loss's log-probs [B, T]; TRL's metrics once a batch is done."""
+        import torch
+
+        sampler_logps = inputs["sampling_per_token_logps"]
+        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        ratio = is_ratio(trainer_logps, sampler_logps, mask, self.vllm_importance_sampling_mode,
+                         self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max)
+        inputs["importance_sampling_ratio"] = ratio
+        scored = mask.bool()
+        delta = torch.abs(trainer_logps - sampler_logps)[scored]
+        delta = delta[~torch.isnan(delta)]
+        sequence_level = self.vllm_importance_sampling_mode in ("sequence_mask", "sequence_truncate")
+        flat = ratio.flatten() if sequence_level else ratio[scored]
+        parts = self._ratio_parts if self._ratio_parts is not None else []
+        parts.append((delta, flat))
+        self._ratio_parts = parts
+        if len(parts) >= self.args.steps_per_generation:
+            self._log_ratio_metrics(parts)
+            self._ratio_parts = []
+
+    def _log_ratio_metrics(self, parts: list) -> None:
+        """TRL's sampling/* metrics of a generation batch (its micro-batches' parts), as its own path logs them."""
+        import torch
+        from trl.trainer.utils import nanmax, nanmin
+
+        device = parts[0][0].device
+        delta, flat = torch.cat([d for d, _ in parts]), torch.cat([f for _, f in parts])
+        zero = torch.tensor(0.0, device=device)
+        gather = self.accelerator.gather
+        values = (gather(delta.mean() if delta.numel() else zero).mean().item(),
+                  gather(delta.max() if delta.numel() else zero).max().item(),
+                  nanmin(gather(flat.min() if flat.numel() else zero)).item(),
+                  gather(flat.mean() if flat.numel() else zero).nanmean().item(),
+                  nanmax(gather(flat.max() if flat.numel() else zero)).item())
+        for key, value in zip(RATIO_METRICS, values):
+            self._metrics["train"][key].append(value)
 
 
 check_versions()
