@@ -18,6 +18,8 @@ model, prompts, seed and GRPO settings (G completions x L tokens, LoRA r=16 on a
              importance-sampling correction per token).
 - `ours_unmerged`: `ours` with decode.merge_lora=false (the fused layers read the bf16 base weights in place and
              add the adapter unmerged: no merged copy).
+- `ours_forward`: `ours` with train.is_logprobs=forward: the correction's trainer log-probs from TRL's extra no-grad
+             forward of the rollout batch, as before trl_compat.RatioFromLoss took them from the loss's forward.
 
 Where the importance-sampling correction runs, the record also keeps the sampler/trainer gap TRL logs
 (`sampling/sampling_logp_difference/mean` and `/max`, averaged and maxed over the counted steps).
@@ -38,7 +40,7 @@ from bench.harness import bench_variants, peak_rss_mb, variant_parser
 
 PARTS = ("generate", "rewards", "logps_nograd", "forward", "backward")
 VARIANT_SETS = {"ours_int8": ["decode.weights=int8"],  # a variant's own overrides (before the user's --set)
-                "ours_unmerged": ["decode.merge_lora=false"]}
+                "ours_unmerged": ["decode.merge_lora=false"], "ours_forward": ["train.is_logprobs=forward"]}
 GAP_MEAN, GAP_MAX = "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"  # TRL 1.15
 
 
@@ -270,7 +272,7 @@ def table(results: dict) -> str:
 
 
 def main() -> int:
-    args = variant_parser(__doc__, "ours,ours_int8,ours_unmerged,trl,trl_nogc,unsloth", steps=4, generations=4,
+    args = variant_parser(__doc__, "ours,ours_int8,ours_unmerged,ours_forward,trl,trl_nogc,unsloth", steps=4, generations=4,
                           out=Path(__file__).resolve().parent / "results" / "vs_trl.json").parse_args()
     return bench_variants("bench.vs_trl", args, child, table, memory=("peak RSS", "peak_rss_mb"), references=("trl",))
 

@@ -49,7 +49,7 @@ def test_vs_trl_writes_step_times_memory_and_ratios(tmp_path, tiny_model_dir):
     out = tmp_path / "vs_trl.json"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.vs_trl", "--preset", "tiny", "--steps", "2", "--generations", "2",
-         "--tokens", "8", "--variants", "ours,ours_int8,ours_unmerged,trl", "--out", str(out)],
+         "--tokens", "8", "--variants", "ours,ours_int8,ours_unmerged,ours_forward,trl", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -62,9 +62,9 @@ def test_vs_trl_writes_step_times_memory_and_ratios(tmp_path, tiny_model_dir):
         assert result["parts_s"]["generate"] > 0 and result["parts_s"]["backward"] > 0
         assert result["parts_s"]["generate"] <= result["step_s"]  # a part is within its step, never counted twice
     assert report["trl"]["optim"].endswith("ADAMW_TORCH")
-    assert set(report["ratios_vs_trl"]) == {"ours", "ours_int8", "ours_unmerged"}  # every variant but the reference
+    assert set(report["ratios_vs_trl"]) == {"ours", "ours_int8", "ours_unmerged", "ours_forward"}  # all but the reference
     # the correction runs on our loop (auto -> on), so TRL logs the sampler's gap; plain TRL samples with its own forward
-    for variant in ("ours", "ours_int8", "ours_unmerged"):
+    for variant in ("ours", "ours_int8", "ours_unmerged", "ours_forward"):
         gap = report[variant]["sampler_gap"]
         assert 0 <= gap["mean_abs_logp_difference"] <= gap["max_abs_logp_difference"], variant
     assert report["ours_int8"]["sampler_gap"]["mean_abs_logp_difference"] > 0  # int8's rounding, not float32's
