@@ -59,9 +59,14 @@ def command_line(module: str) -> str:
     return f"python -m {module} " + " ".join(sys.argv[1:])
 
 
+ISA_FLAGS = {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vp2intersect", "avx512_vnni", "amx_bf16",
+             "amx_int8", "avx_vnni"}
+
+
 def machine() -> dict:
     """The machine a figure came from: cores, CPU model, whether it computes bf16 natively (AVX512-BF16 or AMX:
-    bf16 runs; else float32, ~3x slower steps), Python."""
+    bf16 runs; else float32, ~3x slower steps), the ISA flags that tell CPU generations with the same model name
+    apart (two "AMD EPYC" machines of this workplace differ ~2x in step time), Python."""
     model, flags = "", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -74,6 +79,7 @@ def machine() -> dict:
         pass
     return {"cores": len(os.sched_getaffinity(0)), "cpu": model or None,
             "bf16_native": bool(flags & {"avx512_bf16", "amx_bf16"}) if flags else None,
+            "isa": sorted(flags & ISA_FLAGS),
             "python": sys.version.split()[0]}
 
 
