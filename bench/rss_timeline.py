@@ -42,8 +42,8 @@ def status_kib(pid: int) -> dict:
 def phase_of(segment: str) -> str | None:
     """The phase an output segment names: the text before its first ':' (a progress bar's name), else the line."""
     text = segment.strip()
-    if not text or text.startswith(("warning", "  ", "[")):
-        return None
+    if not text or segment.startswith((" ", "\t")) or text.startswith(("warning", "[", "<", "/")) or "Warning" in text:
+        return None  # indented lines (tracebacks of warnings, settings), warnings, tags of a printed sample
     head = text.split(":", 1)[0].strip()
     return head[:60] if head else None
 

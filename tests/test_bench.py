@@ -76,6 +76,27 @@ def test_vs_trl_writes_step_times_memory_and_ratios(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.slow
+def test_rss_timeline_names_the_phase_that_set_a_real_runs_peak(tmp_path, tiny_model_dir):
+    """bench/rss_timeline.py on a real tiny run: the kernel's high-water mark at the end is the peak, each phase the
+    run's output named has its highest RSS, the rises add up to the peak, and the run's summary is kept."""
+    out, run = tmp_path / "rss.json", tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.rss_timeline", "--out", str(out), "--interval", "0.05", "--", "--preset", "tiny",
+         "--max-steps", "3", "--set", "eval.enabled=false", "--output-dir", str(run)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads(out.read_text())
+    phases = record["phases"]
+    assert record["returncode"] == 0 and record["peak_set_in"] in phases and "GRPO" in phases
+    assert 0.1 < record["peak_gib"] < 8 and record["settings"]["cores"] >= 1
+    assert max(p["max_rss_mib"] for p in phases.values()) <= record["peak_gib"] * 1024 + 1  # VmRSS never above VmHWM
+    assert abs(sum(p["hwm_rise_mib"] for p in phases.values()) - record["peak_gib"] * 1024) < 2
+    assert not any(name.startswith(("if ", "<")) for name in phases)  # warnings' source lines, a sample's tags
+    assert record["summary"]["steps"] == 3 and f"set in phase {record['peak_set_in']!r}" in proc.stdout
+
+
+@pytest.mark.slow
 def test_host_memory_bench_writes_peak_slope_and_step_times_per_variant(tmp_path, tiny_model_dir):
     from lowvram_grpo.run.allocator import mimalloc_library
 

@@ -162,9 +162,14 @@ DEFAULT_JOB = REPO / "bench" / "results" / "default_job"  # bench.default_job_se
 
 
 def _machines(records) -> str:
-    """'an AMD EPYC, an Intel Xeon and an Intel Xeon with AMX': the machines of the records, as the README names them."""
-    names = [f"an {re.search(r'(AMD EPYC|Intel Xeon)', r['machine']).group(1)}" + (" with AMX" if "AMX" in r["machine"] else "")
+    """'two AMD EPYCs, an Intel Xeon and an Intel Xeon with AMX': the machines of the records, as the README names
+    them (kinds in the records' order; two records of one kind, two CPU generations under one name, counted)."""
+    kinds = [re.search(r"(AMD EPYC|Intel Xeon)", r["machine"]).group(1) + (" with AMX" if "AMX" in r["machine"] else "")
              for r in records]
+    counts = {kind: kinds.count(kind) for kind in kinds}  # first-seen order
+    words = {2: "two", 3: "three", 4: "four"}
+    names = [f"an {kind}" if n == 1 else f"{words[n]} {kind.replace(' with', 's with', 1) if ' with' in kind else kind + 's'}"
+             for kind, n in counts.items()]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
@@ -214,7 +219,7 @@ def _readme_results() -> dict[str, str]:
         "step": f"({min(steps):.1f}-{max(steps):.1f} s a GRPO step;",
         "accuracy": f"held-out accuracy {_range(of('before'), 2, same=True)} before, {_range(of('primed'), 2)} primed, "
                     f"{_range(of('after'), 2)} after on those machines",
-        "seeds": f"seeds 3407, 1 and 2 on the EPYC ended at {_range([r['after'] for r in preset], 2)} after GRPO, "
+        "seeds": f"seeds 3407, 1 and 2 on the slower EPYC ended at {_range([r['after'] for r in preset], 2)} after GRPO, "
                  + ", ".join(_change(r["paired_grpo"]) for r in preset[:2])
                  + f" and {_change(preset[2]['paired_grpo'])} past priming",
         "gain": f"(+{min(gains):.2f} to +{max(gains):.2f}, paired p < {bound:g})",
