@@ -85,6 +85,9 @@ def test_the_effective_settings_line_names_the_variants():
     corrected = describe_effective({"trainer": "GRPOTrainer", "changed": {},
                                     "settings": {**settings, "vllm_importance_sampling_correction": True}})
     assert "vllm_importance_sampling_correction=True (sequence_mask)" in corrected  # our loop's correction is named
+    from_loss = describe_effective({"trainer": "GRPOTrainer", "changed": {}, "settings": {
+        **settings, "vllm_importance_sampling_correction": True, "is_ratio_from_loss": True}})
+    assert "vllm_importance_sampling_correction=True (sequence_mask, trainer log-probs from the loss)" in from_loss
     assert line.startswith("GRPO as the trainer runs it: trainer=GRPOTrainer loss_type=dapo ")
     for part in ("epsilon_high=0.28", "importance_sampling_level=sequence", "mask_truncated_completions=True",
                  "top_entropy_quantile=0.2", "dynamic_sampling=on(max_draws=3)"):

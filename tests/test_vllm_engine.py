@@ -287,7 +287,8 @@ def test_grpo_trains_with_vllm_rollouts_and_a_sync_every_step(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["before"]["n"] == summary["after"]["n"] == 2  # the evaluation sampled through vLLM
     assert "starting the vLLM engine" in log
-    assert "vllm_importance_sampling_correction=True (sequence_mask)" in log  # our engine keeps TRL's correction
+    # our engine keeps TRL's correction, the trainer's side from the loss's own forward (train.is_logprobs=auto)
+    assert "vllm_importance_sampling_correction=True (sequence_mask, trainer log-probs from the loss)" in log
     assert "IS correction on (sequence_mask): auto -> on: our vLLM engine samples" in log  # resolve's decision
     assert summary["resolved"]["is_correction"] is True
     report = (out / "report.md").read_text()  # the sampling metrics in the report too
