@@ -526,7 +526,7 @@ def choose_is_correction(config: RunConfig, generation: str, strict: bool = True
 
 def choose_is_logprobs(config: RunConfig, is_on: bool, backend: str, strict: bool = True) -> bool:
     """Whether the correction's trainer log-probs come from the loss's own forward (train.is_logprobs: auto | loss |
-    forward): training.ratio_from_loss.RatioFromLoss on TRL's own trainer, instead of TRL 1.15's extra no-grad forward
+    forward): training.trl_compat.RatioFromLoss on TRL's own trainer, instead of TRL 1.15's extra no-grad forward
     of the rollout batch. The same numbers: GRPOConfig here keeps num_iterations=1 and steps_per_generation =
     gradient_accumulation_steps (one optimizer step per generation), so the weights that score the rollouts at
     generation are those of the loss. auto = the loss's forward on the hf backend with the correction on; unsloth's
@@ -775,7 +775,8 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         decode_loop=decode_loop, decode_sampler=decode_sampler, decode_merge_lora=decode_merge, decode_fused=decode_fused,
         decode_weights=decode_weights,
         validation_every=validation_every, is_correction=is_on, is_mode=is_mode, is_reason=is_reason,
-        is_from_loss=is_from_loss, decode_graphs=graphs, decode_graphs_reason=graphs_reason, kv_cache_dtype=kv_dtype, kv_cache_reason=kv_reason,
+        is_from_loss=is_from_loss, decode_graphs=graphs, decode_graphs_reason=graphs_reason, kv_cache_dtype=kv_dtype,
+        kv_cache_reason=kv_reason,
         notes=tuple(notes), plan=run_plan(config),
     )
     if plan_decides:  # auto on sm80+ with unsloth's engine: fp8 where the plan's 16-bit KV cache is short
