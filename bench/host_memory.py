@@ -12,7 +12,9 @@ a time, differing only in their environment (`LOWVRAM_GRPO_HOST_MEMORY`, lowvram
 - `trim`:      glibc malloc_trim(0) after each priming step, GRPO step and held-out batch
 - `head+trim`: both (the package's default)
 - `head+trim+mimalloc`: both, on mimalloc (`memory.host_allocator`, lowvram_grpo/run/allocator.py): the
-               package's default on a CPU run; `release()` is then mimalloc's `mi_collect(true)`
+               package's default on a CPU run until issue 51; `release()` is then mimalloc's `mi_collect(true)`
+- `head+trim+kernel_cache+mimalloc`: that, with oneDNN's and ideep's per-shape kernel caches capped at 8 entries
+               (host_memory.limit_kernel_caches): the package's default on a CPU run now
 - `head+mimalloc`: the head fix on mimalloc, no collection at the boundaries
 - `head+mmap1m`, `head+mmap4m`: glibc alternatives to trimming (`MALLOC_MMAP_THRESHOLD_` fixed at 1 or 4
                MiB: larger blocks are mmapped and unmapped when freed, never spread the heap)
@@ -69,6 +71,8 @@ VARIANTS = {
     # the package's default on a CPU run: both, on mimalloc (allocator.py)
     "head+trim+mimalloc": Variant("head,trim", "mimalloc"),
     "head+mimalloc": Variant("head", "mimalloc"),
+    # issue 51: the default now, the per-shape kernel caches capped (host_memory.limit_kernel_caches)
+    "head+trim+kernel_cache+mimalloc": Variant("head,trim,kernel_cache", "mimalloc"),
     # tried as alternatives to malloc_trim on glibc (both with the head fix):
     "head+mmap1m": Variant("head", env=(("MALLOC_MMAP_THRESHOLD_", "1048576"),)),
     "head+mmap4m": Variant("head", env=(("MALLOC_MMAP_THRESHOLD_", "4194304"),)),

@@ -20,7 +20,7 @@ tiny Llama and SmolLM2. None of those is replaced. What stands in for what, prec
   load that must not happen on bad input (test_bad_inputs), a call of a phase paused so a signal lands in
   it (test_stops' driver);
 - size knobs shrunk so a small run shows the large case: gpu_first_run.SHARD_BYTES, the log-prob
-  fallback's CHUNK_ELEMENTS.
+  fallback's HOST_CHUNK_ELEMENTS.
 """
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ def test_release_returns_freed_heap_pages_to_the_os(monkeypatch):
 def test_off_turns_both_off(monkeypatch, tiny_model_dir):
     monkeypatch.setenv("LOWVRAM_GRPO_HOST_MEMORY", "off")
     assert host_memory.release() is False
-    assert not host_memory.enabled("head") and not host_memory.enabled("trim")
+    assert not any(host_memory.enabled(feature) for feature in host_memory.FEATURES)
     monkeypatch.setenv("LOWVRAM_GRPO_HOST_MEMORY", "trim")
     assert host_memory.enabled("trim") and not host_memory.enabled("head")
 
@@ -97,3 +97,57 @@ def test_the_trainer_releases_after_each_step(tmp_path, tiny_model_dir, monkeypa
     trainer.train()
     assert trainer.state.global_step == 2
     assert released_at == [1, 2]
+
+
+_KERNEL_CACHE_PROBE = """
+import torch
+from lowvram_grpo.model.backends import load_model
+from lowvram_grpo.settings.config import load_config
+from lowvram_grpo.settings.hardware import detect
+from lowvram_grpo.settings.resolve import resolve
+
+load_model(resolve(load_config("tiny"), detect(), "hf"))  # the product's path: the cap is set as the model loads
+weight = torch.randn(64, 64, dtype=torch.bfloat16)
+for rows in [5] + list(range(6, 30)) + [5]:  # one shape, 24 others, the first again
+    (torch.randn(rows, 64, dtype=torch.bfloat16) @ weight).sum()
+"""
+
+
+def _probe_creations(env_update: dict) -> list:
+    """oneDNN's primitive creations of the probe's first shape (5x64:64x64), in order: cache_miss or cache_hit."""
+    import subprocess
+
+    env = {**os.environ, "ONEDNN_VERBOSE": "2", **env_update}
+    env = {k: v for k, v in env.items() if v is not None}
+    out = subprocess.run([sys.executable, "-c", _KERNEL_CACHE_PROBE], env=env, capture_output=True, text=True,
+                         timeout=600, check=True).stdout
+    return [line.split(",")[3].split(":")[1] for line in out.splitlines()
+            if line.startswith("onednn_verbose") and ",primitive,create:" in line and ",5x64:64x64," in line]
+
+
+def test_loading_the_model_caps_onednns_kernel_cache(tiny_model_dir):
+    """A fresh process that loads a model through load_model keeps 8 oneDNN primitives: the first shape is built
+    again after 24 others. With the cap off (LOWVRAM_GRPO_HOST_MEMORY without kernel_cache), or a size the user set,
+    oneDNN's own 1024 keep it. Each in its own process: oneDNN reads the size once, at its first primitive."""
+    unset = dict.fromkeys(host_memory.KERNEL_CACHE_ENVS)
+    capped = _probe_creations({"LOWVRAM_GRPO_HOST_MEMORY": None, **unset})
+    if not capped:
+        pytest.skip("bf16 matmuls do not run through oneDNN on this CPU (the cap has nothing to act on)")
+    assert capped == ["cache_miss", "cache_miss"]
+    assert _probe_creations({"LOWVRAM_GRPO_HOST_MEMORY": "head,trim", **unset}) == [
+        "cache_miss", "cache_hit"]
+    assert _probe_creations({"LOWVRAM_GRPO_HOST_MEMORY": None, **unset, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}) == [
+        "cache_miss", "cache_hit"]
+
+
+def test_limit_kernel_caches_keeps_the_users_value_and_the_switch(monkeypatch):
+    monkeypatch.delenv("LOWVRAM_GRPO_HOST_MEMORY", raising=False)
+    environ = {}
+    assert host_memory.limit_kernel_caches(environ) == ["ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"]
+    assert environ == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "8", "LRU_CACHE_CAPACITY": "8"}
+    environ = {"LRU_CACHE_CAPACITY": "256"}
+    assert host_memory.limit_kernel_caches(environ) == ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
+    assert environ == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "8", "LRU_CACHE_CAPACITY": "256"}
+    monkeypatch.setenv("LOWVRAM_GRPO_HOST_MEMORY", "head,trim")
+    environ = {}
+    assert host_memory.limit_kernel_caches(environ) == [] and environ == {}

@@ -18,7 +18,7 @@ def _reference(hidden, weight, bias, targets, temperature, softcap, scale):
 
 @pytest.mark.parametrize("softcap,scale,use_bias", [(None, 1.0, False), (30.0, 0.5, True)])
 def test_matches_full_logits_values_and_gradients(monkeypatch, softcap, scale, use_bias):
-    monkeypatch.setattr(lf, "CHUNK_ELEMENTS", 3 * 50)  # force several chunks of 3 rows
+    monkeypatch.setattr(lf, "HOST_CHUNK_ELEMENTS", 3 * 50)  # force several chunks of 3 rows (a CPU tensor)
     torch.manual_seed(0)
     hidden = torch.randn(10, 16, requires_grad=True)
     weight = torch.randn(50, 16, requires_grad=True)

@@ -32,8 +32,9 @@ def prepare_backend(name: str) -> None:
 
 def load_model(resolved, log=print) -> ModelHandle:
     """Build the PEFT model for the resolved settings (after `prepare_backend(resolved.backend)`)."""
-    from lowvram_grpo.run.host_memory import contiguous_head_input  # loads transformers
+    from lowvram_grpo.run.host_memory import contiguous_head_input, limit_kernel_caches  # loads transformers
 
+    limit_kernel_caches()  # before the first bf16 matmul: 8 kernels kept per cache, not 1024 (host_memory.py)
     if resolved.backend == "unsloth":
 
         handle = unsloth_backend.load_model(resolved, log)

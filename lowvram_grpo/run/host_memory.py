@@ -1,6 +1,6 @@
 """Host (CPU RAM) memory: keep the process's resident memory flat over a run.
 
-Two causes of a CPU run's peak RSS, and what this module does about each (measured per variant by
+Three causes of a CPU run's peak RSS, and what this module does about each (measured per variant by
 `bench/host_memory.py`; the figures: docs/results.md, "Host memory over the default job"):
 
 1. **A [batch, hidden, vocab] copy in every generation prefill.** transformers' causal-LM head gets the last
@@ -18,9 +18,19 @@ Two causes of a CPU run's peak RSS, and what this module does about each (measur
    batch. Within a step glibc's heap still spreads; the cure for that is the allocator itself: a CPU run starts
    on mimalloc (allocator.py, `memory.host_allocator`).
 
+3. **Compiled kernels kept for every shape.** bf16 matmuls on a CPU run through oneDNN, which caches one
+   primitive per problem shape, and PyTorch's ideep layer over it keeps its own per-shape cache; 1024 entries each
+   by default. Every GRPO step brings new prompt and completion lengths, so these caches, not the allocator, made
+   the RSS between steps creep (~+4.5 MB a step over the default job) and a step's peak with it.
+   `limit_kernel_caches` caps both at KERNEL_CACHE_CAPACITY entries when the model loads
+   (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`, `LRU_CACHE_CAPACITY`): each is read once, when the first matmul builds its
+   cache, so the cap holds in a process that has not run a bf16 matmul yet (the CLI's, a fresh kernel's); a
+   value the user set is kept. Measured: docs/results.md, "Host memory" (peak RSS and step time).
+
 No-ops where they do not apply: `release()` on another allocator (macOS, musl) returns False; the hook only
-acts on non-contiguous 3-D CPU inputs. `LOWVRAM_GRPO_HOST_MEMORY` turns them off for comparison: a
-comma list of what stays on (`trim`, `head`; default both), `off` or empty for neither.
+acts on non-contiguous 3-D CPU inputs; the cache cap on a float32 CPU (MKL, not oneDNN) or a GPU run.
+`LOWVRAM_GRPO_HOST_MEMORY` turns them off for comparison: a comma list of what stays on (`trim`, `head`,
+`kernel_cache`; default all), `off` or empty for none.
 """
 from __future__ import annotations
 
@@ -31,11 +41,13 @@ from transformers import TrainerCallback
 from lowvram_grpo.model import internals
 from lowvram_grpo.run import allocator
 
-FEATURES = ("trim", "head")
+FEATURES = ("trim", "head", "kernel_cache")
+KERNEL_CACHE_ENVS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's, PyTorch's ideep layer's
+KERNEL_CACHE_CAPACITY = 8  # entries kept in each: shapes rebuilt when they come back, at no step time measured
 
 
 def enabled(feature: str) -> bool:
-    """Whether `feature` (trim | head) is on: LOWVRAM_GRPO_HOST_MEMORY lists those on (default: all)."""
+    """Whether `feature` (trim | head | kernel_cache) is on: LOWVRAM_GRPO_HOST_MEMORY lists those on (default: all)."""
     value = os.environ.get("LOWVRAM_GRPO_HOST_MEMORY")
     if value is None:
         return True
@@ -73,3 +85,13 @@ def contiguous_head_input(model) -> bool:
     head.register_forward_pre_hook(_contiguous_input)
     internals.set_mark(head, "contiguous_input", True)
     return True
+
+
+def limit_kernel_caches(environ=os.environ) -> list:
+    """Cap the per-shape kernel caches (cause 3 above) whose size the user did not set: the variables set here."""
+    if not enabled("kernel_cache"):
+        return []
+    names = [name for name in KERNEL_CACHE_ENVS if name not in environ]
+    for name in names:
+        environ[name] = str(KERNEL_CACHE_CAPACITY)
+    return names

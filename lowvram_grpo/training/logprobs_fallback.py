@@ -17,7 +17,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 OUTPUT_NAMES = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-CHUNK_ELEMENTS = 8 * 1024 * 1024  # logits elements per chunk: 32 MB of fp32
+CHUNK_ELEMENTS = 8 * 1024 * 1024  # logits elements per chunk on an accelerator: 32 MB of fp32 (memory_terms)
+# on a CPU: 8 MB of fp32 per chunk. Host RAM is the tight budget there: a chunk's logits, softmax and gradients
+# (~6 fp32 copies) set the GRPO step's peak RSS; 2M elements took ~100 MiB off the default job's peak, the same
+# numbers bit for bit, no step time the bench could see (docs/results.md, "Host memory")
+HOST_CHUNK_ELEMENTS = 2 * 1024 * 1024
 
 
 def _logits(hidden, weight, bias, inv_t: float, softcap, logit_scale: float):
@@ -62,7 +66,8 @@ def torch_chunked_logprobs(hidden, weight, bias, targets, temperature, chunk_siz
         bias = bias.to(hidden.dtype) if bias is not None else None
     inv_t = 1.0 / temperature
     want_entropy = "entropy" in outputs
-    rows = max(1, CHUNK_ELEMENTS // max(1, weight.shape[0]))
+    elements = HOST_CHUNK_ELEMENTS if hidden.device.type == "cpu" else CHUNK_ELEMENTS
+    rows = max(1, elements // max(1, weight.shape[0]))
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     log_probs, entropy, extras = [], [], []
     for start in range(0, hidden.shape[0], rows):
