@@ -719,3 +719,69 @@ def test_lora_on_a_layer_other_than_a_linear_is_sampled_unmerged_and_exactly():
         torch.manual_seed(9)
         theirs = _plain_generate(model, **kwargs)
     assert model._lowvram_decode_calls == 1 and torch.equal(ours, theirs)
+
+
+def test_merged_copies_are_reused_while_the_adapter_holds_and_freed_by_a_training_forward():
+    """Sampled calls on the fused layers merge once while the adapter is unchanged: the next call reads the same
+    copies and samples what a fresh merge samples. A no-grad forward leaves them; a forward with gradients (a training
+    step) frees them. After a real optimizer step, an optimizer that writes through `.data` (no version bump), a load
+    of adapter weights, or with the adapter off, the next call merges anew and samples exactly what a model that never
+    held copies samples."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    from lowvram_grpo.model import fused_decode
+
+    model = _tiny_peft("llama", dtype=torch.bfloat16)
+    decoding.install(model, decoding.DecodeSettings(loop="lowvram", sampler="inverse_cdf", merge_lora=True, fused=True))
+    inner = model.get_base_model()
+    kwargs = dict(input_ids=_IDS, attention_mask=_MASK, max_new_tokens=6, do_sample=True, top_k=0, pad_token_id=0,
+                  eos_token_id=None)
+
+    def sample():
+        torch.manual_seed(3)
+        return model.generate(**kwargs)
+
+    def held():
+        return fused_decode._MERGED[inner][1] if inner in fused_decode._MERGED else None
+
+    def fresh_merge(previous):  # the next call merges anew and samples what a model without held copies samples
+        out = sample()
+        assert held() is not None and held() is not previous
+        fused_decode._MERGED.pop(inner)
+        assert torch.equal(sample(), out)
+        return out
+
+    first = sample()
+    copies = held()
+    assert copies is not None and torch.equal(sample(), first) and held() is copies
+    with torch.no_grad():
+        model(input_ids=_IDS, attention_mask=_MASK)
+    assert held() is copies
+    model.train()
+    loss = model(input_ids=_IDS, attention_mask=_MASK).logits.float().pow(2).mean()
+    assert held() is None  # freed as the training forward starts
+    model.eval()
+    assert torch.equal(sample(), first)
+    copies = held()
+    loss.backward()
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=100.0).step()
+    fresh_merge(copies)
+    assert not torch.equal(held()[0]["qkv"][0], copies[0]["qkv"][0])  # the step moved the merged weights
+
+    class DataWriter(torch.optim.Optimizer):  # writes through .data: the tensors' version counters do not move
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.data.mul_(0.5)
+    copies = held()
+    DataWriter([p for p in model.parameters() if p.requires_grad], {}).step()
+    fresh_merge(copies)
+
+    weights = {name: tensor * 2 for name, tensor in get_peft_model_state_dict(model).items()}
+    copies = held()
+    set_peft_model_state_dict(model, weights)
+    fresh_merge(copies)
+
+    copies = held()
+    with model.disable_adapter():
+        fresh_merge(copies)

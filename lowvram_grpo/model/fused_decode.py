@@ -100,6 +100,94 @@ def _merged(module):
     return merged_weight(module), bias
 
 
+_MERGED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # inner model -> (_merged_key, merged_copies)
+_HOOKED: "weakref.WeakSet" = weakref.WeakSet()  # models whose body frees their merged copies (_hook_body)
+_optimizer_steps = [0, None]  # optimizer steps taken in this process, the hook's handle (_count_optimizer_steps)
+
+
+def _count_optimizer_steps() -> None:
+    """Count every optimizer step in this process (torch's global post-step hook; bitsandbytes' optimizers too): a
+    step that writes an adapter weight past its version counter still changes _merged_key."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    if _optimizer_steps[1] is None:
+        def count(optimizer, args, kwargs):
+            _optimizer_steps[0] += 1
+        _optimizer_steps[1] = register_optimizer_step_post_hook(count)
+
+
+def _merged_key(inner) -> tuple:
+    """What merged_copies depend on: the optimizer steps taken, and per projection (and the head) its base weight's
+    storage and version, PEFT's merged / disabled flags, and each active adapter's name, A and B storage and version
+    (torch's in-place write counter: an optimizer step, a load_state_dict) and scaling."""
+    modules = [m for layer in inner.model.layers for group in _groups(layer).values() for m in group]
+    modules.append(inner.get_output_embeddings())
+    state = []
+    for module in modules:
+        base = _base_layer(module).weight
+        entry = [base.data_ptr(), internals.tensor_version(base), bool(getattr(module, "merged", False)),
+                 bool(getattr(module, "disable_adapters", False))]
+        for name in getattr(module, "active_adapters", ()) if hasattr(module, "lora_A") else ():
+            if name in module.lora_A:
+                a, b = module.lora_A[name].weight, module.lora_B[name].weight
+                entry += [name, a.data_ptr(), internals.tensor_version(a), b.data_ptr(), internals.tensor_version(b),
+                          float(module.scaling[name])]
+        state.append(tuple(entry))
+    return _optimizer_steps[0], tuple(state)
+
+
+def _hook_body(inner) -> None:
+    """Once per model: a forward pre-hook on its decoder body (every forward of the trainer and of priming passes it;
+    the fused layers do not) that frees the merged copies when the forward has gradients (a training step), so they
+    never sit beside a step's activations; no-grad forwards (held-out answers, log-probs) leave them."""
+    if inner in _HOOKED:
+        return
+    owner = weakref.ref(inner)
+
+    def drop(body, args):
+        import torch
+
+        model = owner()
+        if torch.is_grad_enabled() and model is not None:
+            _MERGED.pop(model, None)
+
+    inner.model.register_forward_pre_hook(drop)
+    _HOOKED.add(inner)
+
+
+def merged_copies(inner) -> dict:
+    """FusedLayers' merged weights for `inner`: layer index -> {qkv, o, gate_up, down: (weight, bias or None)}, and
+    'head' -> (weight, bias); each a new tensor of PEFT's W + ΔW (merged_weight), q/k/v and gate/up concatenated.
+    Built on the first sampled call and reused by the next ones while the adapter is unchanged (_merged_key: no
+    optimizer step, no write, no switch since): the rollouts of one step (dynamic sampling's draws, a tool run's
+    turns) share one merge. Freed by the next training forward (_hook_body) or replaced when the key changes (the
+    old copies first: one set alive at most)."""
+    import torch
+
+    _count_optimizer_steps()
+    key = _merged_key(inner)
+    held = _MERGED.get(inner)
+    if held is not None and held[0] == key:
+        return held[1]
+    _MERGED.pop(inner, None)
+    copies = {}
+    with torch.no_grad():
+        for index, layer in enumerate(inner.model.layers):
+            groups = _groups(layer)
+            q, k, v = (_merged(m) for m in groups["qkv"])
+            gate, up = (_merged(m) for m in groups["gate_up"])
+            copies[index] = dict(qkv=(torch.cat([q[0], k[0], v[0]]),                          # [(H + 2 KV) D, hidden]
+                                      _cat_bias([q[1], k[1], v[1]], [q[0], k[0], v[0]])),
+                                 o=_merged(groups["o"][0]),
+                                 gate_up=(torch.cat([gate[0], up[0]]),                          # [2 intermediate, hidden]
+                                          _cat_bias([gate[1], up[1]], [gate[0], up[0]])),
+                                 down=_merged(groups["down"][0]))
+        copies["head"] = _merged(inner.get_output_embeddings())
+    _MERGED[inner] = (key, copies)
+    _hook_body(inner)
+    return copies
+
+
 def _cat_bias(biases, weights):
     import torch
 
@@ -170,20 +258,14 @@ class FusedLayers:
         self.layers = []
         dtype = body.embed_tokens.weight.dtype
         device = body.embed_tokens.weight.device
+        merged = merged_copies(inner) if weights == "bf16" and not unmerged else None  # held while the adapter holds
         for index, layer in enumerate(body.layers):
             attention = layer.self_attn
             groups = _groups(layer)
-            if weights == "int8" or unmerged:  # the base packed already, or read in place: nothing merged here
+            if merged is None:  # the base packed already (int8), or read in place (unmerged): nothing merged here
                 fused = {name: (None, None) for name in groups}
             else:
-                q, k, v = (_merged(m) for m in groups["qkv"])
-                gate, up = (_merged(m) for m in groups["gate_up"])
-                fused = dict(qkv=(torch.cat([q[0], k[0], v[0]]),                           # [(H + 2 KV) D, hidden]
-                                  _cat_bias([q[1], k[1], v[1]], [q[0], k[0], v[0]])),
-                             o=_merged(groups["o"][0]),
-                             gate_up=(torch.cat([gate[0], up[0]]),                           # [2 intermediate, hidden]
-                                      _cat_bias([gate[1], up[1]], [gate[0], up[0]])),
-                             down=_merged(groups["down"][0]))
+                fused = merged[index]
             packed = {name: pack((index, name), *fused[name], groups[name]) for name in groups}
             self.layers.append(dict(
                 norm1=(layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon),
@@ -195,7 +277,7 @@ class FusedLayers:
             ))
         self.final_norm = (body.norm.weight.detach(), body.norm.variance_epsilon)
         head = inner.get_output_embeddings()
-        self.head = pack("head", *((None, None) if weights == "int8" or unmerged else _merged(head)), (head,))
+        self.head = pack("head", *(merged["head"] if merged is not None else (None, None)), (head,))
 
     def forward(self, ids, positions, start: int, mask):
         """Logits of the last position [B, V] for tokens `ids` [B, T] at `positions` [B, T], written to cache

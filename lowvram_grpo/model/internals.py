@@ -20,7 +20,7 @@ missing one raises BackendError saying to install the pinned versions; `missing_
   dynamic int8 linear on x86), public names but on their way out, so reached here like the private ones
   (fused_decode.FusedLayers with decode.weights=int8; bench/int8_matmul.py measured it).
 - `tensor_version(tensor)`: torch's in-place write counter `Tensor._version` (fused_decode's int8 base: repacked when a
-  base weight was written).
+  base weight was written; its merged copies: merged again when a base or adapter weight was written).
 - `mark_requested_float32(model, value)`: unsloth's `_unsloth_user_float32` (model.unsloth_backend).
 - `replace_generate(model, fn)` / `restore_generate(model, own)`: a model's `generate` replaced on the instance (our
   decode loop, decoding.install; the sampler's log-probs, trl_compat.ModelSampler).
@@ -47,7 +47,7 @@ REACHES = (
     ("torch", "", "quantize_per_channel"),      # deprecated in torch 2.13 (the quantized API): decode.weights=int8
     ("torch", "ops.quantized", "linear_prepack"),
     ("torch", "ops.quantized", "linear_dynamic"),
-    ("torch", "Tensor", "_version"),           # fused_decode.int8_base's key
+    ("torch", "Tensor", "_version"),           # fused_decode's keys: int8_base, merged_copies
 )
 MARKS = ("decode", "decode_calls", "logprobs", "contiguous_input")
 UNSLOTH_FLOAT32 = "_unsloth_user_float32"  # unsloth 2026.10.9: loader.py sets it, UnslothGRPOTrainer.__init__ reads it
