@@ -96,6 +96,22 @@ def test_rss_timeline_names_the_phase_that_set_a_real_runs_peak(tmp_path, tiny_m
     assert record["summary"]["steps"] == 3 and f"set in phase {record['peak_set_in']!r}" in proc.stdout
 
 
+def test_merge_reuse_times_both_calls_on_the_same_tokens(tmp_path, tiny_model_dir):
+    """bench/merge_reuse.py on the tiny model with the fused layers and the adapter merged: both calls sample the same
+    tokens, each has a time, and the ratio is reuse over merge."""
+    out = tmp_path / "merge.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.merge_reuse", "--preset", "tiny", "--tokens", "3", "--repeats", "2", "--out",
+         str(out), "--set", "decode.loop=lowvram", "--set", "decode.merge_lora=true", "--set", "decode.fused=true"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert record["same_tokens"] is True and "merged" in record["decode"] and "fused" in record["decode"]
+    assert record["merge_ms"] > 0 and record["reuse_ms"] > 0 and len(record["all_ms"]["merge"]) == 2
+    assert abs(record["reuse_vs_merge"] - record["reuse_ms"] / record["merge_ms"]) < 0.01
+
+
 @pytest.mark.slow
 def test_host_memory_bench_writes_peak_slope_and_step_times_per_variant(tmp_path, tiny_model_dir):
     from lowvram_grpo.run.allocator import mimalloc_library

@@ -26,8 +26,10 @@ without its per-token machinery. Its levers, each one setting of `decode:`:
   projections' weights once more while it generates (2 bytes a parameter in bf16).
 - `fused`: sampled tokens through fused_decode.py's Llama-family layers (~30 ops a layer instead of transformers'
   ~500) where the architecture is covered and the adapter is plain LoRA; else the loop above. With `merge_lora`:
-  the merged copies, q/k/v and gate/up each one matmul; without: the base weights read in place and the adapter
-  added unmerged (fused_decode.UnmergedLinear: no copy of the weights).
+  the merged copies, q/k/v and gate/up each one matmul, reused by the next sampled calls while the adapter is
+  unchanged (fused_decode.merged_copies: dynamic sampling's draws and a tool run's turns share one merge) and freed
+  by the next training forward; without: the base weights read in place and the adapter added unmerged
+  (fused_decode.UnmergedLinear: no copy of the weights).
 - `weights` (opt-in, CPU): 'int8' multiplies the fused layers' base weights, quantized and packed once per model,
   with FBGEMM's dynamic int8 linear and adds the adapter unmerged (fused_decode.Int8Linear); where the fused layers do not run, sampled tokens read
   the model's own weights, said once in the log. 'bf16': the model's own weights (its dtype).
