@@ -109,6 +109,28 @@ def reinstall(model, resolved) -> None:
     decoding.install(model, resolved.decode)
 
 
+def rollout_batch(config, hardware):
+    """(resolved settings, loaded model handle, the encoded rollout batch) of `config` on the hf backend: its first
+    train questions as chat prompts, each repeated num_generations times up to one micro-step's batch, left-padded
+    [batch, prompt] (what a GRPO step's generate call gets). Shared by bench/merge_reuse.py."""
+    from lowvram_grpo.model.backends import load_model, prepare_backend
+    from lowvram_grpo.settings.resolve import resolve
+    from lowvram_grpo.task.data import load_questions, to_prompt_rows
+
+    resolved = resolve(config, hardware, "hf")
+    prepare_backend(resolved.backend)
+    handle = load_model(resolved, log=lambda *_: None)
+    tokenizer = handle.tokenizer
+    train, _ = load_questions(config.data)
+    group, batch = config.train.num_generations, config.train.batch_size
+    rows = to_prompt_rows(train[: max(1, batch // group)], config.data.system_prompt)
+    texts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
+    texts = [t for t in texts for _ in range(group)][:batch]
+    tokenizer.padding_side = "left"
+    encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(handle.model.device)
+    return resolved, handle, encoded
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="smollm2_cpu")
@@ -123,26 +145,14 @@ def main(argv=None) -> int:
 
     import torch
 
-    from lowvram_grpo.model.backends import load_model, prepare_backend
     from lowvram_grpo.settings.config import load_config
-    from lowvram_grpo.task.data import load_questions, to_prompt_rows
     from lowvram_grpo.settings.hardware import detect
     from lowvram_grpo.settings.resolve import resolve
 
     hardware = detect()
     base = load_config(args.preset, args.set)
-    resolved = resolve(base, hardware, "hf")
-    prepare_backend(resolved.backend)
-    handle = load_model(resolved, log=lambda *_: None)
+    resolved, handle, encoded = rollout_batch(base, hardware)
     model, tokenizer = handle.model, handle.tokenizer
-    train, _ = load_questions(base.data)
-    group = base.train.num_generations
-    batch = base.train.batch_size
-    rows = to_prompt_rows(train[: max(1, batch // group)], base.data.system_prompt)
-    texts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
-    texts = [t for t in texts for _ in range(group)][:batch]
-    tokenizer.padding_side = "left"
-    encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     never = model.get_base_model().config.vocab_size + 7  # an eos id no token has: every row runs all tokens
     floor_s, floor_bytes = weight_read_floor(model)
     print(f"[bench] floor: {floor_bytes / 1e6:.0f} MB of weights read in {floor_s * 1e3:.1f} ms "

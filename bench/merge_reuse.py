@@ -3,7 +3,7 @@
     flock /tmp/lowvram-cpu.lock python -m bench.merge_reuse     # writes bench/results/merge_reuse.json
     python -m bench.merge_reuse --tokens 8 --repeats 5 --out X.json
 
-The default preset's model and rollout batch (as bench/decode_step.py sets them up), on the settings resolve()
+The default preset's model and rollout batch (bench/decode_step.rollout_batch), on the settings resolve()
 decides here (the fused layers with the adapter merged, on a bf16 CPU). Two ways to make the same call, alternated,
 best of `--repeats` each, in one process:
 
@@ -37,26 +37,15 @@ def main(argv=None) -> int:
 
     import torch
 
+    from bench.decode_step import rollout_batch
     from lowvram_grpo.model import fused_decode
-    from lowvram_grpo.model.backends import load_model, prepare_backend
     from lowvram_grpo.settings.config import load_config
     from lowvram_grpo.settings.hardware import detect
-    from lowvram_grpo.settings.resolve import resolve
-    from lowvram_grpo.task.data import load_questions, to_prompt_rows
 
     config = load_config(args.preset, args.set)
-    resolved = resolve(config, detect(), "hf")
-    prepare_backend(resolved.backend)
-    handle = load_model(resolved, log=lambda *_: None)
+    resolved, handle, encoded = rollout_batch(config, detect())
     model, tokenizer = handle.model, handle.tokenizer
     inner = model.get_base_model()
-    train, _ = load_questions(config.data)
-    group, batch = config.train.num_generations, config.train.batch_size
-    rows = to_prompt_rows(train[: max(1, batch // group)], config.data.system_prompt)
-    texts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
-    texts = [t for t in texts for _ in range(group)][:batch]
-    tokenizer.padding_side = "left"
-    encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
 
     def call(drop: bool):
         if drop:

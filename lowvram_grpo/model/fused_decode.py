@@ -120,8 +120,7 @@ def _merged_key(inner) -> tuple:
     """What merged_copies depend on: the optimizer steps taken, and per projection (and the head) its base weight's
     storage and version, PEFT's merged / disabled flags, and each active adapter's name, A and B storage and version
     (torch's in-place write counter: an optimizer step, a load_state_dict) and scaling."""
-    modules = [m for layer in inner.model.layers for group in _groups(layer).values() for m in group]
-    modules.append(inner.get_output_embeddings())
+    modules = _projections(inner)
     state = []
     for module in modules:
         base = _base_layer(module).weight
@@ -353,6 +352,12 @@ def _groups(layer) -> dict:
                 gate_up=(mlp.gate_proj, mlp.up_proj), down=(mlp.down_proj,))
 
 
+def _projections(inner) -> list:
+    """Every module the fused layers read a weight of: each layer's projections in _groups' order, then the head."""
+    return [m for layer in inner.model.layers for group in _groups(layer).values() for m in group] + [
+        inner.get_output_embeddings()]
+
+
 def _base_layer(module):
     return module.get_base_layer() if hasattr(module, "get_base_layer") else module
 
@@ -451,8 +456,7 @@ _INT8_BASES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _int8_key(inner) -> tuple:
     """What the packed base depends on: every base weight's storage and version, and whether PEFT merged into it."""
-    modules = [m for layer in inner.model.layers for group in _groups(layer).values() for m in group]
-    modules.append(inner.get_output_embeddings())
+    modules = _projections(inner)
     return tuple((w.data_ptr(), internals.tensor_version(w), bool(getattr(m, "merged", False)))
                  for m in modules for w in [_base_layer(m).weight])
 
