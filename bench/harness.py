@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -103,6 +104,9 @@ def variant_parser(doc: str, variants: str, steps: int, generations: int, out: P
     p.add_argument("--tokens", type=int, default=64, help="max completion tokens (L)")
     p.add_argument("--set", action="append", help="extra config override for every variant")
     p.add_argument("--out", type=Path, default=out)
+    p.add_argument("--rounds", type=int, default=1, help="run the variants this many times, each round in the order "
+                   "opposite the last's (A B, then B A): a variant's figures are the median over its rounds, each "
+                   "round's record kept")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     return p
@@ -118,29 +122,58 @@ def child_argv(variant: str, args, extra: tuple[str, ...] = ()) -> list[str]:
     return argv
 
 
+def combine_rounds(records: list[dict], memory_key: str) -> dict:
+    """One variant's figures over its rounds: the first round's record with step_s and each of parts_s the median
+    over the rounds, the `memory_key` the highest; with more than one round, each round's record under `rounds`
+    (its round, its position in that round's order, the order, its step_s, parts and memory). One round: as run."""
+    if len(records) == 1:
+        return records[0]
+    combined = dict(records[0])
+    combined["step_s"] = round(statistics.median(r["step_s"] for r in records), 3)
+    if isinstance(records[0].get("parts_s"), dict):
+        combined["parts_s"] = {part: round(statistics.median(r["parts_s"][part] for r in records), 3)
+                               for part in records[0]["parts_s"]}
+    combined[memory_key] = max(r[memory_key] for r in records)
+    keep = ("round", "position", "order", "step_s", "parts_s", memory_key, "all_steps_s", "wall_s")
+    combined["rounds"] = [{k: r[k] for k in keep if k in r} for r in records]
+    return combined
+
+
 def bench_variants(module: str, args, child, table, memory: tuple[str, str], references: tuple[str, ...],
-                   extra: tuple[str, ...] = ()) -> int:
+                   extra: tuple[str, ...] = (), headline=None) -> int:
     """A child (`--child`): `child(variant, args)`'s result written for the parent. The parent: each variant of
-    `--variants` in its own process, the report (settings, results, ratios against each of `references` run,
-    on step_s and the `memory` key) written to `--out`, `table(results)` printed. `memory`: (its label, its key)."""
+    `--variants` in its own process (`--rounds` times, each round in the order opposite the last's), the report
+    (settings with the load average before and after, results, ratios against each of `references` run, on step_s
+    and the `memory` key, and what `headline(results)` adds) written to `--out`, `table(results)` printed.
+    `memory`: (its label, its key)."""
     if args.child:
         write_child_result(args.result, child(args.child, args))
         return 0
     label, key = memory
-    results = {}
-    for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
-        results[variant] = r = run_child(module, child_argv(variant, args, extra), f"{variant}: {args.steps} steps")
-        print(f"[bench] {variant}: {r['step_s']} s/step, {label} {r[key]} MB", file=sys.stderr)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    runs: dict[str, list[dict]] = {variant: [] for variant in variants}
+    load_before = os.getloadavg()
+    for round_index in range(max(1, getattr(args, "rounds", 1))):
+        order = variants if round_index % 2 == 0 else variants[::-1]
+        for position, variant in enumerate(order):
+            r = run_child(module, child_argv(variant, args, extra), f"{variant}: {args.steps} steps")
+            runs[variant].append({**r, "round": round_index + 1, "position": position + 1, "order": ",".join(order)})
+            print(f"[bench] {variant}: {r['step_s']} s/step, {label} {r[key]} MB", file=sys.stderr)
+    results = {variant: combine_rounds(records, key) for variant, records in runs.items()}
     report = {
         "command": command_line(module),
         "settings": {"preset": args.preset, "model": "SmolLM2-135M-Instruct", "generations": args.generations,
                      "max_completion_tokens": args.tokens, "steps": args.steps, "counted_steps": max(1, args.steps - 1),
-                     **machine(), "extra": args.set or []},
+                     "rounds": max(1, getattr(args, "rounds", 1)), **machine(), "extra": args.set or [],
+                     "loadavg_before": [round(x, 2) for x in load_before],
+                     "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
         **results,
     }
     for ref in references:
         if ref in results:
             report[f"ratios_vs_{ref}"] = ratios(results, ref, ("step_s", key))
+    if headline is not None:
+        report.update(headline(results))
     write_report(args.out, report)
     print(table(results))
     print(f"\nwritten: {args.out}")

@@ -13,6 +13,17 @@ model, prompts, seed and GRPO settings (G completions x L tokens, LoRA r=16 on a
              so it cannot run on a CPU at all without our PyTorch twin (`trl_compat.install_logprob_fallback`).
 - `trl_nogc`: the same plain TRL with gradient checkpointing off (see the README: with it on, TRL's
              train-mode sampling on a CPU decodes without the KV cache's context).
+- `trl_bf16`: plain TRL as a user gets it who passes the model's name: transformers 5 loads the checkpoint in its
+             own dtype (SmolLM2's: bf16), GRPOConfig's own bf16=True autocast, adamw_torch.
+- `trl_fp32`: plain TRL all in float32: weights float32 and bf16=False (no autocast), adamw_torch; what is
+             fastest on a CPU without native bf16, where bf16 is emulated.
+- `trl_8bit`: `trl_fp32` with our optimizer (paged 8-bit AdamW): the same optimizer on both sides.
+- `ours_adamw`, `ours_nogc`: `ours` with train.optim=adamw_torch / memory.gradient_checkpointing=false: what our
+             8-bit optimizer and our gradient checkpointing cost or save in the training half.
+
+The headline (`fastest_plain_trl`, `ratios_vs_fastest_plain_trl`) is taken against the fastest `trl*` variant of
+the same invocation. `--rounds 2` runs the variants in the order given, then reversed; each round's figures are
+kept under the variant's `rounds` (with its position and order), the variant's figures the median over them.
 - `unsloth`: lowvram_grpo's path on the unsloth backend (unsloth's CPU backend here).
 - `ours_int8`: `ours` with decode.weights=int8 (rollouts from the int8 base + the adapter unmerged, the
              importance-sampling correction per token).
@@ -36,11 +47,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import bench_variants, peak_rss_mb, variant_parser
+from bench.harness import bench_variants, peak_rss_mb, ratios, variant_parser
 
 PARTS = ("generate", "rewards", "logps_nograd", "forward", "backward")
 VARIANT_SETS = {"ours_int8": ["decode.weights=int8"],  # a variant's own overrides (before the user's --set)
-                "ours_unmerged": ["decode.merge_lora=false"], "ours_forward": ["train.is_logprobs=forward"]}
+                "ours_unmerged": ["decode.merge_lora=false"], "ours_forward": ["train.is_logprobs=forward"],
+                "ours_adamw": ["train.optim=adamw_torch"], "ours_nogc": ["memory.gradient_checkpointing=false"]}
+# plain TRL's variants: (weights' dtype: None = as transformers loads the checkpoint, GRPOConfig's bf16 autocast,
+# optimizer, gradient checkpointing). bf16=True and gradient checkpointing on are GRPOConfig's own defaults.
+PLAIN_TRL_VARIANTS = {
+    "trl": ("float32", True, "adamw_torch", True),
+    "trl_nogc": ("float32", True, "adamw_torch", False),
+    "trl_bf16": (None, True, "adamw_torch", True),
+    "trl_fp32": ("float32", False, "adamw_torch", True),
+    "trl_8bit": ("float32", False, "paged_adamw_8bit", True),
+}
 GAP_MEAN, GAP_MAX = "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"  # TRL 1.15
 
 
@@ -169,11 +190,13 @@ def build_ours(config, backend: str):
 # the one builder (training.grpo_config_kwargs). Everything else is TRL's default, but for the bench's plumbing.
 SHARED_WITH_PLAIN_TRL = ("learning_rate", "num_generations", "max_completion_length", "temperature", "beta",
                          "max_steps", "seed", "use_cpu")
-PLAIN_TRL = dict(optim="adamw_torch", logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True)
+PLAIN_TRL = dict(logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True)
 
 
-def plain_trl_args(config, output_dir: str, gradient_checkpointing: bool = True):
-    """Plain TRL's GRPOConfig: SHARED_WITH_PLAIN_TRL from our builder, fp32 AdamW, one prompt's group per step."""
+def plain_trl_args(config, output_dir: str, gradient_checkpointing: bool = True, optim: str = "adamw_torch",
+                   bf16: bool = True):
+    """Plain TRL's GRPOConfig: SHARED_WITH_PLAIN_TRL from our builder, `optim` (AdamW in fp32 state by default),
+    GRPOConfig's bf16 autocast (its default) unless `bf16` is False, one prompt's group per step."""
     from trl import GRPOConfig
 
     from lowvram_grpo.settings.hardware import detect
@@ -183,13 +206,12 @@ def plain_trl_args(config, output_dir: str, gradient_checkpointing: bool = True)
     ours = grpo_config_kwargs(resolve(config, detect(), "hf"), Path(output_dir))
     return GRPOConfig(output_dir=output_dir, per_device_train_batch_size=config.train.num_generations,
                       gradient_checkpointing=gradient_checkpointing, **{k: ours[k] for k in SHARED_WITH_PLAIN_TRL},
-                      **PLAIN_TRL)
+                      optim=optim, bf16=bf16, **PLAIN_TRL)
 
 
-def build_plain_trl(config, gradient_checkpointing: bool = True):
-    """What a user writes from TRL's docs: GRPOTrainer + a PEFT LoRA config, fp32, AdamW.
-
-    TRL's GRPOConfig turns gradient checkpointing on by default; `trl_nogc` turns it off."""
+def build_plain_trl(config, variant: str = "trl"):
+    """What a user writes from TRL's docs: GRPOTrainer + a PEFT LoRA config, with the variant's weights' dtype,
+    autocast, optimizer and gradient checkpointing (PLAIN_TRL_VARIANTS)."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -202,9 +224,11 @@ def build_plain_trl(config, gradient_checkpointing: bool = True):
 
     install_logprob_fallback()  # without it TRL 1.15 has no CPU log-prob path at all
     path = resolve_model_path(config.model.name)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    weights, bf16, optim, gradient_checkpointing = PLAIN_TRL_VARIANTS[variant]
+    loaded = {} if weights is None else {"dtype": getattr(torch, weights)}  # None: transformers 5's own ("auto")
+    model = AutoModelForCausalLM.from_pretrained(path, **loaded)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    args = plain_trl_args(config, tempfile.mkdtemp(prefix="bench-trl-"), gradient_checkpointing)
+    args = plain_trl_args(config, tempfile.mkdtemp(prefix="bench-trl-"), gradient_checkpointing, optim, bf16)
     lora = LoraConfig(r=config.lora.r, lora_alpha=config.lora.alpha, target_modules=list(config.lora.target_modules),
                       task_type="CAUSAL_LM")
     torch.manual_seed(config.lora.random_state)
@@ -223,8 +247,8 @@ def child(variant: str, args) -> dict:
 
     config = load_config(args.preset, bench_overrides(args, VARIANT_SETS.get(variant, [])))
     rss_start = peak_rss_mb()
-    if variant.startswith("trl"):
-        trainer = build_plain_trl(config, gradient_checkpointing=variant != "trl_nogc")
+    if variant in PLAIN_TRL_VARIANTS:
+        trainer = build_plain_trl(config, variant)
     else:
         trainer = build_ours(config, "unsloth" if variant == "unsloth" else "hf")
     rss_loaded = peak_rss_mb()
@@ -247,6 +271,10 @@ def child(variant: str, args) -> dict:
         "sample_completions": samples,  # the first completion of each step: is the sampling sane?
         "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
         "optim": str(trainer.args.optim),
+        "weights_dtype": str(next(getattr(trainer.model, "get_base_model", lambda: trainer.model)().parameters()).dtype).replace("torch.", ""),
+        "lora_dtype": next((str(p.dtype).replace("torch.", "") for n, p in trainer.model.named_parameters()
+                            if "lora_" in n), None),
+        "bf16_autocast": bool(trainer.args.bf16),
         "sampler_gap": {"mean_abs_logp_difference": round(statistics.mean(r[GAP_MEAN] for r in gaps), 4),
                         "max_abs_logp_difference": round(max(r[GAP_MAX] for r in gaps), 3)} if gaps else None,
     }
@@ -255,10 +283,22 @@ def child(variant: str, args) -> dict:
 # --------------------------------------------------------------------------- the parent side
 
 
+def fastest_plain_trl(results: dict) -> dict:
+    """The headline: the fastest plain-TRL variant of this run (by median step time) and every variant's step time
+    and peak RSS over its."""
+    plain = [name for name in results if name in PLAIN_TRL_VARIANTS]
+    if not plain:
+        return {}
+    fastest = min(plain, key=lambda name: results[name]["step_s"])
+    return {"fastest_plain_trl": fastest,
+            "ratios_vs_fastest_plain_trl": ratios(results, fastest, ("step_s", "peak_rss_mb"))}
+
+
 def table(results: dict) -> str:
-    trl = results.get("trl")
+    plain = [name for name in results if name in PLAIN_TRL_VARIANTS]
+    trl = results[min(plain, key=lambda name: results[name]["step_s"])] if plain else None
     lines = ["| variant | s/step (median) | generate | rewards | log-probs (no grad) | train forward | backward "
-             "| peak RSS MB | time vs TRL | memory vs TRL | sampler gap mean / max |",
+             "| peak RSS MB | time vs fastest TRL | memory vs fastest TRL | sampler gap mean / max |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         p = r["parts_s"]
@@ -272,9 +312,10 @@ def table(results: dict) -> str:
 
 
 def main() -> int:
-    args = variant_parser(__doc__, "ours,ours_int8,ours_unmerged,ours_forward,trl,trl_nogc,unsloth", steps=4, generations=4,
-                          out=Path(__file__).resolve().parent / "results" / "vs_trl.json").parse_args()
-    return bench_variants("bench.vs_trl", args, child, table, memory=("peak RSS", "peak_rss_mb"), references=("trl",))
+    args = variant_parser(__doc__, "ours,ours_int8,ours_unmerged,ours_forward,trl,trl_nogc,unsloth", steps=4,
+                          generations=4, out=Path(__file__).resolve().parent / "results" / "vs_trl.json").parse_args()
+    return bench_variants("bench.vs_trl", args, child, table, memory=("peak RSS", "peak_rss_mb"), references=("trl",),
+                          headline=fastest_plain_trl)
 
 
 if __name__ == "__main__":
