@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from bench.harness import machine, run_cli
-from lowvram_grpo.training.learning_signals import SAMPLER_GAP_KEY, SAMPLER_GAP_MAX_KEY
+from lowvram_grpo.report.learning_signals import SAMPLER_GAP_KEY, SAMPLER_GAP_MAX_KEY
 
 IS_RATIO_KEY = "sampling/importance_sampling_ratio/mean"  # TRL 1.15's name
 

@@ -41,7 +41,7 @@ from typing import Optional
 
 from bench.gpu_first_run import (FIT_SHARE, RESERVE_S, Kit, KitStopped, _error_line, _summary_of_plan,
                                  device_memory, read_hardware, write_json)
-from lowvram_grpo.run.commands import whole_number_at_least
+from lowvram_grpo.core.commands import whole_number_at_least
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET = {False: "smollm2_cpu", True: "tiny"}   # by --dry
@@ -177,7 +177,7 @@ def run_result(run_dir: Path, part: dict) -> dict:
 
 
 def run_job(args, log=print) -> dict:
-    from lowvram_grpo.run.errors import ConfigError
+    from lowvram_grpo.core.errors import ConfigError
 
     from bench import gpu_stage
 
@@ -334,7 +334,7 @@ _budget = whole_number_at_least(1, " (seconds the job may take, all its phases i
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lowvram_grpo.run.commands import ArgumentParser
+    from lowvram_grpo.core.commands import ArgumentParser
 
     p = ArgumentParser(prog="python -m bench.gpu_default_job", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "gpu_default_job.json"),
@@ -349,8 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from lowvram_grpo.run.commands import guarded
-    from lowvram_grpo.run.errors import ConfigError, TrainingStopped
+    from lowvram_grpo.core.commands import guarded
+    from lowvram_grpo.core.errors import ConfigError, TrainingStopped
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from lowvram_grpo.run.commands import whole_number_at_least
+from lowvram_grpo.core.commands import whole_number_at_least
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2 ** 30
@@ -179,7 +179,7 @@ FACTS_TIMEOUT_S = 180.0  # a child's Python start, torch's import and the CUDA d
 def read_hardware() -> tuple:
     """(hardware.Hardware, {'torch', 'torch_cuda'}) of this machine, read by `hardware.detect()` in a child
     process (FACTS_CHILD), so the calling process opens no CUDA context. Raises LowvramError when the child fails."""
-    from lowvram_grpo.run.errors import LowvramError
+    from lowvram_grpo.core.errors import LowvramError
     from lowvram_grpo.settings.hardware import Hardware
 
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
@@ -463,7 +463,7 @@ def variant_overrides(variant: str, cuda: bool, config) -> tuple[str, list[str]]
 
 
 def _summary_of_plan(resolved) -> dict:
-    from lowvram_grpo.run.errors import PlanError
+    from lowvram_grpo.core.errors import PlanError
     from lowvram_grpo.settings.memory_plan import plan
 
     try:
@@ -492,7 +492,7 @@ def peak_vs_plan(peak_gib: dict, plan_total_gib: float) -> dict:
 
 def measure(job: dict) -> int:
     """A child process: one variant's run, measured per phase; writes job['part']."""
-    from lowvram_grpo.run.commands import guarded
+    from lowvram_grpo.core.commands import guarded
 
     return guarded(lambda: _measure(job))
 
@@ -500,7 +500,7 @@ def measure(job: dict) -> int:
 def _measure(job: dict) -> int:
     import torch
 
-    from lowvram_grpo.run import allocator
+    from lowvram_grpo.core import allocator
     from lowvram_grpo.settings.config import load_config
     from lowvram_grpo.doctor import checkpoint_bytes
     from lowvram_grpo.run.pipeline import GRPORun
@@ -578,7 +578,7 @@ def _measure(job: dict) -> int:
 def decode_graph_record(resolved, stats, steps: list[dict], rows: list[dict]) -> dict:
     """unsloth's decode CUDA graphs in a variant's run: resolve's decision and why, the environment variables unsloth
     reads (UNSLOTH_DECODE_CUDA_GRAPHS: set it to 0 for the same run without graphs), its counters after GRPO
-    (pipeline: trl_compat.decode_graph_stats, CUDA + unsloth backend; None elsewhere), and per step the rollout's time
+    (pipeline: core.internals.decode_graph_stats, CUDA + unsloth backend; None elsewhere), and per step the rollout's time
     per decode step (rollout seconds / the longest completion: one batched forward a token) and per generated token
     (/ all completion tokens of the batch), from the kit's step times and metrics.jsonl (one row a step)."""
     import os
@@ -902,7 +902,7 @@ def settle(args):
     """(config, shape, variants) from the arguments, each refused with one line before anything is built or
     written: the preset with the kit's data settings, its model's shape, the variants in the order they run."""
     from lowvram_grpo.settings.config import load_config
-    from lowvram_grpo.run.errors import ConfigError
+    from lowvram_grpo.core.errors import ConfigError
     from lowvram_grpo.settings.model_shapes import model_shape
 
     config = load_config(args.preset, DATA)
@@ -998,7 +998,7 @@ def prepare(args, tmp: Path, log=print, build=None, hardware=None) -> dict:
 def plan_total(config, backend: str, hardware) -> Optional[float]:
     """memory.plan's total (GiB) for `config` on `hardware` (this machine, read_hardware(); a GPU preset on a CPU:
     any NVIDIA GPU, as the doctor plans it there), or None where no plan can be made."""
-    from lowvram_grpo.run.errors import LowvramError
+    from lowvram_grpo.core.errors import LowvramError
     from lowvram_grpo.settings.hardware import ANY_GPU
     from lowvram_grpo.settings.memory_plan import plan
     from lowvram_grpo.settings.resolve import resolve
@@ -1011,7 +1011,7 @@ def plan_total(config, backend: str, hardware) -> Optional[float]:
 
 
 def run_kit(args, log=print) -> dict:
-    from lowvram_grpo.run import stops
+    from lowvram_grpo.core import stops
 
     out = Path(args.out or REPO / "bench" / "results" / f"gpu_first_run-{Path(args.preset).stem}.json")
     _check_writable("--out", out, file=True)
@@ -1127,7 +1127,7 @@ def run_variant(kit: Kit, prep: dict, variant: str, tmp: Path) -> None:
     try:
         proc = kit.child("measure", job, variant, on_part=partial)
     except BaseException as exc:  # the budget's end, a signal: what it measured so far stays, marked
-        from lowvram_grpo.run import stops
+        from lowvram_grpo.core import stops
 
         row = report["variants"].setdefault(variant, {"finished": False})
         row["stopped"] = "budget" if isinstance(exc, KitStopped) else (
@@ -1148,7 +1148,7 @@ def run_variant(kit: Kit, prep: dict, variant: str, tmp: Path) -> None:
 
 def _check_writable(option: str, path: Path, file: bool) -> None:
     """Refuse, before anything is built, a path the kit could not write."""
-    from lowvram_grpo.run.errors import ConfigError
+    from lowvram_grpo.core.errors import ConfigError
 
     if file and path.is_dir():
         raise ConfigError(f"{option} {path} is a directory: name a .json file")
@@ -1270,7 +1270,7 @@ def _variants(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lowvram_grpo.run.commands import ArgumentParser
+    from lowvram_grpo.core.commands import ArgumentParser
 
     p = ArgumentParser(prog="python -m bench.gpu_first_run", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", required=True, help="the preset whose model shape and settings are measured")
@@ -1290,8 +1290,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from lowvram_grpo.run.commands import guarded
-    from lowvram_grpo.run.errors import TrainingStopped
+    from lowvram_grpo.core.commands import guarded
+    from lowvram_grpo.core.errors import TrainingStopped
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)

@@ -5,13 +5,13 @@
         --variants off,head,trim,head+trim --out bench/results/host_memory_quick.json    # quick breakdown
 
 Each variant is one fresh `python -m lowvram_grpo.run` process (the default preset and its seed), one at
-a time, differing only in their environment (`LOWVRAM_GRPO_HOST_MEMORY`, lowvram_grpo/run/host_memory.py):
+a time, differing only in their environment (`LOWVRAM_GRPO_HOST_MEMORY`, lowvram_grpo/core/host_memory.py):
 
 - `off`:       today's behaviour (neither fix)
 - `head`:      the LM head's input made contiguous (no 432 MB copy per generation prefill)
 - `trim`:      glibc malloc_trim(0) after each priming step, GRPO step and held-out batch
 - `head+trim`: both (the package's default)
-- `head+trim+mimalloc`: both, on mimalloc (`memory.host_allocator`, lowvram_grpo/run/allocator.py): the
+- `head+trim+mimalloc`: both, on mimalloc (`memory.host_allocator`, lowvram_grpo/core/allocator.py): the
                package's default on a CPU run until issue 51; `release()` is then mimalloc's `mi_collect(true)`
 - `head+trim+kernel_cache+mimalloc`: that, with oneDNN's and ideep's per-shape kernel caches capped at 8 entries
                (host_memory.limit_kernel_caches): the package's default on a CPU run now
@@ -148,7 +148,7 @@ def child(result_path: Path, run_args: list[str]) -> int:
 
     threading.Thread(target=sample, daemon=True).start()
     marks: list[dict] = []
-    from lowvram_grpo.run import host_memory
+    from lowvram_grpo.core import host_memory
 
     original = host_memory.release
     phases = {"prime": "prime", "generate_answers": "eval", "on_step_end": "grpo"}
@@ -249,7 +249,7 @@ def run_variant(name: str, args, out_dir: Path) -> dict:
     run_args += ["--set", f"memory.host_allocator={variant.allocator}"]
     run_args += [part for extra in variant.sets for part in ("--set", extra)] + args.run_args
     if variant.allocator == "mimalloc":  # the child runs the CLI's main in its own process: preload as the CLI's restart does
-        from lowvram_grpo.run.allocator import mimalloc_library
+        from lowvram_grpo.core.allocator import mimalloc_library
 
         library = mimalloc_library()
         if library is None:

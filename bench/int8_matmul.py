@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from bench.harness import machine
-from lowvram_grpo.run.commands import ArgumentParser
+from lowvram_grpo.core.commands import ArgumentParser
 
 
 def shapes() -> list[tuple[str, int, int, int]]:

@@ -22,20 +22,25 @@ RAN: dict[tuple[str, str], str] = {}
 
 
 def _fp8_buys(preset: str, card: str) -> str:
-    """The plan's KV cache in sequences of model.max_seq_length tokens, and unsloth_zoo's max_model_len, at 16-bit -> fp8."""
+    """The plan's KV cache in sequences of model.max_seq_length tokens, and unsloth_zoo's max_model_len, at 16-bit -> fp8,
+    on the card with FlashInfer on (an nvcc of torch's CUDA major there): from sm80 vLLM serves an fp8 KV cache through
+    FlashInfer, and with FlashInfer off only on sm90/sm100 (resolve.fp8_kv_refusal)."""
+    import dataclasses
+
     from lowvram_grpo.settings.config import load_config
-    from lowvram_grpo.run.errors import PlanError, ResolveError
+    from lowvram_grpo.core.errors import PlanError, ResolveError
     from lowvram_grpo.settings.hardware import PROFILES
     from lowvram_grpo.settings.memory_terms import estimate
     from lowvram_grpo.settings.resolve import resolve
 
     out = []
+    hardware = dataclasses.replace(PROFILES[card], name="present", nvcc_cuda=(13, 0), torch_cuda="13.0")
     for kv in ("auto", "fp8"):
         try:
             config = load_config(preset, [f"model.kv_cache_dtype={kv}"])
-            r = resolve(config, PROFILES[card])
+            r = resolve(config, hardware)
             if kv == "auto" and r.kv_cache_dtype == "fp8":
-                r = resolve(load_config(preset, [f"model.kv_cache_dtype={r.dtype}"]), PROFILES[card])
+                r = resolve(load_config(preset, [f"model.kv_cache_dtype={r.dtype}"]), hardware)
             plan = estimate(r, r.vram_gib)
         except ResolveError as exc:
             return "-" if kv == "fp8" and "compute capability" in str(exc) else f"refused: {str(exc).split(':')[0]}"
@@ -63,6 +68,8 @@ def _kv_why(reason: str) -> str:
         return "plan short of KV room at 16-bit"
     if "fp8 KV needs sm80+" in reason:
         return "fp8 needs sm80+"
+    if "fp8 KV has no attention backend" in reason:
+        return "fp8: no attention backend here with FlashInfer off"
     if "holds the rollout and evaluation batches" in reason:
         return "16-bit holds the batches"
     return reason
@@ -70,7 +77,7 @@ def _kv_why(reason: str) -> str:
 
 def rows() -> list[list[str]]:
     from lowvram_grpo.settings.config import list_presets, load_config
-    from lowvram_grpo.run.errors import ResolveError
+    from lowvram_grpo.core.errors import ResolveError
     from lowvram_grpo.settings.hardware import PROFILES
     from lowvram_grpo.settings.resolve import model_type_of, resolve
 
@@ -97,7 +104,7 @@ def rows() -> list[list[str]]:
 
 def table() -> str:
     header = ["preset", "card", "generation", "IS correction", "decode graphs", "decode graphs, fast_inference=false",
-              "KV cache (auto)", "fp8 KV buys (plan: 16-bit -> fp8)", "ran"]
+              "KV cache (auto)", "fp8 KV buys (plan: 16-bit -> fp8, FlashInfer on)", "ran"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows()]
     return "\n".join(lines) + "\n"

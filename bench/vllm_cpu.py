@@ -193,7 +193,7 @@ def child(variant: str, args) -> dict:
             handle = None
         else:
             from lowvram_grpo.model.backends import load_model, prepare_backend
-            from lowvram_grpo.model.vllm import start_for_run
+            from lowvram_grpo.training.vllm_rollouts import start_for_run
 
             prepare_backend("hf")
             from lowvram_grpo.training.grpo import build_trainer

@@ -50,9 +50,9 @@ from lowvram_grpo.evaluate.evaluation import (
 from lowvram_grpo.model.backends import load_model, prepare_backend
 from lowvram_grpo.model.vllm import closes_engines_on_error
 from lowvram_grpo.report.run_dir import RunDir
-from lowvram_grpo.run import stops
-from lowvram_grpo.run.commands import ArgumentParser, guarded
-from lowvram_grpo.run.errors import ConfigError, Interrupted, RunDirError
+from lowvram_grpo.core import stops
+from lowvram_grpo.core.commands import ArgumentParser, guarded
+from lowvram_grpo.core.errors import ConfigError, Interrupted, RunDirError
 from lowvram_grpo.run.pipeline import GRPORun
 from lowvram_grpo.settings.config import load_config
 from lowvram_grpo.settings.hardware import detect

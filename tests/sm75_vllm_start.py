@@ -146,7 +146,7 @@ def main(mode: str) -> dict:
         seen = inject(Path(toolkit) / "cuda")
         from lowvram_grpo.model.unsloth_backend import load_model
         from lowvram_grpo.settings.config import load_config
-        from lowvram_grpo.run.errors import EngineStopped
+        from lowvram_grpo.core.errors import EngineStopped
         from lowvram_grpo.settings.hardware import profile
         from lowvram_grpo.settings.resolve import resolve
 

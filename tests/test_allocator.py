@@ -11,9 +11,9 @@ import textwrap
 import pytest
 
 from conftest import REPO, run_cli
-from lowvram_grpo.run import allocator
+from lowvram_grpo.core import allocator
 from lowvram_grpo.settings.config import load_config
-from lowvram_grpo.run.errors import ResolveError
+from lowvram_grpo.core.errors import ResolveError
 from lowvram_grpo.settings.hardware import PROFILES, Hardware
 from lowvram_grpo.settings.resolve import choose_host_allocator, resolve
 
@@ -91,13 +91,13 @@ def test_a_process_not_on_the_resolved_allocator_says_how_to_start_on_it():
 
 _RESTART = textwrap.dedent("""
     import json, os, subprocess, sys
-    from lowvram_grpo.run import allocator
+    from lowvram_grpo.core import allocator
     library = allocator.forget_preload()
     if library is None:
         allocator.restart_with(allocator.mimalloc_library(), [sys.executable, "-c", sys.argv[1], sys.argv[1]])
         print(json.dumps({"restarted": False}))
     else:
-        child = subprocess.run([sys.executable, "-c", "from lowvram_grpo.run import allocator; print(allocator.active())"],
+        child = subprocess.run([sys.executable, "-c", "from lowvram_grpo.core import allocator; print(allocator.active())"],
                                capture_output=True, text=True, check=True).stdout.strip()
         print(json.dumps({"restarted": True, "active": allocator.active(), "release": allocator.release(),
                           "ld_preload": os.environ.get("LD_PRELOAD"), "child": child}))

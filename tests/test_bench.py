@@ -58,7 +58,8 @@ def test_vs_trl_writes_step_times_memory_and_ratios(tmp_path, tiny_model_dir):
         result = report[variant]
         assert result["step_s"] > 0 and result["peak_rss_mb"] > 100
         assert len(result["all_steps_s"]) == 2
-        assert set(result["parts_s"]) == {"generate", "rewards", "logps_nograd", "forward", "backward"}
+        assert set(result["parts_s"]) == {"generate", "rewards", "logps_nograd", "forward", "backward", "optimizer"}
+        assert 0 < result["parts_s"]["optimizer"] < result["step_s"]
         assert result["parts_s"]["generate"] > 0 and result["parts_s"]["backward"] > 0
         assert result["parts_s"]["generate"] <= result["step_s"]  # a part is within its step, never counted twice
     assert report["trl"]["optim"].endswith("ADAMW_TORCH")
@@ -73,6 +74,35 @@ def test_vs_trl_writes_step_times_memory_and_ratios(tmp_path, tiny_model_dir):
         ratio = report["ratios_vs_trl"]["ours"][key]
         assert ratio > 0 and _same_direction(ratio, report["ours"][key], report["trl"][key]), key
     assert "| ours |" in proc.stdout and "| trl |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_vs_trl_takes_the_headline_against_the_fastest_plain_trl_and_keeps_each_rounds_order(tmp_path, tiny_model_dir):
+    """TRL at its best: each plain-TRL variant's dtype, autocast and optimizer as named; the headline ratio against
+    the fastest of them in the same run; two rounds in opposite orders, each round's figure and place kept (a
+    variant asked --once: the first round only)."""
+    out = tmp_path / "vs_trl.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.vs_trl", "--preset", "tiny", "--steps", "2", "--generations", "2", "--tokens", "8",
+         "--variants", "ours,trl_fp32,trl_8bit,trl_bf16", "--rounds", "2", "--once", "trl_bf16", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    plain = ("trl_fp32", "trl_8bit", "trl_bf16")
+    fastest = min(plain, key=lambda name: report[name]["step_s"])
+    assert report["fastest_plain_trl"] == fastest
+    assert report["ratios_vs_fastest_plain_trl"]["ours"]["step_s"] == round(report["ours"]["step_s"]
+                                                                            / report[fastest]["step_s"], 3)
+    assert report["trl_fp32"]["weights_dtype"] == "float32" and not report["trl_fp32"]["bf16_autocast"]
+    assert report["trl_8bit"]["optim"].endswith("PAGED_ADAMW_8BIT") and report["trl_bf16"]["bf16_autocast"]
+    assert report["trl_bf16"]["weights_dtype"] == "float32"  # the tiny checkpoint's own dtype, as transformers loads it
+    ours = report["ours"]["rounds"]
+    assert [(r["round"], r["position"]) for r in ours] == [(1, 1), (2, 3)]  # first, then last of the reversed three
+    assert ours[1]["order"] == "trl_8bit,trl_fp32,ours"
+    assert report["ours"]["step_s"] == round(sum(r["step_s"] for r in ours) / 2, 3)  # the median of two
+    assert "rounds" not in report["trl_bf16"] and report["trl_bf16"]["round"] == 1
+    assert report["settings"]["first_round_only"] == ["trl_bf16"] and len(report["settings"]["loadavg_after"]) == 3
 
 
 @pytest.mark.slow
@@ -114,7 +144,7 @@ def test_merge_reuse_times_both_calls_on_the_same_tokens(tmp_path, tiny_model_di
 
 @pytest.mark.slow
 def test_host_memory_bench_writes_peak_slope_and_step_times_per_variant(tmp_path, tiny_model_dir):
-    from lowvram_grpo.run.allocator import mimalloc_library
+    from lowvram_grpo.core.allocator import mimalloc_library
 
     mimalloc = mimalloc_library() is not None
     out = tmp_path / "host_memory.json"

@@ -13,8 +13,9 @@ import pytest
 import torch
 from conftest import load_handle, perturb_adapter
 
-from lowvram_grpo.model import decoding, fused_decode, internals
-from lowvram_grpo.run.errors import BackendError, ConfigError, ResolveError
+from lowvram_grpo.model import decoding, fused_decode
+from lowvram_grpo.core import internals
+from lowvram_grpo.core.errors import BackendError, ConfigError, ResolveError
 from lowvram_grpo.settings.config import DecodeConfig, load_config
 from lowvram_grpo.settings.hardware import profile
 from lowvram_grpo.settings.resolve import resolve

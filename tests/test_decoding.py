@@ -35,7 +35,7 @@ def _encode(tokenizer, texts):
 # --------------------------------------------------------------------------- the levers as resolved
 
 def test_resolve_decides_the_levers_per_device_and_refuses_what_cannot_hold():
-    from lowvram_grpo.run.errors import ResolveError
+    from lowvram_grpo.core.errors import ResolveError
     from lowvram_grpo.settings.hardware import profile
 
     cpu = resolve(load_config("smollm2_cpu", []), detect(), "hf")
@@ -657,7 +657,7 @@ def test_an_init_adapter_with_an_option_beyond_the_merge_is_refused_when_the_mer
     from transformers import AutoModelForCausalLM
 
     from lowvram_grpo.settings.checks import before_load
-    from lowvram_grpo.run.errors import ConfigError
+    from lowvram_grpo.core.errors import ConfigError
 
     folder = tmp_path / "adapter"
     get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),

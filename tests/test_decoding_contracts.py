@@ -10,7 +10,8 @@ import inspect
 import pytest
 import torch
 
-from lowvram_grpo.model import decoding, internals
+from lowvram_grpo.model import decoding
+from lowvram_grpo.core import internals
 from lowvram_grpo.model import fused_decode
 
 

@@ -17,8 +17,8 @@ from lowvram_grpo import doctor
 from lowvram_grpo.settings.config import load_config
 from lowvram_grpo.settings.cuda_facts import Card, CudaFacts, cuda_lines, torch_has_kernels
 from lowvram_grpo.doctor import plan_lines, read_pins
-from lowvram_grpo.run.commands import guarded
-from lowvram_grpo.run.errors import ConfigError
+from lowvram_grpo.core.commands import guarded
+from lowvram_grpo.core.errors import ConfigError
 from lowvram_grpo.settings.hardware import profile
 from lowvram_grpo.install import CPU_MODULES, GPU_MODULES
 from lowvram_grpo.settings.resolve import resolve

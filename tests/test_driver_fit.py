@@ -150,3 +150,121 @@ def test_the_doctor_checks_the_cuda12_sets_pins_where_its_torch_is_installed(mon
     assert chosen.install_hint().startswith("pip install -q -r requirements-cuda12.txt")
     monkeypatch.setattr(doctor, "installed_version", lambda name: "2.13.0" if name == "torch" else real(name))
     assert doctor.choose_set(gpu_present=True).files == (CUDA13_FILE,)
+
+
+# Issue 65, defect 4: the install decided by the driver AND GPU 0's compute capability (nvidia-smi --query-gpu=compute_cap).
+#       header  compute cap  set              file            vLLM
+CARDS = [
+    ("12.4", (6, 0), "cuda126", "requirements-cuda126.txt", False),  # Kaggle's P100 (driver 550, CUDA 12.4)
+    ("12.4", (7, 0), "cuda126", "requirements-cuda126.txt", False),  # a V100 on a CUDA 12 driver
+    ("13.0", (7, 0), "cuda126", "requirements-cuda126.txt", False),  # a V100 on a CUDA 13 driver: no newer set has sm70
+    ("12.4", (7, 5), "cuda12", CUDA12_FILE, True),                   # Colab's T4
+    ("12.8", (8, 6), "cuda12", CUDA12_FILE, True),
+    ("13.0", (9, 0), "cuda13", CUDA13_FILE, True),
+    ("13.0", (12, 0), "cuda13", CUDA13_FILE, True),                  # Blackwell: sm_120 in the CUDA 13 build
+    ("13.0", (3, 7), "cpu-no-kernels", None, False),                 # a K80: no torch 2.13 build has its kernels
+    ("12.4", None, "cuda12", CUDA12_FILE, True),                     # the card not known: by the driver, as before
+]
+
+
+@pytest.mark.parametrize("header, cc, name, file, vllm", CARDS, ids=[f"{c[0]}-{c[1]}" for c in CARDS])
+def test_the_install_has_kernels_for_the_card(header, cc, name, file, vllm):
+    """The set is one whose torch has kernels for GPU 0 (driver_fit.TORCH_ARCHS, PyTorch's published matrix); a P100 or
+    V100 gets torch 2.13's CUDA 12.6 build without vLLM, on any CUDA 12/13 driver; a card none has, one line saying so.
+    Before issue 65 a CUDA 12 driver got requirements-cuda12.txt whatever its card (cu129 has no sm60/sm70)."""
+    from lowvram_grpo.settings.driver_fit import LEGACY, TORCH_ARCHS, torch_has_kernels
+
+    read = parse_nvidia_smi(SMI[header])
+    fit = fit_install(Driver(read.version, read.cuda, cc))
+    assert (fit.name, fit.pinned.file if fit.pinned else None, fit.vllm) == (name, file, vllm)
+    assert "\n" not in fit.line and (REPO / (file or CUDA13_FILE)).is_file()
+    if cc is not None and fit.gpu:
+        assert torch_has_kernels(cc, TORCH_ARCHS[fit.pinned.torch]) and f"kernels for sm{cc[0]}{cc[1]}" in fit.line
+    if fit.pinned is LEGACY:
+        assert fit.settings == ("model.fast_inference=false",) and "no vLLM" in fit.line
+        assert ("--backend hf" in fit.line) is (cc < (7, 0))  # torch's inductor compiles no Triton kernel below sm70
+        advice = driver_advice(fit, "Kaggle")
+        assert advice.startswith("pip install -r requirements-cuda126.txt") and "update" not in advice
+    if name == "cpu-no-kernels":
+        assert fit.line.endswith("the CPU set, runs on the CPU") and "sm37" in fit.line
+        assert "sm37" in driver_advice(fit, None) and "smollm2_cpu" in driver_advice(fit, None)
+
+
+def test_the_pinned_torch_builds_kernels_are_their_published_arch_lists():
+    """What each pinned torch carries, Linux x86_64 (PyTorch RELEASE.md's matrix for 2.12-2.14): the CUDA 13.0 build
+    from sm75 with Blackwell's PTX, the CUDA 12.9 build from sm75, the CUDA 12.6 build sm50 to sm90 only."""
+    from lowvram_grpo.settings.driver_fit import LEGACY, TORCH_ARCHS, torch_has_kernels
+
+    def cards(torch):
+        return [cc for cc in [(5, 0), (6, 0), (6, 1), (7, 0), (7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)]
+                if torch_has_kernels(cc, TORCH_ARCHS[torch])]
+
+    assert cards(SETS[13].torch) == cards(SETS[12].torch) == [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)]
+    assert cards(LEGACY.torch) == [(5, 0), (6, 0), (6, 1), (7, 0), (7, 5), (8, 0), (8, 6), (8, 9), (9, 0)]
+    assert set(TORCH_ARCHS) == {SETS[13].torch, SETS[12].torch, LEGACY.torch}
+
+
+def test_the_cuda126_set_is_requirements_txt_without_vllm_and_with_its_torch():
+    """requirements-cuda126.txt: requirements.txt's pins, vllm and vllm-bnb-plugin left out, torch and torchvision the
+    CUDA 12.6 builds from PyTorch's cu126 index; a pin bump in requirements.txt it does not follow fails here."""
+    from lowvram_grpo.settings.driver_fit import LEGACY
+
+    legacy, cuda13 = read_pins(REPO / LEGACY.file), read_pins(REPO / CUDA13_FILE)
+    assert legacy["torch"] == LEGACY.torch and legacy["torch"].split("+")[0] == cuda13["torch"]
+    assert build_major(legacy["torch"], 13) == LEGACY.torch_cuda == 12 and LEGACY.vllm is None
+    assert legacy.pop("torchvision").endswith("+cu126")
+    assert legacy == {k: v for k, v in cuda13.items() if k not in ("vllm", "vllm-bnb-plugin")} | {"torch": LEGACY.torch}
+    assert f"--extra-index-url {LEGACY.torch_index}" in (REPO / LEGACY.file).read_text()
+
+
+def test_the_doctor_names_the_set_with_kernels_for_the_card():
+    """A V100 under the CUDA 13 set: the doctor's block gives requirements-cuda126.txt (torch 2.13's one build with
+    sm70 kernels) and the setting it needs; it no longer says CUDA 12.x builds carry sm70 (cu129 does not)."""
+    from lowvram_grpo.settings.cuda_facts import Card, CudaFacts, cuda_lines
+
+    v100 = Card(0, "Tesla V100-SXM2-16GB", (7, 0), int(15.8 * 2 ** 30), int(15.4 * 2 ** 30))
+    cu130 = ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")
+    for driver, cuda in (("580.82.07", "13.0"), ("550.54.15", "12.4")):
+        lines = cuda_lines(CudaFacts("2.13.0+cu130", "13.0", cu130, driver, cuda, (v100.name,), (v100,)), uses_vllm=False)
+        (kernels,) = [line for line in lines if line.status == "BLOCK" and "none runs on sm70" in line.text]
+        assert kernels.fix == ("pip install -r requirements-cuda126.txt (torch 2.13.0+cu126 has kernels for sm70), then "
+                               "run with --set model.fast_inference=false")
+        assert any("requirements-cuda126.txt is the set for this driver" in line.text for line in lines)
+    k80 = Card(0, "Tesla K80", (3, 7), 12 * 2 ** 30, 11 * 2 ** 30)
+    lines = cuda_lines(CudaFacts("2.13.0+cu130", "13.0", cu130, "580.82.07", "13.0", (k80.name,), (k80,)), uses_vllm=False)
+    (kernels,) = [line for line in lines if line.status == "BLOCK" and "none runs on sm37" in line.text]
+    assert kernels.fix.startswith("no torch 2.13 build runs on this card (sm37)")
+
+
+def test_the_doctor_compares_a_cu126_torch_with_its_own_file(monkeypatch):
+    from lowvram_grpo import doctor
+    from lowvram_grpo.settings.driver_fit import LEGACY
+
+    real = doctor.installed_version
+    monkeypatch.setattr(doctor, "installed_version", lambda name: "2.13.0+cu126" if name == "torch" else real(name))
+    chosen = doctor.choose_set(gpu_present=True)
+    assert chosen.files == (LEGACY.file,) and chosen.pins["torch"] == LEGACY.torch and "vllm" not in chosen.pins
+
+
+@pytest.mark.parametrize("answer, cc", [("7.0\n", (7, 0)), ("8.6\n8.6\n", (8, 6)), ("", None),
+                                        ("Field \"compute_cap\" is not a valid field to query.\n", None)])
+def test_the_install_command_reads_the_cards_compute_capability(answer, cc, tmp_path):
+    """`python -m lowvram_grpo.install --dry-run` asks nvidia-smi for GPU 0's compute capability; a driver that cannot
+    answer (an old one) leaves the decision to the driver."""
+    import os
+
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    query = ('if [ "$1" = "--query-gpu=compute_cap" ]; then\n'
+             + (f"printf '{answer.replace(chr(10), chr(92) + 'n')}'\nexit {0 if cc else 6}\n")
+             + "fi\n")
+    (tools / "nvidia-smi").write_text(f"#!/bin/sh\n{query}cat <<'EOF'\n{SMI['12.4']}EOF\n")
+    (tools / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run([sys.executable, "-m", "lowvram_grpo.install", "--dry-run"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    read = parse_nvidia_smi(SMI["12.4"])
+    fit = fit_install(Driver(read.version, read.cuda, cc))
+    assert proc.stdout.splitlines() == [fit.line] + [f"pip {c}" for c in fit.commands]
+    assert fit.name == ("cuda126" if cc == (7, 0) else "cuda12")

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from conftest import REPO, run_cli
-from lowvram_grpo.training import learning_signals as signals
+from lowvram_grpo.report import learning_signals as signals
 from lowvram_grpo.evaluate.evaluation import paired_changes
 from lowvram_grpo.report.build import (BETA_ZERO_LOSS, changed_headline, comparison_table, line_figure, main as report_main, plot_specs, what_changed)
 from lowvram_grpo.training.grpo import compile_note, projection_due, projection_line

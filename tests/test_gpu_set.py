@@ -182,7 +182,7 @@ def combos():
     """(preset, profile, path, resolved) for every GPU preset on every CUDA card profile, on the unsloth
     backend, the hf backend and the hf backend's own vLLM engine; paths a card refuses are listed as such."""
     from lowvram_grpo.settings.config import load_config
-    from lowvram_grpo.run.errors import ResolveError
+    from lowvram_grpo.core.errors import ResolveError
     from lowvram_grpo.settings.hardware import PROFILES
     from lowvram_grpo.settings.resolve import resolve
 

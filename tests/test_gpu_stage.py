@@ -104,7 +104,7 @@ def test_a_damaged_part_is_refused_before_anything_is_joined(tmp_path):
 
 
 def test_the_calls_each_carry_one_path_under_the_limit_with_the_tree_counted(split_root, tmp_path):
-    """The calls for .gpu/site at its measured size (46.4 MiB, ../shared/gpu/prepare_gpu_site.sh on 2026-11-27) and
+    """The calls for .gpu/site at its measured size (46.4 MiB, bench/prepare_gpu_site.sh on 2026-11-27) and
     the two parts: three calls, each path carried once, each <= 60 MiB with the checkout's tree; the last one runs
     the window. A site folder too large for one call is refused with what it weighs."""
     from bench.gpu_stage import LIMIT_BYTES, the_calls, tree_bytes

@@ -112,7 +112,7 @@ def test_the_call_list_check_fails_on_each_planted_violation(tmp_path):
     (root / ".vs" / "p04").rmdir()
     site = root / ".gpu"
     site.rename(tmp_path / "away")
-    refused(".gpu is not here: build it with `bash ../shared/gpu/prepare_gpu_site.sh`")
+    refused(".gpu is not here: build it with `bash bench/prepare_gpu_site.sh`")
     assert calls_cli(root=root).returncode == 0  # without --require: its recorded size
     (tmp_path / "away").rename(site)
     (site / "site" / "link").symlink_to("/etc/hostname")

@@ -267,7 +267,7 @@ def test_a_failure_inside_unsloths_vllm_start_is_one_line_and_other_load_errors_
     from lowvram_grpo.model.unsloth_backend import VLLM_START_FRAME, engine_did_not_start, vllm_start_failure
     from lowvram_grpo.model.builtin_models import resolve_model_path
     from lowvram_grpo.settings.config import load_config
-    from lowvram_grpo.run.errors import EngineStopped
+    from lowvram_grpo.core.errors import EngineStopped
     from lowvram_grpo.settings.hardware import profile
     from lowvram_grpo.settings.resolve import resolve
 
@@ -449,12 +449,12 @@ def test_unsloths_importance_sampling_correction_is_off_by_default_and_our_flag_
 
 
 def test_unsloths_decode_graphs_cover_the_model_types_resolve_names_under_the_switches_it_names():
-    """resolve.choose_decode_graphs / DECODE_GRAPH_MODEL_TYPES / DECODE_GRAPHS_ENV and trl_compat.decode_graph_stats,
+    """resolve.choose_decode_graphs / DECODE_GRAPH_MODEL_TYPES / DECODE_GRAPHS_ENV and internals.decode_graph_stats,
     against unsloth/models/_decode_graphs.py: the private set of model types (a literal), the environment switch and
     its default (inside an RL trainer's generate on NVIDIA CUDA), rl.py's generate wrapped in that scope, the stats'
     keys and where the state lives; and the lines docs/gpu.md cites for qwen2 (the Llama decode path, its biases)."""
     from lowvram_grpo.settings.resolve import DECODE_GRAPH_MODEL_TYPES, DECODE_GRAPHS_ENV
-    from lowvram_grpo.training.trl_compat import DECODE_GRAPH_COUNTERS, DECODE_GRAPHS_MODULE, DECODE_GRAPHS_STATE
+    from lowvram_grpo.core.internals import DECODE_GRAPH_COUNTERS, DECODE_GRAPHS_MODULE, DECODE_GRAPHS_STATE
 
     path = UNSLOTH / "_decode_graphs.py"
     text = path.read_text()
@@ -484,14 +484,14 @@ def test_unsloths_decode_graphs_cover_the_model_types_resolve_names_under_the_sw
 
 
 def test_the_stats_door_reads_the_installed_module():
-    """trl_compat.decode_graph_stats on a real module tree: the installed unsloth's `stats` sums the counters of the
+    """internals.decode_graph_stats on a real module tree: the installed unsloth's `stats` sums the counters of the
     modules holding a graph state ({} for a model that never decoded with graphs, as on a CPU)."""
     import torch
 
     import unsloth  # noqa: F401  (before unsloth_zoo / unsloth.models, as the backend imports it)
     from unsloth.models import _decode_graphs
 
-    from lowvram_grpo.training.trl_compat import (decode_graph_stats, describe_decode_graphs, missing_decode_graph_stats)
+    from lowvram_grpo.core.internals import (decode_graph_stats, describe_decode_graphs, missing_decode_graph_stats)
 
     assert missing_decode_graph_stats() == []  # what unsloth_backend.prepare checks
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import run_cli
 from lowvram_grpo.settings.config import TRL_LOSS_TYPES, load_config
-from lowvram_grpo.run.errors import ConfigError
+from lowvram_grpo.core.errors import ConfigError
 from lowvram_grpo.settings.hardware import profile
 from lowvram_grpo.settings.resolve import ResolveError, resolve
 

@@ -6,7 +6,7 @@ import torch
 
 from conftest import run_cli
 from lowvram_grpo.settings.plans import run_plan
-from lowvram_grpo.run.errors import TrainingStopped
+from lowvram_grpo.core.errors import TrainingStopped
 from lowvram_grpo.settings.config import load_config
 from lowvram_grpo.task.rewards import RewardError, guarded
 
@@ -84,7 +84,7 @@ def user_rewards(tmp_path):
 
 def test_a_users_reward_file_is_loaded_probed_and_selectable_by_name(user_rewards, tmp_path, monkeypatch):
     from lowvram_grpo.task.data import load_questions, to_prompt_rows
-    from lowvram_grpo.run.errors import ConfigError
+    from lowvram_grpo.core.errors import ConfigError
     from lowvram_grpo.task.rewards import check_rewards, load_reward_module
     from lowvram_grpo.task.user_code import load as load_user_code
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lowvram_grpo.run import host_memory
+from lowvram_grpo.core import host_memory
 from lowvram_grpo.model.backends import SamplingParams, load_model
 from lowvram_grpo.settings.config import load_config
 from lowvram_grpo.settings.hardware import detect

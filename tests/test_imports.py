@@ -58,17 +58,69 @@ def test_no_module_imports_one_that_imports_it_back():
     assert not circles, f"import circles (each pair reaches the other): {circles}"
 
 
-def test_the_walk_sees_lazy_imports_and_relative_imports():
+def test_the_walk_sees_lazy_imports():
     graph = import_graph()
     assert "lowvram_grpo.training.grpo" in graph["lowvram_grpo.run.pipeline"]          # imported inside a method
-    assert "lowvram_grpo.model.vllm.engine" in graph["lowvram_grpo.model.vllm.rollouts"]  # `from .engine`
-    assert "lowvram_grpo.run.errors" in graph["lowvram_grpo.model.vllm.settings"]  # `from ...errors`
+    assert "lowvram_grpo.model.vllm.engine" in graph["lowvram_grpo.training.vllm_rollouts"]
+    assert "lowvram_grpo.core.errors" in graph["lowvram_grpo.model.vllm.settings"]
 
 
 def test_only_the_entry_points_import_the_cli_module():
     graph = import_graph()
     users = sorted(m for m, targets in graph.items() if "lowvram_grpo.run.cli" in targets)
     assert users == ["lowvram_grpo.__main__", "lowvram_grpo.run.__main__"], users
+
+
+# --------------------------------------------------------------------------- the rooms' order
+
+# The package's rooms from the ground up: a room imports only rooms below it (the package's top-level modules --
+# train(), doctor, install, baseline -- stand above run/). The README's layout map lists them top down.
+ROOM_ORDER = ("core", "task", "settings", "model", "evaluate", "report", "training", "run")
+TOP = len(ROOM_ORDER)
+
+
+def room_of(module: str) -> int:
+    """The floor of `module`: its room's index in ROOM_ORDER, TOP for the package's top-level modules."""
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and parts[1] in ROOM_ORDER):
+        return ROOM_ORDER.index(parts[1])
+    return TOP
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """'a -> b' for every import of a module from a room above the importer's."""
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if room_of(b) > room_of(a))
+
+
+def test_no_room_imports_a_room_above_it():
+    assert set(ROOM_ORDER) == {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert not upward_imports(import_graph()), "\n".join(upward_imports(import_graph()))
+
+
+def test_no_two_rooms_import_each_other():
+    graph = import_graph()
+    pairs = {(room_of(a), room_of(b)) for a, targets in graph.items() for b in targets if room_of(a) != room_of(b)}
+    both = sorted((ROOM_ORDER + ("top",))[a] + " <-> " + (ROOM_ORDER + ("top",))[b] for a, b in pairs
+                  if (b, a) in pairs and a < b)
+    assert not both, both
+
+
+def test_the_order_check_sees_an_upward_import():
+    """A planted import of the pipeline from core/errors.py, and of model/ from settings/, are both caught."""
+    graph = {name: set(targets) for name, targets in import_graph().items()}
+    graph["lowvram_grpo.core.errors"].add("lowvram_grpo.run.pipeline")
+    graph["lowvram_grpo.settings.resolve"].add("lowvram_grpo.model.decoding")
+    assert upward_imports(graph) == ["lowvram_grpo.core.errors -> lowvram_grpo.run.pipeline",
+                                     "lowvram_grpo.settings.resolve -> lowvram_grpo.model.decoding"]
+
+
+def test_the_readme_map_lists_the_rooms_top_down():
+    """The README's layout block names each room at the start of a line, in ROOM_ORDER read from the top."""
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("## Layout", 1)[1].split("```", 2)[1]
+    named = [line.split("/", 1)[0] for line in block.splitlines() if line[:1].isalpha() and "/" in line.split()[0]]
+    rooms = [name for name in named if name in ROOM_ORDER]
+    assert rooms == list(reversed(ROOM_ORDER)), rooms
 
 
 # --------------------------------------------------------------------------- the pure modules' import guards

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO, run_cli
 from lowvram_grpo.settings.config import load_config
-from lowvram_grpo.run.errors import AdapterError, ConfigError
+from lowvram_grpo.core.errors import AdapterError, ConfigError
 
 pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO
 
 from lowvram_grpo.settings.config import load_config
-from lowvram_grpo.run.errors import ResolveError
+from lowvram_grpo.core.errors import ResolveError
 from lowvram_grpo.settings.hardware import PROFILES
 from lowvram_grpo.settings.memory_terms import estimate
 from lowvram_grpo.settings.resolve import (DECODE_GRAPH_MODEL_TYPES, IS_MODE, IS_MODE_VESPO, choose_decode_graphs, decode_graphs_environment_note, model_type_of, resolve, without_vllm)
@@ -161,22 +161,30 @@ def test_fp8_kv_is_refused_below_sm80_and_off_vllm():
         resolved("llama8b_4bit", "rtx3090", "model.kv_cache_dtype=float16")
 
 
+def with_flashinfer(card: str):
+    """`card` as resolve sees it on the machine itself with an nvcc of torch's CUDA major: FlashInfer on
+    (resolve.choose_flashinfer), so vLLM serves an fp8 KV cache with it from sm80."""
+    return dataclasses.replace(PROFILES[card], name="present", nvcc_cuda=(13, 0), torch_cuda="13.0")
+
+
 @pytest.mark.parametrize("card", ("rtx3090", "rtx4090"))
 def test_auto_keeps_16_bit_where_the_plan_has_room_and_picks_fp8_where_it_is_short(card):
     from lowvram_grpo.model.unsloth_backend import from_pretrained_kwargs
 
-    roomy = resolved("llama8b_4bit", card)
-    assert roomy.kv_cache_dtype == "bfloat16" and "holds the rollout and evaluation batches" in roomy.kv_cache_reason
+    roomy = resolved("llama8b_4bit", card, hardware=with_flashinfer(card))
+    assert roomy.vllm_flashinfer and roomy.kv_cache_dtype == "bfloat16"
+    assert "holds the rollout and evaluation batches" in roomy.kv_cache_reason
     assert from_pretrained_kwargs(roomy, "m")["float8_kv_cache"] is False
-    short = resolved("llama8b_4bit", card, "memory.gpu_memory_utilization=0.3", "eval.batch_size=64")
+    short = resolved("llama8b_4bit", card, "memory.gpu_memory_utilization=0.3", "eval.batch_size=64",
+                     hardware=with_flashinfer(card))
     assert short.kv_cache_dtype == "fp8" and short.kv_cache_reason.startswith("auto -> fp8 (sm")
     assert from_pretrained_kwargs(short, "m")["float8_kv_cache"] is True
     assert "KV cache fp8: auto -> fp8" in short.describe()
 
 
 def test_the_plans_kv_term_halves_with_fp8_and_unsloths_token_count_uses_its_1_25_bytes():
-    sixteen = resolved("llama8b_4bit", "rtx4090", "model.kv_cache_dtype=bfloat16")
-    fp8 = resolved("llama8b_4bit", "rtx4090", "model.kv_cache_dtype=fp8")
+    sixteen = resolved("llama8b_4bit", "rtx4090", "model.kv_cache_dtype=bfloat16", hardware=with_flashinfer("rtx4090"))
+    fp8 = resolved("llama8b_4bit", "rtx4090", "model.kv_cache_dtype=fp8", hardware=with_flashinfer("rtx4090"))
     assert (sixteen.kv_bytes, fp8.kv_bytes) == (2, 1)
     a, b = estimate(sixteen, sixteen.vram_gib), estimate(fp8, fp8.vram_gib)
     assert b.kv_needed_bytes * 2 == a.kv_needed_bytes and b.kv_largest_bytes * 2 == a.kv_largest_bytes

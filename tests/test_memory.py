@@ -15,7 +15,7 @@ import yaml
 from conftest import REPO, run_cli
 from lowvram_grpo.settings.config import list_presets, load_config
 from lowvram_grpo.settings.hardware import ANY_GPU, profile
-from lowvram_grpo.run.errors import PlanError
+from lowvram_grpo.core.errors import PlanError
 from lowvram_grpo.settings.memory_plan import format_plan, plan
 from lowvram_grpo.settings.memory_fit import apply_suggestions
 from lowvram_grpo.settings.memory_terms import GIB, logits_bytes_held_whole
@@ -322,8 +322,8 @@ def test_an_out_of_memory_while_generating_is_told_apart_from_the_training_step(
     import torch
     import trl
 
-    from lowvram_grpo.model.vllm.rollouts import TRLRollouts
-    from lowvram_grpo.run.errors import OutOfMemory
+    from lowvram_grpo.training.vllm_rollouts import TRLRollouts
+    from lowvram_grpo.core.errors import OutOfMemory
     from lowvram_grpo.run.oom import OOM_PHASES, oom_phase, out_of_memory_reported
     from lowvram_grpo.training.trl_compat import TRL_ROLLOUT_METHODS
 
@@ -634,7 +634,7 @@ def test_unsloth_vllm_standby_is_refused_in_one_line(monkeypatch):
     """UNSLOTH_VLLM_STANDBY=1 makes unsloth_zoo's load_vllm replace gpu_memory_utilization with its standby share
     (0.8 x 0.95 = 0.76 on a T4) and start vLLM with sleep mode, outside the plan. Defect: the plan ignored it.
     The variable is read once, by hardware.py (detect / planning_hardware); the plan refuses it."""
-    from lowvram_grpo.run.errors import ResolveError
+    from lowvram_grpo.core.errors import ResolveError
     from lowvram_grpo.settings.hardware import planning_hardware, unsloth_vllm_standby
     from lowvram_grpo.settings.memory_terms import standby_utilization
 

@@ -141,7 +141,9 @@ def test_every_new_preset_prints_its_settings_and_plan_offline_on_each_card(tmp_
         assert f"preset: {preset}" in out  # the settings
         assert "model.name" not in err and "error" not in err.lower(), err
         assert "shape from: lowvram_grpo.settings.model_shapes.KNOWN_SHAPES" in out and "HF_HUB_OFFLINE is set" in out
-        assert "vLLM: serves " in out and "fits a" in out, (preset, card, out[-2000:])
+        served = (preset, card) != ("gemma3_1b", "t4")  # issue 65: no float16 vLLM for Gemma 3, unsloth's is fp16 there
+        assert ("vLLM: serves " in out) is served and "fits a" in out, (preset, card, out[-2000:])
+        assert served or "vLLM 0.31 refuses float16 for model type gemma3" in out
         header = (REPO / "presets" / f"{preset}.yaml").read_text()
         row = re.search(rf"^#   {card}\s+([\d.]+)\s+([\d.]+)\s+(yes|NO)$", header, re.MULTILINE)
         assert row, f"{preset}'s header has no {card} row"
@@ -208,7 +210,7 @@ def test_offline_with_no_cached_copy_is_one_line_naming_the_file(tmp_path):
 
 
 def test_a_folder_without_config_json_is_named(tmp_path):
-    from lowvram_grpo.run.errors import PlanError
+    from lowvram_grpo.core.errors import PlanError
 
     with pytest.raises(PlanError, match="without a config.json"):
         model_shape(str(tmp_path))

@@ -12,7 +12,7 @@ import pytest
 from matplotlib.image import imread
 
 from conftest import REPO, run_cli
-from lowvram_grpo.training import learning_signals as signals
+from lowvram_grpo.report import learning_signals as signals
 from lowvram_grpo.report.build import PLOT_FILES, main as report_main, write_report
 from lowvram_grpo.report.run_dir import REPORT as REPORT_FILE
 

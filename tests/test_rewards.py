@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from lowvram_grpo.run.errors import ConfigError, RewardError
+from lowvram_grpo.core.errors import ConfigError, RewardError
 from lowvram_grpo.task.rewards import (REWARD_MAX, REWARDS, call_reward, callable_name, check_rewards, count_xml, extract_hash_answer, guarded, is_async_callable, xml_formatted)
 
 NOTEBOOK_FIVE = ["xmlcount", "soft_format", "strict_format", "int", "correctness"]

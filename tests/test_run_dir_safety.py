@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import REPO, run_cli
-from lowvram_grpo.run.errors import RunDirError
+from lowvram_grpo.core.errors import RunDirError
 from lowvram_grpo.report.run_dir import RunDir
 
 pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"

@@ -10,7 +10,7 @@ import json
 import pytest
 from conftest import run_cli
 
-from lowvram_grpo.training.learning_signals import SAMPLER_GAP_KEY, SAMPLER_GAP_MAX_KEY, SAMPLER_GAP_THRESHOLD
+from lowvram_grpo.report.learning_signals import SAMPLER_GAP_KEY, SAMPLER_GAP_MAX_KEY, SAMPLER_GAP_THRESHOLD
 
 pytestmark = pytest.mark.slow  # real runs (pytest.ini: the fast tier is -m "not slow")
 RATIO_KEY = "sampling/importance_sampling_ratio/mean"

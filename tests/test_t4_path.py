@@ -105,7 +105,7 @@ def test_merged16_host_ram_is_checked_for_what_each_backends_merge_holds(backend
     """The hf backend's merge_and_unload holds Llama-3.1-8B's whole 16-bit base (~16.1 GB; Colab has ~12.7 GB); unsloth's
     streamed merge (unsloth_zoo merge_and_overwrite_lora) one tensor and its merged copy (the embedding: ~2.1 GB)."""
     from lowvram_grpo.model.backends import check_export_fits_host, host_available_bytes
-    from lowvram_grpo.run.errors import BackendError
+    from lowvram_grpo.core.errors import BackendError
 
     name = load_config("llama8b_4bit").model.name
     if refused:
@@ -124,7 +124,7 @@ def test_a_colab_run_with_merged16_is_refused_on_hf_and_accepted_on_unsloth_befo
     the reading of /proc/meminfo injected): the hf backend refuses in one line before the model or data loads and
     writes nothing; unsloth's run goes on (its merge streams)."""
     from lowvram_grpo.model import backends
-    from lowvram_grpo.run.errors import BackendError
+    from lowvram_grpo.core.errors import BackendError
     from lowvram_grpo.run.pipeline import GRPORun
 
     monkeypatch.setattr(backends, "host_available_bytes", lambda: int(12.7e9))

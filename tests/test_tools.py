@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, run_cli
 from lowvram_grpo.task import tools
 from lowvram_grpo.settings.config import load_config
-from lowvram_grpo.run.errors import ConfigError
+from lowvram_grpo.core.errors import ConfigError
 from lowvram_grpo.task.tools import MAX_RESULT_CHARS, bounded, calculator
 from tool_transcripts import (ENVIRONMENT_FILE, TOOL_OVERRIDES, TOOLS_FILE, check_transcripts_and_mask,
                               scripting_build)
@@ -499,7 +499,7 @@ def test_each_turn_is_cut_at_tools_max_tokens_per_turn(tools_file, tmp_path, mon
 
 def test_a_turn_cap_above_the_completion_budget_is_refused_and_without_tools_is_inert():
     from lowvram_grpo.settings.checks import check_tools
-    from lowvram_grpo.run.errors import ConfigError
+    from lowvram_grpo.core.errors import ConfigError
     from lowvram_grpo.settings.plans import run_plan, tool_config_kwargs
 
     config = load_config("tiny", ["tools.names=[calculator]", "tools.max_tokens_per_turn=65",

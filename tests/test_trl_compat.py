@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 from transformers import GenerationConfig
 
-from lowvram_grpo.model import internals
+from lowvram_grpo.core import internals
 from lowvram_grpo.training import trl_compat
-from lowvram_grpo.run.errors import BackendError
+from lowvram_grpo.core.errors import BackendError
 
 
 def test_the_pinned_versions_pass_silently():
@@ -80,11 +80,11 @@ def test_the_model_sampler_calls_trls_single_turn_as_trl_defines_it(monkeypatch)
 
 # --------------------------------------------------------------------------- the doors (issue 50)
 # The modules through which every reach into an upstream object's private names, and every change to a built trainer,
-# goes: trl_compat (TRL's trainer and transformers.Trainer) and model.internals (transformers' and PEFT's generation,
+# goes: trl_compat (TRL's trainer and transformers.Trainer) and core.internals (transformers' and PEFT's generation,
 # torch's machine facts, unsloth's float32 mark, our marks on models and layers). Everywhere else a `_` attribute is
 # only ever `self`'s or `cls`'s (or super()'s), and a trainer is assembled in its own constructor (training.grpo.
 # RunTrainer.__init__, on `self`).
-DOORS = ("lowvram_grpo/training/trl_compat.py", "lowvram_grpo/model/internals.py")
+DOORS = ("lowvram_grpo/training/trl_compat.py", "lowvram_grpo/core/internals.py")
 TRAINER_CALLBACK_METHODS = {"add_callback", "remove_callback", "pop_callback"}
 
 

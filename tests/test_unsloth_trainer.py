@@ -97,7 +97,7 @@ def unbroken(tmp_path_factory):
         texts = handle.fast_generate([[{{"role": "user", "content": "What is 7 * 8?"}}]], lora_request=request)
         print("GENERATED", json.dumps([str(t) for t in texts]))
         print("SAVED", saved)
-        from lowvram_grpo.training.trl_compat import decode_graph_stats
+        from lowvram_grpo.core.internals import decode_graph_stats
         print("GRAPHS", json.dumps(decode_graph_stats(handle.model)))  # unsloth's counters, after its GRPO generate
     """)
     proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=900,

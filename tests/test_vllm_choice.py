@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from lowvram_grpo.model.vllm import CPU_HEAD_SIZES, VLLMEngineError, check_servable, settings_for
-from lowvram_grpo.model.vllm.rollouts import _runs
+from lowvram_grpo.training.vllm_rollouts import _runs
 from lowvram_grpo.settings.config import load_config
 from lowvram_grpo.settings.hardware import profile
 from lowvram_grpo.settings.memory_terms import engine_kv_cache_bytes
@@ -175,8 +175,8 @@ def test_our_vllm_engine_with_a_4bit_base_is_refused_on_a_card_without_native_bf
     no native bf16) the run is refused when it is set up, before anything heavy: one error line, exit 2, nothing
     written. A 16-bit base (vLLM in float16) and a card with bf16 are served."""
     from lowvram_grpo.model.vllm import check_run_servable
-    from lowvram_grpo.run.commands import guarded
-    from lowvram_grpo.run.errors import BackendError
+    from lowvram_grpo.core.commands import guarded
+    from lowvram_grpo.core.errors import BackendError
     from lowvram_grpo.run.pipeline import GRPORun
 
     out = tmp_path / "never"
@@ -210,9 +210,9 @@ def test_a_stop_raised_inside_vllms_frames_on_unsloths_engine_is_the_stop_line_n
     import traceback
 
     func_utils = pytest.importorskip("vllm.utils.func_utils", reason="vLLM is not installed (the CPU extra)")
-    from lowvram_grpo.run import stops
+    from lowvram_grpo.core import stops
     from lowvram_grpo.run.pipeline import GRPORun
-    from lowvram_grpo.run.stops import StopRequested
+    from lowvram_grpo.core.stops import StopRequested
 
     config = load_config("llama8b_4bit", ["data.dataset=null", "data.eval_dataset=null", "data.eval_size=8"])
     grpo = GRPORun(config, tmp_path / "run", backend="unsloth", log=lambda *a: None, hardware=profile("t4"))

@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from conftest import REPO, default_signals  # noqa: E402
 from lowvram_grpo.model.handle import LoraRequest, SamplingParams  # noqa: E402
 from lowvram_grpo.model.vllm import EngineSettings, LocalVLLMEngine  # noqa: E402
-from lowvram_grpo.model.vllm.rollouts import _prompt_ids  # noqa: E402
+from lowvram_grpo.training.vllm_rollouts import _prompt_ids  # noqa: E402
 
 pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
 

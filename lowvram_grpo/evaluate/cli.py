@@ -35,12 +35,12 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from lowvram_grpo.model.builtin_models import TINY_VERSION
+from lowvram_grpo.settings.builtin_names import TINY_VERSION
 from lowvram_grpo.model.lora_io import check_adapter_dir
 from lowvram_grpo.model.smollm2 import CONVERTED_NAME
-from lowvram_grpo.run import stops
-from lowvram_grpo.run.commands import ArgumentParser, guarded, positive_int
-from lowvram_grpo.run.errors import AdapterError, ConfigError
+from lowvram_grpo.core import stops
+from lowvram_grpo.core.commands import ArgumentParser, guarded, positive_int
+from lowvram_grpo.core.errors import AdapterError, ConfigError
 from lowvram_grpo.settings import checks
 from lowvram_grpo.settings.config import load_config
 from lowvram_grpo.settings.hardware import detect

@@ -41,9 +41,10 @@ from typing import Optional
 
 from lowvram_grpo.evaluate import tool_turns
 from lowvram_grpo.model.handle import Completion, LoraRequest, ModelHandle, SamplingParams
-from lowvram_grpo.run import host_memory, stops
+from lowvram_grpo.core import host_memory, stops
 from lowvram_grpo.settings.plans import EvalPlan
 from lowvram_grpo.task import answers
+from lowvram_grpo.task.data import text_tokenizer
 from lowvram_grpo.task.rewards import call_reward, completion_text, well_formed
 from lowvram_grpo.task.user_code import of as user_code_of
 
@@ -164,6 +165,7 @@ def _reward_keywords(rows: list[dict], completions: list[str], max_steps: int, t
     prompt, the completion ids, a trainer state and the two logging hooks."""
     columns = {key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion", "completion_ids")}
     if tokenizer is not None:
+        tokenizer = text_tokenizer(tokenizer)  # a processor (a vision-language checkpoint): its tokenizer
         ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in completions]
     else:
         ids = [[] for _ in completions]

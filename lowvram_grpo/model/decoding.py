@@ -38,39 +38,25 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
 from typing import Optional
 
-from lowvram_grpo.model import fused_decode, internals
+from lowvram_grpo.model import fused_decode
+from lowvram_grpo.core import internals
 from lowvram_grpo.model.fused_decode import merged_weight
+from lowvram_grpo.settings.plans import DecodeSettings  # noqa: F401  (what resolve decided)
+from lowvram_grpo.settings.adapter_files import (  # noqa: F401  (the merge's options, read by tests as decoding.X)
+    MERGE_OPTIONS,
+    PLAIN_INITS,
+    SET_DEFAULTS,
+    UNMERGED_OPTIONS,
+    options_beyond_merge,
+)
 
 SAMPLERS = ("inverse_cdf", "multinomial")
 # The model types whose greedy answers from this loop are token for token those of transformers' generate, checked
 # on a left-padded batch past the sliding window with a LoRA adapter (tests/test_families.py, tiny models of each,
 # float32). Any other architecture keeps transformers' generate, said once in the run's log (`install`).
 LOOP_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", "gemma3_text", "gemma4_text", "gpt_oss", "smollm3")
-
-
-@dataclass(frozen=True)
-class DecodeSettings:
-    """What resolve() decided for this run's transformers generation (config.DecodeConfig's `auto`s made concrete)."""
-    loop: str          # 'lowvram' (this module's loop) | 'transformers' (transformers' generate, untouched)
-    sampler: str       # one of SAMPLERS
-    merge_lora: bool   # sampled tokens from the adapter merged into a copy of the 16-bit weights
-    fused: bool = False  # sampled tokens through fused_decode.py's layers (merged or not, as merge_lora says)
-    weights: str = "bf16"  # fused_decode.WEIGHTS: what the fused layers multiply with ('int8': FBGEMM's int8 linear)
-
-    def describe(self, own: Optional[str] = None) -> str:
-        """One phrase for --dry-run and the bench; `own`: what the model's own weights are ('bfloat16', '4-bit'),
-        named as what sampled tokens read unless decode.weights=int8."""
-        if self.loop == "transformers":
-            return "transformers' generate"
-        int8 = self.weights == "int8"
-        reads = ("int8 weights (decode.weights=int8: the base packed once for FBGEMM's dynamic int8 linear)" if int8
-                 else f"{own} weights" if own else "the model's own weights")
-        merged = "unmerged on the int8 base" if int8 else "merged" if self.merge_lora else "unmerged"
-        return (f"own decode loop, {self.sampler.replace('_', '-')} sampler, LoRA {merged} when sampling"
-                + (", fused layers when sampling" if self.fused else "") + f"; sampled tokens read {reads}")
 
 
 # --------------------------------------------------------------------------- sampling
@@ -152,48 +138,6 @@ def _lora_layers(model):
     return [m for m in model.modules() if isinstance(m, LoraLayer)]
 
 
-# LoraConfig options (adapter_config.json keys) our merge reproduces with PEFT's own arithmetic (peft 0.21
-# lora.Linear.get_delta_weight: W + scale * B @ A, scale = alpha / r, or alpha / sqrt(r) with use_rslora, r and alpha
-# per module from rank_pattern / alpha_pattern), or that do not change what a forward computes (which modules carry
-# the adapter, dropout: off in eval, how it was initialised, bookkeeping). Any other option set away from PEFT's
-# default keeps the adapter unmerged.
-MERGE_OPTIONS = frozenset({
-    "r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern", "target_modules", "exclude_modules",
-    "layers_to_transform", "layers_pattern", "lora_dropout", "fan_in_fan_out", "bias", "ensure_weight_tying",
-    "task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode",
-    "runtime_config", "init_lora_weights",
-})
-# init_lora_weights values that only set the starting A and B (PiSSA, OLoRA, CorDA, EVA, LoftQ also rewrite the
-# base weights or the adapter's meaning; "mica" is a PEFT variant with its own forward)
-PLAIN_INITS = (True, False, "gaussian", "orthogonal")
-# options beyond the merge that our loop decodes unmerged: PEFT's forward of each layer, with no generate-time input
-# (DoRA's magnitude, lora_bias's bias on B, a full copy of a module); any other (aLoRA's invocation offsets, which
-# PEFT's generate computes; Arrow's routing; BD-LoRA, VeLoRA, MonteCLoRA, KaSA, QALoRA, layer replication, trainable
-# tokens, LoRA on parameters, a newer PEFT's keys ...) sends generation to transformers' generate through PEFT's
-UNMERGED_OPTIONS = frozenset({"use_dora", "lora_bias", "modules_to_save"})
-
-
-# LoraConfig defaults (peft 0.21) outside MERGE_OPTIONS that are not None, False, empty or "none": a value equal to
-# one of these is unset too (tests/test_decoding.py checks every LoraConfig field's default against this rule)
-SET_DEFAULTS = {"megatron_core": "megatron.core", "qalora_group_size": 16}
-_UNSET = (None, False, [], {}, "none")
-
-
-def options_beyond_merge(adapter_config: dict) -> list[str]:
-    """The options of one LoRA adapter's config (`adapter_config.json`'s dict, or LoraConfig.to_dict()) outside
-    MERGE_OPTIONS that are set (not None/False/empty/"none", nor a default of SET_DEFAULTS), sorted; an
-    init_lora_weights outside PLAIN_INITS counts. A key this PEFT does not know counts when it is set. Pure Python
-    (the settings check calls it before anything loads)."""
-    beyond = []
-    for key, value in adapter_config.items():
-        if key == "init_lora_weights":
-            if value not in PLAIN_INITS:
-                beyond.append(key)
-        elif key not in MERGE_OPTIONS and value not in _UNSET and SET_DEFAULTS.get(key, _UNSET) != value:
-            beyond.append(key)
-    return sorted(beyond)
-
-
 def _adapter_configs(model) -> dict:
     """{active adapter name: its LoraConfig as a dict} of a PEFT model."""
     configs = getattr(model, "peft_config", None) or {}
@@ -270,6 +214,31 @@ def merged_weights(model):
 
 # --------------------------------------------------------------------------- the loop
 
+# The model types whose prefill is shared by the rows of one prompt (DecodeSettings.shared_prefill): their cache is
+# transformers' DynamicCache of full-attention layers, copied row by row with Cache.reorder_cache; checked on a tiny
+# Llama (tests/test_shared_prompt.py). Others prefill every row.
+SHARED_PREFILL_TYPES = ("llama",)
+
+
+def shared_rows(input_ids, attention_mask):
+    """(first [U], group [B]) when some rows of the left-padded prompts [B, P] are equal (tokens and mask): `first`,
+    the row of each distinct prompt in order of appearance; `group`, the distinct prompt of each row. None when every
+    row differs (nothing to share)."""
+    import torch
+
+    key = torch.cat([input_ids.masked_fill(attention_mask == 0, -1), attention_mask.long()], dim=1).tolist()
+    seen, first, group = {}, [], []
+    for row, values in enumerate(key):
+        index = seen.setdefault(tuple(values), len(seen))
+        if index == len(first):
+            first.append(row)
+        group.append(index)
+    if len(first) == len(key):
+        return None
+    device = input_ids.device
+    return torch.tensor(first, device=device), torch.tensor(group, device=device)
+
+
 def decode(model, input_ids, attention_mask, *, max_new_tokens: int, do_sample: bool, temperature: float = 1.0,
            top_k: int = 0, top_p: float = 1.0, eos_token_ids=(), pad_token_id: Optional[int] = None,
            settings: DecodeSettings, fused: bool = False, logprobs: Optional[list] = None):
@@ -291,26 +260,37 @@ def decode(model, input_ids, attention_mask, *, max_new_tokens: int, do_sample: 
         return next_tokens(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                            sampler=settings.sampler, logprobs=logprobs)
 
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    shared = shared_rows(input_ids, attention_mask) if settings.shared_prefill else None
+    if shared is not None and getattr(inner.config, "model_type", None) not in SHARED_PREFILL_TYPES:
+        shared = None
     if fused and do_sample:
         return fused_decode.decode(inner, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                                    eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, pick=pick,
-                                   weights=settings.weights, merged=settings.merge_lora)
+                                   weights=settings.weights, merged=settings.merge_lora, shared=shared)
     batch, prompt_len = input_ids.shape
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
     mask = torch.cat([attention_mask, attention_mask.new_ones(batch, max_new_tokens)], dim=1)   # [B, P + N]
     positions = fused_decode.prompt_positions(attention_mask)                                 # [B, P]
     cache = DynamicCache(config=inner.config)
     # transformers 5.17's models take no cache_position: the cache's own length places each step's keys
-    out = inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
-                use_cache=True, logits_to_keep=1)
+    if shared is None:
+        out = inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1]
+    else:  # each distinct prompt prefilled once, its keys and values copied to the rows that share it
+        first, group = shared
+        out = inner(input_ids=input_ids[first], attention_mask=attention_mask[first], position_ids=positions[first],
+                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache.reorder_cache(group)
+        logits = out.logits[:, -1][group]
 
     def forward_next(token, last, step):
         out = inner(input_ids=token[:, None], attention_mask=mask[:, :prompt_len + step + 1], position_ids=last,
                     past_key_values=cache, use_cache=True)
         return out.logits[:, -1]
 
-    return fused_decode.token_loop(input_ids, positions[:, -1:], out.logits[:, -1], forward_next, pick,
+    return fused_decode.token_loop(input_ids, positions[:, -1:], logits, forward_next, pick,
                                    max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
                                    pad_token_id=pad_token_id)
 

@@ -42,9 +42,10 @@ from __future__ import annotations
 import weakref
 from typing import Optional
 
-from lowvram_grpo.model import internals
+from lowvram_grpo.core import internals
+from lowvram_grpo.settings.plans import FUSED_TYPES
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_TYPES = FUSED_TYPES  # settings.plans: the one list, read by resolve before any model
 WEIGHTS = ("bf16", "int8")  # decode.weights as resolved: the model's own 16-bit (or float32) weights | int8 (FBGEMM)
 
 
@@ -278,9 +279,10 @@ class FusedLayers:
         head = inner.get_output_embeddings()
         self.head = pack("head", *(merged["head"] if merged is not None else (None, None)), (head,))
 
-    def forward(self, ids, positions, start: int, mask):
+    def forward(self, ids, positions, start: int, mask, spread=None):
         """Logits of the last position [B, V] for tokens `ids` [B, T] at `positions` [B, T], written to cache
-        positions start..start+T-1; `mask` [B, 1, T, start+T] (True = attend)."""
+        positions start..start+T-1; `mask` [B, 1, T, start+T] (True = attend). `spread` [B'] (a prefill, start 0, of
+        U distinct prompts): cache row b gets the keys and values of prompt spread[b]; the logits stay [U, V]."""
         import torch.nn.functional as F
 
         linear = self.linear                                                              # F.linear, or int8
@@ -299,10 +301,16 @@ class FusedLayers:
                 q, k = rms_norm(q, *layer["q_norm"]), rms_norm(k, *layer["k_norm"])
             q, k = q.transpose(1, 2), k.transpose(1, 2)                                   # [B, heads, T, D]
             v = qkv[..., q_size + kv_size:].view(batch, steps, self.kv_heads, self.head_dim).transpose(1, 2)
-            layer["keys"][:, :, start:end] = _rope(k, cos, sin)                           # [B, KV, T, D]
-            layer["values"][:, :, start:end] = v
+            if spread is None:
+                layer["keys"][:, :, start:end] = _rope(k, cos, sin)                       # [B, KV, T, D]
+                layer["values"][:, :, start:end] = v
+                keys, values = layer["keys"][:, :, :end], layer["values"][:, :, :end]
+            else:                                                                         # the prefill, start 0
+                keys, values = _rope(k, cos, sin), v                                      # [U, KV, T, D]
+                layer["keys"][:, :, :end] = keys[spread]                                  # [B', KV, T, D]
+                layer["values"][:, :, :end] = values[spread]
             attended = F.scaled_dot_product_attention(
-                _rope(q, cos, sin), layer["keys"][:, :, :end], layer["values"][:, :, :end], attn_mask=mask,
+                _rope(q, cos, sin), keys, values, attn_mask=mask,
                 scale=self.scale, enable_gqa=self.kv_heads != self.heads)                # [B, H, T, D]
             hidden = hidden + linear(attended.transpose(1, 2).reshape(batch, steps, q_size), *layer["o"])
             x = rms_norm(hidden, *layer["norm2"])
@@ -313,9 +321,10 @@ class FusedLayers:
 
 
 def decode(inner, input_ids, attention_mask, *, max_new_tokens: int, eos_token_ids, pad_token_id, pick,
-           weights: str = "bf16", merged: bool = True):
+           weights: str = "bf16", merged: bool = True, shared=None):
     """decoding.decode's contract for sampled tokens on the fused layers; `pick(logits [B, V]) -> tokens [B]`;
-    `weights`, `merged`: FusedLayers'."""
+    `weights`, `merged`: FusedLayers'; `shared`: decoding.shared_rows' (first [U], group [B]): each distinct prompt
+    prefilled once and its keys and values copied to its rows (None: every row prefilled)."""
     import torch
 
     batch, prompt_len = input_ids.shape
@@ -335,7 +344,12 @@ def decode(inner, input_ids, attention_mask, *, max_new_tokens: int, eos_token_i
                                                                                prefill_mask[:, None])
         int8 = build_int8_base(inner, recorded)
     layers = FusedLayers(inner, batch, length, weights, int8=int8, merged=merged)
-    logits = layers.forward(input_ids, positions, 0, prefill_mask[:, None])               # [B, V]
+    if shared is None:
+        logits = layers.forward(input_ids, positions, 0, prefill_mask[:, None])           # [B, V]
+    else:
+        first, group = shared
+        logits = layers.forward(input_ids[first], positions[first], 0, prefill_mask[first][:, None],
+                                spread=group)[group]                                      # [U, V] -> [B, V]
 
     def forward_next(token, last, step):
         width = prompt_len + step + 1

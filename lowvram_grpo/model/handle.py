@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Optional, Protocol, Sequence, Union
 
 from lowvram_grpo.model import lora_io
+from lowvram_grpo.task.data import text_tokenizer
 
 
 @dataclass
@@ -119,7 +120,7 @@ class TransformersEngine:
     def generate(self, texts: list[str], params: SamplingParams, lora_request: Optional[LoraRequest]) -> list[Completion]:
         import torch
 
-        model, tokenizer = self.handle.model, self.handle.tokenizer
+        model, tokenizer = self.handle.model, self.handle.text_tokenizer
         old_side = tokenizer.padding_side
         tokenizer.padding_side = "left"  # decoder-only models continue from the right end
         try:
@@ -189,6 +190,13 @@ class ModelHandle:
         return self.resolved.backend
 
     @property
+    def text_tokenizer(self):
+        """What encodes and decodes text: `tokenizer` itself, or the tokenizer inside the processor unsloth returns for
+        a vision-language checkpoint (Qwen3.5: Qwen3VLProcessor, data.text_tokenizer). `tokenizer` stays what the
+        loader returned: TRL's processing_class and the saved adapter's files."""
+        return text_tokenizer(self.tokenizer)
+
+    @property
     def plan(self):
         """The run's phases' settings (plans.RunPlan), decided with the rest (resolve.py)."""
         return self.resolved.plan
@@ -197,7 +205,7 @@ class ModelHandle:
     def apply_chat_template(self, prompt: Prompt) -> str:
         if isinstance(prompt, str):
             return prompt
-        return self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True,
+        return self.text_tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True,
                                                   **self.plan.prompts.template_kwargs)
 
     def fast_generate(self, prompts: Union[Prompt, list[Prompt]], sampling_params: Optional[SamplingParams] = None,

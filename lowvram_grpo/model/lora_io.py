@@ -16,9 +16,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
 
-from lowvram_grpo.run.errors import AdapterError
+from lowvram_grpo.core.errors import AdapterError
+from lowvram_grpo.settings.adapter_files import (  # noqa: F401  (read here and as lora_io.X)
+    ADAPTER_WEIGHTS,
+    LORA_EXTRAS,
+    adapter_settings,
+    safetensors_problem,
+)
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
@@ -177,74 +182,6 @@ def load_adapter_into(peft_model, path: Path, adapter_name: str, base_model: str
 
 
 # --------------------------------------------------------------------------- starting a run from an adapter
-
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # PEFT's current and older weights file
-# adapter_config.json keys that shape the LoRA beyond r / alpha / targets / dropout, passed on when set
-LORA_EXTRAS = ("bias", "use_rslora", "modules_to_save", "layers_to_transform", "layers_pattern")
-
-
-def adapter_settings(path) -> dict:
-    """The LoRA settings of the saved PEFT adapter at `path` (ours or another tool's), from its
-    adapter_config.json: r, alpha, target_modules, dropout, the base model it was trained on and the
-    extras (LORA_EXTRAS). AdapterError with one line when it is not a LoRA adapter that can be trained on."""
-    path = Path(path)
-    if not (path / "adapter_config.json").is_file():
-        if (path / "adapter" / "adapter_config.json").is_file():
-            raise AdapterError(f"{path} holds a run, not an adapter: give its adapter, {path / 'adapter'}")
-        what = "does not exist" if not path.exists() else "is not a PEFT adapter (no adapter_config.json)"
-        raise AdapterError(f"{path} {what}: give the folder of a saved PEFT LoRA adapter (adapter_config.json + weights)")
-    if not any((path / name).is_file() for name in ADAPTER_WEIGHTS):
-        raise AdapterError(f"adapter at {path} has no weights ({' or '.join(ADAPTER_WEIGHTS)})")
-    if (path / ADAPTER_WEIGHTS[0]).is_file():
-        problem = safetensors_problem(path / ADAPTER_WEIGHTS[0])
-        if problem:
-            raise AdapterError(f"adapter at {path} has a damaged {ADAPTER_WEIGHTS[0]} ({problem}): "
-                               "give an adapter folder saved completely (a run's adapter/ or checkpoint-N/)")
-    try:
-        raw = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise AdapterError(f"adapter at {path} has an unreadable adapter_config.json ({exc})") from None
-    if not isinstance(raw, dict) or raw.get("peft_type", "LORA") != "LORA":
-        kind = raw.get("peft_type") if isinstance(raw, dict) else type(raw).__name__
-        raise AdapterError(f"adapter at {path} is a {kind} adapter: only LoRA adapters can be trained on here")
-    targets = raw.get("target_modules")
-    if isinstance(targets, str) or not targets:
-        raise AdapterError(f"adapter at {path} names its target modules as {targets!r}, not a list of layer names: "
-                           "only listed target_modules can be trained on here")
-    alpha = raw.get("lora_alpha", raw.get("r"))
-    if not isinstance(raw.get("r"), int) or not isinstance(alpha, (int, float)) or alpha != int(alpha):
-        raise AdapterError(f"adapter at {path} has r={raw.get('r')!r}, lora_alpha={alpha!r}: expected whole numbers")
-    return {"r": raw["r"], "alpha": int(alpha), "target_modules": sorted(targets),
-            "dropout": float(raw.get("lora_dropout") or 0.0), "base_model": raw.get("base_model_name_or_path"),
-            "extras": {key: raw[key] for key in LORA_EXTRAS if raw.get(key) not in (None, False, "none", [], {})}}
-
-
-def safetensors_problem(path: Path) -> Optional[str]:
-    """Why the safetensors file at `path` cannot be read whole (a truncated copy, another format), or None; from
-    its header alone, without torch: 8 bytes of header length, the JSON header, every tensor's bytes inside the file."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                return f"{size} bytes, shorter than a safetensors header"
-            length = int.from_bytes(head, "little")
-            if length > size - 8:
-                return f"its header says {length} bytes, the file holds {size}"
-            header = json.loads(fh.read(length))
-    except (OSError, ValueError) as exc:
-        return f"unreadable header: {type(exc).__name__}"
-    if not isinstance(header, dict):
-        return "unreadable header"
-    ends = [entry["data_offsets"][1] for name, entry in header.items()
-            if name != "__metadata__" and isinstance(entry, dict) and len(entry.get("data_offsets") or ()) == 2]
-    if not ends:
-        return "no tensors in it"
-    needed = 8 + length + max(ends)
-    if needed > size:
-        return f"truncated: {size} of {needed} bytes"
-    return None
-
 
 def _load_error(path: Path, base_model: str, exc: Exception) -> AdapterError:
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]

@@ -1,6 +1,6 @@
 """The cache of models built on this machine (the built-ins): where they live, and building one exactly once.
 
-`cache_dir()` is $LOWVRAM_GRPO_CACHE, else ~/.cache/lowvram_grpo. `build_once(name, build)` builds into a
+`cache_dir()` (settings.builtin_names) is $LOWVRAM_GRPO_CACHE, else ~/.cache/lowvram_grpo. `build_once(name, build)` builds into a
 hidden staging dir and renames it into place, so a crash or a concurrent build never leaves a
 half-written model behind. Imports nothing heavy.
 """
@@ -11,10 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-
-def cache_dir() -> Path:
-    """Where built-in models are built: $LOWVRAM_GRPO_CACHE, else ~/.cache/lowvram_grpo."""
-    return Path(os.environ.get("LOWVRAM_GRPO_CACHE", Path.home() / ".cache" / "lowvram_grpo"))
+from lowvram_grpo.settings.builtin_names import cache_dir
 
 
 def build_once(name: str, build) -> Path:

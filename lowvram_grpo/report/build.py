@@ -35,11 +35,11 @@ from lowvram_grpo.report.run_dir import (  # noqa: F401  (PLOT_FILES: the plots 
     PLOT_FILES,
     RunDir,
 )
-from lowvram_grpo.run.commands import ArgumentParser, guarded
-from lowvram_grpo.run.errors import RunDirError
+from lowvram_grpo.core.commands import ArgumentParser, guarded
+from lowvram_grpo.core.errors import RunDirError
 from lowvram_grpo.task.data import prompt_text
-from lowvram_grpo.training.completions import PREVIEW_CHARS, steps_to_show
-from lowvram_grpo.training.learning_signals import (
+from lowvram_grpo.report.peak_memory import describe as describe_peak
+from lowvram_grpo.report.learning_signals import (
     ALL_RIGHT_KEY,
     ALL_WRONG_KEY,
     CLIPPED_KEY,
@@ -57,8 +57,7 @@ from lowvram_grpo.training.learning_signals import (
     scan,
     windowed,
 )
-from lowvram_grpo.training.tool_metrics import TRANSCRIPT_KEY
-from lowvram_grpo.training.validation import PREFIX, best_point, criterion, curve
+from lowvram_grpo.report.records import PREVIEW_CHARS, PREFIX, TRANSCRIPT_KEY, best_point, criterion, curve, steps_to_show
 
 
 # ----------------------------------------------------------------------------- plots
@@ -526,6 +525,20 @@ def plots_section(plots: dict[str, Optional[str]], config: dict) -> str:
     return "\n\n".join(parts)
 
 
+def run_facts(summary: dict) -> list[str]:
+    """The run's own peak memory (summary.json's peak_rss, peak_memory.py) and its GRPO step time, measured and
+    planned (summary.json's step_time, cadence.py), as the report's lines; none where the summary has neither."""
+    lines, peak, step = [], summary.get("peak_rss"), summary.get("step_time")
+    if isinstance(peak, dict) and peak.get("gib") is not None:
+        lines.append(f"- Memory: {describe_peak(peak['gib'], peak.get('phase'))}, the run process's ru_maxrss.")
+    if isinstance(step, dict) and step.get("measured_s") is not None:
+        planned = f"~{step['planned_s']:.0f} s planned" if step.get("planned_s") else "no planned estimate"
+        lines.append(f"- GRPO step time: {step['measured_s']:.2f} s, {step['basis']} ({planned}); "
+                     f"checkpoint every {step['save_steps']} step(s)"
+                     + (" (auto)" if step.get("save_steps_auto") else " (train.save_steps)") + ".")
+    return [""] + lines if lines else []
+
+
 def header(run_dir: Path, summary: Optional[dict], config: dict, rows: list[dict]) -> str:
     preset = (summary or {}).get("preset") or config.get("preset") or run_dir.name
     lines = [f"# Run report: {preset}", ""]
@@ -533,6 +546,7 @@ def header(run_dir: Path, summary: Optional[dict], config: dict, rows: list[dict
         lines.append(f"`{summary.get('model')}` on {summary.get('device')} (backend {summary.get('backend')}): "
                      f"{summary.get('steps')} GRPO steps in {summary.get('train_seconds')} s "
                      f"({summary.get('total_seconds')} s for the whole run).")
+        lines += run_facts(summary)
     else:
         lines.append("The run did not finish (no summary.json, or one that says it is still training): "
                      "the plots show the steps it logged; `python -m lowvram_grpo.run --resume RUN_DIR` continues it.")

@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from lowvram_grpo.model.builtin_models import BUILTIN_DESCRIPTIONS, is_builtin
+from lowvram_grpo.settings.builtin_names import BUILTIN_DESCRIPTIONS, is_builtin
 from lowvram_grpo.report.run_dir import ADAPTER, PRIMED_ADAPTER, RunDir, train_on_command
 
 TAGS = ("lowvram_grpo", "grpo", "lora", "peft", "trl")

@@ -58,7 +58,7 @@ except ImportError:  # not POSIX (Windows): runs are not locked there
     fcntl = None
 
 from lowvram_grpo.model.lora_io import atomic_replace_dir, atomic_write_text, check_adapter_dir, remove_stale_staging
-from lowvram_grpo.run.errors import AdapterError, ConfigError, RunDirError
+from lowvram_grpo.core.errors import AdapterError, ConfigError, RunDirError
 
 CONFIG, SUMMARY, METRICS, RUN_STATE, REPORT = "config.yaml", "summary.json", "metrics.jsonl", "run_state.json", "report.md"
 PLAN = "plan.txt"

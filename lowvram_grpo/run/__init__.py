@@ -1,3 +1,3 @@
-"""The run: the command line (`python -m lowvram_grpo.run`, `lowvram-grpo`), the pipeline that runs one job start to
-finish (pipeline.py), errors and exit codes, stops, and the process it runs in (allocator, host memory, OOM lines).
+"""The run, the top room: the command line (`python -m lowvram_grpo.run`, `lowvram-grpo`), the pipeline that runs one
+job start to finish (pipeline.py) and an out-of-memory said as one line (oom.py). What every room uses is in core/.
 """

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 from lowvram_grpo.report.run_dir import RunDir
-from lowvram_grpo.run import allocator
-from lowvram_grpo.run.allocator import forget_preload
-from lowvram_grpo.run.commands import ArgumentParser, guarded, positive_int
-from lowvram_grpo.run.errors import ConfigError
+from lowvram_grpo.core import allocator
+from lowvram_grpo.core.allocator import forget_preload
+from lowvram_grpo.core.commands import ArgumentParser, guarded, positive_int
+from lowvram_grpo.core.errors import ConfigError
 from lowvram_grpo.run.pipeline import default_output_dir, resume, run
 from lowvram_grpo.settings.checks import before_load
 from lowvram_grpo.settings.config import list_presets, load_config, read_preset

@@ -12,7 +12,7 @@ import contextlib
 from pathlib import Path
 from typing import Optional
 
-from lowvram_grpo.run.errors import OutOfMemory
+from lowvram_grpo.core.errors import OutOfMemory
 from lowvram_grpo.settings.config import RESUME_SETTABLE, RunConfig
 from lowvram_grpo.settings.memory_fit import Suggestion, apply_suggestions, fit_settings
 from lowvram_grpo.settings.memory_terms import GIB, MemoryPlan, estimate
@@ -29,7 +29,7 @@ OOM_PHASES = {
 }
 # The frames of a rollout: TRL's private GRPOTrainer methods that generate and score the rollouts
 # (trl_compat.TRL_ROLLOUT_METHODS, checked there against the installed TRL) + our engine's TRL hook
-# (backends/vllm/rollouts.TRLRollouts.rollout_func, TRL's public name).
+# (training/vllm_rollouts.TRLRollouts.rollout_func, TRL's public name).
 OUR_ROLLOUT_FRAMES = ("rollout_func",)
 
 

@@ -37,16 +37,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from lowvram_grpo.doctor import log_lines
 from lowvram_grpo.model.backends import check_export, check_export_fits_host, export_model, load_model, prepare_backend
 from lowvram_grpo.model.builtin_models import resolve_model_path
 from lowvram_grpo.model.lora_io import load_adapter_weights
 from lowvram_grpo.model.unsloth_backend import rollout_files_moved_to
-from lowvram_grpo.model.vllm import check_run_servable, closes_engines_on_error, start_for_run
+from lowvram_grpo.model.vllm import check_run_servable, closes_engines_on_error
+from lowvram_grpo.training.vllm_rollouts import start_for_run
 from lowvram_grpo.report.model_card import write_card
+from lowvram_grpo.report.peak_memory import RUN_PEAK
 from lowvram_grpo.report.run_dir import RunDir, resume_command
-from lowvram_grpo.run import allocator, stops
-from lowvram_grpo.run.errors import (
+from lowvram_grpo.core import allocator, stops
+from lowvram_grpo.core.errors import (
     ConfigError,
     DataError,
     EngineStopped,
@@ -56,8 +57,9 @@ from lowvram_grpo.run.errors import (
     TrainingStopped,
 )
 from lowvram_grpo.run.oom import OOM_PHASES, out_of_memory_reported
-from lowvram_grpo.run.stops import StopRequested
+from lowvram_grpo.core.stops import StopRequested
 from lowvram_grpo.settings import checks
+from lowvram_grpo.settings.installed import log_lines
 from lowvram_grpo.settings.config import RunConfig, check_trackers_installed, load_config
 from lowvram_grpo.settings.plans import RunPlan, run_plan
 from lowvram_grpo.settings.hardware import detect
@@ -148,6 +150,7 @@ class GRPORun:
         self.texts: dict[str, list[str]] = {stage: [] for stage in STAGES}
         self.priming: Optional[dict] = None
         self.train_seconds = 0.0
+        self.answer_seconds: Optional[float] = None  # a held-out answer's seconds, measured (measure)
         self.decode_graphs: Optional[dict] = None  # unsloth's decode CUDA-graph counters after GRPO (CUDA, unsloth backend)
         self.adapter_dir: Optional[Path] = None
 
@@ -194,7 +197,7 @@ class GRPORun:
 
             with stops.deferred("once the vLLM engine has started"):  # then it is closed, not left behind
                 self.rollouts = start_for_run(self.handle, self.log)  # also the handle's engine for evaluation
-        self._check_prompts(self.handle.tokenizer)  # the loaded model's tokenizer decides which prompts are kept
+        self._check_prompts(self.handle.text_tokenizer)  # the loaded model's tokenizer decides which prompts are kept
         tools = self.user.prompt_tools()  # their schemas (the environment's methods too) are in every prompt TRL renders
         limit = self.config.train.max_prompt_length
         rows = to_prompt_rows(self.train_questions, self.config.data.system_prompt)
@@ -325,6 +328,7 @@ class GRPORun:
         """A safe point between two steps (a signal that came in the last one stops the run here), then `phase`."""
         stops.check()
         self.phase = phase
+        RUN_PEAK.enter(phase)  # the run's own peak memory and the phase that set it (summary.json's peak_rss)
         stops.set_where(self._WHERE.get(phase, "at the next safe point"))
 
     def stopped(self, exc: BaseException) -> Interrupted:
@@ -400,9 +404,12 @@ class GRPORun:
         self.log(f"measuring {what} on {len(self.eval_rows)} held-out questions ({stage}; "
                  f"{protocol_label(protocol(self.plan.eval))}) ...")
         request = self.handle.load_lora(adapter) if adapter else None
+        started = time.perf_counter()
         try:
             with self._failures_reported("evaluation"):
                 self.measured[stage], self.texts[stage] = evaluate(self.handle, self.eval_rows, self.plan.eval, lora_request=request)
+            if self.eval_rows:  # a held-out answer's seconds on this machine: the curve's measured cost (cadence.py)
+                self.answer_seconds = (time.perf_counter() - started) / len(self.eval_rows)
         finally:  # measured, it leaves the model as it was: GRPO trains and checkpoints the trained adapter alone
             if request is not None:
                 self.handle.release_lora(request)
@@ -474,7 +481,8 @@ class GRPORun:
             validation = Validation(self.handle, self.validation_rows, self.plan.eval, self.run_dir,
                                     self.resolved.validation_every, self.log)
         self.trainer = trainer = build_trainer(self.handle, self.train_rows, self.run_dir, rollouts=self.rollouts,
-                                               reward_funcs=self.trainer_rewards, validation=validation)
+                                               reward_funcs=self.trainer_rewards, validation=validation,
+                                               answer_seconds=self.answer_seconds, log=self.log)
         self.log(describe_effective(trainer.effective_settings))
         if resume_from is not None:
             state = self.run_dir.read_run_state(resume_from)
@@ -500,11 +508,16 @@ class GRPORun:
         self.train_seconds = time.time() - started
         if self.resolved.cuda and self.resolved.backend == "unsloth":  # what unsloth's decode CUDA graphs did
             # loads transformers
-            from lowvram_grpo.training.trl_compat import decode_graph_stats, describe_decode_graphs
+            from lowvram_grpo.core.internals import decode_graph_stats, describe_decode_graphs
 
             self.decode_graphs = decode_graph_stats(self.handle.model)
             self.log(describe_decode_graphs(self.decode_graphs, self.resolved.decode_graphs))
         trainer.nonfinite_guard.raise_if_stopped(trainer.state, self.run_dir.latest_checkpoint())
+        if trainer.adapter_guard.stopped_at is not None and self.run_dir.writer:  # rollouts that ignored the adapter:
+            from lowvram_grpo.report.build import write_report  # the report says so too (loads transformers)
+
+            write_report(self.run_dir.path)
+        trainer.adapter_guard.raise_if_stopped(trainer.state, self.run_dir.latest_checkpoint())
 
     def _rollout_files(self):
         """unsloth's vLLM rollouts write a LoRA folder into the working directory: moved into the run's folder."""
@@ -533,6 +546,7 @@ class GRPORun:
     def save(self) -> Path:
         """adapter/ (PEFT format + tokenizer, atomically); a run stopped by a signal then ends with --resume's hint."""
         self.phase = "saving"  # no safe point before it: a signal in GRPO's last step is answered after the save
+        RUN_PEAK.enter("saving")
         stops.set_where(self._WHERE["saving"])
         if self.run_dir.writer:
             self.adapter_dir = self.handle.save_lora(self.run_dir.adapter_dir)
@@ -574,6 +588,8 @@ class GRPORun:
             "priming": self.priming,
             "resolved": self.resolved.summary(),
             "host_allocator_active": allocator.active(),
+            "peak_rss": RUN_PEAK.facts(),  # this process's ru_maxrss and the phase that set it (peak_memory.py)
+            "step_time": trainer.cadence.facts() if getattr(trainer, "cadence", None) is not None else None,
             "grpo_settings": trainer.effective_settings,
             **({"decode_graph_stats": self.decode_graphs} if self.resolved.cuda and self.resolved.backend == "unsloth" else {}),
             "skipped_nonfinite": trainer.nonfinite_guard.skipped,
@@ -606,8 +622,12 @@ class GRPORun:
         card = write_card(self.run_dir.path, summary)  # README.md, over TRL's; before the report, which a stop may cut
         self._enter("report")
         report = write_report(self.run_dir.path)  # report.md + plots from metrics.jsonl and summary.json
+        if RUN_PEAK.facts() != summary["peak_rss"]:  # the report's plots raised it: summary.json and the report say so
+            summary["peak_rss"] = RUN_PEAK.facts()
+            self.run_dir.write_summary(summary)
+            report = write_report(self.run_dir.path)
         self.log(f"\nadapter: {self.adapter_dir}\nsummary: {self.run_dir.file('summary.json')}\nreport:  {report}"
-                 f"\ncard:    {card}")
+                 f"\ncard:    {card}\nmemory:  {RUN_PEAK.text()}, this process's ru_maxrss (summary.json's peak_rss)")
         self.release()
         return result
 

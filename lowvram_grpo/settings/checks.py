@@ -25,10 +25,9 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from lowvram_grpo.model.builtin_models import is_builtin, resolve_model_path
-from lowvram_grpo.model.decoding import options_beyond_merge
-from lowvram_grpo.model.lora_io import adapter_settings
-from lowvram_grpo.run.errors import ConfigError, PlanError
+from lowvram_grpo.settings.builtin_names import builtin_folder, is_builtin
+from lowvram_grpo.settings.adapter_files import adapter_settings, options_beyond_merge
+from lowvram_grpo.core.errors import ConfigError, PlanError
 from lowvram_grpo.settings.plans import run_plan
 from lowvram_grpo.settings.model_shapes import (
     HUB_ID,
@@ -122,7 +121,7 @@ def _base_identities(name: str) -> set[str]:
     'unsloth/llama-3.1-8b-instruct-bnb-4bit' are one model)."""
 
     ids = set()
-    path = Path(resolve_model_path(name) if is_builtin(name) else name).expanduser()
+    path = Path(builtin_folder(name) or name if is_builtin(name) else name).expanduser()
     if path.is_dir():
         ids.add(str(path.resolve()))
     short = str(path).rstrip("/").rsplit("/", 1)[-1].lower().removeprefix("meta-")

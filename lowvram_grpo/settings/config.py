@@ -21,9 +21,9 @@ from typing import Any, Optional
 
 import yaml
 
-from lowvram_grpo.model.builtin_models import BUILTIN_MODELS  # the one list of built-in model names
-from lowvram_grpo.model.lora_io import AdapterError, adapter_settings
-from lowvram_grpo.run.errors import ConfigError
+from lowvram_grpo.settings.builtin_names import BUILTIN_FOLDERS  # the one list of built-in model names
+from lowvram_grpo.settings.adapter_files import AdapterError, adapter_settings
+from lowvram_grpo.core.errors import ConfigError
 from lowvram_grpo.task.rewards import NOTEBOOK_SYSTEM_PROMPT  # the answer format the built-in rewards score
 from lowvram_grpo.task.rewards import THINK_SYSTEM_PROMPT
 
@@ -76,8 +76,8 @@ class ModelConfig:
 
     def __post_init__(self):
         _check(bool(self.name), "model.name is empty: give a hub id, a local path, or builtin:tiny")
-        _check(not self.name.startswith("builtin:") or self.name in BUILTIN_MODELS,
-               f"unknown built-in model {self.name!r} in model.name: use {' or '.join(BUILTIN_MODELS)}")
+        _check(not self.name.startswith("builtin:") or self.name in BUILTIN_FOLDERS,
+               f"unknown built-in model {self.name!r} in model.name: use {' or '.join(BUILTIN_FOLDERS)}")
         looks_local = self.name.startswith(("/", "./", "../", "~"))
         _check(not looks_local or Path(self.name).expanduser().exists(),
                f"model.name {self.name} does not exist: give an existing model folder, a hub id (org/name) or builtin:tiny")
@@ -231,6 +231,13 @@ class TrainConfig:
         "detached, computes the same numbers under the same weights. auto = the loss's forward wherever TRL's own "
         "trainer applies the correction (the hf backend), TRL's extra forward elsewhere (unsloth's trainer applies "
         "the ratio its own way); loss; forward (TRL's extra forward).", "auto")
+    shared_prompt: str = _help(
+        "The group's prompt once (opt-in): in the loss's forward and backward each distinct prompt of a micro-batch is "
+        "computed once and its keys and values serve all its completions (one packed sequence a prompt; the gradient "
+        "through the prompt summed over the group), and our decode loop prefills each distinct prompt once and copies "
+        "its cache to the group's rows. The same loss, gradients and tokens as the per-row computation up to float "
+        "rounding (tests/test_shared_prompt.py), not bit for bit: off by default. Kept per row on the unsloth backend, "
+        "with tools, and where the attention takes no 4D mask; --dry-run says which. off; on.", "off")
     max_grad_norm: float = _help("Gradient clipping norm (the notebook uses 0.1).", 0.1)
     max_steps: int = _help("Optimizer steps to train.", 250)
     save_steps: Optional[int] = _help(
@@ -240,6 +247,16 @@ class TrainConfig:
     keep_checkpoints: int = _help("Checkpoints kept on disk (the newest); older ones are deleted after each save.", 2)
     max_nonfinite_steps: int = _help(
         "A step whose loss or gradient is NaN/inf is skipped (counted as skipped_nonfinite); this many in a row stop the run.", 3)
+    adapter_check_every: int = _help(
+        "Every this many GRPO steps, the rollouts' sampled tokens are scored under the adapter and under the base "
+        "model (adapter disabled), on every generation path, logged as sampling/adapter_minus_base_logp/mean (and, "
+        "where the sampler gives log-probs, its distance to each): rollouts that ignore the adapter score closer to "
+        "the base (training/adapter_check.py). The adapter's side is the loss's own forward; the base's is TRL's "
+        "reference pass when beta > 0, else one no-grad forward of the batch. 0 = off (no guard either).", 1)
+    adapter_guard_steps: int = _help(
+        "Scored steps in a row whose sampled tokens score closer to the base than to the adapter (after the first "
+        "2 steps, by 0.005 nats a token) that stop the run with a checkpoint, naming the LoRA sync as the likely "
+        "cause; each such step is also said on the progress line and in the report. 0 = say so, never stop.", 3)
     logging_steps: int = _help("Log metrics every this many steps.", 1)
     report_to: str = _help(
         "Experiment tracker TRL also logs to: none (metrics.jsonl and the report only), tensorboard (event files "
@@ -282,6 +299,8 @@ class TrainConfig:
         self.is_correction = {"true": "on", "false": "off"}.get(self.is_correction, self.is_correction)
         _one_of("train", "is_correction", self.is_correction, ("auto", "on", "off"))
         _one_of("train", "is_logprobs", self.is_logprobs, ("auto", "loss", "forward"))
+        self.shared_prompt = {"true": "on", "false": "off"}.get(self.shared_prompt, self.shared_prompt)
+        _one_of("train", "shared_prompt", self.shared_prompt, ("on", "off"))
         _one_of("train", "importance_sampling_level", self.importance_sampling_level, ("token", "sequence"))
         _check(self.epsilon_high is None or self.epsilon_high > 0,
                f"train.epsilon_high must be > 0 (DAPO: 0.28) or null (= train.epsilon); got {self.epsilon_high}")
@@ -299,6 +318,10 @@ class TrainConfig:
                f"train.save_steps must be >= 1 or null (auto); got {self.save_steps}")
         _check(self.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1 (--resume needs one); got {self.keep_checkpoints}")
         _check(self.max_nonfinite_steps >= 1, f"train.max_nonfinite_steps must be >= 1 (e.g. 3); got {self.max_nonfinite_steps}")
+        _check(self.adapter_check_every >= 0,
+               f"train.adapter_check_every must be >= 0 (0 = off, e.g. 1); got {self.adapter_check_every}")
+        _check(self.adapter_guard_steps >= 0,
+               f"train.adapter_guard_steps must be >= 0 (0 = never stop, e.g. 3); got {self.adapter_guard_steps}")
         _check(0 <= self.adam_beta1 < 1, f"train.adam_beta1 must be in [0, 1) (e.g. 0.9); got {self.adam_beta1}")
         _check(0 <= self.adam_beta2 < 1, f"train.adam_beta2 must be in [0, 1) (e.g. 0.99); got {self.adam_beta2}")
         _check(self.weight_decay >= 0, f"train.weight_decay must be >= 0 (e.g. 0.1); got {self.weight_decay}")

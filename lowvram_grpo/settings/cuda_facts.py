@@ -14,16 +14,20 @@ import subprocess
 from dataclasses import dataclass
 from typing import Optional
 
-from lowvram_grpo.model import internals
+from lowvram_grpo.core import internals
 from lowvram_grpo.settings.driver_fit import (
+    LEGACY,
     MIN_DRIVER,
     SETS,
+    TORCH_ARCHS,
     Driver,
     build_major,
     driver_advice,
     fit_install,
     hosted_runtime,
     parse_nvidia_smi,
+    sm,
+    torch_has_kernels,
 )
 from lowvram_grpo.settings.findings import Line
 from lowvram_grpo.settings.findings import block as _block
@@ -137,29 +141,28 @@ def _version_tuple(text: Optional[str]) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", text or ""))
 
 
-def torch_has_kernels(cc: tuple[int, int], arch_list: tuple[str, ...]) -> bool:
-    """torch can run on a card of compute capability `cc`: a cubin of the same major and a minor <= the card's
-    (sm_86 runs sm_80 code), or PTX (compute_XY) of an older or equal architecture that the driver compiles."""
-    for arch in arch_list:
-        match = re.fullmatch(r"(sm|compute)_(\d+?)(\d)a?", arch)
-        if not match:
-            continue
-        major, minor = int(match.group(2)), int(match.group(3))
-        if arch.endswith("a") and (major, minor) != cc:
-            continue  # arch-specific code (sm_90a) runs on that exact architecture only
-        if match.group(1) == "sm" and major == cc[0] and minor <= cc[1]:
-            return True
-        if match.group(1) == "compute" and (major, minor) <= cc:
-            return True
-    return not arch_list  # an empty list: torch did not say
+def _kernels_advice(card: Card, fit) -> str:
+    """The install with kernels for `card` (driver_fit.fit_install of this driver and card), or what to do where no
+    pinned torch has any: torch 2.13's CUDA 12.6 build is its one with kernels below sm75 (driver_fit.TORCH_ARCHS)."""
+    if fit is not None and fit.gpu and torch_has_kernels(card.compute_capability, TORCH_ARCHS[fit.pinned.torch]):
+        return f"{fit.pip_line()} (torch {fit.pinned.torch} has kernels for {card.sm})" + (
+            f", then run with --set {' --set '.join(fit.settings)}" if fit.settings else "")
+    if fit is not None and fit.name == "cpu-no-kernels":
+        return driver_advice(fit, None)
+    return (f"torch 2.13's CUDA 12.6 build ({LEGACY.file}) has kernels for sm50 to sm90, its CUDA 12.9 and 13.0 builds "
+            "from sm75: install the set for this card (python -m lowvram_grpo.install reads the driver and the card)")
 
 
 def _builds_line(facts: CudaFacts, fit) -> Line:
     """The driver's CUDA against torch's build and vLLM's, and the pinned set that fits the driver."""
     vllm = (f", vllm {facts.vllm_version} with CUDA {build_major(facts.vllm_version, VLLM_CUDA_MAJOR) or '?'}"
             if facts.vllm_version else ", no vllm installed")
-    fits = (f"{fit.pinned.file} is the set for this driver" if fit.gpu else
-            f"no pinned GPU set runs on it (CUDA 12 builds need a driver >= {MIN_DRIVER[12]}): the CPU set")
+    if fit.gpu:
+        fits = f"{fit.pinned.file} is the set for this driver"  # and GPU 0 (fit_install: its torch has the kernels)
+    elif fit.name == "cpu-no-kernels":
+        fits = f"no torch 2.13 build has kernels for GPU 0 ({sm(fit.driver.compute_capability)}): the CPU set"
+    else:
+        fits = f"no pinned GPU set runs on it (CUDA 12 builds need a driver >= {MIN_DRIVER[12]}): the CPU set"
     torch = f"is built with CUDA {facts.torch_cuda}" if facts.torch_cuda else "is a CPU build"
     return _note(f"CUDA: the driver runs up to {facts.driver_cuda}; torch {facts.torch_version} {torch}{vllm}: {fits}")
 
@@ -173,7 +176,8 @@ def cuda_lines(facts: CudaFacts, uses_vllm: bool) -> list[Line]:
     if not facts.gpu_present:
         lines.append(_note("no NVIDIA GPU (torch sees no CUDA device, no NVIDIA driver answers): runs go to the CPU"))
         return lines
-    fit = fit_install(Driver(facts.driver, facts.driver_cuda)) if facts.driver_cuda else None
+    card = facts.cards[0].compute_capability if facts.cards else None  # GPU 0's: the install must have its kernels
+    fit = fit_install(Driver(facts.driver, facts.driver_cuda, card)) if facts.driver_cuda else None
     advice = driver_advice(fit, facts.runtime) if fit else "update the NVIDIA driver"
     if not facts.cards:
         gpus = ", ".join(facts.nvidia_gpus) or "an NVIDIA GPU"
@@ -216,8 +220,7 @@ def cuda_lines(facts: CudaFacts, uses_vllm: bool) -> list[Line]:
                          f"{card.total_bytes / GIB:.1f} GiB free"))
         if not torch_has_kernels(card.compute_capability, facts.arch_list):
             lines.append(_block(f"torch {facts.torch_version} has kernels for {' '.join(facts.arch_list)} only: none runs on "
-                                f"{card.sm}", "install a torch build that supports this card (pytorch.org lists the CUDA "
-                                "builds; CUDA 12.x builds still carry sm70)"))
+                                f"{card.sm}", _kernels_advice(card, fit)))
         if (uses_vllm and card.index == 0 and card.compute_capability < CUDA13_MIN_COMPUTE_CAPABILITY
                 and (build_major(facts.vllm_version, VLLM_CUDA_MAJOR) or VLLM_CUDA_MAJOR) >= 13):
             lines.append(_block(f"vllm 0.31 (CUDA {VLLM_CUDA_MAJOR}) has no kernels for {card.sm}",

@@ -32,9 +32,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-from lowvram_grpo.model import internals
-from lowvram_grpo.run.allocator import mimalloc_library
-from lowvram_grpo.run.errors import UnknownProfile
+from lowvram_grpo.core import internals
+from lowvram_grpo.core.allocator import mimalloc_library
+from lowvram_grpo.core.errors import UnknownProfile
 
 
 @dataclass(frozen=True)

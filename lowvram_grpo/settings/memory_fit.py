@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lowvram_grpo.run.errors import ConfigError
+from lowvram_grpo.core.errors import ConfigError
 from lowvram_grpo.settings.config import RunConfig, config_from_dict, list_presets, load_config
 from lowvram_grpo.settings.hardware import detect
 from lowvram_grpo.settings.memory_terms import GIB, estimate

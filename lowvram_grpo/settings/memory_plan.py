@@ -13,7 +13,7 @@ its suggestions, and its table), oom.py (a run's out-of-memory line). Pure Pytho
 """
 from __future__ import annotations
 
-from lowvram_grpo.run.errors import PlanError
+from lowvram_grpo.core.errors import PlanError
 from lowvram_grpo.settings.memory_fit import SUGGESTION_SPARE, fit_settings, presets_that_fit
 from lowvram_grpo.settings.memory_terms import (
     GIB,

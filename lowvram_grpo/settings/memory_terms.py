@@ -70,7 +70,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lowvram_grpo.run.errors import ResolveError
+from lowvram_grpo.core.errors import ResolveError
 from lowvram_grpo.settings.config import RunConfig
 from lowvram_grpo.settings.model_shapes import LINEAR, UNSLOTH_FORCE_FLOAT32, ModelShape, model_shape
 from lowvram_grpo.settings.unsloth_sizing import FUSED_BYTES_PER_LOGIT, fused_linear_rows, vllm_budget

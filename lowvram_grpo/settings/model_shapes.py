@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
-from lowvram_grpo.run.errors import PlanError
+from lowvram_grpo.core.errors import PlanError
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 

@@ -25,6 +25,33 @@ IS_MODE = "sequence_mask"
 COMPLETION_TRACKERS = ("wandb", "trackio")
 
 
+# The model types fused_decode.py's layers cover (its SUPPORTED_TYPES): resolve refuses decode.fused elsewhere.
+FUSED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """What resolve() decided for this run's transformers generation (config.DecodeConfig's `auto`s made concrete)."""
+    loop: str          # 'lowvram' (this module's loop) | 'transformers' (transformers' generate, untouched)
+    sampler: str       # one of decoding.SAMPLERS
+    merge_lora: bool   # sampled tokens from the adapter merged into a copy of the 16-bit weights
+    fused: bool = False  # sampled tokens through fused_decode.py's layers (merged or not, as merge_lora says)
+    weights: str = "bf16"  # fused_decode.WEIGHTS: what the fused layers multiply with ('int8': FBGEMM's int8 linear)
+    shared_prefill: bool = False  # rows with the same prompt prefilled once, its cache copied to each (shared_prompt)
+
+    def describe(self, own: Optional[str] = None) -> str:
+        """One phrase for --dry-run and the bench; `own`: what the model's own weights are ('bfloat16', '4-bit'),
+        named as what sampled tokens read unless decode.weights=int8."""
+        if self.loop == "transformers":
+            return "transformers' generate"
+        int8 = self.weights == "int8"
+        reads = ("int8 weights (decode.weights=int8: the base packed once for FBGEMM's dynamic int8 linear)" if int8
+                 else f"{own} weights" if own else "the model's own weights")
+        merged = "unmerged on the int8 base" if int8 else "merged" if self.merge_lora else "unmerged"
+        return (f"own decode loop, {self.sampler.replace('_', '-')} sampler, LoRA {merged} when sampling"
+                + (", fused layers when sampling" if self.fused else "") + f"; sampled tokens read {reads}")
+
+
 @dataclass(frozen=True)
 class PromptPlan:
     """How a question becomes a prompt and how its answer is read."""
@@ -139,9 +166,17 @@ class TrainPlan:
     dynamic_sampling_draws: int              # extra draws for groups without signal (0 = dynamic sampling off)
     dynamic_sampling_reward: Optional[str]   # the reward whose spread counts (None: the weighted total)
     dynamic_sampling_column: Optional[int]   # its index among rewards.names
+    shared_prompt: bool                      # the group's prompt once in the loss and the decode loop's prefill
+    shared_prompt_note: str                  # why on or off (train.shared_prompt; resolve.choose_shared_prompt)
+    save_steps_auto: bool                    # train.save_steps null: the run's measured step time sets the cadence
+    curve_auto: bool                         # eval.every_steps null: the measured step time re-decides the curve
+    validation_size: int                     # the held-out curve's questions (eval.validation_size)
     prompts: PromptPlan
     tools: ToolPlan
     rewards: RewardPlan
+    adapter_check_every: int = 0             # sampled tokens scored under adapter and base every N steps (0 = off)
+    trackers: tuple[str, ...] = ()           # train.report_to's trackers (their modules: installed.path_modules)
+    adapter_guard_steps: int = 0             # flagged scored steps in a row that stop the run (0 = warn only)
 
 
 @dataclass(frozen=True)
@@ -170,6 +205,8 @@ class RunPlan:
             f"  train: {t.max_steps} GRPO step(s), {t.num_generations} completions a prompt, up to "
             f"{t.max_completion_length} new tokens, lr {t.learning_rate:g}, beta {t.beta:g}; {written}"
             + (f"; dynamic sampling, {t.dynamic_sampling_draws} draw(s)" if t.dynamic_sampling_draws else ""),
+            f"  prompt of a group: {'computed once' if t.shared_prompt else 'computed per completion'} "
+            f"({t.shared_prompt_note})",
             f"  eval: {'greedy' if e.greedy else f'T={e.temperature:g} top-p {e.top_p:g}'}, batch {e.batch_size}, up to "
             f"{e.max_tokens} new tokens" + (f", {e.samples} samples at T={e.sample_temperature:g}" if e.samples else "")
             + ("" if e.enabled else " (off)"),
@@ -213,6 +250,15 @@ def run_plan(config: RunConfig) -> RunPlan:
         dynamic_sampling_draws=train.dynamic_sampling_max_draws if dynamic else 0,
         dynamic_sampling_reward=reward,
         dynamic_sampling_column=config.rewards.names.index(reward) if reward is not None else None,
+        shared_prompt=train.shared_prompt == "on",
+        shared_prompt_note=("train.shared_prompt=on: in the loss and the decode loop's prefill"
+                            if train.shared_prompt == "on"
+                            else "train.shared_prompt=off, the default: opt-in, equal to the per-row computation only "
+                                 "up to float rounding"),
+        save_steps_auto=train.save_steps is None, curve_auto=config.eval.every_steps is None,
+        validation_size=config.eval.validation_size,
+        adapter_check_every=train.adapter_check_every, adapter_guard_steps=train.adapter_guard_steps,
+        trackers=tuple(train.trackers),
         **shared)
     ev = config.eval
     eval_plan = EvalPlan(enabled=ev.enabled, temperature=ev.temperature, top_p=ev.top_p, seed=ev.seed,

@@ -71,12 +71,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from lowvram_grpo.model.decoding import DecodeSettings
-from lowvram_grpo.model.fused_decode import SUPPORTED_TYPES as FUSED_TYPES
-from lowvram_grpo.run.errors import PlanError, ResolveError
+from lowvram_grpo.core.errors import PlanError, ResolveError
 from lowvram_grpo.settings.config import RunConfig
 from lowvram_grpo.settings.hardware import Hardware
-from lowvram_grpo.settings.plans import IS_MODE, RunPlan, run_plan  # IS_MODE: TRL 1.15's default, one ratio per completion
+# IS_MODE: TRL 1.15's default, one ratio per completion
+from lowvram_grpo.settings.plans import FUSED_TYPES, IS_MODE, DecodeSettings, RunPlan, run_plan
 
 BACKENDS = ("auto", "unsloth", "hf")
 # vllm 0.31's wheels are built with CUDA 13, which dropped compute capability 7.0 (the V100) and below: its
@@ -113,6 +112,20 @@ DECODE_GRAPH_MODEL_TYPES = ("llama", "qwen3")
 DECODE_GRAPHS_ENV = "UNSLOTH_DECODE_CUDA_GRAPHS"
 # unsloth_zoo 2026.10.9's load_vllm: float8_kv_cache=True -> vLLM kv_cache_dtype="fp8", refused below sm80.
 FP8_KV_MIN_COMPUTE_CAPABILITY = (8, 0)
+# Which vLLM 0.31 attention backend serves that fp8 cache. With FlashInfer off (UNSLOTH_VLLM_NO_FLASHINFER=1, or no
+# nvcc/ninja/libcuda) load_vllm pins attention_backend="FLASH_ATTN" from sm80 (vllm_utils.py 5194-5198), a hard choice
+# (vllm/platforms/cuda.py raises "Selected backend ... is not valid"), and FlashAttention serves an fp8 KV cache on the
+# sm90 family (FA3) and the sm100 family (FA4) only (vllm/v1/attention/backends/fa_utils.py
+# flash_attn_supports_kv_cache_dtype); Triton attention would need sm89 (triton_attn.py: "native FP8 requires
+# SM89+") and is not chosen there. With FlashInfer on, vLLM falls from FLASH_ATTN to FLASHINFER, which takes fp8 from
+# sm80 (flashinfer.py supported_kv_cache_dtypes, supports_compute_capability 8.0-12.1).
+FP8_KV_FLASH_ATTN_MAJORS = (9, 10)
+# Model types vLLM 0.31 refuses in float16 ("does not support float16. Reason: Numerical instability", vllm/config/model.py
+# _FLOAT16_NOT_SUPPORTED_MODELS: gemma2, gemma3, gemma3_text, glm4; model_type_of strips "_text"). unsloth_zoo
+# 2026.10.9's load_vllm serves float16 on a CUDA card below sm80 whatever is asked (vllm_utils.py 4610-4634: bfloat16
+# switched to float16, float32 "not supported yet"), so on a card without bf16 its engine cannot start for these:
+# unsloth's generate samples instead (resolve's note), as below VLLM_MIN_COMPUTE_CAPABILITY.
+VLLM_NO_FLOAT16_TYPES = ("gemma2", "gemma3", "glm4")
 KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float16", "float32")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -182,7 +195,8 @@ class Resolved:
 
     @property
     def trainer_environment(self) -> dict:
-        """Environment variables unsloth's GRPO loss reads (set by the unsloth backend before training): the
+        """Environment variables unsloth's GRPO loss reads (set by training/grpo.RunTrainer.train while it trains and
+        restored after; from the settings load_model returns, so never where unsloth's vLLM did not start): the
         importance-sampling mode where unsloth's engine generates with the correction on, so a value left in the shell
         cannot replace the one decided (unsloth_zoo's grpo_accumulated_loss lets the variable override the config)."""
         return {IS_MODE_ENV: self.is_mode} if self.generation == "unsloth_vllm" and self.is_correction else {}
@@ -210,7 +224,8 @@ class Resolved:
     def decode(self):
         """decoding.DecodeSettings: what backends.load_model installs on the model."""
         return DecodeSettings(loop=self.decode_loop, sampler=self.decode_sampler, merge_lora=self.decode_merge_lora,
-                              fused=self.decode_fused, weights=self.decode_weights)
+                              fused=self.decode_fused, weights=self.decode_weights,
+                              shared_prefill=bool(self.plan is not None and self.plan.train.shared_prompt))
 
     @property
     def reward_model_device(self) -> str:
@@ -593,14 +608,34 @@ def choose_decode_graphs(config: RunConfig, hardware: Hardware, backend: str, ge
                   "GRPO's generate")
 
 
-def choose_kv_cache_dtype(config: RunConfig, hardware: Hardware, generation: str, dtype: str) -> tuple[Optional[str], str, bool]:
+def fp8_kv_refusal(hardware: Hardware, flashinfer: Optional[bool]) -> Optional[tuple[str, str]]:
+    """(why explicit fp8 is refused, why auto keeps 16-bit) where unsloth's vLLM engine cannot start with an fp8 KV
+    cache on `hardware` with FlashInfer `flashinfer` (choose_flashinfer); None where an attention backend serves it
+    (FP8_KV_FLASH_ATTN_MAJORS' comment)."""
+    if not hardware.cuda or hardware.compute_capability < FP8_KV_MIN_COMPUTE_CAPABILITY:
+        return (f"needs compute capability >= 8.0 (unsloth_zoo refuses a float8 KV cache below) and "
+                f"{hardware.gpu_name or hardware.name} is {hardware.sm}",
+                f"fp8 KV needs sm80+ and {hardware.gpu_name or hardware.name} is {hardware.sm}")
+    if flashinfer or hardware.compute_capability[0] in FP8_KV_FLASH_ATTN_MAJORS:
+        return None
+    return (f"has no vLLM 0.31 attention backend on {hardware.gpu_name} ({hardware.sm}) with FlashInfer off: "
+            "unsloth_zoo then pins FLASH_ATTN, whose fp8 KV cache needs sm90/sm100 (FlashAttention 3/4), and "
+            "FlashInfer, which serves it from sm80, is off here (on only with an nvcc of torch's CUDA major; a --gpu "
+            "card's is not known)",
+            f"fp8 KV has no attention backend on {hardware.sm} with FlashInfer off (FLASH_ATTN takes it on sm90/sm100 only)")
+
+
+def choose_kv_cache_dtype(config: RunConfig, hardware: Hardware, generation: str, dtype: str,
+                          flashinfer: Optional[bool] = None) -> tuple[Optional[str], str, bool]:
     """(KV-cache dtype, why, plan decides) for model.kv_cache_dtype (auto | fp8 | bfloat16 | float16 | float32).
 
     fp8 is unsloth's engine's option (from_pretrained float8_kv_cache=True: unsloth_zoo's load_vllm starts vLLM with
     kv_cache_dtype="fp8" and refuses it below sm80): half the bytes of a 16-bit KV cache, so twice the tokens in the
     same share. Our own engine (model.generation=vllm) and transformers keep their cache in the compute dtype. auto:
     the compute dtype, unless unsloth's engine runs on sm80+ with a card size known, where the plan decides (the third
-    value True; resolve turns it to fp8 when the 16-bit cache is short: kv_room_short)."""
+    value True; resolve turns it to fp8 when the 16-bit cache is short: kv_room_short). fp8 only where an attention
+    backend of vLLM 0.31 serves it on this card with FlashInfer `flashinfer` (fp8_kv_refusal): explicit fp8 is refused
+    elsewhere in one line, and auto does not pick it there."""
     asked = config.model.kv_cache_dtype
     if generation != "unsloth_vllm":
         if asked == "fp8":
@@ -614,19 +649,18 @@ def choose_kv_cache_dtype(config: RunConfig, hardware: Hardware, generation: str
         if generation == "vllm":
             return dtype, "our vLLM engine keeps its KV cache in the compute dtype", False
         return None, "no vLLM engine (transformers' KV cache, compute dtype)", False
-    fp8_ok = hardware.cuda and hardware.compute_capability >= FP8_KV_MIN_COMPUTE_CAPABILITY
+    fp8_refused = fp8_kv_refusal(hardware, flashinfer)
     if asked == "fp8":
-        if not fp8_ok:
-            raise ResolveError(f"model.kv_cache_dtype=fp8 needs compute capability >= 8.0 (unsloth_zoo refuses a float8 "
-                               f"KV cache below) and {hardware.gpu_name} is {hardware.sm}: set model.kv_cache_dtype=auto")
+        if fp8_refused:
+            raise ResolveError(f"model.kv_cache_dtype=fp8 {fp8_refused[0]}: set model.kv_cache_dtype=auto")
         return "fp8", "model.kv_cache_dtype=fp8: half the bytes of a 16-bit cache", False
     if asked not in ("auto", dtype):
         raise ResolveError(f"model.kv_cache_dtype={asked}: unsloth's vLLM keeps its KV cache in the compute dtype "
                            f"({dtype}) or fp8: set model.kv_cache_dtype=auto, fp8 or {dtype}")
     if asked == dtype:
         return dtype, f"model.kv_cache_dtype={dtype}", False
-    if not fp8_ok:
-        return dtype, f"auto -> {dtype}: fp8 KV needs sm80+ and {hardware.gpu_name} is {hardware.sm}", False
+    if fp8_refused:
+        return dtype, f"auto -> {dtype}: {fp8_refused[1]}", False
     return dtype, "", True
 
 
@@ -717,6 +751,10 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         elif hardware.compute_capability < VLLM_MIN_COMPUTE_CAPABILITY:
             notes.append(f"model.fast_inference: vLLM 0.31's CUDA 13 build needs compute capability >= 7.5 and "
                          f"{hardware.gpu_name} is {hardware.sm}: generating with transformers")
+        elif not hardware.bf16_native and model_type_of(config.model.name) in VLLM_NO_FLOAT16_TYPES:
+            notes.append(f"model.fast_inference: unsloth starts vLLM in float16 on {hardware.sm} (no native bf16; "
+                         f"float32 it does not take) and vLLM 0.31 refuses float16 for model type "
+                         f"{model_type_of(config.model.name)} (numerical instability): generating with transformers")
         else:
             fast = True
 
@@ -751,7 +789,7 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         notes.append("decode.weights=int8 with train.is_correction=off: the rollouts sampled from int8 weights train "
                      "uncorrected (train.is_correction=auto corrects them)")
     graphs, graphs_reason = choose_decode_graphs(config, hardware, chosen, generation)
-    kv_dtype, kv_reason, plan_decides = choose_kv_cache_dtype(config, hardware, generation, dtype)
+    kv_dtype, kv_reason, plan_decides = choose_kv_cache_dtype(config, hardware, generation, dtype, flashinfer)
     per_device = config.train.batch_size
     accumulation = config.train.gradient_accumulation_steps
     validation_every, validation_note = choose_validation(config, per_device * accumulation * num_processes, num_processes)
@@ -777,13 +815,34 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         validation_every=validation_every, is_correction=is_on, is_mode=is_mode, is_reason=is_reason,
         is_from_loss=is_from_loss, decode_graphs=graphs, decode_graphs_reason=graphs_reason, kv_cache_dtype=kv_dtype,
         kv_cache_reason=kv_reason,
-        notes=tuple(notes), plan=run_plan(config),
+        notes=tuple(notes), plan=choose_shared_prompt(run_plan(config), chosen, generation, decode_loop),
     )
     if plan_decides:  # auto on sm80+ with unsloth's engine: fp8 where the plan's 16-bit KV cache is short
         resolved = dataclasses.replace(resolved, kv_cache_reason=_auto_kv_reason(resolved))
         if resolved.kv_cache_reason.startswith("auto -> fp8"):
             resolved = dataclasses.replace(resolved, kv_cache_dtype="fp8")
     return resolved
+
+
+def choose_shared_prompt(plan: RunPlan, backend: str, generation: str, decode_loop: str) -> RunPlan:
+    """`plan` with train.shared_prompt decided (plans.TrainPlan.shared_prompt, its note for --dry-run): asked for, it
+    runs in TRL's own trainer's loss (trl_compat.SharedPrompt) and in our decode loop's prefill; the unsloth backend
+    (its generated trainer computes the loss its own way) and tool turns (the completions carry tool results) keep
+    the per-row computation; a vLLM engine or transformers' generate keeps its own prefill (the loss still shares)."""
+    train = plan.train
+    if not train.shared_prompt:
+        return plan
+    if backend == "unsloth":
+        note = "train.shared_prompt=on, kept per completion on the unsloth backend (its trainer's own loss, its generate)"
+        return dataclasses.replace(plan, train=dataclasses.replace(train, shared_prompt=False, shared_prompt_note=note))
+    if plan.tools.used:
+        note = "train.shared_prompt=on, kept per completion: tool turns (completions carry tool results)"
+        return dataclasses.replace(plan, train=dataclasses.replace(train, shared_prompt=False, shared_prompt_note=note))
+    sampler = "a vLLM engine" if "vllm" in generation else "transformers' generate"
+    where = ("in the loss and the decode loop's prefill" if decode_loop == "lowvram"
+             else f"in the loss; the rollouts' prefill stays per row ({sampler})")
+    decided = dataclasses.replace(train, shared_prompt_note=f"train.shared_prompt=on: {where}")
+    return dataclasses.replace(plan, train=decided)
 
 
 # eval.every_steps auto: on where the curve costs at most this share of the run, as estimated by validation_cost.

@@ -21,12 +21,18 @@ One step = the rollouts' decode + the training pass over them:
 - a CPU: 10 GB/s and 0.2 TFLOP/s with native bf16 (0.07 without): ~40 s a step for smollm2_cpu, whose measured
   steps took 7.1-24.5 s on the 2-core machines of bench/results/readme_first_command/.
 Pure arithmetic: no torch, no hub beyond what model_shapes.model_shape reads for the memory plan.
+
+That estimate decides the plan before anything has run; once the run has trained, its own steps decide
+(`MeasuredStepTime`): after CALIBRATION_STEPS GRPO steps the estimate is the median of the steps measured since the
+first (the first carries the warm-up: allocators, caches, on a GPU the compiling), over the last WINDOW of them, so it
+follows the run as it goes; `checkpoint_cadence` and `curve_every` turn it into the checkpoint cadence and the held-out
+curve's interval (training/cadence.py applies them).
 """
 from __future__ import annotations
 
 from typing import Optional
 
-from lowvram_grpo.run.errors import PlanError
+from lowvram_grpo.core.errors import PlanError
 from lowvram_grpo.settings.model_shapes import model_shape
 
 # card (hardware.PROFILES' gpu_name) -> (memory bandwidth GB/s, sustained training TFLOP/s). Bandwidth and the dense
@@ -91,3 +97,79 @@ def step_seconds(config, hardware, generation: str, completions: int, dtype: str
     tokens = completions * train.rollout_tokens
     training = TRAINING_PASSES * shape.params * tokens / (tflops * 1e12)
     return decode_steps * per_token + training, what
+
+
+CALIBRATION_STEPS = 3  # GRPO steps a process runs before its own measure replaces the plan's estimate
+WINDOW = 8             # the estimate is the median of at most this many of the latest steps (the first left out)
+
+
+class MeasuredStepTime:
+    """A GRPO step's seconds on this machine, from the run's own steps, corrected as the run goes.
+
+        timer = MeasuredStepTime(planned=41.0)     # the plan's estimate (step_seconds), or None
+        timer.add(16.9); timer.add(16.4); timer.add(16.6)
+        timer.seconds, timer.measured, timer.basis()  # 16.5, True, 'measured over steps 2-3'
+
+    Args:
+        planned: the plan's estimate, used until `calibration` steps are measured (None: none).
+        calibration: how many steps this process runs before its own measure counts.
+        first_step: the GRPO step the process starts after (a resumed run's checkpoint step), for `basis`'s names.
+    """
+
+    def __init__(self, planned: Optional[float], calibration: int = CALIBRATION_STEPS, first_step: int = 0):
+        self.planned, self.calibration, self.first_step = planned, max(1, calibration), first_step
+        self.steps: list[float] = []
+
+    def add(self, seconds: float) -> None:
+        self.steps.append(float(seconds))
+
+    @property
+    def measured(self) -> bool:
+        return len(self.steps) >= self.calibration
+
+    def _counted(self) -> list[float]:
+        counted = self.steps[1:] or self.steps  # the first step warms up, unless it is the only one
+        return counted[-WINDOW:]
+
+    @property
+    def seconds(self) -> Optional[float]:
+        """The measured median once calibrated, the plan's estimate before."""
+        if not self.measured:
+            return self.planned
+        counted = sorted(self._counted())
+        middle = len(counted) // 2
+        return counted[middle] if len(counted) % 2 else (counted[middle - 1] + counted[middle]) / 2
+
+    def basis(self) -> str:
+        """'measured over steps 2-3' (the GRPO steps the figure is the median of), or 'estimated'."""
+        if not self.measured:
+            return "estimated"
+        done = self.first_step + len(self.steps)
+        first = done - len(self._counted()) + 1
+        return f"measured over step {done}" if first == done else f"measured over steps {first}-{done}"
+
+
+def checkpoint_cadence(seconds: Optional[float], max_steps: int, every_s: float, fallback: int) -> int:
+    """GRPO steps between checkpoints: as many as fit in `every_s` seconds at `seconds` a step (at least 1, at most
+    `max_steps`); `fallback` without a figure."""
+    if not seconds or seconds <= 0:
+        return max(1, min(max_steps, fallback))
+    return max(1, min(max_steps, int(every_s // seconds)))
+
+
+def curve_cost(every: int, steps: int, validation_size: int, answer_seconds: float, step_seconds: float) -> float:
+    """The held-out curve's share of GRPO's time, measured: its answers (validation_size at every `every`-th step and
+    the last) at `answer_seconds` each, over `steps` GRPO steps at `step_seconds` each."""
+    evaluations = -(-steps // every)
+    return evaluations * validation_size * answer_seconds / (steps * step_seconds)
+
+
+def curve_every(steps: int, validation_size: int, answer_seconds: float, step_seconds: float,
+                budget: float) -> tuple[int, float]:
+    """(every N steps, its share) for an automatic held-out curve from measured times: the smallest N whose curve has
+    at least two points and costs at most `budget` of GRPO's time; (0, the two-point curve's share) when none does."""
+    for every in range(1, steps // 2 + 1):
+        share = curve_cost(every, steps, validation_size, answer_seconds, step_seconds)
+        if share <= budget:
+            return every, share
+    return 0, curve_cost(max(1, steps // 2), steps, validation_size, answer_seconds, step_seconds)

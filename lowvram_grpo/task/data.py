@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
-from lowvram_grpo.run.errors import DataError
+from lowvram_grpo.core.errors import DataError
 from lowvram_grpo.task.rewards import TRL_KEYWORDS, extract_hash_answer
 
 BUILTIN_TRAIN_SIZE = 2000
@@ -512,10 +512,25 @@ def to_prompt_rows(questions: list[Question], system_prompt: str) -> list[dict]:
     return rows
 
 
+def text_tokenizer(tokenizer):
+    """The tokenizer that turns text into ids: `tokenizer` itself, or, where a loader returned a processor (unsloth
+    loads a vision-language checkpoint such as Qwen3.5 with its vision loader and returns e.g. Qwen3VLProcessor), the
+    tokenizer inside it. A processor's first positional argument is `images` (a string there is read as an image
+    path) and its chat template tokenizes to a [1, n] batch, so text never goes through it; the processor's chat
+    template is given to its tokenizer where the tokenizer has none. None stays None."""
+    inner = getattr(tokenizer, "tokenizer", None)
+    if inner is None or not hasattr(inner, "convert_tokens_to_ids"):
+        return tokenizer
+    if not getattr(inner, "chat_template", None) and getattr(tokenizer, "chat_template", None):
+        inner.chat_template = tokenizer.chat_template
+    return inner
+
+
 def prompt_tokens(tokenizer, prompt, tools=None, template_kwargs=None) -> int:
     """How many tokens the model is fed for `prompt`: the chat template's for messages (with the `tools`' schemas
     in it when tools are given, as TRL renders them, and `template_kwargs`: data.chat_template_kwargs), the text's
-    own otherwise."""
+    own otherwise. `tokenizer` may be a processor (text_tokenizer)."""
+    tokenizer = text_tokenizer(tokenizer)
     if isinstance(prompt, str):
         return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     ids = tokenizer.apply_chat_template(prompt, tools=tools or None, add_generation_prompt=True, tokenize=True,

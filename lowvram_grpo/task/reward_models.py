@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from lowvram_grpo.run.errors import ConfigError, RewardError
+from lowvram_grpo.core.errors import ConfigError, RewardError
 from lowvram_grpo.task.user_files import first_line
 
 

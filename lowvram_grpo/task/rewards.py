@@ -43,7 +43,7 @@ import types
 from pathlib import Path
 from typing import Callable, Optional
 
-from lowvram_grpo.run.errors import ConfigError, RewardError
+from lowvram_grpo.core.errors import ConfigError, RewardError
 from lowvram_grpo.task import answers
 from lowvram_grpo.task.reward_models import RewardModel, is_reward_model, model_id_name
 from lowvram_grpo.task.user_files import first_line, import_user_file, own_functions

@@ -38,7 +38,7 @@ import operator
 import threading
 from typing import Callable, Optional
 
-from lowvram_grpo.run.errors import ConfigError
+from lowvram_grpo.core.errors import ConfigError
 from lowvram_grpo.task.user_files import first_line, import_user_file, own_functions
 
 MAX_RESULT_CHARS = 2000  # a tool result longer than this is cut (it becomes prompt tokens of the next turn)

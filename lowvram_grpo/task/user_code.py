@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Optional
 
-from lowvram_grpo.run.errors import ConfigError
+from lowvram_grpo.core.errors import ConfigError
 from lowvram_grpo.task import rewards, tools
 
 # (rewards, tools, chat template arguments) -> their UserCode; the newest few (a run has one, a test suite many)

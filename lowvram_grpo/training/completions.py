@@ -31,12 +31,10 @@ import json
 import math
 from typing import Optional
 
+from lowvram_grpo.report.records import PREVIEW_CHARS, steps_to_show  # noqa: F401  (completions.X)
 from lowvram_grpo.task.rewards import is_async_callable
 
 TRUNCATED, ANSWER = "truncated", "answer"  # the log_extra columns CompletionFacts adds to TRL's log
-PREVIEW_CHARS = 1500  # report/build.py: longer completions are shown cut to this
-
-
 def prompt_id(prompt) -> str:
     """A short stable id of a prompt (text or chat messages)."""
     return hashlib.sha1(json.dumps(prompt, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -223,26 +221,6 @@ def with_completion_facts(reward_funcs: list, stop_ids: set) -> list:
 
 
 # --------------------------------------------------------------------------- what the report shows
-
-def steps_to_show(rows: list[dict]) -> list[tuple[str, int]]:
-    """[('latest', step), ('worst reward', step)] among the written steps (the worst: the lowest mean `reward`; one
-    entry when it is the latest too); [] without rows."""
-    if not rows:
-        return []
-    means: dict[int, list[float]] = {}
-    for row in rows:
-        means.setdefault(row["step"], [])
-        if isinstance(row.get("reward"), (int, float)):
-            means[row["step"]].append(row["reward"])
-    latest = max(means)
-    scored = {step: sum(v) / len(v) for step, v in means.items() if v}
-    shown = [("latest", latest)]
-    if scored:
-        worst = min(scored, key=lambda s: (scored[s], s))
-        if worst != latest:
-            shown.append(("worst reward", worst))
-    return shown
-
 
 def markdown_rows(rows: list[dict], step: int, limit: int = 4) -> str:
     """A markdown table of `step`'s first `limit` rows (TensorBoard's text panel)."""

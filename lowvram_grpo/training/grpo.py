@@ -19,9 +19,11 @@ memory: PEFT disables the adapters for the reference pass), paged 8-bit AdamW.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import enum
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -30,14 +32,17 @@ from tqdm.auto import tqdm
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 from trl import GRPOConfig
 
+from lowvram_grpo.report.peak_memory import RUN_PEAK
 from lowvram_grpo.report.run_dir import RunDir
-from lowvram_grpo.run.host_memory import ReleaseHostMemory
+from lowvram_grpo.core import host_memory
 from lowvram_grpo.settings.plans import grpo_config_kwargs
 from lowvram_grpo.task.tools import environment_methods
 from lowvram_grpo.task.user_code import of as user_code_of
 from lowvram_grpo.training.completions import CompletionsLog, markdown_rows, with_completion_facts
+from lowvram_grpo.training.adapter_check import AdapterGuard, progress_field
+from lowvram_grpo.training.cadence import MeasuredCadence
 from lowvram_grpo.training.guards import NonFiniteGuard, StopOnSignal
-from lowvram_grpo.training.learning_signals import (
+from lowvram_grpo.report.learning_signals import (
     ALL_RIGHT_KEY,
     ALL_WRONG_KEY,
     SAMPLER_GAP_KEY,
@@ -51,6 +56,8 @@ from lowvram_grpo.training.trl_compat import (
     DynamicSampling,
     ModelSampler,
     RatioFromLoss,
+    SampledTokenScores,
+    SharedPrompt,
     TrainerHooks,
     grpo_trainer_base,
     install_logprob_fallback,
@@ -108,6 +115,8 @@ def describe_effective(effective: dict) -> str:
         line += (f" vllm_importance_sampling_correction={s['vllm_importance_sampling_correction']}"
                  f" ({s['vllm_importance_sampling_mode']}"
                  f"{', trainer log-probs from the loss' if s.get('is_ratio_from_loss') else ''})")
+    if s.get("shared_prompt"):
+        line += " shared_prompt=on (the group's prompt once in the loss)"
     if effective["changed"]:
         line += "; changed from the config by the trainer: " + ", ".join(
             f"{k} {a!r} -> {u!r}" for k, (a, u) in effective["changed"].items())
@@ -128,11 +137,19 @@ def effective_grpo_settings(trainer, asked: dict) -> dict:
     used["dynamic_sampling_max_draws"] = getattr(trainer, "dynamic_sampling_draws", 0)  # ours (trl_compat.DynamicSampling)
     used["dynamic_sampling_reward"] = getattr(trainer, "dynamic_sampling_reward", None)
     used["is_ratio_from_loss"] = isinstance(trainer, RatioFromLoss) and trainer.is_ratio_from_loss  # ours
+    used["shared_prompt"] = isinstance(trainer, SharedPrompt) and trainer.shared_prompt  # ours
     if asked.get("epsilon_high") is None and "epsilon" in asked:  # null asks for epsilon's value (as TRL reads it)
         asked = {**asked, "epsilon_high": asked["epsilon"]}
     changed = {key: [_plain(asked[key]), used[key]] for key in EFFECTIVE_KEYS
                if key in asked and _plain(asked[key]) != used[key]}
     return {"trainer": trainer_name(trainer), "settings": used, "changed": changed}
+
+
+
+class ReleaseHostMemory(TrainerCallback):
+    """host_memory.release() after every optimizer step: the step's freed memory back to the OS."""
+    def on_step_end(self, args, state, control, **kwargs):
+        host_memory.release()
 
 
 class MetricsWriter(TrainerCallback):
@@ -240,8 +257,9 @@ class ProgressBar(TrainerCallback):
     once a few steps are done (projection_due), the projected finish on this machine (projection_line), from the
     steps after the first (the first carries the warm-up, on a GPU the compiling)."""
 
-    def __init__(self, total: int, initial: int = 0, beta: float = 0.0):
+    def __init__(self, total: int, initial: int = 0, beta: float = 0.0, cadence=None):
         self.total, self.initial, self.beta, self.bar = total, initial, beta, None
+        self.cadence = cadence  # cadence.MeasuredCadence: the step time and checkpoint cadence shown (None: not shown)
         self.rewards: collections.deque = collections.deque(maxlen=SMOOTHING)
         self.first_step = self.began = self.first_done = None  # this process's first step, its start, its end
         self.projected = False
@@ -271,7 +289,10 @@ class ProgressBar(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.bar is not None and logs and "reward" in logs:
-            self.bar.set_postfix(progress_fields(logs, self.rewards, self.beta), refresh=True)
+            fields = progress_fields(logs, self.rewards, self.beta)
+            fields.update(self.cadence.fields() if self.cadence is not None else {})
+            fields["peak"] = RUN_PEAK.text().removeprefix("peak ")  # the run's own peak memory: the line's last words
+            self.bar.set_postfix(fields, refresh=True)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.bar is not None:
@@ -336,6 +357,8 @@ def progress_fields(logs: dict, recent: "collections.deque", beta: float) -> dic
     gap = logs.get(SAMPLER_GAP_KEY)
     if isinstance(gap, (int, float)) and gap > SAMPLER_GAP_THRESHOLD:  # the sampler is off the trained policy
         fields["sampler gap"] = f"{gap:.3f} nats/token > {SAMPLER_GAP_THRESHOLD}"
+    if progress_field(logs):  # the sampled tokens scored closer to the base than to the adapter (adapter_check.py)
+        fields["adapter"] = progress_field(logs)
     return fields
 
 
@@ -390,7 +413,14 @@ class RunExtras:
             that reward function's column alone (None: the weighted sum).
         is_ratio_from_loss: trl_compat.RatioFromLoss's (resolve.choose_is_logprobs): the correction's trainer log-probs
             from the loss's forward instead of TRL's extra no-grad forward.
-        asked: the GRPOConfig keyword arguments build_trainer asked for (effective_grpo_settings compares them)."""
+        shared_prompt: trl_compat.SharedPrompt's (plan.train.shared_prompt, decided by resolve): the group's prompt
+            computed once in the loss's forward and backward.
+        adapter_check_every: trl_compat.SampledTokenScores' (plan.train.adapter_check_every): score a step's sampled
+            tokens under the adapter and the base every this many GRPO steps (0 = off: no guard either).
+        adapter_guard_steps: adapter_check.AdapterGuard's stop_after (0: it warns, never stops).
+        asked: the GRPOConfig keyword arguments build_trainer asked for (effective_grpo_settings compares them).
+        environment: variables set while `train` runs and restored after (resolve.Resolved.trainer_environment of the
+            settings the model was loaded with: unsloth's IS mode only where its vLLM engine started)."""
 
     run_dir: RunDir
     tool_functions: list
@@ -408,10 +438,31 @@ class RunExtras:
     dynamic_sampling_reward: str | None = None
     dynamic_sampling_column: int | None = None
     is_ratio_from_loss: bool = False
+    shared_prompt: bool = False
+    adapter_check_every: int = 0
+    adapter_guard_steps: int = 0
     asked: dict = dataclasses.field(default_factory=dict)
+    environment: dict = dataclasses.field(default_factory=dict)
+    cadence: object = None  # cadence.MeasuredCadence: the step time measured, the checkpoint cadence and curve on it
 
 
-class RunTrainer(DynamicSampling, TrainerHooks):
+@contextlib.contextmanager
+def environment_set(changes: dict):
+    """`changes` in os.environ for the block; each variable's earlier value (or its absence) restored after, so a
+    notebook that trains again, or without vLLM, does not keep the variable."""
+    old = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+class RunTrainer(SampledTokenScores, DynamicSampling, TrainerHooks):
     """Mixed over the GRPOTrainer class in use (trainer_class): our checkpoints (run_dir.RunDir.save_checkpoint:
     atomic, with our run state), the NaN guard's view of the gradient norm, and the trained adapter restored on
     resume (trl_compat's hooks). Built with `extras` (RunExtras) beside GRPOTrainer's own arguments; everything it
@@ -434,12 +485,18 @@ class RunTrainer(DynamicSampling, TrainerHooks):
         self.stop_signals = StopOnSignal()
         self.keep_checkpoints = extras.keep_checkpoints
         self.data_per_step = extras.data_per_step
+        self.run_environment = dict(extras.environment)
         self.checkpoint_saver = self.save_checkpoint_with
         self.grad_norm_observer = self.nonfinite_guard.note_grad_norm
         self.add_callback(self.nonfinite_guard)  # before MetricsWriter: it adds skipped_nonfinite to the logs
         self.add_callback(self.stop_signals)
+        self.adapter_guard = AdapterGuard(extras.adapter_guard_steps)  # before the bar and MetricsWriter: its flag
+        self.adapter_check_every = extras.adapter_check_every  # joins the step's logs (adapter_check.py)
+        if extras.adapter_check_every:
+            self.adapter_score_observer = self.adapter_guard.note
+            self.add_callback(self.adapter_guard)
         if self.is_world_process_zero():
-            self.add_callback(ProgressBar(extras.max_steps, beta=extras.beta))
+            self.add_callback(ProgressBar(extras.max_steps, beta=extras.beta, cadence=extras.cadence))
             self.add_callback(SignalWarnings(extras.max_completion_length))
         self.add_callback(MetricsWriter(self.run_dir, extras.tool_use))
         if extras.completions is not None and self.is_world_process_zero():
@@ -450,12 +507,16 @@ class RunTrainer(DynamicSampling, TrainerHooks):
         self.validation = extras.validation
         if extras.validation is not None:  # first: its numbers join the step's logs before the trackers and metrics.jsonl read them
             self.callback_handler.callbacks.insert(0, ValidationCurve(extras.validation, self.run_dir))
+        self.cadence = extras.cadence
+        if extras.cadence is not None:
+            self.add_callback(extras.cadence)
         self.add_callback(ReleaseHostMemory())  # freed step memory back to the OS: RSS stays flat (host_memory.py)
         self.dynamic_sampling_draws = extras.dynamic_sampling_draws
         if extras.dynamic_sampling_reward is not None:
             self.dynamic_sampling_reward = extras.dynamic_sampling_reward
             self.dynamic_sampling_column = extras.dynamic_sampling_column
         self.is_ratio_from_loss = extras.is_ratio_from_loss  # read only where RatioFromLoss is mixed in (TRL's trainer)
+        self.shared_prompt = extras.shared_prompt  # read only where SharedPrompt is mixed in (TRL's trainer)
         self.effective_settings = effective_grpo_settings(self, extras.asked)  # before our samplers switch use_vllm on
 
     def run_state(self) -> dict:
@@ -477,7 +538,8 @@ class RunTrainer(DynamicSampling, TrainerHooks):
 
     def train(self, *args, **kwargs):
         try:
-            return super().train(*args, **kwargs)
+            with environment_set(self.run_environment):  # unsloth's loss reads the IS mode while it trains
+                return super().train(*args, **kwargs)
         finally:  # also when training raises: the error line must not land on the bar's line
             for callback in self.callback_handler.callbacks:
                 if isinstance(callback, ProgressBar) and callback.bar is not None:
@@ -492,15 +554,16 @@ def trainer_class() -> type:
     TRL's, or on the unsloth backend unsloth's generated UnslothGRPOTrainer, the class a GPU run trains with."""
     base = grpo_trainer_base()
     if base not in _TRAINER_CLASSES:  # unsloth's trainer applies the ratio in its own loss: RatioFromLoss stays out
-        bases = (RunTrainer, base) if is_unsloth_trainer(base) else (RunTrainer, RatioFromLoss, base)
+        bases = (RunTrainer, base) if is_unsloth_trainer(base) else (RunTrainer, RatioFromLoss, SharedPrompt, base)
         _TRAINER_CLASSES[base] = type("GRPORunTrainer", bases, {"__module__": __name__})
     return _TRAINER_CLASSES[base]
 
 
-def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward_funcs=None, validation=None):
+def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward_funcs=None, validation=None,
+                  answer_seconds=None, log=None):
     """TRL's GRPOTrainer for the handle's PEFT model, with our checkpoints, guards (guards.py),
     progress bar, metrics file and training-signal warnings. `run_dir`: a RunDir or its path.
-    `rollouts`: a backends.vllm.TRLRollouts when generation is 'vllm' (rollouts from our vLLM
+    `rollouts`: a training.vllm_rollouts.TRLRollouts when generation is 'vllm' (rollouts from our vLLM
     engine through TRL's rollout_func, the adapter synced to it). `reward_funcs`: the reward functions GRPO
     trains with instead of the configured ones (the random-reward control, baseline.py); train.dynamic_sampling
     turns on trl_compat.DynamicSampling, mixed into every trainer built here. `validation`: a validation.Validation
@@ -534,7 +597,11 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward
                          logging_steps=plan.logging_steps) if written is not None else None,
         validation=validation, dynamic_sampling_draws=plan.dynamic_sampling_draws,
         dynamic_sampling_reward=plan.dynamic_sampling_reward, dynamic_sampling_column=plan.dynamic_sampling_column,
-        is_ratio_from_loss=handle.resolved.is_from_loss, asked=asked)
+        is_ratio_from_loss=handle.resolved.is_from_loss, shared_prompt=plan.shared_prompt, asked=asked,
+        adapter_check_every=plan.adapter_check_every, adapter_guard_steps=plan.adapter_guard_steps,
+        environment=handle.resolved.trainer_environment,  # after load_model: {} where unsloth's vLLM did not start
+        cadence=MeasuredCadence(plan, handle.resolved.step_seconds, asked["save_steps"], validation, answer_seconds,
+                                log=log or tqdm.write))  # the step time measured, the cadence on it (cadence.py)
     trainer = trainer_class()(
         model=handle.model,
         processing_class=handle.tokenizer,
@@ -558,5 +625,5 @@ def _stop_ids(handle) -> set:
     config's eos ids, the tokenizer's eos, and pad): one that ends without any was cut at max_completion_length."""
     eos = getattr(getattr(handle.model, "generation_config", None), "eos_token_id", None)
     ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-    ids |= {handle.tokenizer.eos_token_id, handle.tokenizer.pad_token_id}
+    ids |= {handle.text_tokenizer.eos_token_id, handle.text_tokenizer.pad_token_id}
     return ids - {None}

@@ -21,8 +21,8 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from lowvram_grpo.report.run_dir import resume_command
-from lowvram_grpo.run import stops
-from lowvram_grpo.run.errors import Interrupted, TrainingStopped
+from lowvram_grpo.core import stops
+from lowvram_grpo.core.errors import Interrupted, TrainingStopped
 
 
 class NonFiniteGuard(TrainerCallback):

@@ -33,8 +33,8 @@ from typing import Callable, Optional
 from tqdm.auto import tqdm
 
 from lowvram_grpo.report.run_dir import PRIME_STATE
-from lowvram_grpo.run import host_memory, stops
-from lowvram_grpo.run.errors import RunDirError
+from lowvram_grpo.core import host_memory, stops
+from lowvram_grpo.core.errors import RunDirError
 from lowvram_grpo.settings.plans import PrimePlan
 from lowvram_grpo.task.data import Question, prompt_of
 from lowvram_grpo.task.rewards import formatted
@@ -192,7 +192,7 @@ def prime(handle, questions: list[Question], plan: PrimePlan, log=print, max_sec
     if not examples:
         log("priming skipped: the training data has no worked solutions with gold answers")
         return {"steps": 0}
-    model, tokenizer, prompts = handle.model, handle.tokenizer, plan.prompts
+    model, tokenizer, prompts = handle.model, handle.text_tokenizer, plan.prompts
     tools = user_code_of(plan).prompt_tools() if plan.tools.used else None
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=plan.learning_rate, weight_decay=0.0)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 
+from lowvram_grpo.report.records import TRANSCRIPT_KEY  # noqa: F401  (tool_metrics.X)
+
 TOOL_CALL_OPEN = "<tool_call>"
-TRANSCRIPT_KEY = "tools/transcript"
 MAX_TRANSCRIPT_CHARS = 4000
 
 

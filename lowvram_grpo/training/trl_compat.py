@@ -35,13 +35,10 @@ one warning line. The reaches, and why each is needed:
 - `completion_log(trainer)`: the latest rollouts as TRL 1.15 keeps them for its `log_completions` (the private
   `_logs`: prompts, completions with their tool calls, each reward function's scores, advantages, what reward
   functions logged through `log_extra`), which completions.jsonl is written from (its section below).
-- `decode_graph_stats(model)`: unsloth's private `unsloth.models._decode_graphs.stats` (its CUDA-graph decode
-  counters, kept on the model's CausalLM), summed for summary.json and the log of a CUDA run on the unsloth backend;
-  imported when called (unsloth is not in the CPU set), None where it is missing.
 - `insert_callback(trainer, callback, before)`, `trainer_callbacks(trainer)`, `set_trainer_state(trainer, state)`: the
   built trainer's callback list (transformers' add_callback only appends) and its state (a checkpoint's, when a resumed
   run has no step left); nothing outside this module and the trainer's own constructor changes a built trainer.
-  transformers' generation, PEFT's and torch's private names go through model/internals.py, the sibling door.
+  transformers' generation, PEFT's and torch's private names go through core/internals.py, the sibling door.
 - `TRL_ROLLOUT_METHODS`: the names of GRPOTrainer's private methods that generate and score the rollouts.
   oom.oom_phase reads them in an out-of-memory traceback to tell the rollout from the training step;
   `check_versions` refuses a TRL whose GRPOTrainer lacks one (its out-of-memory advice would be wrong).
@@ -49,7 +46,6 @@ one warning line. The reaches, and why each is needed:
 from __future__ import annotations
 
 import contextlib
-import importlib
 import inspect
 import math
 import os
@@ -61,9 +57,15 @@ import trl
 from transformers import Trainer
 from trl.trainer import utils as trl_utils
 
-from lowvram_grpo.model import internals
+from lowvram_grpo.core import internals
 from lowvram_grpo.model.decoding import loop_takes, sampler_logprobs
-from lowvram_grpo.run.errors import AdapterError, BackendError
+from lowvram_grpo.core.errors import AdapterError, BackendError
+from lowvram_grpo.report.learning_signals import (
+    ADAPTER_VS_BASE_KEY,
+    SAMPLER_BASE_GAP_KEY,
+    SAMPLER_GAP_KEY,
+    SAMPLER_GAP_MAX_KEY,
+)
 
 WRITTEN_FOR = {"trl": "1.15.0", "transformers": "5.17.0"}
 # the private hooks: (owner, method, parameters after self)
@@ -94,6 +96,7 @@ def check_versions(warn=None) -> list[str]:
     if not is_unsloth_trainer(trl.GRPOTrainer):  # unsloth's generated trainer wraps them; dynamic sampling and the
         missing += missing_dynamic_sampling_hooks(trl.GRPOTrainer)  # ratio from the loss are kept off there (resolve):
         missing += missing_ratio_hooks(trl.GRPOTrainer)  # their sections below
+        missing += missing_shared_prompt_lines(trl.GRPOTrainer)
     pins = ", ".join(f"{k}=={v}" for k, v in WRITTEN_FOR.items())
     if missing:
         raise BackendError(f"lowvram_grpo overrides {', '.join(missing)}, which trl {installed['trl']} / transformers "
@@ -689,56 +692,238 @@ class RatioFromLoss:
             self._metrics["train"][key].append(value)
 
 
+
+# --------------------------------------------------------------------------- the sampled tokens under adapter and base
+# On every generation path (our decode loop, transformers' generate, unsloth's generate, our vLLM engine, unsloth's,
+# tool turns), whether or not the importance-sampling correction is on, `SampledTokenScores` scores a generation
+# batch's sampled completion tokens (tool results left out) under the adapter being trained and under the base model
+# (the adapter disabled: PEFT's disable_adapter), every `adapter_check_every` GRPO steps: tokens the adapter sampled
+# score higher under it on average (KL(adapter || base) >= 0 a token), tokens a sampler that skipped the adapter drew
+# score higher under the base (-KL(base || adapter) <= 0): training.adapter_check judges it. The adapter's side is the
+# loss's own forward (TRL 1.15's `_compute_loss` -> `_get_per_token_logps_and_entropies`, its first call; nothing
+# extra); the base's is TRL's reference pass when beta > 0 and no 'ref' adapter (also the adapter disabled), else one
+# no-grad pass of TRL's `_get_per_token_logps_and_entropies` with the adapter disabled, under torch.random.fork_rng
+# (the run's RNG and its loss stay as they were). On unsloth's generated trainer, whose loss computes its log-probs its
+# own way, both sides are scored at generation (the adapter's by the same no-grad pass with the adapter on, or TRL's
+# old_per_token_logps when the correction computed them). The batch carries the base's log-probs to the loss under
+# BASE_LOGPS (a [B, T] tensor: TRL's shuffle and split take any). Logged per scored step (ADAPTER_SCORE_METRICS):
+# the mean of adapter - base a token and, where the sampler gave its log-probs, |sampler - base| beside TRL's
+# |sampler - adapter| (sampling/sampling_logp_difference/*, logged here when TRL's correction is off).
+BASE_LOGPS = "base_per_token_logps"
+ADAPTER_SCORE_METRICS = (ADAPTER_VS_BASE_KEY, SAMPLER_BASE_GAP_KEY, SAMPLER_GAP_KEY, SAMPLER_GAP_MAX_KEY)
+
+
+def base_is_reference(trainer) -> bool:
+    """Whether TRL's reference log-probs of this trainer are the base model's (adapter disabled): beta > 0, no reference
+    model, no 'ref' adapter (TRL 1.15: a run that starts from a trained adapter copies it to 'ref' as its anchor)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return trainer.beta != 0.0 and getattr(trainer, "ref_model", None) is None and \
+        "ref" not in getattr(model, "peft_config", {})
+
+
+class SampledTokenScores:
+    """The mixin (see the section's comment), outermost of the trainer's rollout wrappers (training.grpo.trainer_class).
+    `adapter_check_every`: 0 = off, else score the rollouts of every k-th GRPO step (RunTrainer.__init__ sets it from
+    the plan); `adapter_score_observer(step, scores)`: called once a scored step's tokens are scored (the guard)."""
+
+    adapter_check_every = 0
+    adapter_score_observer = None
+    adapter_scored_batches = 0
+    _score_inputs = None   # the micro-batch whose loss runs now, while its adapter side is still to come
+    _score_parts = None    # the generation batch's per-micro-batch sums so far
+
+    def _scored_step(self) -> bool:
+        every = self.adapter_check_every
+        return bool(every) and self.model.training and (self.state.global_step + 1) % every == 0
+
+    def _sampled_logps(self, batch: dict, adapter: bool):
+        """The batch's completion tokens' log-probs [B, T] under the adapter (or the base: adapter disabled), one no-grad
+        pass of TRL's own scoring; the run's RNG state kept (torch.random.fork_rng)."""
+        import torch
+        from trl.models.utils import disable_gradient_checkpointing
+
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        model = self.accelerator.unwrap_model(self.model)
+        devices = [ids.device.index or 0] if ids.device.type == "cuda" else []
+        off = contextlib.nullcontext() if adapter else model.disable_adapter()
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), off, \
+                disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                self.model, ids, mask, batch["completion_ids"].size(1), batch_size=self.args.per_device_train_batch_size)
+        return logps
+
+    def _generate_and_score_completions(self, inputs):
+        batch = super()._generate_and_score_completions(inputs)
+        if not self._scored_step():
+            return batch
+        self.adapter_scored_batches += 1
+        unsloth = is_unsloth_trainer(type(self))
+        base = batch.get("ref_per_token_logps") if not unsloth and base_is_reference(self) else None
+        base = base if base is not None else self._sampled_logps(batch, adapter=False)
+        if unsloth:  # its loss scores its own way: the adapter's side now
+            adapter = batch.get("old_per_token_logps")
+            adapter = adapter if adapter is not None else self._sampled_logps(batch, adapter=True)
+            self._score_parts = []
+            self._add_scores({**batch, BASE_LOGPS: base}, adapter, parts_total=1)
+            return batch
+        batch[BASE_LOGPS] = base
+        self._score_parts = []
+        return batch
+
+    def _compute_loss(self, model, inputs):
+        if BASE_LOGPS not in inputs:
+            return super()._compute_loss(model, inputs)
+        self._score_inputs = inputs
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._score_inputs = None
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        inputs, self._score_inputs = self._score_inputs, None  # the loss's own forward: its first call
+        if inputs is not None:
+            self._add_scores(inputs, out[0].detach(), parts_total=self.args.steps_per_generation)
+        return out
+
+    def _add_scores(self, inputs: dict, adapter_logps, parts_total: int) -> None:
+        """One micro-batch's sums; the scored step's metrics and the observer's call once its batch is done."""
+        import torch
+
+        mask = inputs["completion_mask"] if inputs.get("tool_mask") is None else \
+            inputs["completion_mask"] * inputs["tool_mask"]
+        scored = mask.bool()
+        base = inputs[BASE_LOGPS]
+        part = {"tokens": float(scored.sum()), "adapter_minus_base": float((adapter_logps - base)[scored].sum())}
+        sampler = inputs.get("sampling_per_token_logps")
+        if sampler is not None:
+            known = scored & ~torch.isnan(sampler)
+            to_adapter = torch.abs(adapter_logps - sampler)[known]
+            part.update(sampled_tokens=float(known.sum()), to_base=float(torch.abs(base - sampler)[known].sum()),
+                        to_adapter=float(to_adapter.sum()),
+                        to_adapter_max=float(to_adapter.max()) if to_adapter.numel() else 0.0)
+        parts = self._score_parts if self._score_parts is not None else []
+        parts.append(part)
+        self._score_parts = parts
+        if len(parts) >= parts_total:
+            self._score_parts = None
+            self._log_scores(parts)
+
+    def _log_scores(self, parts: list) -> None:
+        tokens = sum(p["tokens"] for p in parts)
+        scores = {"tokens": tokens,
+                  "adapter_minus_base": sum(p["adapter_minus_base"] for p in parts) / tokens if tokens else 0.0}
+        metrics = self._metrics["train"]
+        metrics[ADAPTER_SCORE_METRICS[0]].append(scores["adapter_minus_base"])
+        sampled = sum(p.get("sampled_tokens", 0.0) for p in parts)
+        if sampled:
+            scores["sampler_to_base"] = sum(p["to_base"] for p in parts) / sampled
+            scores["sampler_to_adapter"] = sum(p["to_adapter"] for p in parts) / sampled
+            metrics[ADAPTER_SCORE_METRICS[1]].append(scores["sampler_to_base"])
+            if not (self.use_vllm and self.vllm_importance_sampling_correction):  # else TRL's / RatioFromLoss's
+                metrics[ADAPTER_SCORE_METRICS[2]].append(scores["sampler_to_adapter"])  # TRL's names, correction off
+                metrics[ADAPTER_SCORE_METRICS[3]].append(max(p.get("to_adapter_max", 0.0) for p in parts))
+        if self.adapter_score_observer is not None:
+            self.adapter_score_observer(self.state.global_step + 1, scores)
+
+
+# ------------------------------------------------------------------------- the group's prompt once (train.shared_prompt)
+# TRL 1.15's `_get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size, ...)`
+# scores each row [prompt, completion] in full (labels: the completion's tokens; `model(..., fused_lm_head=True)`, the
+# fused LM head add_fused_lm_head put on the model), so a group's prompt is computed once per completion. `SharedPrompt`
+# (mixed in under RatioFromLoss, which reads what it returns) scores each chunk of rows TRL would score together as
+# training.shared_prompt packs it: one sequence per distinct prompt, its completions in segments after it, through the
+# same fused head (its `shift_labels`: pre-shifted labels, scored without shifting). A chunk it cannot pack (no shared
+# prompt, a completion mask with holes), a multimodal batch, an MoE's aux loss or an attention without a 4D mask (flash
+# attention) keeps TRL's own computation, counted in `shared_prompt_kept`. check_versions reads TRL's lines it mirrors.
+SHARED_PROMPT_SOURCE = {
+    "_get_per_token_logps_and_entropies": (
+        "labels = input_ids_batch.masked_fill(attention_mask_batch == 0, -100)",
+        "labels[:, :-logits_to_keep] = -100",
+        "with self.accelerator.autocast():",
+        "outputs = model(**model_inputs, labels=labels, fused_lm_head=True)",
+        "all_logps.append(outputs.log_probs[:, -logits_to_keep:])",
+        "all_entropies.append(outputs.entropy[:, -logits_to_keep:])"),
+}
+SHARED_PROMPT_HEAD = ("if shift_labels is None:", "labels = shift_labels")  # trl.trainer.utils.add_fused_lm_head
+
+
+def missing_shared_prompt_lines(trainer_class: type) -> list[str]:
+    """TRL's lines SharedPrompt mirrors (SHARED_PROMPT_SOURCE, SHARED_PROMPT_HEAD) that `trainer_class` / TRL lacks."""
+    missing = []
+    sources = {name: getattr(trainer_class, name, None) for name in SHARED_PROMPT_SOURCE}
+    sources["add_fused_lm_head"] = getattr(trl_utils, "add_fused_lm_head", None)
+    lines = {**SHARED_PROMPT_SOURCE, "add_fused_lm_head": SHARED_PROMPT_HEAD}
+    for name, method in sources.items():
+        with contextlib.suppress(OSError, TypeError):
+            source = " ".join(inspect.getsource(method).split())
+            missing += [f"{name}: {line}" for line in lines[name] if " ".join(line.split()) not in source]
+    return missing
+
+
+def attention_implementation(model) -> str:
+    """The attention implementation transformers runs `model` (a PEFT model or a PreTrainedModel) with: 'sdpa',
+    'eager', 'flash_attention_2', ... (its config's private `_attn_implementation`)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return str(getattr(inner.config, "_attn_implementation", None))
+
+
+class SharedPrompt:
+    """The mixin (see the section's comment). `shared_prompt`: on (training.grpo.RunTrainer.__init__ sets it from the
+    plan's train.shared_prompt); `shared_prompt_chunks`: chunks scored with the prompt once; `shared_prompt_kept`:
+    {why: chunks} scored by TRL's own computation while it was on."""
+
+    shared_prompt = False
+    shared_prompt_chunks = 0
+    shared_prompt_kept: dict = {}
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **rest):
+        import torch
+
+        from lowvram_grpo.training.shared_prompt import MASKED_ATTENTION, pack, packed_logps
+
+        def own(start, end):
+            return super(SharedPrompt, self)._get_per_token_logps_and_entropies(
+                model, input_ids[start:end], attention_mask[start:end], logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
+                **{k: (v[start:end] if v is not None and start is not None else v) for k, v in rest.items()})
+
+        why = None
+        if not self.shared_prompt:
+            return own(None, None)
+        if compute_aux_loss:
+            why = "an MoE's load-balancing loss"
+        elif any(value is not None for value in rest.values()):
+            why = "a multimodal batch"
+        elif attention_implementation(model) not in MASKED_ATTENTION:
+            why = f"{attention_implementation(model)} attention (no 4D mask)"
+        if why is not None:
+            self._keep(why)
+            return own(None, None)
+        batch_size = batch_size or input_ids.size(0)
+        eager = attention_implementation(model) == "eager"
+        additive = model.get_input_embeddings().weight.dtype if eager else None  # eager adds the mask to the scores
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            end = min(start + batch_size, input_ids.size(0))
+            packed = pack(input_ids[start:end], attention_mask[start:end], logits_to_keep)
+            if isinstance(packed, str):
+                self._keep(packed)
+                chunk_logps, chunk_entropies, _ = own(start, end)
+            else:
+                self.shared_prompt_chunks += 1
+                with self.accelerator.autocast():
+                    chunk_logps, chunk_entropies = packed_logps(model, packed, compute_entropy, additive)
+            logps.append(chunk_logps)
+            entropies.append(chunk_entropies)
+        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+    def _keep(self, why: str) -> None:
+        kept = dict(self.shared_prompt_kept)
+        kept[why] = kept.get(why, 0) + 1
+        self.shared_prompt_kept = kept
+
+
 check_versions()
-
-
-# --------------------------------------------------------------------------- unsloth's decode graphs (summary, log)
-# unsloth 2026.10.9 (unsloth/models/_decode_graphs.py): `stats(model)` reads the counters a model's CausalLM keeps in
-# its __dict__ under this name (captures, replays, graphs, eager_steps, disabled); the state lives on the module the
-# decode forward runs on, under any PEFT wrapper, so every module holding one is read. tests/test_gpu_wheels.py reads
-# these lines in the pinned wheel.
-DECODE_GRAPHS_MODULE = "unsloth.models._decode_graphs"
-DECODE_GRAPHS_STATE = "_unsloth_decode_graphs"
-DECODE_GRAPH_COUNTERS = ("captures", "replays", "graphs", "eager_steps")
-
-
-def missing_decode_graph_stats() -> list[str]:
-    """[] when the installed unsloth has the decode-graph counters decode_graph_stats reads; else what is missing.
-    Checked when the unsloth backend is prepared (unsloth_backend.prepare: a warning, the counters are a report)."""
-
-    try:
-        graphs = importlib.import_module(DECODE_GRAPHS_MODULE)
-    except ImportError as exc:
-        return [f"{DECODE_GRAPHS_MODULE} ({type(exc).__name__}: {exc})"]
-    return [] if callable(getattr(graphs, "stats", None)) else [f"{DECODE_GRAPHS_MODULE}.stats"]
-
-
-def decode_graph_stats(model) -> dict | None:
-    """unsloth's decode CUDA-graph counters of `model` summed over the modules that hold them ({} where none was ever
-    captured or run: no graph state), plus `disabled` (the first reason unsloth gave, else None); None where unsloth's
-    module does not import (the CPU set) or lacks `stats` (another unsloth than requirements.txt's)."""
-
-    try:
-        graphs = importlib.import_module(DECODE_GRAPHS_MODULE)
-    except ImportError:
-        return None
-    stats = getattr(graphs, "stats", None)
-    if not callable(stats):
-        return None
-    found = [stats(m) for m in model.modules() if DECODE_GRAPHS_STATE in getattr(m, "__dict__", {})]
-    if not found:
-        return {}
-    out = {key: sum(int(s.get(key) or 0) for s in found) for key in DECODE_GRAPH_COUNTERS}
-    out["disabled"] = next((s.get("disabled") for s in found if s.get("disabled")), None)
-    return out
-
-
-def describe_decode_graphs(stats: dict | None, decided: bool) -> str:
-    """One log line for a CUDA run on the unsloth backend: what unsloth's decode graphs did against what resolve decided."""
-    if stats is None:
-        return "unsloth decode CUDA graphs: unsloth's _decode_graphs.stats is not available here"
-    if not stats:
-        return f"unsloth decode CUDA graphs: none captured (decided {'on' if decided else 'off'})"
-    line = (f"unsloth decode CUDA graphs: {stats['captures']} captures, {stats['replays']} replays, "
-            f"{stats['eager_steps']} eager steps (decided {'on' if decided else 'off'})")
-    return line + (f"; disabled: {stats['disabled']}" if stats.get("disabled") else "")

@@ -23,40 +23,15 @@ import random
 import shutil
 from typing import Optional
 
-from lowvram_grpo.run import stops
+from lowvram_grpo.core import stops
+from lowvram_grpo.report.records import CRITERIA, PREFIX, best_point, criterion, curve  # noqa: F401  (validation.X)
 
-PREFIX = "validation/"
-CRITERIA = (f"{PREFIX}accuracy_strict", f"{PREFIX}reward_mean")  # the first the curve has decides the best
 NUMBERS = ("accuracy_strict", "accuracy_lenient", "reward_mean", "format_rate", "mean_completion_tokens")
 
 
 def due(step: int, every: int, max_steps: int) -> bool:
     """Is the curve measured after GRPO step `step`?"""
     return every > 0 and step > 0 and (step % every == 0 or step == max_steps)
-
-
-def criterion(rows: list[dict]) -> Optional[str]:
-    """The metrics key the best is chosen by: the first of CRITERIA some row has; None without a curve."""
-    for key in CRITERIA:
-        if any(isinstance(row.get(key), (int, float)) for row in rows):
-            return key
-    return None
-
-
-def curve(rows: list[dict], key: Optional[str] = None) -> list[tuple[int, float]]:
-    """[(step, value)] of the curve in metrics.jsonl's rows, by `key` (default: `criterion`)."""
-    key = key or criterion(rows)
-    return [(row["step"], row[key]) for row in rows if key and isinstance(row.get(key), (int, float))]
-
-
-def best_point(rows: list[dict]) -> Optional[dict]:
-    """{'step', 'criterion', 'value'}: the curve's argmax (the earliest step among equals), None without a curve."""
-    key = criterion(rows)
-    points = curve(rows, key)
-    if not points:
-        return None
-    step, value = max(points, key=lambda point: (point[1], -point[0]))
-    return {"step": step, "criterion": key, "value": value}
 
 
 def logged_numbers(numbers: dict) -> dict:

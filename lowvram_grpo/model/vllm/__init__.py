@@ -66,14 +66,14 @@ Choices, and why:
 
 Files, one job each: settings.py (what the engine is started with, sized as memory_plan.py plans it),
 processes.py (vLLM's processes and the watchdog), engine.py (LocalVLLMEngine, the run's engines closed on
-error), rollouts.py (TRL's rollout_func and importance-sampling wiring, start_for_run).
+error); TRL's rollout_func and importance-sampling wiring over it (TRLRollouts, start_for_run) is training's:
+training/vllm_rollouts.py.
 """
 from __future__ import annotations
 
 import importlib.util
 
 from lowvram_grpo.model.vllm.engine import LocalVLLMEngine, closes_engines_on_error, engine_stop_cause
-from lowvram_grpo.model.vllm.rollouts import TRLRollouts, start_for_run
 from lowvram_grpo.model.vllm.settings import (
     CPU_HEAD_SIZES,
     EngineSettings,
@@ -92,6 +92,6 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-__all__ = ["CPU_HEAD_SIZES", "EngineSettings", "LocalVLLMEngine", "TRLRollouts", "VLLMEngineDied", "VLLMEngineError",
+__all__ = ["CPU_HEAD_SIZES", "EngineSettings", "LocalVLLMEngine", "VLLMEngineDied", "VLLMEngineError",
            "check_run_servable", "check_servable", "closes_engines_on_error", "engine_kwargs", "engine_stop_cause",
-           "eval_sampling_kwargs", "rollout_sampling_kwargs", "settings_for", "start_for_run", "vllm_installed"]
+           "eval_sampling_kwargs", "rollout_sampling_kwargs", "settings_for", "vllm_installed"]

@@ -9,7 +9,7 @@ from typing import Optional
 from lowvram_grpo.model.builtin_models import resolve_model_path
 from lowvram_grpo.model.handle import SamplingParams
 from lowvram_grpo.model.vllm.processes import allowed_cpus
-from lowvram_grpo.run.errors import BackendError
+from lowvram_grpo.core.errors import BackendError
 from lowvram_grpo.settings.memory_terms import engine_gpu_memory_utilization, engine_kv_cache_bytes, engine_sequences
 from lowvram_grpo.settings.model_shapes import model_shape
 

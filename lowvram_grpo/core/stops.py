@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from lowvram_grpo.run.errors import Interrupted
+from lowvram_grpo.core.errors import Interrupted
 
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 

@@ -11,8 +11,8 @@ import argparse
 import os
 import sys
 
-from lowvram_grpo.run import stops
-from lowvram_grpo.run.errors import LowvramError
+from lowvram_grpo.core import stops
+from lowvram_grpo.core.errors import LowvramError
 
 
 class ArgumentParser(argparse.ArgumentParser):

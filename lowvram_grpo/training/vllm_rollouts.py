@@ -169,7 +169,7 @@ def start_for_run(handle, log=print) -> TRLRollouts:
     try:
         engine = LocalVLLMEngine(settings, handle.tokenizer).start()
     except VLLMEngineError as exc:
-        from lowvram_grpo.run.errors import EngineStopped  # optional: may be absent
+        from lowvram_grpo.core.errors import EngineStopped  # optional: may be absent
 
         raise EngineStopped(f"the vLLM engine could not start: {exc}; it asked for a KV cache of "
                             f"{settings.kv_cache_bytes / 2**30:.2f} GiB for {settings.max_num_seqs} sequences of "

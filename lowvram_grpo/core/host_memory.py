@@ -14,7 +14,7 @@ Three causes of a CPU run's peak RSS, and what this module does about each (meas
    token, training shapes change every step, and glibc's dynamic mmap threshold rises to the size of each large
    block freed, so most tensors live in the heap. `release()` hands the allocator's free pages back to the kernel
    (glibc: `malloc_trim(0)`, every arena; mimalloc: `mi_collect(true)`; allocator.py) at the boundaries where
-   almost nothing is alive: each priming step, each GRPO step (`ReleaseHostMemory` callback) and each held-out
+   almost nothing is alive: each priming step, each GRPO step (training.grpo's `ReleaseHostMemory` callback) and each held-out
    batch. Within a step glibc's heap still spreads; the cure for that is the allocator itself: a CPU run starts
    on mimalloc (allocator.py, `memory.host_allocator`).
 
@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import os
 
-from transformers import TrainerCallback
-
-from lowvram_grpo.model import internals
-from lowvram_grpo.run import allocator
+from lowvram_grpo.core import internals
+from lowvram_grpo.core import allocator
 
 FEATURES = ("trim", "head", "kernel_cache")
 KERNEL_CACHE_ENVS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's, PyTorch's ideep layer's
@@ -59,12 +57,6 @@ def release() -> bool:
     if not enabled("trim"):
         return False
     return allocator.release()
-
-
-class ReleaseHostMemory(TrainerCallback):
-    """`release()` after every optimizer step."""
-    def on_step_end(self, args, state, control, **kwargs):
-        release()
 
 
 def _contiguous_input(module, args):

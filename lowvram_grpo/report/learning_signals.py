@@ -42,6 +42,19 @@ SAMPLER_GAP_MAX_KEY = "sampling/sampling_logp_difference/max"
 SAMPLER_GAP_THRESHOLD = 0.1  # nats a token, mean: "large" (the progress line shows it, the report's plot draws it).
 # Our CPU vLLM path measures 0.03-0.04 (docs/results.md); 0.1 a token is a ratio of e^0.1 per token, and TRL's
 # sequence_mask drops a completion whose summed gap passes log(3) = 1.1
+# The sampled tokens scored under the adapter and under the base model (the adapter disabled) on every generation path,
+# every train.adapter_check_every GRPO steps (trl_compat.SampledTokenScores), whether or not the correction is on: the
+# mean log-prob of a sampled token under the adapter minus under the base (nats). Sampled by the adapter, it averages
+# KL(adapter || base) >= 0; by a sampler that skipped the adapter (unsloth #8701: fast_inference rollouts from the base
+# model), -KL(base || adapter) <= 0. Where the sampler gives its log-probs, |sampler - base| beside |sampler - adapter|.
+ADAPTER_VS_BASE_KEY = "sampling/adapter_minus_base_logp/mean"
+SAMPLER_BASE_GAP_KEY = "sampling/sampling_base_logp_difference/mean"
+ADAPTER_SKIPPED_KEY = "sampling/adapter_skipped"  # 1.0 on a judged step the guard flagged, 0.0 on one it did not
+# training.adapter_check.AdapterGuard: from the GRPO step after ADAPTER_GUARD_AFTER optimizer steps (the adapter has
+# moved the policy), a scored step whose ADAPTER_VS_BASE_KEY is below -ADAPTER_GUARD_MARGIN (the tokens score that much
+# higher under the base than under the adapter that should have sampled them) is flagged
+ADAPTER_GUARD_AFTER = 2
+ADAPTER_GUARD_MARGIN = 0.005  # nats a token
 SMOOTHING = 10      # logged steps in the moving average of the reward (progress bar, reward plot)
 
 WINDOW = 5          # logged steps averaged for the ratio checks: one odd step is not a pattern

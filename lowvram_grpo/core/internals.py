@@ -24,6 +24,9 @@ missing one raises BackendError saying to install the pinned versions; `missing_
 - `mark_requested_float32(model, value)`: unsloth's `_unsloth_user_float32` (model.unsloth_backend).
 - `replace_generate(model, fn)` / `restore_generate(model, own)`: a model's `generate` replaced on the instance (our
   decode loop, decoding.install; the sampler's log-probs, trl_compat.ModelSampler).
+- `decode_graph_stats(model)`: unsloth's private `unsloth.models._decode_graphs.stats` (its CUDA-graph decode
+  counters, kept on the model's CausalLM), summed for summary.json and the log of a CUDA run on the unsloth backend;
+  imported when called (unsloth is not in the CPU set), None where it is missing.
 - `mark(obj, name)` / `set_mark(obj, name, value)`: our own marks on a model or layer (MARKS), kept as `_lowvram_<name>`
   attributes so that PEFT's and transformers' attribute forwarding never meets them.
 """
@@ -33,7 +36,7 @@ import functools
 import importlib
 import warnings
 
-from lowvram_grpo.run.errors import BackendError
+from lowvram_grpo.core.errors import BackendError
 
 WRITTEN_FOR = {"transformers": "5.17.0", "peft": "0.21.2", "torch": "2.13.0"}
 # (module, owner's dotted path in it ('' = the module itself), private or deprecated attribute): each reach this
@@ -202,3 +205,55 @@ def mark(obj, name: str, default=None):
 def set_mark(obj, name: str, value) -> None:
     """Set our mark `name` (one of MARKS) on `obj`."""
     setattr(obj, _mark_name(name), value)
+
+
+# --------------------------------------------------------------------------- unsloth's decode graphs (summary, log)
+# unsloth 2026.10.9 (unsloth/models/_decode_graphs.py): `stats(model)` reads the counters a model's CausalLM keeps in
+# its __dict__ under this name (captures, replays, graphs, eager_steps, disabled); the state lives on the module the
+# decode forward runs on, under any PEFT wrapper, so every module holding one is read. tests/test_gpu_wheels.py reads
+# these lines in the pinned wheel.
+DECODE_GRAPHS_MODULE = "unsloth.models._decode_graphs"
+DECODE_GRAPHS_STATE = "_unsloth_decode_graphs"
+DECODE_GRAPH_COUNTERS = ("captures", "replays", "graphs", "eager_steps")
+
+
+def missing_decode_graph_stats() -> list[str]:
+    """[] when the installed unsloth has the decode-graph counters decode_graph_stats reads; else what is missing.
+    Checked when the unsloth backend is prepared (unsloth_backend.prepare: a warning, the counters are a report)."""
+
+    try:
+        graphs = importlib.import_module(DECODE_GRAPHS_MODULE)
+    except ImportError as exc:
+        return [f"{DECODE_GRAPHS_MODULE} ({type(exc).__name__}: {exc})"]
+    return [] if callable(getattr(graphs, "stats", None)) else [f"{DECODE_GRAPHS_MODULE}.stats"]
+
+
+def decode_graph_stats(model) -> dict | None:
+    """unsloth's decode CUDA-graph counters of `model` summed over the modules that hold them ({} where none was ever
+    captured or run: no graph state), plus `disabled` (the first reason unsloth gave, else None); None where unsloth's
+    module does not import (the CPU set) or lacks `stats` (another unsloth than requirements.txt's)."""
+
+    try:
+        graphs = importlib.import_module(DECODE_GRAPHS_MODULE)
+    except ImportError:
+        return None
+    stats = getattr(graphs, "stats", None)
+    if not callable(stats):
+        return None
+    found = [stats(m) for m in model.modules() if DECODE_GRAPHS_STATE in getattr(m, "__dict__", {})]
+    if not found:
+        return {}
+    out = {key: sum(int(s.get(key) or 0) for s in found) for key in DECODE_GRAPH_COUNTERS}
+    out["disabled"] = next((s.get("disabled") for s in found if s.get("disabled")), None)
+    return out
+
+
+def describe_decode_graphs(stats: dict | None, decided: bool) -> str:
+    """One log line for a CUDA run on the unsloth backend: what unsloth's decode graphs did against what resolve decided."""
+    if stats is None:
+        return "unsloth decode CUDA graphs: unsloth's _decode_graphs.stats is not available here"
+    if not stats:
+        return f"unsloth decode CUDA graphs: none captured (decided {'on' if decided else 'off'})"
+    line = (f"unsloth decode CUDA graphs: {stats['captures']} captures, {stats['replays']} replays, "
+            f"{stats['eager_steps']} eager steps (decided {'on' if decided else 'off'})")
+    return line + (f"; disabled: {stats['disabled']}" if stats.get("disabled") else "")
