@@ -1,6 +1,6 @@
 """What travels to a lent card beside the checkout, in calls of at most 60 MiB each, and its re-join there.
 
-    bash ../shared/gpu/prepare_gpu_site.sh      # here, once: .gpu/site (~52 MiB), the packages the card's image lacks
+    bash bench/prepare_gpu_site.sh              # here, once: .gpu/site (~46 MiB), the packages the card's image lacks
     python -m bench.gpu_stage split             # here: the SmolLM2 GGUF in two parts, .gpu-stage-1/ and .gpu-stage-2/
     python -m bench.gpu_stage calls             # here: the calls, what each carries, its size and its command
     python3 -m bench.gpu_stage check N          # on the card, in call N: what calls 1..N carried is there, sha256 checked
@@ -36,7 +36,7 @@ from typing import Optional
 REPO = Path(__file__).resolve().parent.parent
 MIB = 2 ** 20
 LIMIT_BYTES = 60 * MIB        # per call, the tree counted: under the tool's 64 MiB, with room for files added later
-SITE = ".gpu"                 # ../shared/gpu/prepare_gpu_site.sh's folder (.gpu/site)
+SITE = ".gpu"                 # bench/prepare_gpu_site.sh's folder (.gpu/site)
 PARTS = 2                     # the GGUF's parts, each in its own folder
 STAGE = ".gpu-stage-{}"       # the folders of the parts (ignored by .gitignore)
 MANIFEST = "MANIFEST.json"
@@ -216,7 +216,7 @@ def check(root: Path, call: int) -> list[str]:
     """On the card, in call `call`: what calls 1..call carried is there (the site folder; each part's sha256)."""
     lines = []
     if not (root / SITE / "site").is_dir():
-        raise StageError(f"{SITE}/site is not on this machine: call 1 carries it (`bash ../shared/gpu/prepare_gpu_site.sh`"
+        raise StageError(f"{SITE}/site is not on this machine: call 1 carries it (`bash bench/prepare_gpu_site.sh`"
                          f" builds it); if it was made, the machine went back since: start again from call 1")
     lines.append(f"ok {SITE}/site: {folder_bytes(root / SITE) / MIB:.1f} MiB")
     manifest = None

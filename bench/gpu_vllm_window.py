@@ -4,9 +4,9 @@ The lent card's image has torch 2.11.0+cu130 and no vLLM; the pin, vllm 0.31, ne
 torch==2.11.0, and unsloth_zoo 2026.10.9 serves it (its wheel table, unsloth/import_fixes.py `_VLLM_WHEEL_ASSETS`
 0.22.0-0.26.0; vLLM's in-tree bitsandbytes for vLLM <= 0.27.1, unsloth_zoo/vllm_utils.py `_bnb_path` and
 unsloth_zoo/empty_model.py `_VLLM_BNB_LOADER_PATHS`). What the card lacks travels in CALLS: `.gpu/site` (unsloth,
-unsloth_zoo, trl, bitsandbytes, datasets, peft: ../shared/gpu/prepare_gpu_site.sh) and the vLLM 0.26 wheels in
-carried parts (../shared/gpu/vllm-stage: split.sh, join.sh). The machine keeps what earlier calls left while it
-stays warm (~30 s after each call), so the calls go back to back.
+unsloth_zoo, trl, bitsandbytes, datasets, peft: bench/prepare_gpu_site.sh) and the vLLM 0.26 wheels in
+carried parts (the stage, bench/vllm_stage: fetch_wheels.sh, slim.py, split.sh, join.sh, install.sh). The machine
+keeps what earlier calls left while it stays warm (~30 s after each call), so the calls go back to back.
 
     python -m bench.gpu_vllm_window calls [--require]   # the call list, checked against this checkout (exit 2 if not)
     bash bench/gpu_vllm_window.sh N "$OUT"              # call N's command on the card (N = 1..4)
@@ -50,7 +50,8 @@ MAX_COMMAND = 2000    # characters of one call's command (the device tool)
 WINDOW_S = 600        # the whole sequence from the first call: the machine's start, every call's timeout
 START_S = 60          # a call that finds no warm machine spends "a minute or more" starting one (device README)
 SITE, STAGE = ".gpu", ".vs"
-SPLIT = "SLIM=1 LIMIT_MIB=57 bash split.sh -o \"$REPO/.vs\""  # 57 + the tree (2.3 MiB) stays under LIMIT_MIB
+PREPARE = ("bash bench/vllm_stage/fetch_wheels.sh && python3 bench/vllm_stage/slim.py && "
+           "bash bench/vllm_stage/split.sh")  # split's 57 MiB folders + the tree (3.4 MiB) stay under LIMIT_MIB
 
 
 @dataclass(frozen=True)
@@ -167,9 +168,8 @@ def check_calls(root: Path = REPO, calls=CALLS, require: bool = False) -> dict:
 
 def _prepare_hint(path: str) -> str:
     if path.startswith(SITE):
-        return "build it with `bash ../shared/gpu/prepare_gpu_site.sh` from the checkout's root"
-    return (f"make the vLLM parts: copy ../shared/gpu/vllm-stage to a writable folder, there `bash fetch_wheels.sh && "
-            f"{SPLIT}` (REPO = this checkout)")
+        return "build it with `bash bench/prepare_gpu_site.sh` from the checkout's root"
+    return f"make the vLLM parts with `{PREPARE}` from the checkout's root"
 
 
 def _stage_problems(root: Path, calls) -> list[str]:

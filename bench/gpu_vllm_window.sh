@@ -7,8 +7,9 @@
 #
 # 1 (carries .gpu): .gpu/site copied to $STATE, nvidia-smi, versions, the random Llama-3.2-1B-shaped checkpoint.
 # 2, 3 (carry .vs/p01, .vs/p02): vLLM 0.26's parts stashed (join.sh --stash).
-# 4 (carries .vs/p03): rejoined and verified (join.sh --verify), pip install --no-index --target $STATE/vsite, then
-#   python -m bench.gpu_vllm_window run: window.json rewritten after every phase and step, run.log, events.jsonl.
+# 4 (carries .vs/p03): rejoined and verified (join.sh --verify), installed into $STATE/vsite (bench/vllm_stage/
+#   install.sh: pip --no-index --no-deps --target), then python -m bench.gpu_vllm_window run: window.json rewritten
+#   after every phase and step, run.log, events.jsonl.
 # $STATE (LOWVRAM_VLLM_STATE, default /tmp/lowvram-vllm-window) stays on the machine while it is warm (~30 s after a
 # call); every call appends its lines to $STATE/steps.txt and the last returns it. At most 8 files in OUT per call.
 # --dry (or LOWVRAM_VLLM_WINDOW_DRY=1): no nvidia-smi, the parts' sha256 checked where they lie (nothing moved or
@@ -60,9 +61,9 @@ call_1() {
     rm -rf "$state/gpu-site" && cp -a .gpu/site "$state/gpu-site" || fail "cannot copy .gpu/site to $state"
     step ".gpu/site copied to $state/gpu-site ($(du -sm "$state/gpu-site" | cut -f1) MiB)"
   elif [ "$dry" = 1 ]; then
-    step "dry: no .gpu/site here (bash ../shared/gpu/prepare_gpu_site.sh builds it): this machine's packages run"
+    step "dry: no .gpu/site here (bash bench/prepare_gpu_site.sh builds it): this machine's packages run"
   else
-    fail ".gpu/site is not here: this call carries .gpu (bash ../shared/gpu/prepare_gpu_site.sh builds it)" 2
+    fail ".gpu/site is not here: this call carries .gpu (bash bench/prepare_gpu_site.sh builds it)" 2
   fi
   if [ "$dry" = 1 ]; then
     echo "dry mode: no CUDA step runs; nvidia-smi not called" > "$o/nvidia-smi.txt"
@@ -85,7 +86,7 @@ call_stash() {  # calls 2 and 3: one part each
       "$py" -m bench.gpu_vllm_window verify ".vs/$part" > "$o/stash.log" 2>&1 || fail "$(tail -n 1 "$o/stash.log")"
       step "dry: .vs/$part verified in place ($(grep -c '^ok' "$o/stash.log") files)"
     else
-      step "dry: no .vs/$part here (make the parts with ../shared/gpu/vllm-stage/split.sh: docs/gpu.md)"
+      step "dry: no .vs/$part here (make the parts: bench/vllm_stage/README.md, docs/gpu.md)"
     fi
   else
     [ -f ".vs/$part/join.sh" ] || fail ".vs/$part is not here: this call carries it" 2
@@ -115,9 +116,9 @@ call_4() {
     t0=$SECONDS
     bash .vs/p03/join.sh --verify > "$o/install.log" 2>&1 || fail "join.sh --verify: $(tail -n 1 "$o/install.log")"
     stash=${VS_STASH:-/tmp/vstage}
-    rm -rf "$state/vsite"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$state/vsite" \
-      "$stash"/wheels/*.whl >> "$o/install.log" 2>&1 || fail "pip install of the vLLM wheels: $(tail -n 1 "$o/install.log")"
+    # the stage's one install step (CI's import-chain stage runs the same script on the same wheels)
+    PYTHON=python3 bash bench/vllm_stage/install.sh "$stash/wheels" "$state/vsite" >> "$o/install.log" 2>&1 ||
+      fail "pip install of the vLLM wheels: $(tail -n 1 "$o/install.log")"
     echo "{\"seconds\": $((SECONDS - t0)), \"mib\": $(du -sm "$state/vsite" | cut -f1), \"wheels\": $(ls "$stash"/wheels/*.whl | wc -l)}" > "$state/install.json"
     step "installed: $(cat "$state/install.json")"
   fi

@@ -6,7 +6,7 @@
 # run keeps what finished). A kit whose preparation (its stand-in checkpoint) and first run cannot finish in the time
 # left is skipped before it starts (bench.gpu_first_run.min_budget_s: an estimate from the preset's model shape).
 #
-#   bash ../shared/gpu/prepare_gpu_site.sh; python -m bench.gpu_stage split   # once, here; then the calls it lists
+#   bash bench/prepare_gpu_site.sh; python -m bench.gpu_stage split   # once, here; then the calls it lists
 #   bash bench/gpu_window.sh "$OUT"                  # on the card, from the checkout's root (the last call)
 #   bash bench/gpu_window.sh /tmp/w --dry            # CPU dry run: everything but the CUDA steps
 #
