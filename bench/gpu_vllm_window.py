@@ -51,7 +51,7 @@ WINDOW_S = 600        # the whole sequence from the first call: the machine's st
 START_S = 60          # a call that finds no warm machine spends "a minute or more" starting one (device README)
 SITE, STAGE = ".gpu", ".vs"
 PREPARE = ("bash bench/vllm_stage/fetch_wheels.sh && python3 bench/vllm_stage/slim.py && "
-           "bash bench/vllm_stage/split.sh")  # split's 57 MiB folders + the tree (3.4 MiB) stay under LIMIT_MIB
+           "bash bench/vllm_stage/split.sh")  # split's 56 MiB folders leave the tree 4.9 MiB of LIMIT_MIB
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Call:
     carry: tuple
     timeout_s: int
     work: str
-    recorded_mib: tuple  # each carried folder's size when prepared here (2026-11-27); used where it is not present
+    recorded_mib: tuple  # each carried folder's size when prepared here (.gpu 2026-11-27, .vs 2026-11-28); used where absent
 
     @property
     def command(self) -> str:
@@ -72,10 +72,10 @@ class Call:
 CALLS = (
     Call(1, (".gpu",), 60, "copies .gpu/site to the machine's /tmp; nvidia-smi, versions; builds the random "
          "Llama-3.2-1B-shaped checkpoint there", (46.44,)),
-    Call(2, (".vs/p01",), 20, "stashes vLLM 0.26's first part (join.sh --stash)", (56.01,)),
-    Call(3, (".vs/p02",), 20, "stashes the second part", (56.01,)),
+    Call(2, (".vs/p01",), 20, "stashes vLLM 0.26's first part (join.sh --stash)", (55.01,)),
+    Call(3, (".vs/p02",), 20, "stashes the second part", (55.01,)),
     Call(4, (".vs/p03",), 440, "the last part: rejoin and verify (join.sh --verify), pip install --no-index into "
-         "/tmp; the measured run (python -m lowvram_grpo.run, unsloth + vLLM), its JSON after every phase", (53.50,)),
+         "/tmp; the measured run (python -m lowvram_grpo.run, unsloth + vLLM), its JSON after every phase", (54.73,)),
 )
 LAST_CALL_RESERVE_S = 20  # of the last call's timeout: stopping the run and writing the JSON
 
