@@ -837,3 +837,40 @@ def test_eval_in_a_fresh_process(eval_files):
     proc = subprocess.run([sys.executable, "-m", "lowvram_grpo.evaluate", "--adapter", str(eval_files / "adapter-other"),
                            "--preset", "tiny"], cwd=REPO, capture_output=True, text=True, timeout=120)
     _assert_refused(proc.returncode, proc.stderr, "was made for someone/Other-Model-7B")
+
+
+# ---------------------------------------------------------------- the user's files and folders, before any weights load
+FRONT_DOOR_CASES = [
+    # a folder the permission bits call writable (root) that no write reaches: /sys is a virtual filesystem
+    ("output-dir-not-writable", ["--output-dir", "/sys/kernel/lowvram-never"], "/sys/kernel is not writable"),
+    ("model-config-not-json", ["--set", "model.name={tmp}/front-broken-config"], "its config.json is not valid JSON"),
+    ("model-config-no-model-type", ["--set", "model.name={tmp}/front-no-model-type"], "names no model_type"),
+    ("model-tokenizer-not-json", ["--set", "model.name={tmp}/front-broken-tokenizer"],
+     "its tokenizer_config.json is not readable JSON"),
+    ("model-folder-without-config", ["--set", "model.name={tmp}"], "is a folder without a config.json"),
+]
+
+
+@pytest.mark.parametrize("argv, fragment", [c[1:] for c in FRONT_DOOR_CASES], ids=[c[0] for c in FRONT_DOOR_CASES])
+def test_files_and_folders_refused_before_any_weights_load(argv, fragment, bad_files, capsys, monkeypatch):
+    """Each refused in one `error:` line with exit 2 by the pipeline's first step: transformers never loads a model
+    (every from_pretrained of a model class is counted), nothing is written."""
+    import transformers
+
+    for name in ("front-broken-config", "front-no-model-type", "front-broken-tokenizer"):
+        folder = bad_files / name
+        if not folder.exists():
+            shutil.copytree(bad_files / "tiny-no-weights", folder)
+    (bad_files / "front-broken-config" / "config.json").write_text('{"model_type": "llama",')
+    (bad_files / "front-no-model-type" / "config.json").write_text('{"hidden_size": 64}')
+    (bad_files / "front-broken-tokenizer" / "tokenizer_config.json").write_text("{not json")
+    loads = []
+    original = transformers.PreTrainedModel.from_pretrained.__func__
+
+    def counted(cls, *args, **kwargs):
+        loads.append(cls.__name__)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(counted))
+    _check_case(["--preset", "tiny", "--max-steps", "1"] + argv, fragment, bad_files, capsys)
+    assert loads == [], f"weights were loaded before the refusal: {loads}"

@@ -302,24 +302,56 @@ SECTIONS = {"model", "lora", "train", "data", "rewards", "tools", "environment",
 # and the commands at the edge that build the plan. Every other module takes the plan (plans.RunPlan) or plain values.
 READS_CONFIG = {"settings/config.py", "settings/resolve.py", "settings/plans.py", "settings/checks.py",
                 "settings/memory_plan.py", "settings/memory_terms.py", "settings/memory_fit.py", "settings/step_time.py",
-                "settings/hardware.py", "model/vllm/settings.py", "doctor.py", "baseline.py", "evaluate/cli.py",
+                "settings/hardware.py", "doctor.py", "baseline.py", "evaluate/cli.py",
                 "run/cli.py", "run/pipeline.py", "run/oom.py"}
+# In the pipeline only construction reads the config: GRPORun's step methods read its plan (and the handle).
+PIPELINE_CLASS, CONSTRUCTION = "GRPORun", ("__init__",)
+
+
+def _is_config(value) -> bool:
+    """`config`, `x.config`, `x.user_config` or `resolved.config`: an expression that is the user's config."""
+    return (isinstance(value, ast.Name) and value.id == "config") or (
+        isinstance(value, ast.Attribute) and value.attr in ("config", "user_config"))
 
 
 def config_reads(source: str) -> int:
-    """`config.SECTION` / `x.config.SECTION` reads in `source`."""
+    """`config.SECTION` / `x.config.SECTION` reads in `source`, and every `resolved.config` (read or handed on)."""
     count = 0
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Attribute) and node.attr in SECTIONS:
-            value = node.value
-            if (isinstance(value, ast.Name) and value.id == "config") or (
-                    isinstance(value, ast.Attribute) and value.attr == "config"):
-                count += 1
+        if isinstance(node, ast.Attribute) and node.attr in SECTIONS and _is_config(node.value):
+            count += 1
+        elif (isinstance(node, ast.Attribute) and node.attr == "config" and isinstance(node.value, (ast.Name, ast.Attribute))
+              and (getattr(node.value, "id", None) or getattr(node.value, "attr", None)) == "resolved"):
+            count += 1
     return count
+
+
+def step_method_config_reads(source: str, cls: str = PIPELINE_CLASS) -> list[str]:
+    """'method: line' for each `self.config` / `config.SECTION` / `self.user_config.SECTION` in `cls`'s methods
+    other than construction."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for method in node.body:
+                if isinstance(method, ast.FunctionDef) and method.name not in CONSTRUCTION:
+                    for sub in ast.walk(method):
+                        if isinstance(sub, ast.Attribute) and (
+                                (sub.attr == "config" and isinstance(sub.value, ast.Name) and sub.value.id == "self")
+                                or (sub.attr in SECTIONS and _is_config(sub.value))):
+                            found.append(f"{method.name}: {sub.lineno}")
+    return found
+
+
+def test_the_pipeline_steps_read_the_plan_not_the_config():
+    planted = ("class GRPORun:\n    def __init__(self, config):\n        self.n = config.train.max_steps\n"
+               "    def load(self):\n        return self.config.model.name, self.user_config.data.dataset\n")
+    assert step_method_config_reads(planted) == ["load: 5", "load: 5", "load: 5"]
+    assert not step_method_config_reads((PACKAGE / "run" / "pipeline.py").read_text())
 
 
 def test_config_is_read_only_where_the_plan_is_built_and_the_settings_are_checked():
     assert config_reads("def f(config, handle):\n    return config.train.seed + handle.config.lora.r\n") == 2
+    assert config_reads("def f(resolved):\n    return g(resolved.config) + resolved.config.model.name\n") == 3
     reads = {str(path.relative_to(PACKAGE)): n for path in PACKAGE.rglob("*.py")
              if str(path.relative_to(PACKAGE)) not in READS_CONFIG and (n := config_reads(path.read_text()))}
     assert not reads, f"config read below the pipeline (module: reads): pass the plan (plans.RunPlan) or plain values: {reads}"

@@ -384,6 +384,7 @@ def test_the_gpu_presets_templates_as_the_pinned_trl_knows_them(template):
     from trl.chat_template_utils import parse_response
 
     from lowvram_grpo.settings.checks import check_tool_template
+    from lowvram_grpo.settings.plans import run_plan
     from lowvram_grpo.model.smollm2 import ensure_smollm2
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2())
@@ -392,9 +393,9 @@ def test_the_gpu_presets_templates_as_the_pinned_trl_knows_them(template):
     if template == "llama3_1_chat_template":
         with pytest.raises(ConfigError, match="renders earlier turns differently once a tool result follows, and TRL "
                                               "has no training version of it"):
-            check_tool_template(config, tokenizer)
+            check_tool_template(run_plan(config), tokenizer)
         return
-    check_tool_template(config, tokenizer)
+    check_tool_template(run_plan(config), tokenizer)
     assert tokenizer.response_template is not None  # TRL's parser for this template (add_response_schema)
     messages = [{"role": "user", "content": "What is 2 + 3?"}]
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}

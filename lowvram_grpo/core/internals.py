@@ -27,6 +27,10 @@ missing one raises BackendError saying to install the pinned versions; `missing_
 - `decode_graph_stats(model)`: unsloth's private `unsloth.models._decode_graphs.stats` (its CUDA-graph decode
   counters, kept on the model's CausalLM), summed for summary.json and the log of a CUDA run on the unsloth backend;
   imported when called (unsloth is not in the CPU set), None where it is missing.
+- `custom_op_alias_check_warns()`: torch's `torch._functorch.config.error_on_custom_op_aliasing` set False (a warning,
+  not an error, under unsloth's compiled GRPO loss: model.unsloth_backend._pool_alias_check_warns says why).
+- `forget_gguf_origin(config)`: a transformers config's `quantization_config` and private `_name_or_path` removed
+  (model.smollm2: the plain float copy of a GGUF-loaded model is neither quantized nor that file).
 - `mark(obj, name)` / `set_mark(obj, name, value)`: our own marks on a model or layer (MARKS), kept as `_lowvram_<name>`
   attributes so that PEFT's and transformers' attribute forwarding never meets them.
 """
@@ -195,6 +199,23 @@ def _mark_name(name: str) -> str:
     if name not in MARKS:
         raise ValueError(f"unknown mark {name!r}: one of {', '.join(MARKS)}")
     return f"_lowvram_{name}"
+
+
+def custom_op_alias_check_warns() -> None:
+    """torch's custom-op alias check a warning, not an error (its private functorch config; see the module list)."""
+    import torch._functorch.config as functorch_config  # torch's private config module: imported when asked for
+
+    functorch_config.error_on_custom_op_aliasing = False
+
+
+def forget_gguf_origin(config) -> None:
+    """Remove `quantization_config` and transformers' private `_name_or_path` from a model config, where set."""
+    for attr in ("quantization_config", "_name_or_path"):
+        if hasattr(config, attr):
+            try:
+                delattr(config, attr)
+            except AttributeError:
+                pass
 
 
 def mark(obj, name: str, default=None):

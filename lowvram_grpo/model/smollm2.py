@@ -18,6 +18,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from lowvram_grpo.core import internals
 from lowvram_grpo.model.model_cache import build_once
 from lowvram_grpo.settings.builtin_names import SMOLLM2_FOLDER, cache_dir
 from lowvram_grpo.core.errors import ModelUnavailable
@@ -55,12 +56,7 @@ def convert(gguf: Path, target: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
-    for attr in ("quantization_config", "_name_or_path"):
-        if hasattr(config, attr):
-            try:
-                delattr(config, attr)
-            except AttributeError:
-                pass
+    internals.forget_gguf_origin(config)  # its quantization and the GGUF's path: the plain copy is neither
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
     # a tied lm_head may be absent from the GGUF state dict; anything else must match

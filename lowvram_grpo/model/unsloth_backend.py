@@ -74,9 +74,7 @@ def _pool_alias_check_warns() -> None:
     the user set the variable."""
     if ALIAS_CHECK_ENV in os.environ:
         return
-    import torch._functorch.config as functorch_config
-
-    functorch_config.error_on_custom_op_aliasing = False
+    internals.custom_op_alias_check_warns()
 
 
 _PATCH_PROBLEM: Optional[str] = "prepare() has not run"
@@ -163,7 +161,7 @@ def load_model(resolved, log=print) -> ModelHandle:
             raise
         raise engine_did_not_start(resolved, cause) from None
     mark_requested_float32(model, kwargs["dtype"])
-    checks.after_load(resolved.config, model)  # lengths and LoRA layers against the loaded model
+    checks.after_load(resolved.plan, model)  # lengths and LoRA layers against the loaded model
     model = FastLanguageModel.get_peft_model(model, **get_peft_model_kwargs(resolved))
     if resolved.plan.model.init_adapter:  # its weights into the LoRA just made with its settings
         load_adapter_weights(model, resolved.plan.model.init_adapter, base_model=path)

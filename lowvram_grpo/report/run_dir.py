@@ -139,6 +139,13 @@ class RunDir:
             problem = f"{existing} is a file"
         elif not os.access(existing, os.W_OK | os.X_OK):
             problem = f"{existing} is not writable"
+        else:  # permission bits do not tell (root, a read-only or virtual filesystem): write a probe and remove it
+            try:
+                fd, probe = tempfile.mkstemp(prefix=".lowvram-write-probe-", dir=existing)
+                os.close(fd)
+                os.unlink(probe)
+            except OSError as exc:
+                problem = f"{existing} is not writable ({exc.strerror or type(exc).__name__})"
         if problem:
             raise ConfigError(f"cannot create output dir {self.path}: {problem}; pass a writable --output-dir")
 

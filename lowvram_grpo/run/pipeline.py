@@ -116,10 +116,13 @@ class GRPORun:
             self.run_dir.check_free(overwrite=existing == "overwrite")
         self.overwrite = existing == "overwrite"
         check_trackers_installed(config.train)
-        self.user = load_user_code(run_plan(config))  # the user's reward, tool and environment files: imported and looked up once
-        checks.before_load(config)  # settings that cannot work together (lengths, LoRA vs the model's shape)
-        checks.check_offline_model(config.model.name)  # offline, a hub model not in the cache cannot load
-        self.resolved = resolve_settings(config, hardware or detect(), backend, num_processes=_num_processes())
+        plan = run_plan(config)  # the phases' settings, built once for the run: the checks and resolve read this one
+        self.user = load_user_code(plan)  # the user's reward, tool and environment files: imported and looked up once
+        checks.before_load(config, plan)  # settings that cannot work together (lengths, LoRA vs the model's shape)
+        self.resolved = resolve_settings(config, hardware or detect(), backend, num_processes=_num_processes(), plan=plan)
+        checks.check_offline_model(config.model.name)  # offline, a hub model not in the cache cannot load (after a
+        # GPU preset on a machine without one is refused: the command line says that first too)
+        self.user_config = config  # written to config.yaml and read by an out-of-memory line only: the steps read the plan
         check_export(export, self.resolved.backend)
         check_export_fits_host(export, config.model.name, self.resolved.backend)  # before the model downloads, not after training
         if self.resolved.generation == "vllm":
@@ -155,10 +158,6 @@ class GRPORun:
         self.adapter_dir: Optional[Path] = None
 
     @property
-    def config(self) -> RunConfig:
-        return self.resolved.config
-
-    @property
     def plan(self) -> RunPlan:
         """The phases' settings (plans.RunPlan): what priming, training and the measurements are handed."""
         return self.resolved.plan
@@ -186,27 +185,27 @@ class GRPORun:
         note = allocator.mismatch_note(self.resolved.host_allocator, self.resolved.hardware.mimalloc_library)
         if note:
             self.log(note)
-        self.log(f"{self.config.model.name} (4-bit: {self.resolved.load_in_4bit}): "
+        self.log(f"{self.plan.model.name} (4-bit: {self.resolved.load_in_4bit}): "
                  f"{self.handle.trainable_parameters():,} trainable LoRA parameters")
-        if self.config.lora.init_adapter:
-            lora = self.config.lora
-            self.log(f"starting from the adapter in {lora.init_adapter} (r={lora.r}, alpha={lora.alpha}, "
-                     f"target_modules={','.join(lora.target_modules)})")
-        load_reward_models(self.config.rewards)  # reward models named in rewards.names, before anything is written
+        if self.plan.model.init_adapter:
+            lora = self.plan.model
+            self.log(f"starting from the adapter in {lora.init_adapter} (r={lora.lora_r}, alpha={lora.lora_alpha}, "
+                     f"target_modules={','.join(lora.lora_target_modules)})")
+        load_reward_models(self.plan.rewards)  # reward models named in rewards.names, before anything is written
         if self.resolved.generation == "vllm":
 
             with stops.deferred("once the vLLM engine has started"):  # then it is closed, not left behind
                 self.rollouts = start_for_run(self.handle, self.log)  # also the handle's engine for evaluation
         self._check_prompts(self.handle.text_tokenizer)  # the loaded model's tokenizer decides which prompts are kept
         tools = self.user.prompt_tools()  # their schemas (the environment's methods too) are in every prompt TRL renders
-        limit = self.config.train.max_prompt_length
-        rows = to_prompt_rows(self.train_questions, self.config.data.system_prompt)
+        limit = self.plan.prompts.max_prompt_length
+        rows = to_prompt_rows(self.train_questions, self.plan.prompts.system_prompt)
         self.train_rows, dropped = drop_long_prompts(rows, self.handle.tokenizer, limit, tools,
-                                                     self.config.data.chat_template_kwargs)
+                                                     self.plan.prompts.template_kwargs)
         if dropped:
             self.log(f"dropped {dropped} prompts longer than train.max_prompt_length={limit}")
-        self.eval_rows = to_prompt_rows(self.eval_questions, self.config.data.system_prompt)
-        self.validation_rows = to_prompt_rows(self.validation_questions, self.config.data.system_prompt)
+        self.eval_rows = to_prompt_rows(self.eval_questions, self.plan.prompts.system_prompt)
+        self.validation_rows = to_prompt_rows(self.validation_questions, self.plan.prompts.system_prompt)
         return self.handle
 
     def _tokenizer_alone(self):
@@ -216,7 +215,7 @@ class GRPORun:
 
 
         try:
-            return AutoTokenizer.from_pretrained(resolve_model_path(self.config.model.name))
+            return AutoTokenizer.from_pretrained(resolve_model_path(self.plan.model.name))
         except Exception:  # noqa: BLE001 (a hub error, a tokenizer only the backend's loader can build)
             return None
 
@@ -226,19 +225,19 @@ class GRPORun:
         train.max_prompt_length (with the tools' schemas, which TRL renders into every prompt)."""
         if tokenizer is None:
             return
-        rows = to_prompt_rows(self.train_questions, self.config.data.system_prompt)
-        checks.check_chat_template(self.config, tokenizer, any(not isinstance(r["prompt"], str) for r in rows))
-        checks.check_tool_template(self.config, tokenizer)
+        rows = to_prompt_rows(self.train_questions, self.plan.prompts.system_prompt)
+        checks.check_chat_template(self.plan, tokenizer, any(not isinstance(r["prompt"], str) for r in rows))
+        checks.check_tool_template(self.plan, tokenizer)
         tools = self.user.prompt_tools()
-        limit = self.config.train.max_prompt_length
-        lengths = (prompt_tokens(tokenizer, row["prompt"], tools, self.config.data.chat_template_kwargs) for row in rows)
+        limit = self.plan.prompts.max_prompt_length
+        lengths = (prompt_tokens(tokenizer, row["prompt"], tools, self.plan.prompts.template_kwargs) for row in rows)
         shortest = None
         for length in lengths:  # stops at the first prompt that fits
             if length <= limit:
                 return
             shortest = length if shortest is None else min(shortest, length)
         with_tools = " (with the tools' schemas, which TRL renders into every prompt)" if tools else ""
-        completion = self.config.train.max_completion_length
+        completion = self.plan.train.max_completion_length
         raise DataError(f"every training prompt is longer than train.max_prompt_length={limit} tokens{with_tools}; "
                         f"the shortest is {shortest}: set train.max_prompt_length={shortest} or more (and "
                         f"model.max_seq_length to at least that + train.max_completion_length={completion})")
@@ -285,7 +284,7 @@ class GRPORun:
         A stop is never an engine failure: a StopRequested raised inside vLLM's frames, or any error once a signal
         was received (vLLM's processes end on the same SIGTERM), leaves as StopRequested for the stop line."""
 
-        with out_of_memory_reported(self.memory_plan, self.config, self.run_dir, phase, adapter=self.adapter_dir):
+        with out_of_memory_reported(self.memory_plan, self.user_config, self.run_dir, phase, adapter=self.adapter_dir):
             try:
                 yield
             except Exception as exc:
@@ -350,9 +349,9 @@ class GRPORun:
         primed = self.run_dir.latest_prime_checkpoint()
         if checkpoint is not None:
             parts.append(f"checkpoint {checkpoint} (GRPO step {checkpoint.name.split('-')[-1]} of "
-                         f"{self.config.train.max_steps})")
+                         f"{self.plan.train.max_steps})")
         elif primed is not None:
-            parts.append(f"priming checkpoint {primed} (step {primed.name.split('-')[-1]} of {self.config.prime.steps})")
+            parts.append(f"priming checkpoint {primed} (step {primed.name.split('-')[-1]} of {self.plan.prime.steps})")
         if self.adapter_dir is not None and self.adapter_dir.is_dir():
             parts.append(f"adapter {self.adapter_dir}")
         elif checkpoint is None and self.run_dir.primed_adapter_dir.is_dir():
@@ -363,7 +362,7 @@ class GRPORun:
 
     def _write_settings(self) -> None:
         """config.yaml (what --resume reads back) and plan.txt (what --dry-run prints for these settings)."""
-        self.run_dir.write_config(self.config)
+        self.run_dir.write_config(self.user_config)
         self.run_dir.write_plan(run_plan_text(self.resolved))
 
     def restore_priming(self, checkpoint: Path) -> None:
@@ -393,11 +392,11 @@ class GRPORun:
     def measure(self, stage: str, adapter: Optional[Path] = None) -> Optional[dict]:
         """The held-out numbers of the base model (`adapter` None) or of a saved adapter, as `stage`. A run
         started from an adapter (lora.init_adapter) measures "before" on that adapter: where GRPO starts."""
-        if not self.config.eval.enabled:
+        if not self.plan.eval.enabled:
             return None
         self._enter(f"measuring {stage}")
-        if stage == "before" and adapter is None and self.config.lora.init_adapter:
-            adapter = Path(self.config.lora.init_adapter)
+        if stage == "before" and adapter is None and self.plan.model.init_adapter:
+            adapter = Path(self.plan.model.init_adapter)
         from lowvram_grpo.evaluate.evaluation import evaluate, protocol, protocol_label  # loads transformers
 
         what = f"the adapter in {adapter}" if adapter else "the base model"
@@ -419,7 +418,7 @@ class GRPORun:
         """best_adapter/ (the held-out curve's best point, validation.py) on the held-out questions, as the `best`
         column; where it is the last step's adapter (the same weights as adapter/) the after column's numbers."""
         facts = self.run_dir.best_facts() if self.resolved.validation_every else None
-        if facts is None or not self.config.eval.enabled:
+        if facts is None or not self.plan.eval.enabled:
             return None
         if facts["step"] == self.trainer.state.global_step:
             self.measured["best"], self.texts["best"] = self.measured["after"], self.texts["after"]
@@ -452,10 +451,10 @@ class GRPORun:
         """Supervised priming (priming.py says why: so GRPO's groups have rewards that differ), saved to
         primed_adapter/ and measured; then the start summary, which a resumed run reuses. Priming writes
         prime-checkpoint-N (prime.save_steps, at a stop, at its end); `resume_from`: one to continue from."""
-        if self.config.lora.init_adapter and self.config.prime.steps == 0:
-            self.log(f"no priming: the run starts from the adapter in {self.config.lora.init_adapter} "
+        if self.plan.model.init_adapter and self.plan.prime.steps == 0:
+            self.log(f"no priming: the run starts from the adapter in {self.plan.model.init_adapter} "
                      "(--set prime.steps=N primes it further)")
-        if self.config.prime.steps > 0:
+        if self.plan.prime.steps > 0:
             from lowvram_grpo.training.priming import prime  # loads transformers
 
             self._enter("priming")
@@ -535,11 +534,11 @@ class GRPORun:
         from lowvram_grpo.training.trl_compat import set_trainer_state  # loads transformers and TRL
 
         state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
-        if state.global_step < self.config.train.max_steps:
+        if state.global_step < self.plan.train.max_steps:
             return False
         load_adapter_weights(self.handle.model, checkpoint, base_model=self.handle.base_model)
         set_trainer_state(trainer, state)
-        self.log(f"{checkpoint.name} is GRPO step {state.global_step} of train.max_steps={self.config.train.max_steps}: "
+        self.log(f"{checkpoint.name} is GRPO step {state.global_step} of train.max_steps={self.plan.train.max_steps}: "
                  "no step left to train, going on from its adapter")
         return True
 
@@ -560,7 +559,7 @@ class GRPORun:
         kind = kind or self.export_kind
         if not kind or not self.run_dir.writer:
             return None
-        check_export_fits_host(kind, self.config.model.name, self.resolved.backend)  # the notebook's export cell asks here
+        check_export_fits_host(kind, self.plan.model.name, self.resolved.backend)  # the notebook's export cell asks here
         self._enter("exporting")
         written = export_model(self.handle, self.adapter_dir, self.run_dir.export_dir(kind), kind)
         self.log(f"exported ({kind}): {written}")
@@ -576,11 +575,11 @@ class GRPORun:
         trainer, measured = self.trainer, self.measured
         summary = {
             "status": "complete",
-            "preset": self.config.preset,
+            "preset": self.plan.preset,
             "backend": self.resolved.backend,
             "device": self.resolved.device,
-            "model": self.config.model.name,
-            "init_adapter": self.config.lora.init_adapter,
+            "model": self.plan.model.name,
+            "init_adapter": self.plan.model.init_adapter,
             "steps": trainer.state.global_step,
             "train_seconds": round(self.train_seconds, 2),
             "total_seconds": round(time.time() - self.started, 2),
@@ -652,13 +651,31 @@ def _num_processes() -> int:
 def run(config: RunConfig, output_dir, backend: str = "auto", log=print, handle=None,
         resume_from: Optional[Path] = None, export: Optional[str] = None, existing: str = "refuse",
         prime_from: Optional[Path] = None) -> RunResult:
-    """A whole run. `handle`: a model already loaded for this config (the notebook's); `resume_from`: a
-    checkpoint in `output_dir` to continue from (see `resume`); `export`: merged16 or gguf after training;
-    `existing`: a run already in `output_dir` is refused ('refuse'), replaced ('overwrite') or continued ('resume').
-    A vLLM engine started for the run ends when the run raises (an error, a stop, Ctrl-C); after a normal
-    return it stays with the handle (the notebook generates with it) and ends at exit. `prime_from`: a
-    prime-checkpoint-N in `output_dir` to continue the priming from (with `resume_from` None).
-    SIGINT/SIGTERM/SIGHUP stop it at the next safe point (stops.py) with one `Interrupted` line."""
+    """A whole run: checks, load, measure before, prime, GRPO, measure after, save, report.
+
+    Args:
+        config: the run's settings (settings.config.RunConfig), one section each, every key in docs/guide.md:
+            `model` (checkpoint, max_seq_length, generation), `lora` (r, alpha, targets, init_adapter), `train`
+            (GRPO: steps, group size, lengths, learning rate, optimizer, checkpoints, the correction), `data`
+            (dataset, columns, system prompt, held-out split), `rewards` (names, weights, module), `tools` and
+            `environment` (the tool loop), `prime` (the supervised start), `eval` (held-out measure and curve),
+            `log` (completions.jsonl, trackers), `memory` (4-bit, vLLM share, host allocator), `decode` (our
+            decode loop). The pipeline builds the plan from it once (plans.run_plan) and its steps read the plan.
+        output_dir: where the run's files go (report/run_dir.py is the one writer).
+        backend: 'auto', 'unsloth' or 'hf' (resolve decides 'auto' from the machine).
+        log: where progress lines go (print).
+        handle: a model already loaded for this config (the notebook's), else loaded here.
+        resume_from: a checkpoint in `output_dir` to continue from (see `resume`).
+        export: 'merged16' or 'gguf' after training, or None.
+        existing: a run already in `output_dir` is refused ('refuse'), replaced ('overwrite') or continued ('resume').
+        prime_from: a prime-checkpoint-N in `output_dir` to continue the priming from (with `resume_from` None).
+
+    Returns:
+        RunResult: the summary (summary.json's dict), the adapter's folder and the handle.
+
+    A vLLM engine started for the run ends when the run raises (an error, a stop, Ctrl-C); after a normal return it
+    stays with the handle (the notebook generates with it) and ends at exit. SIGINT/SIGTERM/SIGHUP stop it at the
+    next safe point (stops.py) with one `Interrupted` line."""
 
     with stops.handled():
         return closes_engines_on_error(_run)(config, output_dir, backend, log, handle, resume_from, export, existing,
@@ -735,8 +752,18 @@ def default_output_dir(preset: str) -> Path:
 
 def train(preset: str = "tiny", overrides: Optional[list[str]] = None, output_dir: Optional[str] = None,
           backend: str = "auto", overwrite: bool = False) -> RunResult:
-    """Python entry point: `lowvram_grpo.train("tiny", ["train.max_steps=3"], "runs/x")`; a run already in
-    `output_dir` is refused unless `overwrite`."""
+    """Python entry point: `lowvram_grpo.train("tiny", ["train.max_steps=3"], "runs/x")`.
+
+    Args:
+        preset: a preset name (presets/*.yaml) or a YAML file.
+        overrides: `SECTION.KEY=VALUE` settings over the preset (the sections: `run`'s Args).
+        output_dir: where the run writes (default outputs/PRESET-TIME); a run already there is refused unless
+            `overwrite`.
+        backend: 'auto', 'unsloth' or 'hf'.
+        overwrite: replace a run already in `output_dir`.
+
+    Returns:
+        RunResult, as `run` returns it."""
 
     config = load_config(preset, overrides or [])
     return run(config, Path(output_dir) if output_dir else default_output_dir(config.preset), backend,

@@ -22,13 +22,14 @@ Pure Python; imports nothing heavy.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from lowvram_grpo.settings.builtin_names import builtin_folder, is_builtin
 from lowvram_grpo.settings.adapter_files import adapter_settings, options_beyond_merge
 from lowvram_grpo.core.errors import ConfigError, PlanError
-from lowvram_grpo.settings.plans import run_plan
+from lowvram_grpo.settings.plans import RunPlan, run_plan
 from lowvram_grpo.settings.model_shapes import (
     HUB_ID,
     STANDARD_MODULE_FAMILIES,
@@ -69,6 +70,40 @@ def _architecture(name: str) -> Optional[str]:
         return None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_model_folder(name: str) -> None:
+    """A local model folder (model.name a path) is read before anything loads: its config.json must be a JSON
+    object naming a model_type, and a tokenizer file must be there, each JSON one readable. One line each; a hub id
+    or a built-in name is left to the loader."""
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        return
+    try:
+        raw = local_model_config(name)
+    except PlanError as exc:
+        raise ConfigError(f"model.name {name}: its config.json is not valid JSON ({str(exc).split('config.json: ', 1)[-1]}): "
+                          "restore it from the checkpoint's source, or set model.name to another folder") from None
+    if raw is None:
+        raise ConfigError(f"model.name {name} is a folder without a config.json: give a checkpoint folder (config.json, "
+                          "weights, tokenizer), a hub id, or builtin:tiny")
+    if not isinstance(raw, dict) or not (raw.get("model_type") or (raw.get("text_config") or {}).get("model_type")):
+        raise ConfigError(f"model.name {name}: its config.json names no model_type: give a transformers checkpoint "
+                          "folder, or restore its config.json")
+    present = [file for file in TOKENIZER_FILES if (folder / file).is_file()]
+    if not present:
+        raise ConfigError(f"model.name {name} has no tokenizer ({', '.join(TOKENIZER_FILES)}): save the tokenizer "
+                          "beside the weights (tokenizer.save_pretrained)")
+    for file in present:
+        if file.endswith(".json"):
+            try:
+                json.loads((folder / file).read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"model.name {name}: its {file} is not readable JSON ({type(exc).__name__}: "
+                                  f"{str(exc).splitlines()[0][:120]}): restore it from the checkpoint's source") from None
+
+
 def check_offline_model(name: str) -> None:
     """A hub id whose config.json is not in the local hub cache while HF_HUB_OFFLINE is set cannot load: a run
     refuses it before anything loads, naming the file (model_shapes.cached_config_path); a dry-run plans from the
@@ -85,31 +120,58 @@ def check_offline_model(name: str) -> None:
 
 
 def check_lengths(config, context: Optional[int]) -> None:
-    t, m = config.train, config.model
-    need = t.rollout_tokens
+    """The rollout's tokens fit model.max_seq_length, which fits the model's context (None: not known yet)."""
+    _check_lengths(_model_values(config), context)
+
+
+def _model_values(config):
+    """The values check_lengths and check_lora read, from the config (before the plan exists) or a ModelPlan."""
+    return _ModelValues(config.model.name, config.model.max_seq_length, config.train.max_prompt_length,
+                        config.train.max_completion_length, config.train.rollout_tokens,
+                        tuple(config.lora.target_modules), config.lora.r)
+
+
+@dataclass(frozen=True)
+class _ModelValues:
+    name: str
+    max_seq_length: int
+    max_prompt_length: int
+    max_completion_length: int
+    rollout_tokens: int
+    lora_target_modules: tuple
+    lora_r: int
+
+
+def _check_lengths(m, context: Optional[int]) -> None:
+    """`m`: a plans.ModelPlan (or _ModelValues): its lengths against model.max_seq_length and the model's context."""
+    need = m.rollout_tokens
     if need > m.max_seq_length:
         raise ConfigError(
-            f"train.max_prompt_length ({t.max_prompt_length}) + train.max_completion_length ({t.max_completion_length}) "
+            f"train.max_prompt_length ({m.max_prompt_length}) + train.max_completion_length ({m.max_completion_length}) "
             f"= {need} tokens do not fit model.max_seq_length ({m.max_seq_length}): set model.max_seq_length={need} "
-            f"or lower train.max_completion_length to {max(m.max_seq_length - t.max_prompt_length, 1)}")
+            f"or lower train.max_completion_length to {max(m.max_seq_length - m.max_prompt_length, 1)}")
     if context is not None and m.max_seq_length > context:
-        raise ConfigError(f"model.max_seq_length={m.max_seq_length} is longer than {m.name}'s context of {context} tokens: "
-                          f"set model.max_seq_length to at most {context}")
+        raise ConfigError(f"model.max_seq_length={m.max_seq_length} is longer than {m.name}'s context of {context} "
+                          f"tokens: set model.max_seq_length to at most {context}")
 
 
 def check_lora(config, layers: dict[str, tuple[int, int]]) -> None:
     """`layers`: linear layer name -> (in, out) features, one decoder layer's (names as PEFT matches them)."""
-    lora = config.lora
-    missing = [m for m in lora.target_modules if m not in layers and m != "lm_head"]
+    _check_lora(_model_values(config), layers)
+
+
+def _check_lora(m, layers: dict[str, tuple[int, int]]) -> None:
+    """`m`: a plans.ModelPlan (or _ModelValues): lora.target_modules and lora.r against the model's layers."""
+    missing = [name for name in m.lora_target_modules if name not in layers and name != "lm_head"]
     if missing:
-        raise ConfigError(f"lora.target_modules: {config.model.name} has no {', '.join(repr(m) for m in missing)}; "
+        raise ConfigError(f"lora.target_modules: {m.name} has no {', '.join(repr(x) for x in missing)}; "
                           f"its linear layers are {', '.join(sorted(layers))}")
-    targeted = {m: layers[m] for m in lora.target_modules if m in layers}
+    targeted = {name: layers[name] for name in m.lora_target_modules if name in layers}
     smallest_name, (a, b) = min(targeted.items(), key=lambda kv: min(kv[1]))
-    if lora.r > min(a, b):
-        raise ConfigError(f"lora.r={lora.r} exceeds the smaller side of {smallest_name} ({a} x {b}), the narrowest layer "
-                          f"it adapts: a rank above {min(a, b)} adds parameters but no capacity; set lora.r={min(a, b)} "
-                          f"or lower")
+    if m.lora_r > min(a, b):
+        raise ConfigError(f"lora.r={m.lora_r} exceeds the smaller side of {smallest_name} ({a} x {b}), the narrowest "
+                          f"layer it adapts: a rank above {min(a, b)} adds parameters but no capacity; set "
+                          f"lora.r={min(a, b)} or lower")
 
 
 _COPY_SUFFIXES = ("-unsloth-bnb-4bit", "-bnb-4bit", "-unsloth")  # unsloth's re-uploads of the same weights
@@ -165,11 +227,11 @@ def check_init_adapter_merge(config) -> None:
                           "unmerged adapter")
 
 
-def check_reward_names(config) -> None:
+def check_reward_names(config, plan: Optional[RunPlan] = None) -> None:
     """Every name in rewards.names is a built-in reward, a function of the rewards.module file, or a reward
     model; importing that file is where the user's code first runs (never when a config is built)."""
 
-    of(run_plan(config))  # looked up once for the run (user_code.load): an unknown name or a broken file is one line
+    of(plan if plan is not None else run_plan(config))  # looked up once for the run (user_code.load): an unknown name or a broken file is one line
     by = config.train.dynamic_sampling_reward
     if by is not None and by not in config.rewards.names:
         raise ConfigError(f"train.dynamic_sampling_reward must be one of the run's rewards.names "
@@ -179,7 +241,7 @@ def check_reward_names(config) -> None:
                           "train.dynamic_sampling=true, or leave train.dynamic_sampling_reward null")
 
 
-def check_tools(config) -> None:
+def check_tools(config, plan: Optional[RunPlan] = None) -> None:
     """tools.names and the environment against what TRL will be handed (tools.py: the files import, each name is a
     function of it or a built-in tool, the environment a class with reset and documented, type-hinted public
     methods, no two tools under one name), then each tool's JSON schema as transformers builds it for the chat
@@ -196,7 +258,7 @@ def check_tools(config) -> None:
     from transformers.utils.chat_template_utils import get_json_schema
 
 
-    user = of(run_plan(config))  # the run's tools and environment, looked up once (user_code.load)
+    user = of(plan if plan is not None else run_plan(config))  # the run's tools and environment, looked up once (user_code.load)
     named = list(zip(config.tools.names, user.tool_functions()))
     cls = user.environment
     if cls is not None:
@@ -217,34 +279,34 @@ def check_tools(config) -> None:
                               "each parameter, and type hints of str, int, float, bool, list or dict") from None
 
 
-def check_chat_template(config, tokenizer, chat_prompts: bool) -> None:
+def check_chat_template(plan, tokenizer, chat_prompts: bool) -> None:
     """Before the weights load (with the tokenizer alone), when the prompts are chat messages (`chat_prompts`): the
     tokenizer must have a chat template (a base model's often has none: transformers would fail at the first
     rollout), and every `data.chat_template_kwargs` key must be a variable that template reads (a misspelt
     `enable_thinking` would otherwise change nothing, silently)."""
     if not chat_prompts:
         return
-    name = config.model.name
+    name = plan.model.name
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise ConfigError(f"{name}'s tokenizer has no chat template and the prompts are chat messages: use the model's "
                           "instruct (chat) version, whose tokenizer has one, or give text prompts (a 'prompt' column "
                           "of plain text in data.dataset)")
     sources = " ".join(template.values()) if isinstance(template, dict) else str(template)
-    unread = [key for key in config.data.chat_template_kwargs if key not in sources]
+    unread = [key for key in plan.prompts.template_kwargs if key not in sources]
     if unread:
         raise ConfigError(f"data.chat_template_kwargs {', '.join(unread)}: {name}'s chat template never reads "
                           f"{'it' if len(unread) == 1 else 'them'}; drop {'it' if len(unread) == 1 else 'them'} "
                           "(or check the spelling against the template)")
 
 
-def check_tool_template(config, tokenizer) -> None:
+def check_tool_template(plan, tokenizer) -> None:
     """Right after the model loads, before anything is written: its chat template must render a tool-calling
     conversation (TRL's supports_tool_calling), TRL must be able to parse its tool calls (a response template
     on the tokenizer, or one TRL knows for the template), and the template must keep earlier turns' tokens when
     turns follow (or TRL must have a training version of it)."""
 
-    if not config.uses_tools:
+    if not plan.tools.used:
         return
     from trl.chat_template_utils import (
         add_response_schema,
@@ -253,7 +315,7 @@ def check_tool_template(config, tokenizer) -> None:
         supports_tool_calling,
     )
 
-    name = config.model.name
+    name = plan.model.name
     if not supports_tool_calling(tokenizer):
         raise ConfigError(f"{name}'s chat template cannot render tool calls (TRL needs user -> assistant with "
                           "tool_calls -> tool): choose a model whose template renders tools (builtin:tiny, "
@@ -273,10 +335,13 @@ def check_tool_template(config, tokenizer) -> None:
                               "and TRL has no training version of it: multi-turn tool calling cannot train on it") from None
 
 
-def before_load(config) -> None:
-    """What can be refused before the model loads (ConfigError)."""
-    check_reward_names(config)
-    check_tools(config)
+def before_load(config, plan: Optional[RunPlan] = None) -> None:
+    """What can be refused before the model loads (ConfigError). `plan`: the run's plan (plans.run_plan(config)),
+    built once by the caller that also resolves the run; built here when none is given (the doctor, --dry-run)."""
+    check_model_folder(config.model.name)  # the user's files first: one line each, before anything heavy
+    plan = plan if plan is not None else run_plan(config)
+    check_reward_names(config, plan)
+    check_tools(config, plan)
     check_init_adapter(config)
     check_lengths(config, _context_length(config.model.name))
     if _architecture(config.model.name) == "llama":
@@ -299,11 +364,11 @@ def linear_layers(model) -> dict[str, tuple[int, int]]:
     return layers
 
 
-def after_load(config, model) -> None:
-    """What needs the loaded model (any architecture): its context length and its layers."""
+def after_load(plan: RunPlan, model) -> None:
+    """What needs the loaded model (any architecture): its context length and its layers, against the run's plan."""
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    check_lengths(config, context)
-    check_lora(config, linear_layers(model))
+    _check_lengths(plan.model, context)
+    _check_lora(plan.model, linear_layers(model))
 
 
 def surprises(config, n_train_available: Optional[int] = None) -> list[str]:

@@ -509,10 +509,17 @@ def engine_kv_cache_bytes(shape: ModelShape, config: RunConfig, kv_bytes: int) -
     """The KV cache the hf backend's vLLM engine asks vLLM for (`kv_cache_memory_bytes`, which vLLM then
     allocates instead of a gpu_memory_utilization share): memory.vllm_kv_cache_gb, else `engine_sequences`
     sequences of model.max_seq_length tokens in whole 32-token blocks, at `kv_bytes` per element."""
-    if config.memory.vllm_kv_cache_gb:
-        return int(config.memory.vllm_kv_cache_gb * GIB)
-    tokens = math.ceil(config.model.max_seq_length / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
-    return shape.kv_cache_bytes(engine_sequences(config), tokens, kv_bytes)  # K and V (+ linear-attention state)
+    return kv_cache_bytes_for(shape, engine_sequences(config), config.model.max_seq_length,
+                              config.memory.vllm_kv_cache_gb, kv_bytes)
+
+
+def kv_cache_bytes_for(shape: ModelShape, sequences: int, max_seq_length: int, kv_cache_gb: Optional[float],
+                       kv_bytes: int) -> int:
+    """engine_kv_cache_bytes from plain values (the run's plan: plans.ModelPlan)."""
+    if kv_cache_gb:
+        return int(kv_cache_gb * GIB)
+    tokens = math.ceil(max_seq_length / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+    return shape.kv_cache_bytes(sequences, tokens, kv_bytes)  # K and V (+ linear-attention state)
 
 
 def _engine_weights_bytes(shape: ModelShape, load_in_4bit: bool) -> int:

@@ -59,6 +59,7 @@ class PromptPlan:
     answer_format: str                               # answers.extractors' format: 'xml', 'boxed', ...
     chat_template_kwargs: tuple[tuple[str, Any], ...]  # data.chat_template_kwargs' items (e.g. enable_thinking)
     max_seq_length: int                              # prompt + completion tokens the model is loaded for
+    max_prompt_length: int = 0                       # train.max_prompt_length: longer prompts are dropped
 
     @property
     def template_kwargs(self) -> dict:
@@ -102,6 +103,13 @@ class ModelPlan:
     init_adapter: Optional[str]       # a saved adapter to start from (its settings are already in the lora_* above)
     gpu_memory_utilization: float     # the shared vLLM engine's share of the card (memory.gpu_memory_utilization)
     vllm_sync_steps: int              # GRPO steps between adapter syncs to our vLLM engine
+    max_prompt_length: int = 0        # train.max_prompt_length (after_load checks the lengths against the model)
+    max_completion_length: int = 0    # train.max_completion_length
+    rollout_tokens: int = 0           # train.rollout_tokens: prompt + completion
+    engine_sequences: int = 1         # sequences our vLLM engine decodes at once (memory_terms.engine_sequences)
+    vllm_kv_cache_gb: Optional[float] = None  # memory.vllm_kv_cache_gb: our engine's KV cache, when set
+    vllm_cpu_threads: Optional[int] = None    # memory.vllm_cpu_threads
+    seed: int = 0                     # train.seed (our vLLM engine's sampling seed)
 
     def lora_kwargs(self) -> dict:
         """peft's `LoraConfig` arguments for this LoRA."""
@@ -189,6 +197,7 @@ class RunPlan:
     prime: PrimePlan
     train: TrainPlan
     eval: EvalPlan
+    preset: str = ""                 # the preset the run's settings started from (summary.json, the report)
 
     def describe(self) -> str:
         """A line a phase: what each reads (plan.txt and --dry-run show it under the decided settings)."""
@@ -221,7 +230,7 @@ def run_plan(config: RunConfig) -> RunPlan:
     train, data, tools, env = config.train, config.data, config.tools, config.environment
     prompts = PromptPlan(system_prompt=data.system_prompt, answer_format=data.answer_format,
                          chat_template_kwargs=tuple(dict(data.chat_template_kwargs or {}).items()),
-                         max_seq_length=config.model.max_seq_length)
+                         max_seq_length=config.model.max_seq_length, max_prompt_length=config.train.max_prompt_length)
     tool_plan = ToolPlan(names=tuple(tools.names), module=tools.module, max_turns=tools.max_turns,
                          timeout_seconds=tools.timeout_seconds, max_tokens_per_turn=tools.max_tokens_per_turn,
                          turn_tokens=config.turn_tokens, environment=env.name, environment_module=env.module,
@@ -234,7 +243,11 @@ def run_plan(config: RunConfig) -> RunPlan:
                       lora_alpha=lora.alpha, lora_dropout=lora.dropout, lora_target_modules=tuple(lora.target_modules),
                       lora_random_state=lora.random_state, init_adapter=lora.init_adapter,
                       gpu_memory_utilization=config.memory.gpu_memory_utilization,
-                      vllm_sync_steps=config.model.vllm_sync_steps)
+                      vllm_sync_steps=config.model.vllm_sync_steps, max_prompt_length=train.max_prompt_length,
+                      max_completion_length=train.max_completion_length, rollout_tokens=train.rollout_tokens,
+                      engine_sequences=max(train.generation_batch_size, config.eval.batch_size),
+                      vllm_kv_cache_gb=config.memory.vllm_kv_cache_gb, vllm_cpu_threads=config.memory.vllm_cpu_threads,
+                      seed=train.seed)
     p = config.prime
     prime = PrimePlan(steps=p.steps, learning_rate=p.learning_rate, batch_size=p.batch_size, save_steps=p.save_steps,
                       keep_checkpoints=train.keep_checkpoints, **shared)
@@ -265,7 +278,7 @@ def run_plan(config: RunConfig) -> RunPlan:
                          batch_size=ev.batch_size, samples=ev.samples, sample_temperature=ev.sample_temperature,
                          max_tokens=train.max_completion_length, max_steps=train.max_steps, **shared)
     return RunPlan(model=model, prompts=prompts, tools=tool_plan, rewards=rewards, prime=prime, train=train_plan,
-                   eval=eval_plan)
+                   eval=eval_plan, preset=config.preset)
 
 
 def tool_config_kwargs(tools: ToolPlan, use_vllm: bool = False) -> dict:

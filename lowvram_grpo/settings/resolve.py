@@ -713,8 +713,11 @@ def _dtype(config: RunConfig, hardware: Hardware) -> str:
     return asked
 
 
-def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_processes: int = 1) -> Resolved:
-    """Every device-dependent setting of `config` on `hardware` with the `backend` asked for (auto|unsloth|hf)."""
+def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_processes: int = 1,
+            plan: Optional[RunPlan] = None) -> Resolved:
+    """Every device-dependent setting of `config` on `hardware` with the `backend` asked for (auto|unsloth|hf).
+    `plan`: the run's plan (plans.run_plan(config)) when the caller built it already (the pipeline builds it once
+    and its checks read it too); built here otherwise."""
     notes: list[str] = []
     if config.requires_cuda and not hardware.cuda:
         raise ResolveError(f"preset '{config.preset}' needs an NVIDIA GPU (CUDA) and none is visible: on this "
@@ -815,7 +818,7 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         validation_every=validation_every, is_correction=is_on, is_mode=is_mode, is_reason=is_reason,
         is_from_loss=is_from_loss, decode_graphs=graphs, decode_graphs_reason=graphs_reason, kv_cache_dtype=kv_dtype,
         kv_cache_reason=kv_reason,
-        notes=tuple(notes), plan=choose_shared_prompt(run_plan(config), chosen, generation, decode_loop),
+        notes=tuple(notes), plan=choose_shared_prompt(plan if plan is not None else run_plan(config), chosen, generation, decode_loop),
     )
     if plan_decides:  # auto on sm80+ with unsloth's engine: fp8 where the plan's 16-bit KV cache is short
         resolved = dataclasses.replace(resolved, kv_cache_reason=_auto_kv_reason(resolved))

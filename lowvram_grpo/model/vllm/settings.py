@@ -10,7 +10,7 @@ from lowvram_grpo.model.builtin_models import resolve_model_path
 from lowvram_grpo.model.handle import SamplingParams
 from lowvram_grpo.model.vllm.processes import allowed_cpus
 from lowvram_grpo.core.errors import BackendError
-from lowvram_grpo.settings.memory_terms import engine_gpu_memory_utilization, engine_kv_cache_bytes, engine_sequences
+from lowvram_grpo.settings.memory_terms import engine_gpu_memory_utilization, kv_cache_bytes_for
 from lowvram_grpo.settings.model_shapes import model_shape
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32's CPU attention kernels
@@ -63,20 +63,21 @@ def settings_for(resolved, shape, model_path: str) -> EngineSettings:
     bytes and, on CUDA, the engine's own share of the card as gpu_memory_utilization. `shape`: the
     model's model_shapes.ModelShape (from the loaded model's config, so a hub id needs no local config.json)."""
 
-    config, cuda = resolved.config, resolved.device == "cuda"
+    model, cuda = resolved.plan.model, resolved.device == "cuda"
     return EngineSettings(
         model_path=model_path,
         dtype=resolved.dtype,
-        max_model_len=config.model.max_seq_length,
+        max_model_len=model.max_seq_length,
         max_lora_rank=resolved.vllm_max_lora_rank,
-        max_num_seqs=engine_sequences(config),
-        kv_cache_bytes=engine_kv_cache_bytes(shape, config, resolved.compute_bytes),
+        max_num_seqs=model.engine_sequences,
+        kv_cache_bytes=kv_cache_bytes_for(shape, model.engine_sequences, model.max_seq_length, model.vllm_kv_cache_gb,
+                                          resolved.compute_bytes),
         device=resolved.device,
-        cpu_threads=config.memory.vllm_cpu_threads,
+        cpu_threads=model.vllm_cpu_threads,
         gpu_memory_utilization=engine_gpu_memory_utilization(shape, resolved, resolved.hardware.total_gib or resolved.vram_gib)
         if cuda else None,
         sleep_between_rollouts=cuda,
-        seed=config.train.seed,
+        seed=model.seed,
         load_in_4bit=resolved.load_in_4bit and cuda,
     )
 
@@ -149,6 +150,6 @@ def check_run_servable(resolved) -> None:
         return
 
     try:
-        check_servable(model_shape(resolve_model_path(resolved.config.model.name)), resolved.device)
+        check_servable(model_shape(resolve_model_path(resolved.plan.model.name)), resolved.device)
     except VLLMEngineError as exc:
         raise BackendError(str(exc)) from None
