@@ -52,12 +52,13 @@ def test_every_package_module_and_folder_is_in_the_readme_layout():
     """The map has a room for every folder of the package and of the repository; each room's lines name every module
     of that room (the package's own top-level modules on the `lowvram_grpo/` line) and its sub-folders; every `.py`
     the map names is there; the package's top holds at most 12 entries (issue 50: rooms a newcomer can find); and the
-    map has at most MAP_MAX_LINES lines (before: a line a module, 50 of the README's 200)."""
+    map has at most MAP_MAX_LINES lines (before: a line a module, 50 of the README's 200). 13 entries since issue 67
+    added core/, the ground room under the others."""
     section, lines = _layout()
     assert len(lines) <= MAP_MAX_LINES, f"the README's layout map has {len(lines)} lines: at most {MAP_MAX_LINES}"
     package = REPO / "lowvram_grpo"
     top = sorted(p.name for p in package.iterdir() if p.name != "__pycache__")
-    assert len(top) <= 12, f"lowvram_grpo/ holds {len(top)} entries, at most 12: {top}"
+    assert len(top) <= 13, f"lowvram_grpo/ holds {len(top)} entries, at most 13: {top}"
     rooms = _rooms(lines)
     expected = {"lowvram_grpo": {p.name for p in package.glob("*.py") if p.name != "__main__.py"}}
     for folder in (p for p in package.iterdir() if p.is_dir() and not p.name.startswith("__")):
