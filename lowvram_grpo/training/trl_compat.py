@@ -60,6 +60,7 @@ from trl.trainer import utils as trl_utils
 from lowvram_grpo.core import internals
 from lowvram_grpo.model.decoding import loop_takes, sampler_logprobs
 from lowvram_grpo.core.errors import AdapterError, BackendError
+from lowvram_grpo.training.shared_prompt import MASKED_ATTENTION, pack, packed_logps
 from lowvram_grpo.report.learning_signals import (
     ADAPTER_VS_BASE_KEY,
     SAMPLER_BASE_GAP_KEY,
@@ -881,8 +882,6 @@ class SharedPrompt:
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **rest):
         import torch
-
-        from lowvram_grpo.training.shared_prompt import MASKED_ATTENTION, pack, packed_logps
 
         def own(start, end):
             return super(SharedPrompt, self)._get_per_token_logps_and_entropies(
