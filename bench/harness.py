@@ -107,6 +107,8 @@ def variant_parser(doc: str, variants: str, steps: int, generations: int, out: P
     p.add_argument("--rounds", type=int, default=1, help="run the variants this many times, each round in the order "
                    "opposite the last's (A B, then B A): a variant's figures are the median over its rounds, each "
                    "round's record kept")
+    p.add_argument("--once", default="", help="comma-separated variants run in the first round only (one far slower "
+                   "than the rest, whose order decides nothing): its record says so")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     return p
@@ -153,8 +155,10 @@ def bench_variants(module: str, args, child, table, memory: tuple[str, str], ref
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     runs: dict[str, list[dict]] = {variant: [] for variant in variants}
     load_before = os.getloadavg()
+    once = {v.strip() for v in (getattr(args, "once", "") or "").split(",") if v.strip()}
     for round_index in range(max(1, getattr(args, "rounds", 1))):
         order = variants if round_index % 2 == 0 else variants[::-1]
+        order = order if round_index == 0 else [v for v in order if v not in once]
         for position, variant in enumerate(order):
             r = run_child(module, child_argv(variant, args, extra), f"{variant}: {args.steps} steps")
             runs[variant].append({**r, "round": round_index + 1, "position": position + 1, "order": ",".join(order)})
@@ -164,7 +168,8 @@ def bench_variants(module: str, args, child, table, memory: tuple[str, str], ref
         "command": command_line(module),
         "settings": {"preset": args.preset, "model": "SmolLM2-135M-Instruct", "generations": args.generations,
                      "max_completion_tokens": args.tokens, "steps": args.steps, "counted_steps": max(1, args.steps - 1),
-                     "rounds": max(1, getattr(args, "rounds", 1)), **machine(), "extra": args.set or [],
+                     "rounds": max(1, getattr(args, "rounds", 1)), "first_round_only": sorted(once),
+                     **machine(), "extra": args.set or [],
                      "loadavg_before": [round(x, 2) for x in load_before],
                      "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
         **results,

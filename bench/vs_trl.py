@@ -15,9 +15,11 @@ model, prompts, seed and GRPO settings (G completions x L tokens, LoRA r=16 on a
              train-mode sampling on a CPU decodes without the KV cache's context).
 - `trl_bf16`: plain TRL as a user gets it who passes the model's name: transformers 5 loads the checkpoint in its
              own dtype (SmolLM2's: bf16), GRPOConfig's own bf16=True autocast, adamw_torch.
-- `trl_fp32`: plain TRL all in float32: weights float32 and bf16=False (no autocast), adamw_torch; what is
-             fastest on a CPU without native bf16, where bf16 is emulated.
-- `trl_8bit`: `trl_fp32` with our optimizer (paged 8-bit AdamW): the same optimizer on both sides.
+- `trl_fp32`: plain TRL all in float32: weights float32 and bf16=False (no autocast), adamw_torch: on a CPU
+             without native bf16, where bf16 is emulated, what a user switches to.
+- `trl_fp32_nogc`: `trl_fp32` with gradient checkpointing off: TRL samples in train mode, where checkpointing turns
+             the KV cache off (each new token recomputes the whole sequence); off, TRL's generate keeps its cache.
+- `trl_8bit`: `trl_fp32_nogc` with our optimizer (paged 8-bit AdamW): the same optimizer on both sides.
 - `ours_adamw`, `ours_nogc`: `ours` with train.optim=adamw_torch / memory.gradient_checkpointing=false: what our
              8-bit optimizer and our gradient checkpointing cost or save in the training half.
 
@@ -36,7 +38,7 @@ Where the importance-sampling correction runs, the record also keeps the sampler
 (`sampling/sampling_logp_difference/mean` and `/max`, averaged and maxed over the counted steps).
 
 Per step it records wall seconds and where they go: generation, reward scoring, log-prob forwards
-without grad (old/reference policy), the training forward, and backward. Reports the median over
+without grad (old/reference policy), the training forward, backward, and the optimizer's step. Reports the median over
 steps after the first (warm-up) and the process's peak RSS (`ru_maxrss`), and the ratios ours/TRL.
 """
 from __future__ import annotations
@@ -49,7 +51,7 @@ from pathlib import Path
 
 from bench.harness import bench_variants, peak_rss_mb, ratios, variant_parser
 
-PARTS = ("generate", "rewards", "logps_nograd", "forward", "backward")
+PARTS = ("generate", "rewards", "logps_nograd", "forward", "backward", "optimizer")
 VARIANT_SETS = {"ours_int8": ["decode.weights=int8"],  # a variant's own overrides (before the user's --set)
                 "ours_unmerged": ["decode.merge_lora=false"], "ours_forward": ["train.is_logprobs=forward"],
                 "ours_adamw": ["train.optim=adamw_torch"], "ours_nogc": ["memory.gradient_checkpointing=false"]}
@@ -60,7 +62,8 @@ PLAIN_TRL_VARIANTS = {
     "trl_nogc": ("float32", True, "adamw_torch", False),
     "trl_bf16": (None, True, "adamw_torch", True),
     "trl_fp32": ("float32", False, "adamw_torch", True),
-    "trl_8bit": ("float32", False, "paged_adamw_8bit", True),
+    "trl_fp32_nogc": ("float32", False, "adamw_torch", False),
+    "trl_8bit": ("float32", False, "paged_adamw_8bit", False),
 }
 GAP_MEAN, GAP_MAX = "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"  # TRL 1.15
 
@@ -93,6 +96,7 @@ class StepClock:
         self._started = 0.0
         self.peak_growth_mb = {part: 0.0 for part in PARTS}  # how much each part raised the peak RSS
         self._open: set[str] = set()  # the parts whose outermost call is running
+        self.optimizer_began: float | None = None  # the optimizer step's start (instrument's callback)
 
     def begin(self):
         self._current = {part: 0.0 for part in PARTS}
@@ -139,6 +143,14 @@ def instrument(trainer) -> StepClock:
 
         def on_step_end(self, *a, **kw):
             clock.end()
+
+        def on_pre_optimizer_step(self, *a, **kw):  # the optimizer's step: between these two events
+            clock.optimizer_began = time.perf_counter()
+
+        def on_optimizer_step(self, *a, **kw):
+            if clock._current is not None and clock.optimizer_began is not None:
+                clock._current["optimizer"] += time.perf_counter() - clock.optimizer_began
+            clock.optimizer_began = None
 
     trainer.add_callback(Hook())
     clock.wrap(trainer, "_generate_single_turn", lambda: "generate")
@@ -298,8 +310,8 @@ def table(results: dict) -> str:
     plain = [name for name in results if name in PLAIN_TRL_VARIANTS]
     trl = results[min(plain, key=lambda name: results[name]["step_s"])] if plain else None
     lines = ["| variant | s/step (median) | generate | rewards | log-probs (no grad) | train forward | backward "
-             "| peak RSS MB | time vs fastest TRL | memory vs fastest TRL | sampler gap mean / max |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| optimizer | peak RSS MB | time vs fastest TRL | memory vs fastest TRL | sampler gap mean / max |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         p = r["parts_s"]
         time_ratio = f"{r['step_s'] / trl['step_s']:.2f}x" if trl else "-"
@@ -307,7 +319,8 @@ def table(results: dict) -> str:
         gap = r.get("sampler_gap")
         gap = f"{gap['mean_abs_logp_difference']:.4f} / {gap['max_abs_logp_difference']:.3f}" if gap else "-"
         lines.append(f"| {name} | {r['step_s']:.2f} | {p['generate']:.2f} | {p['rewards']:.3f} | {p['logps_nograd']:.2f} "
-                     f"| {p['forward']:.2f} | {p['backward']:.2f} | {r['peak_rss_mb']:.0f} | {time_ratio} | {mem_ratio} | {gap} |")
+                     f"| {p['forward']:.2f} | {p['backward']:.2f} | {p.get('optimizer', 0):.3f} | {r['peak_rss_mb']:.0f} "
+                     f"| {time_ratio} | {mem_ratio} | {gap} |")
     return "\n".join(lines)
 
 
