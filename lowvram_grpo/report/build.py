@@ -40,9 +40,14 @@ from lowvram_grpo.core.errors import RunDirError
 from lowvram_grpo.task.data import prompt_text
 from lowvram_grpo.report.peak_memory import describe as describe_peak
 from lowvram_grpo.report.learning_signals import (
+    ADAPTER_GUARD_AFTER,
+    ADAPTER_GUARD_MARGIN,
+    ADAPTER_SKIPPED_KEY,
+    ADAPTER_VS_BASE_KEY,
     ALL_RIGHT_KEY,
     ALL_WRONG_KEY,
     CLIPPED_KEY,
+    SAMPLER_BASE_GAP_KEY,
     SAMPLER_GAP_KEY,
     SAMPLER_GAP_MAX_KEY,
     SAMPLER_GAP_THRESHOLD,
@@ -187,7 +192,9 @@ def plot_specs(rows: list[dict], config: dict) -> dict[str, dict]:
                            ylabel="accuracy" if criterion(rows) != f"{PREFIX}reward_mean" else "mean reward",
                            lines=([("strict accuracy", f"{PREFIX}accuracy_strict"),
                                    ("lenient accuracy", f"{PREFIX}accuracy_lenient")]
-                                  if criterion(rows) != f"{PREFIX}reward_mean" else [("reward_mean", f"{PREFIX}reward_mean")])),
+                                  if criterion(rows) != f"{PREFIX}reward_mean" else [("reward_mean", f"{PREFIX}reward_mean")]),
+                           # accuracies on their whole scale: a two-question change reads as what it is, not a cliff
+                           ylim=(-0.03, 1.03) if criterion(rows) != f"{PREFIX}reward_mean" else None),
     }
     return plots
 
@@ -350,6 +357,19 @@ def samples_section(summary: dict) -> str:
     return "\n\n".join(parts)
 
 
+def first_last_table(rows: list[dict], keys: tuple, title: str, number: str) -> list[str]:
+    """A markdown table's lines: for each (metrics key, label) of `keys`, the mean over the first and over the last
+    steps of `rows` (up to 10 each, half the rows at most), formatted as `number` ('.3f'); '-' where none logged it."""
+    window = max(1, min(10, len(rows) // 2))
+
+    def mean(part: list[dict], key: str) -> str:
+        values = [r[key] for r in part if isinstance(r.get(key), (int, float))]
+        return f"{sum(values) / len(values):{number}}" if values else "-"
+
+    lines = [f"| {title} | first {window} steps | last {window} steps |", "|---|---|---|"]
+    return lines + [f"| {label} | {mean(rows[:window], key)} | {mean(rows[-window:], key)} |" for key, label in keys]
+
+
 TOOL_ROWS = (("tools/call_frequency", "tool calls per completion (parsed, TRL's count)"),
              ("tools/written_per_completion", "<tool_call> blocks written per completion"),
              ("tools/parsed_share", "share of written calls TRL parsed"),
@@ -363,14 +383,7 @@ def tools_section(rows: list[dict]) -> Optional[str]:
 
     if not any("tools/call_frequency" in r or TRANSCRIPT_KEY in r for r in rows):
         return None
-    window = max(1, min(10, len(rows) // 2))
-
-    def mean(part: list[dict], key: str) -> str:
-        values = [r[key] for r in part if isinstance(r.get(key), (int, float))]
-        return f"{sum(values) / len(values):.3f}" if values else "-"
-
-    lines = [f"| over training | first {window} steps | last {window} steps |", "|---|---|---|"]
-    lines += [f"| {label} | {mean(rows[:window], key)} | {mean(rows[-window:], key)} |" for key, label in TOOL_ROWS]
+    lines = first_last_table(rows, TOOL_ROWS, "over training", ".3f")
     transcripts = [(r["step"], r[TRANSCRIPT_KEY]) for r in rows if isinstance(r.get(TRANSCRIPT_KEY), str)]
     if transcripts:
         step, text = transcripts[-1]
@@ -395,14 +408,7 @@ def sampling_section(rows: list[dict]) -> Optional[str]:
     logged none (the correction off)."""
     if not any(key in r for r in rows for key, _ in SAMPLING_ROWS):
         return None
-    window = max(1, min(10, len(rows) // 2))
-
-    def mean(part: list[dict], key: str) -> str:
-        values = [r[key] for r in part if isinstance(r.get(key), (int, float))]
-        return f"{sum(values) / len(values):.4f}" if values else "-"
-
-    lines = [f"| sampler vs the trainer | first {window} steps | last {window} steps |", "|---|---|---|"]
-    lines += [f"| {label} | {mean(rows[:window], key)} | {mean(rows[-window:], key)} |" for key, label in SAMPLING_ROWS]
+    lines = first_last_table(rows, SAMPLING_ROWS, "sampler vs the trainer", ".4f")
     means = [r[SAMPLER_GAP_KEY] for r in rows if isinstance(r.get(SAMPLER_GAP_KEY), (int, float))]
     peaks = [r[SAMPLER_GAP_MAX_KEY] for r in rows if isinstance(r.get(SAMPLER_GAP_MAX_KEY), (int, float))]
     if means:
@@ -414,6 +420,48 @@ def sampling_section(rows: list[dict]) -> Optional[str]:
     lines += ["", "The correction (train.is_correction) re-weights the loss by these ratios; in its default mode "
               "(sequence_mask) a completion whose ratio is above the cap (3) is left out of the loss."]
     return "\n".join(lines)
+
+
+def adapter_section(rows: list[dict]) -> Optional[str]:
+    """The rollouts against the adapter and the base (train.adapter_check_every; training/adapter_check.py): per scored
+    step, the sampled tokens' mean log-prob under the adapter minus under the base and, where the sampler gave its
+    log-probs, its distance to each; the steps the guard flagged (closer to the base by more than the margin), said
+    first. None when the run scored none."""
+    scored = [r for r in rows if isinstance(r.get(ADAPTER_VS_BASE_KEY), (int, float))]
+    if not scored:
+        return None
+    flagged = [r["step"] for r in rows if r.get(ADAPTER_SKIPPED_KEY) == 1.0]
+    judged = sum(1 for r in rows if r.get(ADAPTER_SKIPPED_KEY) is not None)
+    if flagged:
+        head = (f"**The rollouts of {len(flagged)} of {judged} judged steps (steps {_steps_text(flagged)}) were closer "
+                f"to the base model than to the adapter being trained** (by more than {ADAPTER_GUARD_MARGIN:g} nats a "
+                "token): the sampler looks to be ignoring the adapter, most likely a LoRA sync (a vLLM engine's adapter "
+                "update, unsloth's load_lora, the decode loop's merge) that does not reach it, as in unsloth #8701. "
+                "The trained adapter may be fine; the rollouts GRPO learned from were not its own.")
+    else:
+        head = (f"The rollouts of every judged step ({judged}, from step {ADAPTER_GUARD_AFTER + 1}) came from the adapter "
+                "being trained, not the base model." if judged else
+                f"No step judged yet (the guard judges from GRPO step {ADAPTER_GUARD_AFTER + 1}).")
+    sampler = any(isinstance(r.get(SAMPLER_BASE_GAP_KEY), (int, float)) for r in scored)
+    window = max(1, min(10, len(scored) // 2))
+
+    def mean(part: list[dict], key: str) -> str:
+        values = [r[key] for r in part if isinstance(r.get(key), (int, float))]
+        return f"{sum(values) / len(values):.4f}" if values else "-"
+
+    lines = [head, "", f"| sampled tokens, per scored step | first {window} | last {window} |", "|---|---|---|",
+             f"| log-prob under the adapter - under the base, mean (nats; > 0: the adapter's tokens) | "
+             f"{mean(scored[:window], ADAPTER_VS_BASE_KEY)} | {mean(scored[-window:], ADAPTER_VS_BASE_KEY)} |"]
+    if sampler:
+        lines += [f"| abs(sampler - adapter) log-prob, mean (nats) | {mean(scored[:window], SAMPLER_GAP_KEY)} | "
+                  f"{mean(scored[-window:], SAMPLER_GAP_KEY)} |",
+                  f"| abs(sampler - base) log-prob, mean (nats) | {mean(scored[:window], SAMPLER_BASE_GAP_KEY)} | "
+                  f"{mean(scored[-window:], SAMPLER_BASE_GAP_KEY)} |"]
+    return "\n".join(lines)
+
+
+def _steps_text(steps: list[int]) -> str:
+    return ", ".join(str(s) for s in steps[:10]) + (f" and {len(steps) - 10} more" if len(steps) > 10 else "")
 
 
 COMPLETIONS_SHOWN = 3  # completions shown for each step the section shows
@@ -565,6 +613,7 @@ def render(run_dir: Path, rows: list[dict], summary: Optional[dict], config: dic
         *(["## Held-out curve during GRPO\n\n" + curve_section(rows, summary)] if curve(rows) else []),
         *(["## Tool use\n\n" + tools_section(rows)] if tools_section(rows) else []),
         *(["## Sampler vs trainer (importance sampling)\n\n" + sampling_section(rows)] if sampling_section(rows) else []),
+        *(["## Rollouts: the adapter or the base?\n\n" + adapter_section(rows)] if adapter_section(rows) else []),
         "## Training-signal warnings\n\n" + warnings_section(signals),
         "## Plots\n\n" + plots_section(plots, config),
         "## Completions during GRPO\n\n" + completions_section(completions, run_dir),
