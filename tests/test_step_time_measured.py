@@ -109,11 +109,16 @@ def test_an_auto_curve_is_re_decided_from_the_measured_step_and_answer():
     cadence.on_train_begin(None, state, control)
     _steps(cadence, now, [10.0] * 3, state, control)  # 32 answers of 5 s against steps of 10 s: too dear
     assert validation.every == 0 and "held-out curve off from now" in lines[0]
-    cheap = _Validation()
-    cadence, now, lines = _cadence(["eval.every_steps=null", "eval.validation_size=32"], validation=cheap,
-                                   answer_seconds=0.1)
+    dearer = _Validation()  # every 4 costs 16% at 0.2 s an answer: every 7 (7 points, 9%) keeps it under 10%
+    cadence, now, lines = _cadence(["eval.every_steps=null", "eval.validation_size=32"], validation=dearer,
+                                   answer_seconds=0.2)
     _steps(cadence, now, [10.0] * 3, state, control)
-    assert cheap.every == 4 and "held-out curve every 4 steps, measured 8% of GRPO's time" in lines[0]
+    assert dearer.every == 7 and "held-out curve every 7 steps (planned every 4), measured 9% of GRPO's" in lines[0]
+    cheap = _Validation()  # within the budget as planned: the plan's points stay, none added
+    cadence, now, lines = _cadence(["eval.every_steps=null", "eval.validation_size=32"], validation=cheap,
+                                   answer_seconds=0.01)
+    _steps(cadence, now, [10.0] * 3, state, control)
+    assert cheap.every == 4 and "held-out curve every 4 steps as planned, measured 1% of GRPO's time" in lines[0]
     fixed = _Validation()
     cadence, now, lines = _cadence(["eval.every_steps=4", "eval.validation_size=32"], validation=fixed,
                                    answer_seconds=5.0)

@@ -8,9 +8,10 @@ every step:
   time have passed since the last one (transformers' fixed `save_steps` modulus is switched off; the last step, a
   stop and the guards still save as before). An explicit train.save_steps is kept.
 - eval.every_steps null (auto) with the curve on: its interval is re-decided from the measured step and the
-  measured seconds of a held-out answer before GRPO (`answer_seconds`): the smallest N whose curve costs at most
-  resolve.VALIDATION_BUDGET of GRPO's time, or off. A curve planned off stays off (its validation questions are in
-  training): the line says what the measure would have decided.
+  measured seconds of a held-out answer before GRPO (`answer_seconds`): where the planned interval costs more than
+  resolve.VALIDATION_BUDGET of GRPO's time, the smallest N that does not, or off; within the budget the plan's points
+  stay (more points than the plan said would cost time it did not announce). A curve planned off stays off (its
+  validation questions are in training): the line says what the measure would have decided.
 The plan line (`plan_line`) is logged once the measure counts; the progress line shows the figure and the cadence
 (`fields`). summary.json keeps `facts()`.
 """
@@ -100,9 +101,13 @@ class MeasuredCadence(TrainerCallback):
             self.curve_note = (f"held-out curve off from now: measured ({answer}) even two points cost {share:.0%} of "
                                f"GRPO's time (on where under {VALIDATION_BUDGET:.0%}; planned every {planned})")
             return
+        if every <= planned:  # within the budget as planned: the plan's points stay (more would cost what it did not say)
+            share = curve_cost(planned, self.plan.max_steps, self.plan.validation_size, self.answer_seconds, seconds)
+            self.curve_note = f"held-out curve every {planned} steps as planned, measured {share:.0%} of GRPO's time at {answer}"
+            return
         self.validation.every = every
-        self.curve_note = (f"held-out curve every {every} steps, measured {share:.0%} of GRPO's time at {answer}"
-                           + ("" if every == planned else f" (planned every {planned})"))
+        self.curve_note = (f"held-out curve every {every} steps (planned every {planned}), measured {share:.0%} of "
+                           f"GRPO's time at {answer}")
 
     def plan_line(self) -> str:
         """'GRPO step time: ~16.6 s a step, measured over steps 2-3 (planned ~41 s, estimated): checkpoint every 54
