@@ -182,3 +182,24 @@ def test_the_internals_door_finds_every_reach_in_the_pinned_wheels(monkeypatch):
         "transformers.generation.configuration_utils.GenerationConfig._get_default_generation_params"]
     with pytest.raises(BackendError, match=r"_get_default_generation_params.*pip install transformers==5\.17\.0 peft==0\.21\.2"):
         internals.default_generation_params(GenerationConfig())
+
+
+def test_the_sampling_settings_are_read_through_the_door():
+    """TRL's GRPOTrainer sets every attribute our vLLM rollouts sample with (read from the pinned TRL's source), a
+    trainer class that no longer sets one is named, and vllm_rollouts reaches none of them but through the door."""
+    import trl
+
+    assert trl_compat.missing_sampling_attributes(trl.GRPOTrainer) == []
+
+    class Renamed:
+        def __init__(self):
+            self.top_p = self.top_k = self.min_p = self.repetition_penalty = 1
+            self.eos_token_ids = self.max_completion_length = 1
+            self.sampling_temperature = 1.0
+
+    assert trl_compat.missing_sampling_attributes(Renamed) == ["Renamed.temperature"]
+    source = (Path(trl_compat.__file__).parent / "vllm_rollouts.py").read_text()
+    reads = sorted({node.attr for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Attribute)
+                    and isinstance(node.value, ast.Name) and node.value.id == "trainer"
+                    and node.attr in trl_compat.SAMPLING_ATTRIBUTES})
+    assert reads == [], f"read through trl_compat.sampling_settings: {reads}"

@@ -29,12 +29,18 @@ one warning line. The reaches, and why each is needed:
   head (`trl.trainer.utils._ChunkedLogProbFunction`); on a CPU it has no kernel. A dispatcher takes its
   place: the Triton kernel for CUDA/XPU tensors, logprobs_fallback.torch_chunked_logprobs (the same
   maths in PyTorch) for the rest. `LOWVRAM_GRPO_LOGPROBS=torch|triton` forces a path.
+- `SampledTokenScores` (train.adapter_check_every; the guard of training/adapter_check.py): the rollouts' sampled tokens
+  scored under the adapter and the base (adapter disabled) on every generation path: `_generate_and_score_completions`
+  wrapped (the base's pass), `_compute_loss` / `_get_per_token_logps_and_entropies` (the adapter's side from the loss's
+  own forward), TRL's `_metrics` (its section below).
 - `DynamicSampling` (train.dynamic_sampling, DAPO): `_generate_and_score_completions(inputs)` and
   `_calculate_rewards(inputs, prompts, completions, completion_ids_list)` wrapped, so groups whose rewards are
   all equal are replaced by newly drawn groups with signal in the batch TRL trains on (its section below).
 - `completion_log(trainer)`: the latest rollouts as TRL 1.15 keeps them for its `log_completions` (the private
   `_logs`: prompts, completions with their tool calls, each reward function's scores, advantages, what reward
   functions logged through `log_extra`), which completions.jsonl is written from (its section below).
+- `sampling_settings(trainer)`: TRL's GRPOTrainer's sampling settings (temperature, top_p, top_k, min_p,
+  repetition_penalty, eos_token_ids, max_completion_length: attributes its __init__ sets), read by our vLLM rollouts.
 - `insert_callback(trainer, callback, before)`, `trainer_callbacks(trainer)`, `set_trainer_state(trainer, state)`: the
   built trainer's callback list (transformers' add_callback only appends) and its state (a checkpoint's, when a resumed
   run has no step left); nothing outside this module and the trainer's own constructor changes a built trainer.
@@ -46,11 +52,13 @@ one warning line. The reaches, and why each is needed:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import math
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import transformers
 import trl
@@ -94,6 +102,7 @@ def check_versions(warn=None) -> list[str]:
     missing += missing_rollout_methods(trl.GRPOTrainer)  # section: TRL's rollout methods (below)
     missing += missing_single_turn(trl.GRPOTrainer)  # ModelSampler (below sample_with)
     missing += missing_completion_log(trl.GRPOTrainer)  # section: the completions of a step (below)
+    missing += missing_sampling_attributes(trl.GRPOTrainer)  # sampling_settings (below sample_with)
     if not is_unsloth_trainer(trl.GRPOTrainer):  # unsloth's generated trainer wraps them; dynamic sampling and the
         missing += missing_dynamic_sampling_hooks(trl.GRPOTrainer)  # ratio from the loss are kept off there (resolve):
         missing += missing_ratio_hooks(trl.GRPOTrainer)  # their sections below
@@ -203,6 +212,42 @@ def sample_with(trainer, sampler) -> None:
     if isinstance(sampler, ModelSampler):
         trainer.vllm_mode = "server"    # read after __init__ only by the tool loop: the context ceiling is then the
         # model's max_position_embeddings, as on TRL's transformers path (colocate would read a vLLM engine's)
+
+
+# TRL 1.15's GRPOTrainer keeps the rollout's sampling settings as instance attributes its __init__ sets from the
+# GRPOConfig and the tokenizer (not documented API): our vLLM engine samples with exactly these
+# (training/vllm_rollouts.py), read here and nowhere else.
+SAMPLING_ATTRIBUTES = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "eos_token_ids",
+                       "max_completion_length")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+    """What a rollout samples with, as the trainer holds it (SAMPLING_ATTRIBUTES), and the run's seed; `max_new_tokens`:
+    one turn's cap where GRPOConfig.generation_kwargs sets it (tools.max_tokens_per_turn), else None."""
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: Optional[float]
+    repetition_penalty: float
+    eos_token_ids: tuple
+    max_completion_length: int
+    max_new_tokens: Optional[int]
+    seed: int
+
+
+def missing_sampling_attributes(trainer_class: type) -> list[str]:
+    """The SAMPLING_ATTRIBUTES `trainer_class.__init__` no longer sets (read from its source)."""
+    source = inspect.getsource(trainer_class.__init__)
+    return [f"{trainer_class.__name__}.{name}" for name in SAMPLING_ATTRIBUTES if f"self.{name} =" not in source]
+
+
+def sampling_settings(trainer) -> SamplingSettings:
+    """The built trainer's sampling settings (SamplingSettings)."""
+    values = {name: getattr(trainer, name) for name in SAMPLING_ATTRIBUTES}
+    values["eos_token_ids"] = tuple(values["eos_token_ids"] or ())
+    asked = (trainer.args.generation_kwargs or {}).get("max_new_tokens")
+    return SamplingSettings(**values, max_new_tokens=asked, seed=trainer.args.seed)
 
 
 def insert_callback(trainer, callback, before: tuple[str, ...] = ()) -> None:

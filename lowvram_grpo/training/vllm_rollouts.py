@@ -38,12 +38,20 @@ def _runs(prompts: list) -> list[tuple[Any, int]]:
     return runs
 
 
+def _sampling(trainer):
+    """trl_compat.sampling_settings of the built trainer (TRL's own attributes, read through the door)."""
+    from lowvram_grpo.training.trl_compat import sampling_settings  # loads trl: a trainer exists by now
+
+    return sampling_settings(trainer)
+
+
 def turn_tokens(trainer) -> int:
     """Most new tokens of one turn: tools.max_tokens_per_turn as plans.tool_config_kwargs hands it to TRL
     (generation_kwargs' max_new_tokens: this engine stands in for transformers' generate), else TRL's cap for each
     turn, max_completion_length. TRL's tool loop cuts the whole trajectory at max_completion_length either way."""
-    asked = (trainer.args.generation_kwargs or {}).get("max_new_tokens")
-    return min(asked, trainer.max_completion_length) if asked else trainer.max_completion_length
+    settings = _sampling(trainer)
+    asked, cap = settings.max_new_tokens, settings.max_completion_length
+    return min(asked, cap) if asked else cap
 
 
 class TRLRollouts:
@@ -78,10 +86,11 @@ class TRLRollouts:
             self.engine.sync(model, step)
 
     def _sample(self, trainer, ids: list[list[int]], counts: list[int], seed: int):
+        s = _sampling(trainer)
         return self.engine.sample(
-            ids, counts, temperature=trainer.temperature, top_p=trainer.top_p, top_k=trainer.top_k,
-            min_p=trainer.min_p, repetition_penalty=trainer.repetition_penalty,
-            max_tokens=turn_tokens(trainer), stop_token_ids=trainer.eos_token_ids, seed=seed,
+            ids, counts, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty, max_tokens=turn_tokens(trainer),
+            stop_token_ids=list(s.eos_token_ids), seed=seed,
         )
 
     def rollout_func(self, prompts: list, trainer) -> dict:
@@ -93,7 +102,7 @@ class TRLRollouts:
         tokenizer = trainer.processing_class
         runs = _runs(prompts)
         ids = [_prompt_ids(tokenizer, p, trainer) for p, _ in runs]
-        seed = trainer.args.seed * 100_003 + trainer.state.global_step * 1_009  # same run, same samples
+        seed = _sampling(trainer).seed * 100_003 + trainer.state.global_step * 1_009  # same run, same samples
         groups = self._sample(trainer, ids, [k for _, k in runs], seed)
         policy = self.engine.policy
         self.last = {"vllm/adapter_version": policy.version, "vllm/adapter_step": policy.step,
@@ -124,7 +133,7 @@ class TRLRollouts:
         trainer = self.trainer
         self.ensure_synced(trainer)
         self.turns += 1
-        seed = trainer.args.seed * 100_003 + trainer.state.global_step * 1_009 + 7_919 * self.turns
+        seed = _sampling(trainer).seed * 100_003 + trainer.state.global_step * 1_009 + 7_919 * self.turns
         with profiler if profiler is not None else contextlib.nullcontext():
             groups = self._sample(trainer, [list(p) for p in prompts], [num_generations] * len(prompts), seed)
         completion_ids = [tokens for group in groups for tokens, _ in group]
