@@ -1,7 +1,8 @@
 """Issue 65's resolve-side defects, decided before anything loads: Gemma 3 on a card without bf16 (unsloth's vLLM starts
 in float16 there, which vLLM 0.31 refuses for gemma3_text) and an fp8 KV cache where no vLLM 0.31 attention backend
 serves it (sm80/sm86/sm89 with FlashInfer off). Each run as the user does: resolve, and `--dry-run --gpu CARD`, which
-ends 0 with the plan or 2 with one `error:` line. The pinned lines these rest on: tests/test_gpu_defects.py (GPU set)."""
+ends 0 with the plan or 2 with one `error:` line. The pinned lines these rest on: tests/test_gpu_defects.py (GPU
+set)."""
 from __future__ import annotations
 
 import dataclasses

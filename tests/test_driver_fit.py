@@ -141,15 +141,15 @@ def test_the_install_command_refuses_a_bad_option_in_one_line():
 def test_the_doctor_checks_the_cuda12_sets_pins_where_its_torch_is_installed(monkeypatch):
     """Where the installed torch is a CUDA 12 build (+cu129: this CPU machine cannot hold one, so its installed version
     is given), the doctor compares against requirements-cuda12.txt, and its fix installs that file."""
-    from lowvram_grpo import doctor
+    from lowvram_grpo.settings import installed
 
-    real = doctor.installed_version
-    monkeypatch.setattr(doctor, "installed_version", lambda name: "2.13.0+cu129" if name == "torch" else real(name))
-    chosen = doctor.choose_set(gpu_present=True)
+    real = installed.installed_version
+    monkeypatch.setattr(installed, "installed_version", lambda name: "2.13.0+cu129" if name == "torch" else real(name))
+    chosen = installed.choose_set(gpu_present=True)
     assert chosen.files == (CUDA12_FILE,) and chosen.pins["torch"] == "2.13.0+cu129" and chosen.pins["vllm"] == SETS[12].vllm
     assert chosen.install_hint().startswith("pip install -q -r requirements-cuda12.txt")
-    monkeypatch.setattr(doctor, "installed_version", lambda name: "2.13.0" if name == "torch" else real(name))
-    assert doctor.choose_set(gpu_present=True).files == (CUDA13_FILE,)
+    monkeypatch.setattr(installed, "installed_version", lambda name: "2.13.0" if name == "torch" else real(name))
+    assert installed.choose_set(gpu_present=True).files == (CUDA13_FILE,)
 
 
 # Issue 65, defect 4: the install decided by the driver AND GPU 0's compute capability (nvidia-smi --query-gpu=compute_cap).
@@ -225,24 +225,26 @@ def test_the_doctor_names_the_set_with_kernels_for_the_card():
     v100 = Card(0, "Tesla V100-SXM2-16GB", (7, 0), int(15.8 * 2 ** 30), int(15.4 * 2 ** 30))
     cu130 = ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")
     for driver, cuda in (("580.82.07", "13.0"), ("550.54.15", "12.4")):
-        lines = cuda_lines(CudaFacts("2.13.0+cu130", "13.0", cu130, driver, cuda, (v100.name,), (v100,)), uses_vllm=False)
+        facts = CudaFacts("2.13.0+cu130", "13.0", cu130, driver, cuda, (v100.name,), (v100,))
+        lines = cuda_lines(facts, uses_vllm=False)
         (kernels,) = [line for line in lines if line.status == "BLOCK" and "none runs on sm70" in line.text]
-        assert kernels.fix == ("pip install -r requirements-cuda126.txt (torch 2.13.0+cu126 has kernels for sm70), then "
-                               "run with --set model.fast_inference=false")
+        assert kernels.fix == ("pip install -r requirements-cuda126.txt (torch 2.13.0+cu126 has kernels for sm70), "
+                               "then run with --set model.fast_inference=false")
         assert any("requirements-cuda126.txt is the set for this driver" in line.text for line in lines)
     k80 = Card(0, "Tesla K80", (3, 7), 12 * 2 ** 30, 11 * 2 ** 30)
-    lines = cuda_lines(CudaFacts("2.13.0+cu130", "13.0", cu130, "580.82.07", "13.0", (k80.name,), (k80,)), uses_vllm=False)
+    facts = CudaFacts("2.13.0+cu130", "13.0", cu130, "580.82.07", "13.0", (k80.name,), (k80,))
+    lines = cuda_lines(facts, uses_vllm=False)
     (kernels,) = [line for line in lines if line.status == "BLOCK" and "none runs on sm37" in line.text]
     assert kernels.fix.startswith("no torch 2.13 build runs on this card (sm37)")
 
 
 def test_the_doctor_compares_a_cu126_torch_with_its_own_file(monkeypatch):
-    from lowvram_grpo import doctor
+    from lowvram_grpo.settings import installed
     from lowvram_grpo.settings.driver_fit import LEGACY
 
-    real = doctor.installed_version
-    monkeypatch.setattr(doctor, "installed_version", lambda name: "2.13.0+cu126" if name == "torch" else real(name))
-    chosen = doctor.choose_set(gpu_present=True)
+    real = installed.installed_version
+    monkeypatch.setattr(installed, "installed_version", lambda name: "2.13.0+cu126" if name == "torch" else real(name))
+    chosen = installed.choose_set(gpu_present=True)
     assert chosen.files == (LEGACY.file,) and chosen.pins["torch"] == LEGACY.torch and "vllm" not in chosen.pins
 
 

@@ -59,7 +59,8 @@ def test_unsloths_vllm_start_serves_float16_below_sm80_and_takes_no_float32():
     a T4 no dtype unsloth passes is one vLLM takes for Gemma 3."""
     zoo = _source("unsloth_zoo.vllm_utils")
     assert 'if DEVICE_TYPE == "cuda" and major_version >= 8: _dtype = torch.bfloat16' in zoo
-    assert re.search(r"if dtype == torch\.bfloat16 and _dtype == torch\.float16 and not _keep_bf16:\s*\n\s*print\([^\n]*"
+    assert re.search(r"if dtype == torch\.bfloat16 and _dtype == torch\.float16 and not _keep_bf16:"
+                     r"\s*\n\s*print\([^\n]*"
                      r"\n\s*dtype = torch\.float16", zoo)
     assert re.search(r"elif dtype == torch\.float16 or dtype == torch\.bfloat16: pass\s*\n\s*else:\s*\n\s*raise "
                      r"NotImplementedError\(f\"Unsloth: We do not support dtype", zoo)
@@ -79,8 +80,8 @@ def test_flash_attention_serves_an_fp8_kv_cache_on_sm90_and_sm100_only_and_unslo
     flash_attn = _source("vllm.v1.attention.backends.flash_attn")
     assert "return flash_attn_supports_kv_cache_dtype(kv_cache_dtype)" in flash_attn
     triton = _source("vllm.v1.attention.backends.triton_attn")
-    assert 'self.kv_cache_dtype.startswith("fp8") and not (\n                current_platform.has_device_capability(89)' \
-        in triton
+    assert re.search(r'self\.kv_cache_dtype\.startswith\("fp8"\) and not \(\s*'
+                     r'current_platform\.has_device_capability\(89\)', triton)
     zoo = _source("unsloth_zoo.vllm_utils")
     assert re.search(r"if _UNSLOTH_FLASHINFER_UNUSABLE:\s*\n\s*if _config_uses_mla\(config\):\s*\n\s*engine_args\["
                      r"\"attention_backend\"\] = \"TRITON_MLA\"\s*\n\s*elif _flash_attn_is_selectable\(\):\s*\n\s*"
@@ -92,7 +93,8 @@ def test_flash_attention_serves_an_fp8_kv_cache_on_sm90_and_sm100_only_and_unslo
 
 
 def test_flashinfer_takes_an_fp8_kv_cache_from_sm80():
-    """Read, not run: flashinfer's import asks torch for a CUDA device (tests/card_matrix.py runs it on virtual cards)."""
+    """Read, not run: flashinfer's import asks torch for a CUDA device (tests/card_matrix.py runs it on virtual
+    cards)."""
     flashinfer = _source("vllm.v1.attention.backends.flashinfer")
     dtypes = re.search(r"supported_kv_cache_dtypes: ClassVar\[list\[CacheDType\]\] = \[(.*?)\]", flashinfer, re.DOTALL)
     assert '"fp8",' in dtypes.group(1)

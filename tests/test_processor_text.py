@@ -87,7 +87,8 @@ def test_vllm_prompts_and_the_pad_token_go_through_the_processors_tokenizer(toke
 
     processor = qwen3vl_processor(tokenizer, monkeypatch)
     text = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
-    assert token_prompts(processor, [text]) == [{"prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert token_prompts(processor, [text]) == [{"prompt_token_ids": ids}]
     tokenizer.pad_token = None
     pad_with_eos(processor)
     assert tokenizer.pad_token == tokenizer.eos_token
