@@ -156,6 +156,27 @@ def bench_variants(module: str, args, child, table, memory: tuple[str, str], ref
     runs: dict[str, list[dict]] = {variant: [] for variant in variants}
     load_before = os.getloadavg()
     once = {v.strip() for v in (getattr(args, "once", "") or "").split(",") if v.strip()}
+
+    def report_so_far(complete: bool) -> dict:
+        results = {variant: combine_rounds(records, key) for variant, records in runs.items() if records}
+        report = {
+            "command": command_line(module),
+            "complete": complete,  # False: written after a variant's run, the invocation still going (or cut short)
+            "settings": {"preset": args.preset, "model": "SmolLM2-135M-Instruct", "generations": args.generations,
+                         "max_completion_tokens": args.tokens, "steps": args.steps,
+                         "counted_steps": max(1, args.steps - 1), "rounds": max(1, getattr(args, "rounds", 1)),
+                         "first_round_only": sorted(once), **machine(), "extra": args.set or [],
+                         "loadavg_before": [round(x, 2) for x in load_before],
+                         "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
+            **results,
+        }
+        for ref in references:
+            if ref in results:
+                report[f"ratios_vs_{ref}"] = ratios(results, ref, ("step_s", key))
+        if headline is not None:
+            report.update(headline(results))
+        return report
+
     for round_index in range(max(1, getattr(args, "rounds", 1))):
         order = variants if round_index % 2 == 0 else variants[::-1]
         order = order if round_index == 0 else [v for v in order if v not in once]
@@ -163,22 +184,9 @@ def bench_variants(module: str, args, child, table, memory: tuple[str, str], ref
             r = run_child(module, child_argv(variant, args, extra), f"{variant}: {args.steps} steps")
             runs[variant].append({**r, "round": round_index + 1, "position": position + 1, "order": ",".join(order)})
             print(f"[bench] {variant}: {r['step_s']} s/step, {label} {r[key]} MB", file=sys.stderr)
-    results = {variant: combine_rounds(records, key) for variant, records in runs.items()}
-    report = {
-        "command": command_line(module),
-        "settings": {"preset": args.preset, "model": "SmolLM2-135M-Instruct", "generations": args.generations,
-                     "max_completion_tokens": args.tokens, "steps": args.steps, "counted_steps": max(1, args.steps - 1),
-                     "rounds": max(1, getattr(args, "rounds", 1)), "first_round_only": sorted(once),
-                     **machine(), "extra": args.set or [],
-                     "loadavg_before": [round(x, 2) for x in load_before],
-                     "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
-        **results,
-    }
-    for ref in references:
-        if ref in results:
-            report[f"ratios_vs_{ref}"] = ratios(results, ref, ("step_s", key))
-    if headline is not None:
-        report.update(headline(results))
+            write_report(args.out, report_so_far(complete=False))  # what has run survives a cut
+    report = report_so_far(complete=True)
+    results = {variant: report[variant] for variant in variants if variant in report}
     write_report(args.out, report)
     print(table(results))
     print(f"\nwritten: {args.out}")
