@@ -139,6 +139,21 @@ def test_the_unsloth_backend_trains_through_unsloths_patched_trainer(unbroken):
     assert graphs and json.loads(graphs[-1][len("GRAPHS "):]) == {}
 
 
+def test_unsloths_generate_is_scored_under_the_adapter_and_the_base(unbroken):
+    """unsloth's patched generate returns no log-probs (the correction off): the rollouts' tokens are still scored under
+    the adapter and under the base on unsloth's generated trainer (trl_compat.SampledTokenScores, both sides at
+    generation: its loss scores its own way), under the name every path logs; judged from step 3, never flagged."""
+    from lowvram_grpo.report.learning_signals import ADAPTER_SKIPPED_KEY, ADAPTER_VS_BASE_KEY, SAMPLER_BASE_GAP_KEY
+
+    root, _ = unbroken
+    rows = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[0][ADAPTER_VS_BASE_KEY] == 0.0  # PEFT's B = 0 at step 1: the adapter is the base
+    assert all(isinstance(r[ADAPTER_VS_BASE_KEY], float) and SAMPLER_BASE_GAP_KEY not in r for r in rows)
+    assert [r.get(ADAPTER_SKIPPED_KEY) for r in rows] == [None, None, 0.0, 0.0, 0.0, 0.0]
+    assert any(r[ADAPTER_VS_BASE_KEY] != 0.0 for r in rows[1:])  # the adapter moved: the two scores differ
+
+
 def test_save_lora_load_lora_and_fast_generate_after_training(unbroken):
     root, proc = unbroken
     generated = json.loads(proc.stdout.split("GENERATED ", 1)[1].splitlines()[0])

@@ -442,22 +442,11 @@ def adapter_section(rows: list[dict]) -> Optional[str]:
         head = (f"The rollouts of every judged step ({judged}, from step {ADAPTER_GUARD_AFTER + 1}) came from the adapter "
                 "being trained, not the base model." if judged else
                 f"No step judged yet (the guard judges from GRPO step {ADAPTER_GUARD_AFTER + 1}).")
-    sampler = any(isinstance(r.get(SAMPLER_BASE_GAP_KEY), (int, float)) for r in scored)
-    window = max(1, min(10, len(scored) // 2))
-
-    def mean(part: list[dict], key: str) -> str:
-        values = [r[key] for r in part if isinstance(r.get(key), (int, float))]
-        return f"{sum(values) / len(values):.4f}" if values else "-"
-
-    lines = [head, "", f"| sampled tokens, per scored step | first {window} | last {window} |", "|---|---|---|",
-             f"| log-prob under the adapter - under the base, mean (nats; > 0: the adapter's tokens) | "
-             f"{mean(scored[:window], ADAPTER_VS_BASE_KEY)} | {mean(scored[-window:], ADAPTER_VS_BASE_KEY)} |"]
-    if sampler:
-        lines += [f"| abs(sampler - adapter) log-prob, mean (nats) | {mean(scored[:window], SAMPLER_GAP_KEY)} | "
-                  f"{mean(scored[-window:], SAMPLER_GAP_KEY)} |",
-                  f"| abs(sampler - base) log-prob, mean (nats) | {mean(scored[:window], SAMPLER_BASE_GAP_KEY)} | "
-                  f"{mean(scored[-window:], SAMPLER_BASE_GAP_KEY)} |"]
-    return "\n".join(lines)
+    keys = [(ADAPTER_VS_BASE_KEY, "log-prob under the adapter - under the base, mean (nats; > 0: the adapter's tokens)")]
+    if any(isinstance(r.get(SAMPLER_BASE_GAP_KEY), (int, float)) for r in scored):  # the sampler gave its log-probs
+        keys += [(SAMPLER_GAP_KEY, "abs(sampler - adapter) log-prob, mean (nats)"),
+                 (SAMPLER_BASE_GAP_KEY, "abs(sampler - base) log-prob, mean (nats)")]
+    return "\n".join([head, "", *first_last_table(scored, tuple(keys), "sampled tokens, scored steps", ".4f")])
 
 
 def _steps_text(steps: list[int]) -> str:

@@ -51,10 +51,15 @@ ADAPTER_VS_BASE_KEY = "sampling/adapter_minus_base_logp/mean"
 SAMPLER_BASE_GAP_KEY = "sampling/sampling_base_logp_difference/mean"
 ADAPTER_SKIPPED_KEY = "sampling/adapter_skipped"  # 1.0 on a judged step the guard flagged, 0.0 on one it did not
 # training.adapter_check.AdapterGuard: from the GRPO step after ADAPTER_GUARD_AFTER optimizer steps (the adapter has
-# moved the policy), a scored step whose ADAPTER_VS_BASE_KEY is below -ADAPTER_GUARD_MARGIN (the tokens score that much
-# higher under the base than under the adapter that should have sampled them) is flagged
+# moved the policy), a scored step whose rollouts are closer to the base than to the adapter by more than
+# ADAPTER_GUARD_MARGIN nats a token is flagged (adapter_check.closer_to_base: the sampler's own log-probs' distance to
+# each where it gives them, else the trainer's scores: log-prob under the base minus under the adapter)
 ADAPTER_GUARD_AFTER = 2
-ADAPTER_GUARD_MARGIN = 0.005  # nats a token
+ADAPTER_GUARD_MARGIN = 0.01  # nats a token
+# ... and, judged by the trainer's scores alone, the batch's total log-likelihood ratio base / adapter above this (nats):
+# a batch the adapter itself drew makes the base e^10 times likelier than the adapter with probability <= e^-10
+# (Markov's inequality on the likelihood ratio, for a sampler that draws from the trainer's distribution)
+ADAPTER_GUARD_LIKELIHOOD = 10.0
 SMOOTHING = 10      # logged steps in the moving average of the reward (progress bar, reward plot)
 
 WINDOW = 5          # logged steps averaged for the ratio checks: one odd step is not a pattern

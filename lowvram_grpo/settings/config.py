@@ -255,7 +255,7 @@ class TrainConfig:
         "reference pass when beta > 0, else one no-grad forward of the batch. 0 = off (no guard either).", 1)
     adapter_guard_steps: int = _help(
         "Scored steps in a row whose sampled tokens score closer to the base than to the adapter (after the first "
-        "2 steps, by 0.005 nats a token) that stop the run with a checkpoint, naming the LoRA sync as the likely "
+        "2 steps, by 0.01 nats a token) that stop the run with a checkpoint, naming the LoRA sync as the likely "
         "cause; each such step is also said on the progress line and in the report. 0 = say so, never stop.", 3)
     logging_steps: int = _help("Log metrics every this many steps.", 1)
     report_to: str = _help(

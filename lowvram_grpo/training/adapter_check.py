@@ -21,7 +21,12 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
 from lowvram_grpo.core.errors import TrainingStopped
-from lowvram_grpo.report.learning_signals import ADAPTER_GUARD_AFTER, ADAPTER_GUARD_MARGIN, ADAPTER_SKIPPED_KEY
+from lowvram_grpo.report.learning_signals import (
+    ADAPTER_GUARD_AFTER,
+    ADAPTER_GUARD_LIKELIHOOD,
+    ADAPTER_GUARD_MARGIN,
+    ADAPTER_SKIPPED_KEY,
+)
 
 CAUSE = ("the sampler is not drawing from the adapter being trained: most likely the LoRA sync to the sampler (a vLLM "
          "engine's adapter update, unsloth's fast_inference load_lora, or a merge of the adapter into the sampler's "
@@ -47,12 +52,13 @@ class AdapterGuard(TrainerCallback):
         """A scored step's numbers (trl_compat.SampledTokenScores calls this once the step's tokens are scored)."""
         if step <= self.after or not scores.get("tokens"):
             return
-        flagged = scores["adapter_minus_base"] < -self.margin
+        closer = closer_to_base(scores)
+        flagged = closer > self.margin and (scores.get("sampler_to_base") is not None
+                                            or closer * scores["tokens"] > ADAPTER_GUARD_LIKELIHOOD)
         self.judged += 1
         self.flagged += flagged
         self.in_a_row = self.in_a_row + 1 if flagged else 0
-        self.last = {"step": step, "adapter_minus_base": scores["adapter_minus_base"], "flagged": flagged,
-                     "sampler_to_base": scores.get("sampler_to_base"), "sampler_to_adapter": scores.get("sampler_to_adapter")}
+        self.last = {"step": step, "closer_to_base": closer, "flagged": flagged, **scores}
 
     def on_step_end(self, args, state, control, **kwargs):
         last = self.last
@@ -79,20 +85,37 @@ class AdapterGuard(TrainerCallback):
         kept = f"; checkpoint {checkpoint} kept" if checkpoint else ""
         raise TrainingStopped(
             f"stopped at step {self.stopped_at} of {state.max_steps}: the rollouts of {self.in_a_row} scored steps in a "
-            f"row scored closer to the base model than to the adapter being trained (the latest: "
-            f"{-last['adapter_minus_base']:.4f} nats a token higher with the adapter off; margin {self.margin:g}, "
-            f"train.adapter_guard_steps={self.stop_after}): {CAUSE}{kept}")
+            f"row were closer to the base model than to the adapter being trained (the latest by {last['closer_to_base']:.4f} "
+            f"nats a token, {judged_by(last)}; margin {self.margin:g}, train.adapter_guard_steps={self.stop_after}): "
+            f"{CAUSE}{kept}")
+
+
+def closer_to_base(scores: dict) -> float:
+    """How much closer to the base model than to the adapter a scored step's sampled tokens are (nats a token; > 0:
+    closer to the base). Where the sampler gave its log-probs: its distance to the adapter's minus its distance to the
+    base's (mean |sampler - adapter| - mean |sampler - base|: the sampler's own distribution, whichever it was); else
+    the trainer's scores alone: mean log-prob under the base minus under the adapter (-KL(adapter || base) on average
+    when the adapter sampled, KL(base || adapter) when the base did). That one alone is noisy in a small batch (96
+    tokens of the tiny preset: +-0.015 a token), so AdapterGuard also asks its total over the batch, the log of how
+    much likelier the base makes the batch than the adapter, to pass ADAPTER_GUARD_LIKELIHOOD nats."""
+    if scores.get("sampler_to_base") is not None:
+        return scores["sampler_to_adapter"] - scores["sampler_to_base"]
+    return -scores["adapter_minus_base"]
+
+
+def judged_by(last: dict) -> str:
+    """What a judged step's number compares."""
+    if last.get("sampler_to_base") is not None:
+        return (f"the sampler's own log-probs {last['sampler_to_base']:.4f} from the base's and "
+                f"{last['sampler_to_adapter']:.4f} from the adapter's")
+    return (f"the sampled tokens' log-prob {-last['adapter_minus_base']:.4f} higher under the base (adapter off) than "
+            "under the adapter")
 
 
 def flag_line(last: dict, margin: float) -> str:
     """The warning of a flagged step."""
-    sampler = ""
-    if last.get("sampler_to_base") is not None:
-        sampler = (f"; the sampler's own log-probs are {last['sampler_to_base']:.4f} nats a token from the base's and "
-                   f"{last['sampler_to_adapter']:.4f} from the adapter's")
-    return (f"GRPO step {last['step']}: the sampled tokens score {-last['adapter_minus_base']:.4f} nats a token higher "
-            f"under the base model (adapter off) than under the adapter being trained (margin {margin:g}){sampler}: "
-            f"{CAUSE}")
+    return (f"GRPO step {last['step']}: the rollouts are {last['closer_to_base']:.4f} nats a token closer to the base "
+            f"model (adapter off) than to the adapter being trained ({judged_by(last)}; margin {margin:g}): {CAUSE}")
 
 
 def progress_field(logs: dict) -> Optional[str]:
