@@ -12,6 +12,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO
 
 STAGE = REPO / "bench" / "vllm_stage"
@@ -28,7 +30,8 @@ def test_wheels_txt_pins_each_needed_package_of_the_table_once():
     dists = {_norm(name.split("-")[0]): name.split("-")[1] for _, name in lines}
     assert len(dists) == len(lines) == 27
     table = (STAGE / "TABLE.md").read_text()
-    needed = {_norm(row[0]): row[1] for row in re.findall(r"^\| ([\w.-]+) \| ([\w.]+) \| [\d.]+ \| yes\*? \|", table, re.M)}
+    rows = re.findall(r"^\| ([\w.-]+) \| ([\w.]+) \| [\d.]+ \| yes\*? \|", table, re.M)
+    needed = {_norm(name): version for name, version in rows}
     assert needed == dists  # each wheel has its row (and the why), each needed row its wheel, at the same version
 
 
@@ -81,6 +84,7 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow  # starts processes
 def test_split_and_join_give_back_every_wheel_and_refuse_a_damaged_part(tmp_path):
     """Three wheels (one of 5 MiB, cut into 1 MiB chunks) in 2 MiB folders; join.sh --stash on every folder but the
     last, --verify on the last, as the window's calls do: each wheel back with its sha256. A part with one byte
@@ -117,10 +121,12 @@ def test_split_and_join_give_back_every_wheel_and_refuse_a_damaged_part(tmp_path
     data[100] ^= 1
     chunk.write_bytes(bytes(data))
     proc = subprocess.run(["bash", str(sorted(out.glob("p[0-9][0-9]"))[-1] / "join.sh"), "--verify"],
-                          capture_output=True, text=True, timeout=60, env=dict(os.environ, VS_STASH=str(tmp_path / "s2")))
+                          capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, VS_STASH=str(tmp_path / "s2")))
     assert proc.returncode == 1 and f"BAD sha256: {chunk.name}" in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow  # starts processes
 def test_install_sh_installs_with_nothing_resolved(tmp_path):
     """A wheel that asks for a distribution no index here has: installed all the same (--no-deps, --no-index)."""
     wheels = tmp_path / "wheels"

@@ -25,7 +25,7 @@ MIB = 2 ** 20
 DROP = re.compile(r"^(vllm/vllm_flash_attn/_vllm_fa2_C\.abi3\.so"             # FA2; Hopper runs FA3
                   r"|vllm/vllm-rs"                                              # Rust HTTP frontend binary
                   r"|vllm/third_party/deep_gemm/_C\.cpython-3(10|11|13|14)-.*\.so"  # other Pythons
-                  r"|vllm/third_party/fmha_sm100/.*"                            # Blackwell sm100 FMHA (MiniMax-M3, lazy)
+                  r"|vllm/third_party/fmha_sm100/.*"                            # Blackwell FMHA (MiniMax-M3, lazy)
                   r"|bitsandbytes/libbitsandbytes_(cuda1[12]\d|cuda132|rocm\d+|xpu\d+)\.so)$")  # cpu, cuda130 kept
 SLIMMED = ("vllm-", "bitsandbytes-")
 
