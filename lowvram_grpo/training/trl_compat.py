@@ -908,11 +908,16 @@ def missing_shared_prompt_lines(trainer_class: type) -> list[str]:
     return missing
 
 
+def _transformers_model(model):
+    """The transformers model under `model`'s wrappers (DistributedDataParallel's `module`, PEFT's)."""
+    inner = getattr(model, "module", model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
 def attention_implementation(model) -> str:
-    """The attention implementation transformers runs `model` (a PEFT model or a PreTrainedModel) with: 'sdpa',
-    'eager', 'flash_attention_2', ... (its config's private `_attn_implementation`)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return str(getattr(inner.config, "_attn_implementation", None))
+    """The attention implementation transformers runs `model` (a PEFT model or a PreTrainedModel, wrapped or not)
+    with: 'sdpa', 'eager', 'flash_attention_2', ... (its config's private `_attn_implementation`)."""
+    return str(getattr(getattr(_transformers_model(model), "config", None), "_attn_implementation", None))
 
 
 class SharedPrompt:
@@ -948,7 +953,7 @@ class SharedPrompt:
             return own(None, None)
         batch_size = batch_size or input_ids.size(0)
         eager = attention_implementation(model) == "eager"
-        additive = model.get_input_embeddings().weight.dtype if eager else None  # eager adds the mask to the scores
+        additive = _transformers_model(model).get_input_embeddings().weight.dtype if eager else None  # eager adds it
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             end = min(start + batch_size, input_ids.size(0))
