@@ -380,7 +380,8 @@ def _short(result: dict) -> str:
         engine = result["stages"].get("engine") or {}
         if "config" in engine:
             cfg = engine["config"]
-            return f"runs ({cfg['dtype'].replace('float', 'fp').replace('bfloat16', 'bf16')}, KV {cfg['kv_cache_dtype']}, " \
+            dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(cfg["dtype"], cfg["dtype"])
+            return f"runs ({dtype}, KV {cfg['kv_cache_dtype']}, " \
                    f"{'/'.join(sorted(set(engine['attention'].values())))})"
         return "runs (no vLLM)" if not engine else "runs (vLLM not run)"
     if result["outcome"] == "stopped":
@@ -427,6 +428,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--card", help="run this card's cells in this process (started with the stand-in driver)")
     parser.add_argument("--presets", help="comma-separated presets (default: every GPU preset)")
+    parser.add_argument("--cards", help="comma-separated card profiles for the table (default: every one)")
     parser.add_argument("--standins", help="the stand-in checkpoints' folder")
     parser.add_argument("--write", action="store_true", help=f"write the table into {DOC.relative_to(REPO)}")
     parser.add_argument("--json", help="also write every cell's record to this file")
@@ -440,7 +442,7 @@ def main(argv=None) -> int:
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())
     else:
-        results = run_matrix(presets=presets)
+        results = run_matrix(cards=args.cards.split(",") if args.cards else None, presets=presets)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     text = table(results)
