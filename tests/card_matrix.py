@@ -35,6 +35,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -46,8 +47,8 @@ STAGES = ("dry-run", "install", "resolve", "engine", "load", "peft", "tokenize")
 STOP = "the engine's allocation on the card"
 
 
-NO_TORCHVISION = ("not run: vLLM's module for this vision-language model imports torchvision, which this install of the "
-                  "GPU set lacks (.ci/run removes the CUDA build of it: it breaks `import peft` on a CPU torch)")
+NO_TORCHVISION = ("not run: vLLM's module for this vision-language model imports torchvision, which this install "
+                  "of the GPU set lacks (.ci/run removes the CUDA build of it: it breaks `import peft` on a CPU torch)")
 
 
 NO_TORCHVISION_LOAD = ("unsloth's GPU loader goes for the model's vision processor (AutoProcessor) and refuses without "
@@ -85,9 +86,9 @@ def install_stage(card: str) -> dict:
     kernels = SET_KERNELS.get(fit.name)
     out = {"set": fit.name, "driver": f"{vc.driver_version} (CUDA {vc.driver_cuda})"}
     if kernels is not None and not kernels[0] <= vc.capability <= kernels[1]:
-        out["no_kernels"] = (f"driver_fit gives {fit.name} for driver {vc.driver_version} (CUDA {vc.driver_cuda}), whose "
-                             f"torch has kernels for sm{kernels[0][0]}{kernels[0][1]}-sm{kernels[1][0]}{kernels[1][1]}, "
-                             f"not the card's {vc.sm}")
+        low, high = (f"sm{major}{minor}" for major, minor in kernels)
+        out["no_kernels"] = (f"driver_fit gives {fit.name} for driver {vc.driver_version} (CUDA {vc.driver_cuda}), "
+                             f"whose torch has kernels for {low}-{high}, not the card's {vc.sm}")
     return out
 
 
@@ -227,7 +228,8 @@ def cell(preset: str, card: str, standins: Path, engine: Engine, dry: dict) -> d
         resolved = resolve(config, planning_hardware(config, card))
     except ResolveError as exc:
         result["outcome"] = "crash"
-        result["crash"] = {"stage": "resolve", "error": f"dry-run planned but resolve refused: {exc}", "where": "resolve"}
+        result["crash"] = {"stage": "resolve", "error": f"dry-run planned but resolve refused: {exc}",
+                           "where": "resolve"}
         return result
     install = install_stage(card)
     if "no_kernels" in install:
@@ -289,7 +291,6 @@ def run_card(card: str, presets: list[str], standins: Path) -> list[dict]:
     """All `presets` on `card` in this process (started with virtual_card.process_environment)."""
     from tests.virtual_card import CARDS, install
 
-    pending = dry_runs_started = time.time()
     dry = dry_runs(card, presets)
     engine = Engine()
     with tempfile.TemporaryDirectory() as toolkit:
@@ -301,16 +302,17 @@ def run_card(card: str, presets: list[str], standins: Path) -> list[dict]:
             result["seconds"] = round(time.time() - started, 1)
             result["injected"] = injected
             out.append(result)
-    del pending, dry_runs_started
     return out
 
 
-def run_matrix(cards=None, presets=None, workers: int = 2) -> list[dict]:
-    """Every card's process (at most `workers` at once), each running every preset; the cells in card order."""
+def run_matrix(cards=None, presets=None, workers: Optional[int] = None) -> list[dict]:
+    """Every card's process (at most `workers` at once: default LOWVRAM_GRPO_MATRIX_WORKERS, else 2, one a core of
+    CI's machines), each running every preset; the cells in card order."""
     from tests.virtual_card import CARDS, build_stubs, process_environment
 
     cards = list(cards or CARDS)
     presets = list(presets or gpu_presets())
+    workers = workers or int(os.environ.get("LOWVRAM_GRPO_MATRIX_WORKERS", "2"))
     with tempfile.TemporaryDirectory() as tmp:
         stubs = build_stubs(Path(tmp) / "stubs")
         standins = Path(os.environ.get("LOWVRAM_GRPO_STANDINS", Path(tmp) / "standins"))
@@ -334,7 +336,8 @@ def run_matrix(cards=None, presets=None, workers: int = 2) -> list[dict]:
                 del running[card]
                 lines = [json.loads(line[5:]) for line in stdout.splitlines() if line.startswith("CELL ")]
                 if proc.returncode != 0 or len(lines) != len(presets):
-                    raise RuntimeError(f"the {card} process ended {proc.returncode} with {len(lines)} of {len(presets)} "
+                    raise RuntimeError(f"the {card} process ended {proc.returncode} with {len(lines)} of "
+                                       f"{len(presets)} "
                                        f"cells:\n{stderr[-4000:]}")
                 results[card] = lines
             time.sleep(0.2)

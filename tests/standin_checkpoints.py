@@ -17,7 +17,8 @@ from pathlib import Path
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "checkpoints"
 WIDTH = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "head_dim": 16}
-LINEAR = {"linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16}
+LINEAR = {"linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 16,
+          "linear_value_head_dim": 16}
 VISION = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4}
 # model_type -> (unsloth chat template key, special tokens the template and the configs name)
 FAMILY = {

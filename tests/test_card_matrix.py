@@ -82,7 +82,8 @@ def test_standins_keep_the_real_architecture():
         small = standin_checkpoints.scaled_config(real)
         assert small["architectures"] == real["architectures"]
         text, small_text = real.get("text_config", real), small.get("text_config", small)
-        for key in ("model_type", "vocab_size", "sliding_window", "rope_theta", "rope_scaling", "max_position_embeddings"):
+        for key in ("model_type", "vocab_size", "sliding_window", "rope_theta", "rope_scaling",
+                    "max_position_embeddings"):
             assert small_text.get(key) == text.get(key), (folder.name, key)
         assert small.get("tie_word_embeddings", small_text.get("tie_word_embeddings")) == real.get(
             "tie_word_embeddings", text.get("tie_word_embeddings")), folder.name
