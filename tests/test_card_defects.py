@@ -83,6 +83,7 @@ def test_fp8_kv_on_an_h100_stays_allowed_with_flashinfer_off():
 
 # ------------------------------------------------------------------------------ the dry run, as the user runs it
 
+@pytest.mark.slow  # a process each
 @pytest.mark.parametrize("args, rc, text", [
     (["--preset", "gemma3_1b", "--gpu", "t4"], 0, "refuses float16 for model type gemma3"),
     (["--preset", "gemma3_1b", "--gpu", "v100-16gb"], 0, "needs compute capability >= 7.5"),

@@ -6,8 +6,12 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from conftest import REPO
 from lowvram_grpo.settings.resolve import IS_MODE_ENV
+
+pytestmark = pytest.mark.slow  # unsloth's load and a real run (pytest.ini: the fast tier is -m "not slow")
 
 
 def test_a_load_that_does_not_start_the_engine_leaves_the_variable_alone():

@@ -94,6 +94,7 @@ def test_vllm_prompts_and_the_pad_token_go_through_the_processors_tokenizer(toke
     assert tokenizer.pad_token == tokenizer.eos_token
 
 
+@pytest.mark.slow  # loads the tiny model
 def test_a_handle_holding_a_processor_generates_and_scores_through_its_tokenizer(tiny_model_dir, monkeypatch):
     """The tiny model's handle with the processor as its tokenizer, as unsloth's vision loader gives it: the chat
     template, our generation (TransformersEngine) and the evaluation's completion ids all run, and give what the
