@@ -78,6 +78,8 @@ def assert_chain(report: dict) -> None:
         return
     where = f" (at {failed['raised_at']})" if failed["raised_at"] else ""
     named = f"; {owner(failed['missing'])}" if failed["missing"] else ""
+    if "unsloth/import_fixes.py" in (failed["raised_at"] or ""):  # unsloth's disable_broken_vllm hides the cause
+        named = "; unsloth blocked vLLM after vLLM's own import failed: test_vllm_imports_from_the_stage names why"
     done = ", ".join(step["import"] for step in report["imported"]) or "nothing"
     pytest.fail(f"call 4's import chain stops at `{failed['import']}`: {failed['error']}{where}{named} "
                 f"(imported before it: {done})", pytrace=False)
@@ -113,10 +115,13 @@ def test_trl_grpo_trainer_imports_with_the_staged_vllm():
 
 
 def test_unsloth_patches_trl_and_unsloth_zoo_vllm_utils_imports():
-    report, _ = run_group("unsloth")
+    """Behind the stand-in driver: unsloth's import force-loads vLLM's compiled extensions and, where they fail (no
+    libcuda.so.1 on a CPU), blocks vLLM for the process (seen here without it: vllm.entrypoints.llm then stops in
+    unsloth/import_fixes.py with "No module named 'vllm'"). On the card the driver is there."""
+    report, _ = run_group("unsloth", stub=True)
     assert_chain(report)
     assert report["facts"]["patch_problem"] is None
-    assert report["facts"]["grpo_trainer"] == "UnslothGRPOTrainer"
+    assert report["facts"]["grpo_trainer"] == "UnslothGRPOTrainer" and report["facts"]["trl_sees_vllm"] is True
 
 
 def test_the_engine_start_modules_import_behind_the_stand_in_driver():

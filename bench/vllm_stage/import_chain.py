@@ -14,7 +14,9 @@ Exit 0 when every import of the group ran, 1 when one failed, 2 on a bad argumen
   `from vllm import LLM, SamplingParams`, `from vllm.lora.request import LoRARequest`.
 - `trl`: trl.trainer.grpo_trainer, which imports vLLM's LLM where trl finds vllm (trl/generation/vllm_generation.py).
 - `unsloth`: the unsloth backend's `prepare()` (lowvram_grpo/model/unsloth_backend.py: `import unsloth` first, then
-  `PatchFastRL("GRPO", FastLanguageModel)`), then unsloth_zoo.vllm_utils; the trainer TRL's module then holds.
+  `PatchFastRL("GRPO", FastLanguageModel)`), then unsloth_zoo.vllm_utils and vllm.entrypoints.llm again after them
+  (unsloth blocks a vLLM that fails to import, and TRL then patches without it); the trainer TRL's module then holds.
+  unsloth's import force-loads vLLM's compiled extensions, so this group too needs the stand-in libcuda.so.1 below.
 - `engine`: on vLLM's CUDA platform, vLLM's compiled extensions and its engine-start modules (the worker, both model
   runners, the Llama model, the bitsandbytes loader and quantization, the LoRA worker manager, the FlashAttention
   backend, the sampler, the CUDA-memory allocator). Needs a stand-in libcuda.so.1 on LD_LIBRARY_PATH (a CPU machine
@@ -112,12 +114,15 @@ def group_unsloth(chain: Chain) -> None:
     chain.step("unsloth_backend.prepare(): import unsloth; PatchFastRL('GRPO', FastLanguageModel)",
                unsloth_backend.prepare)
     chain.module("unsloth_zoo.vllm_utils")
+    # unsloth blocks a vLLM that fails its import (unsloth/import_fixes.py disable_broken_vllm) and TRL then patches
+    # without it: the run would stop later, at load_vllm. vLLM must still import after unsloth, in the same process.
+    chain.module("vllm.entrypoints.llm")
     if chain.report["failed"] is None:
         import trl.trainer.grpo_trainer as grpo
+        from trl.import_utils import is_vllm_available
 
         chain.report["facts"].update(patch_problem=unsloth_backend.patched_trainer_problem(),
-                                     grpo_trainer=grpo.GRPOTrainer.__name__,
-                                     vllm_imported=sys.modules.get("vllm") is not None)
+                                     grpo_trainer=grpo.GRPOTrainer.__name__, trl_sees_vllm=bool(is_vllm_available()))
 
 
 def group_engine(chain: Chain) -> None:
