@@ -74,7 +74,7 @@ def record_sha256(dist: str, relative: str) -> Optional[str]:
 
 def wheel_gguf() -> tuple[Path, Path, str]:
     """(the GGUF, the package's __init__.py, its sha256 from the wheel's RECORD), checked against each other."""
-    from lowvram_grpo.run.errors import ModelUnavailable
+    from lowvram_grpo.core.errors import ModelUnavailable
     from lowvram_grpo.model.smollm2 import GGUF_NAME, INSTALL_HINT, WHEEL, gguf_path
 
     try:
@@ -267,7 +267,7 @@ def join(root: Path, into: Path = JOIN_TO) -> dict:
 # --------------------------------------------------------------------------- the command
 
 def build_parser() -> argparse.ArgumentParser:
-    from lowvram_grpo.run.commands import ArgumentParser
+    from lowvram_grpo.core.commands import ArgumentParser
 
     p = ArgumentParser(prog="python -m bench.gpu_stage", description=__doc__.split("\n\n")[0])
     p.add_argument("--root", type=Path, default=REPO, help="the folder holding .gpu and the stage folders "

@@ -845,7 +845,7 @@ KILL_AFTER_S = 40  # a run asked to stop (SIGTERM) ends at its next safe point; 
 
 def run_window(args, log=print) -> int:
     """The parent: the child's run inside --budget-s, the JSON rewritten whenever an event comes."""
-    from lowvram_grpo.run.errors import ConfigError
+    from lowvram_grpo.core.errors import ConfigError
 
     out, model_dir = Path(args.out), Path(args.model_dir)
     if out.is_dir():
@@ -917,7 +917,7 @@ def run_window(args, log=print) -> int:
     write_json(out, report)
     print_summary(report, log)
     if not report["ok"]:
-        from lowvram_grpo.run.errors import TrainingStopped
+        from lowvram_grpo.core.errors import TrainingStopped
 
         raise TrainingStopped(f"the window's run did not show everything: {'; '.join(report['missing'])}"
                               f"{' (' + report['error_line'] + ')' if report['error_line'] else ''}; {out} holds "
@@ -963,7 +963,7 @@ def print_summary(report: dict, log=print) -> None:
 # --------------------------------------------------------------------------- the command line
 
 def build_parser():
-    from lowvram_grpo.run.commands import ArgumentParser, whole_number_at_least
+    from lowvram_grpo.core.commands import ArgumentParser, whole_number_at_least
 
     p = ArgumentParser(prog="python -m bench.gpu_vllm_window", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -995,8 +995,8 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    from lowvram_grpo.run.commands import guarded
-    from lowvram_grpo.run.errors import ConfigError
+    from lowvram_grpo.core.commands import guarded
+    from lowvram_grpo.core.errors import ConfigError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
