@@ -760,11 +760,19 @@ ADAPTER_SCORE_METRICS = (ADAPTER_VS_BASE_KEY, SAMPLER_BASE_GAP_KEY, SAMPLER_GAP_
 
 
 def base_is_reference(trainer) -> bool:
-    """Whether TRL's reference log-probs of this trainer are the base model's (adapter disabled): beta > 0, no reference
-    model, no 'ref' adapter (TRL 1.15: a run that starts from a trained adapter copies it to 'ref' as its anchor)."""
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    return trainer.beta != 0.0 and getattr(trainer, "ref_model", None) is None and \
-        "ref" not in getattr(model, "peft_config", {})
+    """Whether TRL's reference log-probs of this trainer are the base model's: beta > 0, no reference model, and either
+    no 'ref' adapter (TRL then disables the adapter) or a 'ref' adapter whose every lora_B is 0 (TRL 1.15 copies the
+    PEFT model's adapter to 'ref' when training starts: a fresh LoRA's B is 0, so 'ref' is the base; a primed or
+    loaded adapter's is not). Read once a trainer: 'ref' is frozen."""
+    known = getattr(trainer, "_base_is_reference", None)
+    if known is None:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        known = trainer.beta != 0.0 and getattr(trainer, "ref_model", None) is None
+        if known and "ref" in getattr(model, "peft_config", {}):
+            ref_b = [p for name, p in model.named_parameters() if ".ref." in name and "lora_B" in name]
+            known = bool(ref_b) and not any(bool(p.detach().any()) for p in ref_b)
+        trainer._base_is_reference = known
+    return known
 
 
 class SampledTokenScores:
