@@ -17,8 +17,8 @@ model, prompts, seed and GRPO settings (G completions x L tokens, LoRA r=16 on a
              own dtype (SmolLM2's: bf16), GRPOConfig's own bf16=True autocast, adamw_torch.
 - `trl_fp32`: plain TRL all in float32: weights float32 and bf16=False (no autocast), adamw_torch: on a CPU
              without native bf16, where bf16 is emulated, what a user switches to.
-- `trl_fp32_nogc`: `trl_fp32` with gradient checkpointing off: TRL samples in train mode, where checkpointing turns
-             the KV cache off (each new token recomputes the whole sequence); off, TRL's generate keeps its cache.
+- `trl_fp32_nogc`: `trl_fp32` with gradient checkpointing off: a backward without the recomputation, for more
+             memory (TRL 1.15 turns checkpointing off around its generate, so sampling keeps its KV cache either way).
 - `trl_8bit`: `trl_fp32_nogc` with our optimizer (paged 8-bit AdamW): the same optimizer on both sides.
 - `ours_adamw`, `ours_nogc`: `ours` with train.optim=adamw_torch / memory.gradient_checkpointing=false: what our
              8-bit optimizer and our gradient checkpointing cost or save in the training half.
