@@ -54,7 +54,7 @@ def test_the_trainer_sets_the_variable_while_it_trains_and_restores_it(tmp_path,
     from lowvram_grpo.task.data import load_questions, to_prompt_rows
     from lowvram_grpo.training.grpo import build_trainer
 
-    config = load_config("tiny", ["train.max_steps=1"])
+    config = load_config("tiny", ["train.max_steps=1", "rewards.names=[xmlcount]"])  # one weight: the watcher's
     handle = load_model(resolve(config, detect(), "hf"))
     seen = []
 
