@@ -8,7 +8,8 @@ train.adapter_guard_steps=3, the defaults) for its first `--steps` GRPO steps on
 measures off (eval.enabled=false: the guard watches GRPO only). Each GRPO step's rollouts are scored under the adapter
 and the base (sampling/adapter_minus_base_logp/mean; the sampler's own log-probs' distance to the base's and to the
 adapter's); the record keeps those per step, the steps the guard flagged (sampling/adapter_skipped) and whether the run
-stopped. One JSON a seed in bench/results/adapter_guard/.
+stopped, and the seconds of the scoring's own passes (sampling/adapter_check_seconds: the base's no-grad forward; the
+adapter's side is the loss's forward) against GRPO's. One JSON a seed in bench/results/adapter_guard/.
 
 `cost`: the same job shortened (`--prime-steps` priming steps, `--steps` GRPO steps) with the scoring off
 (train.adapter_check_every=0) and on (1, the default), one process each: every metrics.jsonl field but the timings
@@ -35,7 +36,8 @@ from lowvram_grpo.report.learning_signals import (
 ROOT = Path("runs/adapter_guard")
 OUT = Path("bench/results/adapter_guard")
 TIMING = ("second", "time", "rss", "memory", "runtime", "per_second")
-KEPT = (ADAPTER_VS_BASE_KEY, SAMPLER_BASE_GAP_KEY, SAMPLER_GAP_KEY, ADAPTER_SKIPPED_KEY)
+CHECK_SECONDS = "sampling/adapter_check_seconds"  # trl_compat.ADAPTER_CHECK_SECONDS_KEY: the scoring's own passes
+KEPT = (ADAPTER_VS_BASE_KEY, SAMPLER_BASE_GAP_KEY, SAMPLER_GAP_KEY, ADAPTER_SKIPPED_KEY, CHECK_SECONDS)
 
 
 def _rows(run: Path) -> list[dict]:
@@ -65,12 +67,15 @@ def seeds(args) -> int:
             "adapter_minus_base_min": min(s[ADAPTER_VS_BASE_KEY] for s in steps),
             "sampler_closer_to_adapter_by_min": min(s[SAMPLER_BASE_GAP_KEY] - s[SAMPLER_GAP_KEY] for s in steps
                                                     if s[SAMPLER_BASE_GAP_KEY] is not None),
+            "check_seconds": round(sum(s[CHECK_SECONDS] or 0.0 for s in steps), 2),
+            "check_share_of_grpo": round(sum(s[CHECK_SECONDS] or 0.0 for s in steps) / summary["train_seconds"], 4),
             "steps": steps, "train_seconds": summary.get("train_seconds"), "wall_seconds": wall,
             "command": "python -m " + " ".join(argv), "machine": machine(),
         }
         path = write_report(OUT / f"seed{seed}.json", record)
         print(f"seed {seed}: {len(rows)} GRPO steps, guard fired: {bool(flagged)} {flagged}; "
-              f"adapter - base >= {record['adapter_minus_base_min']:.4f} nats a token -> {path}", flush=True)
+              f"adapter - base >= {record['adapter_minus_base_min']:.4f} nats a token; the scoring's passes "
+              f"{record['check_share_of_grpo']:.1%} of GRPO's seconds -> {path}", flush=True)
     return 0
 
 

@@ -57,6 +57,7 @@ import inspect
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -757,6 +758,7 @@ class RatioFromLoss:
 # |sampler - adapter| (sampling/sampling_logp_difference/*, logged here when TRL's correction is off).
 BASE_LOGPS = "base_per_token_logps"
 ADAPTER_SCORE_METRICS = (ADAPTER_VS_BASE_KEY, SAMPLER_BASE_GAP_KEY, SAMPLER_GAP_KEY, SAMPLER_GAP_MAX_KEY)
+ADAPTER_CHECK_SECONDS_KEY = "sampling/adapter_check_seconds"  # the scoring's own passes in a scored step (its cost)
 
 
 def base_is_reference(trainer) -> bool:
@@ -812,12 +814,15 @@ class SampledTokenScores:
         if not self._scored_step():
             return batch
         self.adapter_scored_batches += 1
+        started = time.perf_counter()
         unsloth = is_unsloth_trainer(type(self))
         base = batch.get("ref_per_token_logps") if not unsloth and base_is_reference(self) else None
         base = base if base is not None else self._sampled_logps(batch, adapter=False)
         if unsloth:  # its loss scores its own way: the adapter's side now
             adapter = batch.get("old_per_token_logps")
             adapter = adapter if adapter is not None else self._sampled_logps(batch, adapter=True)
+        self._metrics["train"][ADAPTER_CHECK_SECONDS_KEY].append(time.perf_counter() - started)  # its cost
+        if unsloth:
             self._score_parts = []
             self._add_scores({**batch, BASE_LOGPS: base}, adapter, parts_total=1)
             return batch
