@@ -119,7 +119,8 @@ def test_transformers_generate_logs_the_gap_when_the_correction_is_asked_for(tmp
     proc = run_cli("--preset", "tiny", "--max-steps", "1", "--set", "decode.loop=transformers", "--set",
                    "eval.enabled=false", "--output-dir", str(off))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not any(key.startswith("sampling/") for r in rows_of(off) for key in r)
+    assert not any(key.startswith("sampling/importance") for r in rows_of(off) for key in r)  # no correction; the
+    assert all("sampling/adapter_minus_base_logp/mean" in r for r in rows_of(off))  # adapter vs base: every path
     assert "Not measured: the importance-sampling correction was off" in (off / "report.md").read_text()
 
 

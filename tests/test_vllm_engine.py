@@ -299,7 +299,7 @@ def test_grpo_trains_with_vllm_rollouts_and_a_sync_every_step(tmp_path):
 
 
 def test_ctrl_c_stops_at_the_step_with_a_checkpoint_and_ends_the_engine(tmp_path):
-    """Also the same engine with train.is_correction=off: TRL's correction never runs (no sampling/* metrics)."""
+    """Also the same engine with train.is_correction=off: TRL's correction never runs (no importance-sampling ratios)."""
     out = tmp_path / "run"
     proc = start_run(out, "--max-steps", "30", "--set", "train.is_correction=off")
     pids = engine_pids(proc, set(), until=lambda: len(metric_rows(out)) >= 1)
@@ -309,7 +309,7 @@ def test_ctrl_c_stops_at_the_step_with_a_checkpoint_and_ends_the_engine(tmp_path
     assert proc.returncode == 130, log[-3000:]
     step = len(metric_rows(out))
     assert (out / f"checkpoint-{step}").is_dir() and (out / "adapter").is_dir(), log[-2000:]
-    assert not any(key.startswith("sampling/") for row in metric_rows(out) for key in row)  # the correction off
+    assert not any(key.startswith("sampling/importance") for row in metric_rows(out) for key in row)  # correction off
     assert "IS correction off: train.is_correction=off" in log
     assert "--resume" in log
     assert len(pids) >= 2 and wait_gone(pids) == []
