@@ -106,8 +106,11 @@ def split(spec: str) -> tuple[str, list[str]]:
 
 
 def _one_line(exc: BaseException) -> str:
+    """The exception's first line; for a pydantic validation error (vLLM's configs), its header and the reason."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0][:240] if lines else ''}"
+    if len(lines) > 1 and "validation error" in lines[0]:
+        lines = [f"{lines[0]}: {lines[1].split(' [type=')[0]}"]
+    return f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
 
 
 def _where(exc: BaseException) -> str:
