@@ -79,8 +79,8 @@ def main(argv=None) -> int:
             logps, _, _ = trainer._get_per_token_logps_and_entropies(model, batch_ids, batch_mask, keep,
                                                                      compute_entropy=True)
         else:
-            logps, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, batch_ids, batch_mask, keep,
-                                                                             compute_entropy=True)
+            trls = trl.GRPOTrainer._get_per_token_logps_and_entropies
+            logps, _, _ = trls(trainer, model, batch_ids, batch_mask, keep, compute_entropy=True)
         (logps.float() * weights[:, :keep]).sum().backward()
         return time.perf_counter() - started, logps.detach().float()
 
@@ -95,8 +95,8 @@ def main(argv=None) -> int:
         started = time.perf_counter()
         with torch.no_grad():
             if shared:
-                out = inner(input_ids=prompt_ids[first], attention_mask=prompt_mask[first], position_ids=positions[first],
-                            past_key_values=cache, use_cache=True, logits_to_keep=1)
+                out = inner(input_ids=prompt_ids[first], attention_mask=prompt_mask[first],
+                            position_ids=positions[first], past_key_values=cache, use_cache=True, logits_to_keep=1)
                 cache.reorder_cache(group)
                 logits = out.logits[:, -1][group]
             else:

@@ -209,7 +209,7 @@ def test_the_plan_says_where_the_prompt_is_computed_once():
     assert "prompt of a group: computed per completion (train.shared_prompt=off, the default" in text
     on, prefill, text = train("tiny", ["train.shared_prompt=on", "decode.loop=lowvram"])
     assert on.shared_prompt and prefill
-    assert "prompt of a group: computed once (train.shared_prompt=on: in the loss and the decode loop's prefill)" in text
+    assert "prompt of a group: computed once (train.shared_prompt=on: in the loss and the decode loop's prefill" in text
     on, prefill, text = train("tiny", ["train.shared_prompt=on", "decode.loop=transformers"])
     assert on.shared_prompt and "the rollouts' prefill stays per row (transformers' generate)" in text
     tools, prefill, text = train("smollm2_tools_cpu", ["train.shared_prompt=on"])
