@@ -268,7 +268,8 @@ def test_online_the_plan_downloads_config_json_alone_then_reads_it_from_the_cach
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        env = {"HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}", "HF_HUB_CACHE": str(tmp_path / "hub-cache")}
+        env = {"HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}", "HF_HUB_CACHE": str(tmp_path / "hub-cache"),
+               "HF_HUB_OFFLINE": "0"}  # online on purpose, also where the user's shell sets offline
         base = ["--preset", "qwen3_4b_4bit", "--dry-run", "--gpu", "t4"]
         (rc1, table, _), = _cli([base], _offline(tmp_path), tmp_path)
         (rc2, online, _), = _cli([base + ["--set", "model.name=someorg/Online-4B"]], env, tmp_path)

@@ -139,11 +139,13 @@ class RunDir:
             problem = f"{existing} is a file"
         elif not os.access(existing, os.W_OK | os.X_OK):
             problem = f"{existing} is not writable"
-        else:  # permission bits do not tell (root, a read-only or virtual filesystem): write a probe and remove it
+        else:  # permission bits do not tell (root, a virtual filesystem): write a probe, remove it, keep the mtime
+            times = existing.stat()
             try:
                 fd, probe = tempfile.mkstemp(prefix=".lowvram-write-probe-", dir=existing)
                 os.close(fd)
                 os.unlink(probe)
+                os.utime(existing, ns=(times.st_atime_ns, times.st_mtime_ns))
             except OSError as exc:
                 problem = f"{existing} is not writable ({exc.strerror or type(exc).__name__})"
         if problem:
