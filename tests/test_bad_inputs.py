@@ -173,6 +173,9 @@ KIT_CASES = [
 
 # ---------------------------------------------------------------- config keys: (key, value, fragment), via --set
 CONFIG_CASES = [
+    ("train.shared_prompt", "sometimes", "train.shared_prompt must be one of"),
+    ("train.adapter_check_every", "-1", "train.adapter_check_every must be >= 0"),
+    ("train.adapter_guard_steps", "-2", "train.adapter_guard_steps must be >= 0"),
     ("model.name", "builtin:nope", "unknown built-in model 'builtin:nope'"),
     ("model.name", "./no/such/model", "model.name ./no/such/model does not exist"),
     ("model.name", "''", "model.name is empty"),

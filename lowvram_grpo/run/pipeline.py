@@ -120,8 +120,6 @@ class GRPORun:
         self.user = load_user_code(plan)  # the user's reward, tool and environment files: imported and looked up once
         checks.before_load(config, plan)  # settings that cannot work together (lengths, LoRA vs the model's shape)
         self.resolved = resolve_settings(config, hardware or detect(), backend, num_processes=_num_processes(), plan=plan)
-        checks.check_offline_model(config.model.name)  # offline, a hub model not in the cache cannot load (after a
-        # GPU preset on a machine without one is refused: the command line says that first too)
         self.user_config = config  # written to config.yaml and read by an out-of-memory line only: the steps read the plan
         check_export(export, self.resolved.backend)
         check_export_fits_host(export, config.model.name, self.resolved.backend)  # before the model downloads, not after training
@@ -129,6 +127,9 @@ class GRPORun:
 
             check_run_servable(self.resolved)  # a model vLLM's CPU build has no kernels for: refused now
         self.export_kind = export
+        # offline, a hub model not in the cache cannot load: said after what resolve refuses (a GPU preset without a
+        # GPU, a model our engine cannot serve), as the command line says those first too
+        checks.check_offline_model(config.model.name)
         self.train_questions, self.eval_questions = load_questions(config.data)  # data in; fails before any write
         self.validation_questions: list = []  # the held-out curve's (validation.py): out of training, not held-out ones
         if self.resolved.validation_every:
