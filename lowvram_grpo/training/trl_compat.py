@@ -238,8 +238,16 @@ class SamplingSettings:
 
 
 def missing_sampling_attributes(trainer_class: type) -> list[str]:
-    """The SAMPLING_ATTRIBUTES `trainer_class.__init__` no longer sets (read from its source)."""
-    source = inspect.getsource(trainer_class.__init__)
+    """The SAMPLING_ATTRIBUTES no `__init__` of `trainer_class` or its bases sets (read from their source): unsloth's
+    generated UnslothGRPOTrainer sets none itself and inherits TRL's."""
+    sources = []
+    for cls in trainer_class.__mro__:
+        if "__init__" in vars(cls):
+            try:
+                sources.append(inspect.getsource(vars(cls)["__init__"]))
+            except (OSError, TypeError):  # a C type's or a generated class's source is not on disk
+                continue
+    source = "\n".join(sources)
     return [f"{trainer_class.__name__}.{name}" for name in SAMPLING_ATTRIBUTES if f"self.{name} =" not in source]
 
 
