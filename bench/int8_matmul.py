@@ -11,7 +11,7 @@ random values) at the rollout's row counts:
 - `int8_weight_only`: torch's `aten._weight_int8pack_mm` (int8 weights with a bf16 scale per output row, bf16
   activations; gpt-fast's and torchao's CPU weight-only path): half the weight bytes;
 - `int8_dynamic_fbgemm`: torch's quantized dynamic linear (`quantized::linear_dynamic` on a prepacked per-channel
-  int8 weight; the activations quantized per call, fp32 in and out; FBGEMM's VNNI kernels);
+  int8 weight; the activations quantized per call, to 7 bits on a CPU without VNNI where 8 saturate, fp32 in and out; FBGEMM's kernels);
 - `int8_int_mm`: `torch._int_mm` of per-row int8 activations with the int8 weights, rescaled in fp32.
 
 For each: the time of one token step's products (every layer with its own weights, so no more of them stay in the
@@ -28,6 +28,7 @@ from pathlib import Path
 
 from bench.harness import machine
 from lowvram_grpo.core.commands import ArgumentParser
+from lowvram_grpo.core.internals import int8_saturates
 
 
 def shapes() -> list[tuple[str, int, int, int]]:
@@ -63,7 +64,7 @@ def candidates(weight):
     return {
         "bf16": lambda x: F.linear(x, weight),
         "int8_weight_only": lambda x: torch.ops.aten._weight_int8pack_mm(x, q, scale_bf16),
-        "int8_dynamic_fbgemm": lambda x: torch.ops.quantized.linear_dynamic(x.float(), packed),
+        "int8_dynamic_fbgemm": lambda x: torch.ops.quantized.linear_dynamic(x.float(), packed, int8_saturates()),
         "int8_int_mm": int_mm,
     }
 

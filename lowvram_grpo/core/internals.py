@@ -18,7 +18,8 @@ missing one raises BackendError saying to install the pinned versions; `missing_
 - `int8_prepack(weight, bias)` / `int8_linear(x, packed)`: torch's quantized API, deprecated in torch 2.13
   (`torch.quantize_per_channel`, `torch.ops.quantized.linear_prepack`, `torch.ops.quantized.linear_dynamic`: FBGEMM's
   dynamic int8 linear on x86), public names but on their way out, so reached here like the private ones
-  (fused_decode.FusedLayers with decode.weights=int8; bench/int8_matmul.py measured it).
+  (fused_decode.FusedLayers with decode.weights=int8; bench/int8_matmul.py measured it); 7-bit activations on a CPU
+  without VNNI, where 8 would saturate (`int8_saturates()`).
 - `tensor_version(tensor)`: torch's in-place write counter `Tensor._version` (fused_decode's int8 base: repacked when a
   base weight was written; its merged copies: merged again when a base or adapter weight was written).
 - `mark_requested_float32(model, value)`: unsloth's `_unsloth_user_float32` (model.unsloth_backend).
@@ -172,9 +173,31 @@ def int8_prepack(weight, bias=None):
 def int8_linear(x, packed):
     """x [..., in] times int8_prepack's weight, + its bias, in x's dtype: FBGEMM's dynamic int8 linear
     (`quantized::linear_dynamic`: x in float32 quantized per call to 8 bits with one scale for the tensor, int32
-    accumulation, float32 out)."""
-    out = _linear_dynamic()(x.float(), packed)
+    accumulation, float32 out). On a CPU without VNNI the activations get 7 bits (int8_saturates)."""
+    out = _linear_dynamic()(x.float(), packed, int8_saturates())
     return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+@functools.cache
+def int8_saturates() -> bool:
+    """Whether FBGEMM's int8 kernels on this CPU add products in 16-bit pairs that saturate: x86 without VNNI
+    (AVX2, or AVX512 before Cascade Lake) multiplies with `vpmaddubsw`, whose int16 sum of two u8 x s8 products
+    clips past 32767, so the activations must keep to 7 bits (torch's `reduce_range`, as its fbgemm qconfig does).
+    Measured on an AVX2-only EPYC: 8-bit activations 2.1% error on tests/test_decode_int8.py's product, 7-bit 1.1%.
+    With VNNI (`vpdpbusd` adds in int32) the full 8 bits are exact to accumulate. Read from /proc/cpuinfo's flags;
+    False where there are none to read (not Linux x86: FBGEMM is x86's)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return not (VNNI_FLAGS & set(value.split()))
+    except OSError:
+        pass
+    return False
 
 
 @functools.cache
