@@ -62,9 +62,13 @@ def test_each_family_primes_trains_measures_saves_and_exports(family, tmp_path):
         reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(build(family), dtype=torch.float32),
                                              str(adapter)).eval()
         assert torch.allclose(reloaded(ids).logits, adapted, atol=1e-5), "the saved adapter is not the trained one"
-        merged = AutoModelForCausalLM.from_pretrained(result.output_dir / "export-merged16")
+        exported = result.output_dir / "export-merged16"
+        assert json.loads((exported / "config.json").read_text())["dtype"] == "bfloat16"  # the 16-bit export ...
+        # ... of the adapted model: its weights' bf16 rounding alone, computed in float32 (a bf16 forward adds its own
+        # rounding, which on an AVX2-only CPU reached the bound: 0.0500 on gemma4)
+        merged = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
         assert not hasattr(merged, "peft_config") and merged.config.model_type == model.config.model_type
-        assert (merged(ids).logits.float() - adapted).abs().max() < 0.05  # bfloat16 export of the adapted model
+        assert (merged(ids).logits.float() - adapted).abs().max() < 0.05
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, *LOOP_ONLY])

@@ -145,7 +145,12 @@ def test_our_call_sites_use_the_builders():
     for builder, (func, positional) in expected.items():
         call = call_site(BACKEND, builder)
         assert ast.unparse(call.func).endswith(func) and len(call.args) == positional, ast.unparse(call)
-    assert {ast.unparse(c.func) for c in call_sites(TRAINING, "grpo_config_kwargs")} == {"GRPOConfig"}  # each site
+    assert {ast.unparse(c.func) for c in call_sites(TRAINING, "grpo_config_kwargs")} == {"grpo_config"}  # each site
+    # ... and grpo_config hands all of them to GRPOConfig (then puts back the bf16 unsloth's CPU fallback drops)
+    (wrapper,) = [n for n in ast.walk(ast.parse(TRAINING.read_text())) if isinstance(n, ast.FunctionDef)
+                  and n.name == "grpo_config"]
+    assert [ast.unparse(c) for c in ast.walk(wrapper) if isinstance(c, ast.Call)
+            and ast.unparse(c.func) == "GRPOConfig"] == ["GRPOConfig(**asked)"]
     # vLLM's prompts are our token_prompts(...) (TokensPrompt dicts)
     assert ast.unparse(call_site(BACKEND, "vllm_generate_kwargs").args[0]).startswith("token_prompts(")
     # export(): saver(str(directory), tokenizer, **kwargs) with (method, kwargs) = EXPORTS[kind]

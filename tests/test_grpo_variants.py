@@ -204,7 +204,9 @@ def test_the_hook_replaces_groups_without_signal_in_the_batch_trl_trains_on(by, 
     assert calls == [12, 4]  # one extra group of 4 completions for the one slot without signal
     [(parts, chosen)] = captured
     assert chosen == [(0, 0), (1, 0), (0, 2)]
-    assert set(batch) == set(parts[0])
+    from lowvram_grpo.training.trl_compat import BASE_LOGPS
+    # the parts' keys, and the base's log-probs the adapter check (outermost, after the merge) scores every step
+    assert set(batch) == set(parts[0]) | {BASE_LOGPS} and BASE_LOGPS not in parts[0]
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 1:
             assert value.size(0) == 12, key

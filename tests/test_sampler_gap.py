@@ -47,7 +47,7 @@ def test_our_loop_is_corrected_by_default_and_its_bf16_gap_is_logged_and_reporte
 def test_the_ratio_from_the_loss_is_the_one_of_trls_extra_forward_to_the_bit(tmp_path, extra):
     """train.is_logprobs=auto (trl_compat.RatioFromLoss) takes the correction's trainer log-probs from the loss's own
     forward instead of TRL's extra no-grad forward: the same run with train.is_logprobs=forward (TRL's) logs the same
-    loss, gradient norm, rewards, gap and ratios, bit for bit, in both modes resolve gives (sequence_mask over two
+    loss, gradient norm, rewards and gap bit for bit and the ratios' statistics to a float32 ulp, in both modes resolve gives (sequence_mask over two
     micro-batches of one generation: the metrics gathered over the whole batch; token_truncate, which vespo gets)."""
     rows = {}
     for source in ("auto", "forward"):
@@ -64,7 +64,14 @@ def test_the_ratio_from_the_loss_is_the_one_of_trls_extra_forward_to_the_bit(tmp
     assert [r["step"] for r in compared] == [1, 2]
     assert all(key in compared[0] for key in (SAMPLER_GAP_KEY, SAMPLER_GAP_MAX_KEY, RATIO_KEY, "loss", "grad_norm"))
     assert any(r[RATIO_KEY] != 1.0 for r in compared), compared  # bf16: a ratio that weighs
-    assert compared == [{k: v for k, v in r.items() if not any(t in k.lower() for t in timing)} for r in rows["forward"]]
+    forward = [{k: v for k, v in r.items() if not any(t in k.lower() for t in timing)} for r in rows["forward"]]
+    # The ratio's statistics to a float32 ulp: on an AVX2-only EPYC (bf16 emulated) the ratio's mean differed by one
+    # (1.0000275 vs 1.0000277) while the loss, the gradient norm and every other field were bit-equal
+    ratio_stats = {k for r in compared for k in r if k.startswith("sampling/importance_sampling_ratio")}
+    assert [{k: v for k, v in r.items() if k not in ratio_stats} for r in compared] == \
+        [{k: v for k, v in r.items() if k not in ratio_stats} for r in forward]
+    for ours, trls in zip(compared, forward):
+        assert {k: ours[k] for k in ratio_stats} == pytest.approx({k: trls[k] for k in ratio_stats}, rel=1e-6, abs=0)
 
 
 def test_the_ratio_from_the_loss_leaves_trls_extra_forward_out(tmp_path):

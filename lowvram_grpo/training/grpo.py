@@ -70,10 +70,10 @@ from lowvram_grpo.training.validation import due
 
 
 def grpo_args(resolved, output_dir: Path) -> GRPOConfig:
-    return grpo_config(grpo_config_kwargs(resolved, output_dir))
+    return grpo_config(**grpo_config_kwargs(resolved, output_dir))
 
 
-def grpo_config(asked: dict) -> GRPOConfig:
+def grpo_config(**asked) -> GRPOConfig:
     """GRPOConfig(**asked) with bf16 as asked. unsloth's CPU fallback (unsloth_zoo/cpu/trainer.py, installed at
     `import unsloth` on a machine without a GPU) turns bf16=True off in TrainingArguments.__post_init__ on a CPU
     without native bf16; UnslothGRPOTrainer then sees neither bf16 nor fp16 for a bfloat16 model and wraps it in fp16
@@ -618,7 +618,7 @@ def build_trainer(handle, train_rows: list[dict], run_dir, rollouts=None, reward
         model=handle.model,
         processing_class=handle.tokenizer,
         reward_funcs=scored,
-        args=grpo_config(asked),
+        args=grpo_config(**asked),
         train_dataset=Dataset.from_list(train_rows),
         extras=extras,
         **({"rollout_func": rollouts.rollout_func} if rollouts is not None else {}),
