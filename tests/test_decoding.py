@@ -141,10 +141,11 @@ def _held_out_prompts(handle, n: int):
 
 @pytest.mark.slow
 def test_greedy_answers_are_token_for_token_those_of_transformers_generate(smollm2):
-    """The preset's first 64 held-out questions in batches of 32 (eval.batch_size), the adapter off (the 'before'
-    column) and on (a perturbed adapter, as after training): identical token ids, to the last pad."""
+    """The preset's first 32 held-out questions in one batch of 32 (eval.batch_size), the adapter off (the 'before'
+    column) and on (a perturbed adapter, as after training): identical token ids, to the last pad. (64 questions
+    took 432 s of a two-worker CI run on an AVX2-only EPYC; one batch of the eval's size shows the same.)"""
     model, tokenizer = smollm2.model, smollm2.tokenizer
-    texts = _held_out_prompts(smollm2, 64)
+    texts = _held_out_prompts(smollm2, 32)
     kwargs = dict(max_new_tokens=smollm2.plan.train.max_completion_length * 2, do_sample=False,
                   pad_token_id=tokenizer.pad_token_id, use_cache=True)
     _perturb_adapter(model, 0.02)
@@ -156,7 +157,7 @@ def test_greedy_answers_are_token_for_token_those_of_transformers_generate(smoll
                 ours = model.generate(**batch, **kwargs)
                 theirs = _plain_generate(model, **batch, **kwargs)
             assert torch.equal(ours, theirs), f"adapter {adapter}, batch at {start}"
-    assert model._lowvram_decode_calls == calls + 4
+    assert model._lowvram_decode_calls == calls + 2
     _perturb_adapter(model, 0.0)
 
 
