@@ -5,22 +5,27 @@ vLLM, transformers or torch that changes one of these facts fails here, by name.
 test_card_defects.py, test_processor_text.py, test_driver_fit.py, test_is_mode_environment.py (CPU suite)."""
 from __future__ import annotations
 
-import importlib.util
+import os
 import re
+import subprocess
+import sys
+import sysconfig
+import textwrap
 from pathlib import Path
 
 import pytest
 
-from conftest import require_gpu_set
+from conftest import REPO, require_gpu_set
 
 PINS = require_gpu_set()
 
 
 def _source(module: str) -> str:
-    """The installed source of `module`, found from its top-level package without importing it (importing unsloth
-    first would keep vLLM's CUDA build from importing in this process)."""
-    top, *rest = module.split(".")
-    return Path(importlib.util.find_spec(top).origin).parent.joinpath(*rest[:-1], f"{rest[-1]}.py").read_text()
+    """The installed source of `module`, read from the venv's site-packages without importing it or asking the
+    import system: once a test of this worker has imported unsloth without a GPU, unsloth's import blocker answers
+    every `vllm` lookup (find_spec gives None, an import raises ModuleNotFoundError)."""
+    return Path(sysconfig.get_paths()["purelib"]).joinpath(*module.split(".")[:-1],
+                                                           f"{module.split('.')[-1]}.py").read_text()
 
 
 # ------------------------------------------------------------------------------ 1: Qwen3.5 comes with a processor
@@ -39,19 +44,26 @@ def test_qwen3_5_maps_to_a_processor_and_unsloths_vision_loader_returns_auto_pro
 
 def test_vllm_refuses_float16_for_exactly_the_types_resolve_serves_without_it():
     """vLLM 0.31's own check, executed: float16 refused for each model type of resolve.VLLM_NO_FLOAT16_TYPES (and
-    their _text configs), taken for the others; no type vLLM refuses is missing from resolve's list."""
-    import torch
-    from vllm.config.model import _FLOAT16_NOT_SUPPORTED_MODELS, _check_valid_dtype
+    their _text configs), taken for the others; no type vLLM refuses is missing from resolve's list. In a fresh
+    interpreter: once a test of this worker has imported unsloth without a GPU, its import blocker answers every
+    `import vllm` with ModuleNotFoundError."""
+    script = textwrap.dedent("""
+        import pytest, torch
+        from vllm.config.model import _FLOAT16_NOT_SUPPORTED_MODELS, _check_valid_dtype
+        from lowvram_grpo.settings.resolve import VLLM_NO_FLOAT16_TYPES
 
-    from lowvram_grpo.settings.resolve import VLLM_NO_FLOAT16_TYPES
-
-    assert {t.removesuffix("_text") for t in _FLOAT16_NOT_SUPPORTED_MODELS} == set(VLLM_NO_FLOAT16_TYPES)
-    for model_type in ("gemma3_text", "gemma3", "gemma2", "glm4"):
-        with pytest.raises(ValueError, match=f"'{model_type}' does not support float16"):
-            _check_valid_dtype(model_type, torch.float16)
-        assert _check_valid_dtype(model_type, torch.bfloat16) and _check_valid_dtype(model_type, torch.float32)
-    for model_type in ("qwen3_5_text", "llama", "qwen2", "qwen3"):
-        assert _check_valid_dtype(model_type, torch.float16)
+        assert {t.removesuffix("_text") for t in _FLOAT16_NOT_SUPPORTED_MODELS} == set(VLLM_NO_FLOAT16_TYPES)
+        for model_type in ("gemma3_text", "gemma3", "gemma2", "glm4"):
+            with pytest.raises(ValueError, match=f"'{model_type}' does not support float16"):
+                _check_valid_dtype(model_type, torch.float16)
+            assert _check_valid_dtype(model_type, torch.bfloat16) and _check_valid_dtype(model_type, torch.float32)
+        for model_type in ("qwen3_5_text", "llama", "qwen2", "qwen3"):
+            assert _check_valid_dtype(model_type, torch.float16)
+        print("CHECKED")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("CHECKED"), proc.stderr[-3000:]
 
 
 def test_unsloths_vllm_start_serves_float16_below_sm80_and_takes_no_float32():
