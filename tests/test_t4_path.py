@@ -127,7 +127,12 @@ def test_a_colab_run_with_merged16_is_refused_on_hf_and_accepted_on_unsloth_befo
     from lowvram_grpo.core.errors import BackendError
     from lowvram_grpo.run.pipeline import GRPORun
 
+    import huggingface_hub.constants
+
     monkeypatch.setattr(backends, "host_available_bytes", lambda: int(12.7e9))
+    # a Colab session is online: the fast tier under HF_HUB_OFFLINE=1 would otherwise stop the unsloth run at the
+    # offline hub check (its model's config.json is not cached here), before the host-RAM decision this test is about
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     config = load_config("llama8b_4bit", ["data.dataset=null", "data.eval_dataset=null", "data.eval_size=8"])
     out = tmp_path / "run"
     if backend == "hf":
