@@ -44,7 +44,7 @@ from lowvram_grpo.model.unsloth_backend import rollout_files_moved_to
 from lowvram_grpo.model.vllm import check_run_servable, closes_engines_on_error
 from lowvram_grpo.training.vllm_rollouts import start_for_run
 from lowvram_grpo.report.model_card import write_card
-from lowvram_grpo.report.peak_memory import RUN_PEAK
+from lowvram_grpo.report.peak_memory import RUN_PEAK, describe
 from lowvram_grpo.report.run_dir import RunDir, resume_command
 from lowvram_grpo.core import allocator, stops
 from lowvram_grpo.core.errors import (
@@ -626,8 +626,10 @@ class GRPORun:
             summary["peak_rss"] = RUN_PEAK.facts()
             self.run_dir.write_summary(summary)
             report = write_report(self.run_dir.path)
+        peak = summary["peak_rss"]  # as recorded: writing the report a second time may raise ru_maxrss again
         self.log(f"\nadapter: {self.adapter_dir}\nsummary: {self.run_dir.file('summary.json')}\nreport:  {report}"
-                 f"\ncard:    {card}\nmemory:  {RUN_PEAK.text()}, this process's ru_maxrss (summary.json's peak_rss)")
+                 f"\ncard:    {card}\nmemory:  {describe(peak['gib'], peak['phase'])}, this process's ru_maxrss "
+                 "(summary.json's peak_rss)")
         self.release()
         return result
 
