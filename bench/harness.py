@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lowvram_grpo.core.cpu import cpu_flags
+
 REPO = Path(__file__).resolve().parent.parent  # run as `python -m bench.NAME` from the checkout
 
 
@@ -68,14 +70,13 @@ def machine() -> dict:
     """The machine a figure came from: cores, CPU model, whether it computes bf16 natively (AVX512-BF16 or AMX:
     bf16 runs; else float32, ~3x slower steps), the ISA flags that tell CPU generations with the same model name
     apart (two "AMD EPYC" machines of this workplace differ ~2x in step time), Python."""
-    model, flags = "", set()
+    model, flags = "", cpu_flags()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and not model:
+            if key.strip() == "model name":
                 model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
+                break
     except OSError:  # not Linux
         pass
     return {"cores": len(os.sched_getaffinity(0)), "cpu": model or None,

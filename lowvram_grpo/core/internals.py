@@ -41,6 +41,7 @@ import functools
 import importlib
 import warnings
 
+from lowvram_grpo.core.cpu import cpu_flags
 from lowvram_grpo.core.errors import BackendError
 
 WRITTEN_FOR = {"transformers": "5.17.0", "peft": "0.21.2", "torch": "2.13.0"}
@@ -187,17 +188,10 @@ def int8_saturates() -> bool:
     (AVX2, or AVX512 before Cascade Lake) multiplies with `vpmaddubsw`, whose int16 sum of two u8 x s8 products
     clips past 32767, so the activations must keep to 7 bits (torch's `reduce_range`, as its fbgemm qconfig does).
     Measured on an AVX2-only EPYC: 8-bit activations 2.1% error on tests/test_decode_int8.py's product, 7-bit 1.1%.
-    With VNNI (`vpdpbusd` adds in int32) the full 8 bits are exact to accumulate. Read from /proc/cpuinfo's flags;
-    False where there are none to read (not Linux x86: FBGEMM is x86's)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "flags":
-                    return not (VNNI_FLAGS & set(value.split()))
-    except OSError:
-        pass
-    return False
+    With VNNI (`vpdpbusd` adds in int32) the full 8 bits are exact to accumulate. False where no flags can be read
+    (not Linux x86: FBGEMM is x86's)."""
+    flags = cpu_flags()
+    return bool(flags) and not (VNNI_FLAGS & flags)
 
 
 @functools.cache
