@@ -75,10 +75,9 @@ def pytest_runtest_makereport(item, call):
         _fail_skip(report, item.nodeid)
 
 
-# What runs first, each on its own (xdist_group of its own under pytest.ini's --dist loadgroup), before the modules
-# that stay whole on one worker: the longest units of a two-worker run, measured on an AVX2-only EPYC (float32; the
-# whole suite 2428 s): left where collection puts them, two of them met on one worker at the end while the other
-# worker had nothing left to do.
+# What runs first, each a work unit of its own, before the modules that stay whole on one worker: the longest units
+# of a two-worker run, measured on an AVX2-only EPYC (float32; the whole suite 2428 s): left where collection puts
+# them, two of them met on one worker at the end while the other worker had nothing left to do.
 FIRST = ("tests/test_eval_protocol.py",  # its module-scoped SmolLM2 run: 414 s, made once (the module stays whole)
          "tests/test_decoding.py::test_greedy_answers_are_token_for_token_those_of_transformers_generate",  # 432 s
          "tests/test_decoding.py::test_sampled_first_tokens_have_transformers_distribution_merged_or_not",  # 400 s
@@ -86,23 +85,35 @@ FIRST = ("tests/test_eval_protocol.py",  # its module-scoped SmolLM2 run: 414 s,
          "tests/test_package.py::test_pip_install_gives_a_console_script_that_runs_from_any_folder")  # 350 s, 108 s
 
 
-def _unit(item) -> tuple[int, str]:
-    """(its place in FIRST or len(FIRST), its xdist group): a FIRST test alone, every other test with its module."""
-    module = item.nodeid.split("::", 1)[0]
+def work_unit(nodeid: str) -> tuple[int, str]:
+    """(its place in FIRST or len(FIRST), its work unit under -n): a FIRST test alone, every other test with its
+    module. A test's parameters stay with it (`...::test[a]` is the unit `...::test[a]` names)."""
+    module = nodeid.split("::", 1)[0]
     for place, prefix in enumerate(FIRST):
-        if item.nodeid == prefix or (prefix == module and "::" not in prefix):
+        if nodeid == prefix or nodeid.split("[", 1)[0] == prefix or (prefix == module and "::" not in prefix):
             return place, prefix
     return len(FIRST), module
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under -n (pytest.ini: --dist loadgroup) each module stays on one worker, so its module-scoped runs and engines
-    are made once, except FIRST's long tests, which go first and alone so the two workers end together. Stable
-    otherwise: collection order within each."""
-    units = {id(item): _unit(item) for item in items}
-    items.sort(key=lambda item: units[id(item)][0])
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(units[id(item)][1]))
+    """FIRST's long tests first, then the rest in collection order (stable)."""
+    items.sort(key=lambda item: work_unit(item.nodeid)[0])
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under -n: each module one work unit on one worker, so its module-scoped runs and engines are made once, and
+    FIRST's long tests units of their own, handed out first, so the two workers end together.
+
+    pytest-xdist's own `--dist loadgroup` no longer groups under pytest 9.2 (it renames `item._nodeid`, which pytest
+    9.2's node ids no longer read: pytest-xdist issue #1386); its scope scheduler with our split of the node ids
+    does, through xdist's public scheduler hook. tests/test_ci_shape.py runs a two-worker session to see it."""
+    from xdist.scheduler import LoadScopeScheduling  # xdist is imported only when -n is given
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:  # the one method LoadFileScheduling overrides too
+            return work_unit(nodeid)[1]
+
+    return ByUnit(config, log)
 
 
 def default_signals() -> None:
