@@ -113,6 +113,9 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:  # the one method LoadFileScheduling overrides too
             return work_unit(nodeid)[1]
 
+    # in collection order (FIRST's first), not xdist's default of the units with the most tests first, which hands
+    # out the one-test FIRST units last
+    config.option.loadscopereorder = False
     return ByUnit(config, log)
 
 
