@@ -76,7 +76,8 @@ def main(argv=None) -> int:
         sys.exit(f"error: both runs trained with {stock['trainer']}: triton did not change the trainer")
     report = {"command": command_line("bench.cpu_triton"), "machine": machine(), "triton": triton,
               "stock": stock, "patched": patched,
-              "patched_vs_stock": {"train_s_per_step": round(patched["train_s_per_step"] / stock["train_s_per_step"], 3)}}
+              "patched_vs_stock": {"train_s_per_step": round(patched["train_s_per_step"] / stock["train_s_per_step"],
+                                                             3)}}
     write_report(args.out, report)
     print(json.dumps({k: report[k] for k in ("triton", "patched_vs_stock")}, indent=1))
     print(f"stock {stock['trainer']}: {stock['train_s_per_step']} s/step; patched {patched['trainer']}: "

@@ -11,9 +11,9 @@ resolve() would hand it to decoding.install, so what is timed is what a run call
 - `transformers`: transformers' generate (decode.loop=transformers), the adapter unmerged: the plain path.
 - `loop`, `loop+inverse_cdf`, `loop+inverse_cdf+merged`, `loop+inverse_cdf+merged+fused`: our loop, one lever more
   each; `loop+inverse_cdf+fused`: the fused layers with the adapter unmerged (decode.merge_lora=false: the base
-  weights read in place, no merged copy); `...+fused+int8`: the fused layers on int8 weights (decode.weights=int8, opt-in; its once-per-call
-  quantization cancels out of the token step as the merge does); `default`: the settings resolve() decides on this
-  machine.
+  weights read in place, no merged copy); `...+fused+int8`: the fused layers on int8 weights (decode.weights=int8,
+  opt-in; its once-per-call quantization cancels out of the token step as the merge does); `default`: the settings
+  resolve() decides on this machine.
 
 A token step is (time of N new tokens - time of 1) / (N - 1), the best of `--repeats`, so the prefill and the
 once-per-call merge cancel out; the eos is an id the model never produces, so every row runs N tokens.
@@ -44,8 +44,8 @@ VARIANTS = {  # name: decode settings (config keys) on top of the preset's; one 
                                       "decode.fused=true"],
     "loop+inverse_cdf+fused": ["decode.loop=lowvram", "decode.sampler=inverse_cdf", "decode.merge_lora=false",
                                "decode.fused=true"],  # the fused layers, the adapter unmerged on the base in place
-    "loop+inverse_cdf+merged+fused+int8": ["decode.loop=lowvram", "decode.sampler=inverse_cdf", "decode.merge_lora=true",
-                                           "decode.fused=true", "decode.weights=int8"],
+    "loop+inverse_cdf+merged+fused+int8": ["decode.loop=lowvram", "decode.sampler=inverse_cdf",
+                                           "decode.merge_lora=true", "decode.fused=true", "decode.weights=int8"],
     "default": [],  # what resolve decides on this machine
 }
 

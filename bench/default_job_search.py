@@ -45,8 +45,10 @@ VARIANTS: dict[str, list[str]] = {
     "three_prompts": ["train.per_device_train_batch_size=24"],
     "steps72_lr2e-4": ["train.max_steps=72", "train.learning_rate=2e-4"],
     "steps96_three_prompts": ["train.max_steps=96", "train.per_device_train_batch_size=24"],
-    "steps72_eval256": ["train.max_steps=72", "data.eval_size=256"],  # held-out size: the paired test's n (not searched on)
-    "int8": ["decode.weights=int8"],  # issue 51: rollouts from the int8 base + unmerged adapter, against "preset" (bf16)
+    "steps72_eval256": ["train.max_steps=72", "data.eval_size=256"],  # held-out size: the paired test's n
+                                                                      # (not searched on)
+    "int8": ["decode.weights=int8"],  # issue 51: rollouts from the int8 base + unmerged adapter,
+                                      # against "preset" (bf16)
     "unmerged": ["decode.merge_lora=false"],  # issue 51: the fused layers on the bf16 base in place, adapter unmerged
 }
 

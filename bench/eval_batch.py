@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     from lowvram_grpo.training.priming import prime
     from lowvram_grpo.settings.resolve import resolve
 
-    config = load_config("smollm2_cpu", [f"data.eval_size={args.eval_size}", f"prime.steps={args.prime_steps}", *args.overrides])
+    config = load_config("smollm2_cpu", [f"data.eval_size={args.eval_size}", f"prime.steps={args.prime_steps}",
+                                         *args.overrides])
     handle = load_model(resolve(config, detect(), "hf"))
     train, held_out = load_questions(config.data)
     rows = to_prompt_rows(held_out, config.data.system_prompt)

@@ -109,7 +109,8 @@ def convert(job: dict) -> int:
     started = time.monotonic()
     source = gguf_path()
     folder = ensure_smollm2()
-    write_json(Path(job["part"]), {"gguf": str(source), "converted": str(folder), "seconds": round(time.monotonic() - started, 2),
+    write_json(Path(job["part"]), {"gguf": str(source), "converted": str(folder),
+                                   "seconds": round(time.monotonic() - started, 2),
                                    "converted_bytes": sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())})
     return 0
 
@@ -263,8 +264,9 @@ def _phases(kit: JobKit, args, costs: dict, preset: str, tmp: Path, gpu_stage) -
         own = grpo_steps(costs, kit.budget_left() - RESERVE_S - later, [variant], steps or 2, decode=False,
                          factor=factor)
         if own < 2:
-            report["phases"][variant] = {"skipped": f"skipped: {variant} needs ~{factor * run_cost(costs, variant, 2):.0f} s "
-                                                    f"at 2 GRPO steps by the job's estimate, {kit.budget_left():.0f} s left"}
+            report["phases"][variant] = {"skipped": f"skipped: {variant} needs "
+                                                    f"~{factor * run_cost(costs, variant, 2):.0f} s at 2 GRPO "
+                                                    f"steps by the job's estimate, {kit.budget_left():.0f} s left"}
             kit.write()
             continue
         sets = [*SETTINGS[args.dry], *VARIANTS[variant], f"train.max_steps={own}",
@@ -319,7 +321,8 @@ def _child(kit: JobKit, phase: str, function: str, job: dict, estimate: float, l
     if stopped:
         row["stopped"] = "its share of the budget"
     elif proc.returncode != 0:
-        row.update(exit_code=proc.returncode, error=_error_line(proc.stderr) or (proc.stderr.strip().splitlines() or [""])[-1])
+        row.update(exit_code=proc.returncode,
+                   error=_error_line(proc.stderr) or (proc.stderr.strip().splitlines() or [""])[-1])
     report["phases"][phase] = row
     finished = not stopped and proc.returncode == 0
     if finished:
@@ -341,8 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the JSON to write (rewritten after every phase)")
     p.add_argument("--budget-s", type=_budget, default=DEFAULT_BUDGET_S,
                    help=f"seconds the whole job may take (default {DEFAULT_BUDGET_S})")
-    p.add_argument("--dry", action="store_true", help="a machine without a card: everything but the CUDA steps "
-                   "(the GGUF split here and joined, the model converted; the runs and the decode bench on builtin:tiny)")
+    p.add_argument("--dry", action="store_true", help="a machine without a card: everything but the CUDA steps (the "
+                   "GGUF split here and joined, the model converted; the runs and the decode bench on builtin:tiny)")
     p.add_argument("--stage-root", default=str(REPO), help="where the calls put .gpu-stage-N (default: the checkout)")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     return p

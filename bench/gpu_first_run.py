@@ -11,7 +11,8 @@
    weights rarely sample the end token, so sequences reach the lengths the plan counts.
 2. Each variant in a fresh process, loaded and trained as a run is (pipeline.GRPORun, the package's
    backends) with the preset's settings for `--steps` GRPO steps, a checkpoint each step, the held-out
-   evaluation of the trained adapter (one batch of eval.batch_size questions): `hf-nf4` (hf backend, bitsandbytes NF4, transformers
+   evaluation of the trained adapter (one batch of eval.batch_size questions): `hf-nf4` (hf backend, bitsandbytes
+   NF4, transformers
    generation; always), `unsloth` (the preset's own unsloth settings, vLLM where installed) and `hf-vllm`
    (hf backend, model.generation=vllm) when installed. Per phase (load, rollout = generation inside
    training, training step = everything else in training, evaluation): peak allocated and reserved memory,
@@ -284,7 +285,8 @@ class Phases:
     def snapshot(self) -> dict:
         """The phases closed so far, in GiB and seconds (the poller keeps running)."""
         return {name: {**{k: round(v / GIB, 5) for k, v in row.items() if k not in ("seconds", "times")},
-                       "seconds": round(row["seconds"], 2), "times": row["times"]} for name, row in self.results.items()}
+                       "seconds": round(row["seconds"], 2), "times": row["times"]}
+                for name, row in self.results.items()}
 
     def close(self) -> dict:
         self._stop.set()
@@ -481,7 +483,8 @@ def optimizer_info(optimizer) -> dict:
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
     state = sum(v.numel() * v.element_size() for s in inner.state.values() for v in s.values() if torch.is_tensor(v))
     args = getattr(inner, "args", None)
-    return {"class": f"{type(inner).__module__}.{type(inner).__name__}", "optim_bits": getattr(args, "optim_bits", None),
+    return {"class": f"{type(inner).__module__}.{type(inner).__name__}",
+            "optim_bits": getattr(args, "optim_bits", None),
             "is_paged": getattr(inner, "is_paged", None), "state_gib": round(state / GIB, 5)}
 
 
@@ -553,7 +556,8 @@ def _measure(job: dict) -> int:
     checkpoint = grpo.run_dir.latest_checkpoint()
     result.update({
         "finished": True, "host_allocator": allocator.active(), "phases": measured, "steps": steps, **step_times(steps),
-        "step_s_median": round(statistics.median(s["rollout_s"] + s["training_s"] for s in steps), 3) if steps else None,
+        "step_s_median": round(statistics.median(s["rollout_s"] + s["training_s"] for s in steps), 3)
+        if steps else None,
         "dtype": {"resolved": resolved.dtype, "parameter_gib_by_dtype": {k: round(v, 5) for k, v in dtypes.items()},
                   "trainable_gib": round(trainable / GIB, 5)},
         "optimizer": optimizer_info(grpo.trainer.optimizer),
@@ -578,8 +582,8 @@ def _measure(job: dict) -> int:
 def decode_graph_record(resolved, stats, steps: list[dict], rows: list[dict]) -> dict:
     """unsloth's decode CUDA graphs in a variant's run: resolve's decision and why, the environment variables unsloth
     reads (UNSLOTH_DECODE_CUDA_GRAPHS: set it to 0 for the same run without graphs), its counters after GRPO
-    (pipeline: core.internals.decode_graph_stats, CUDA + unsloth backend; None elsewhere), and per step the rollout's time
-    per decode step (rollout seconds / the longest completion: one batched forward a token) and per generated token
+    (pipeline: core.internals.decode_graph_stats, CUDA + unsloth backend; None elsewhere), and per step the rollout's
+    time per decode step (rollout seconds / the longest completion: one batched forward a token) and per generated token
     (/ all completion tokens of the batch), from the kit's step times and metrics.jsonl (one row a step)."""
     import os
 
@@ -590,7 +594,8 @@ def decode_graph_record(resolved, stats, steps: list[dict], rows: list[dict]) ->
         longest, mean = row.get("completions/max_length"), row.get("completions/mean_length")
         if step.get("rollout_s") and longest:
             per_step.append({"step": step["step"], "ms_per_decode_step": round(1000 * step["rollout_s"] / longest, 3),
-                             "ms_per_token": round(1000 * step["rollout_s"] / (mean * resolved.generation_batch_size), 4)
+                             "ms_per_token": round(1000 * step["rollout_s"]
+                                                   / (mean * resolved.generation_batch_size), 4)
                              if mean else None})
     steady = [s["ms_per_decode_step"] for s in per_step[1:]]  # step 1 compiles (and captures)
     return {"decided": resolved.decode_graphs, "reason": resolved.decode_graphs_reason,
@@ -634,7 +639,8 @@ def capped(job: dict) -> int:
         return generate(*args, **kwargs)
 
     GenerationMixin.generate = arm_then_generate
-    from lowvram_grpo.model import decoding  # our decode loop (decode.loop=lowvram) generates without transformers' generate
+    from lowvram_grpo.model import decoding  # our decode loop (decode.loop=lowvram) generates without transformers'
+                                             # generate
 
     decode = decoding.decode
 
@@ -806,7 +812,8 @@ class Kit:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
         env["LOWVRAM_KIT_PARENT"] = str(os.getpid())
         # its own session: the kit decides when it stops (a terminal's Ctrl-C or `timeout` reach the kit only)
-        self.proc = proc = subprocess.Popen([sys.executable, "-c", CHILD.format(function, module), json.dumps(job)], cwd=REPO,
+        self.proc = proc = subprocess.Popen([sys.executable, "-c", CHILD.format(function, module), json.dumps(job)],
+                                            cwd=REPO,
                                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                             start_new_session=True)
         out, err = [], []
@@ -835,8 +842,8 @@ class Kit:
                     with contextlib.suppress(ValueError, OSError):
                         on_part(json.loads(part.read_text()))
                 if time.monotonic() > ends:
-                    self.log(f"kit: {label} reached its timeout of {timeout:.0f} s (the budget of {self.args.budget_s} s "
-                             f"ends): stopping it")
+                    self.log(f"kit: {label} reached its timeout of {timeout:.0f} s (the budget of "
+                             f"{self.args.budget_s} s ends): stopping it")
                     ended_by_budget = True
                     code = self.stop_child()
                     break
@@ -1113,7 +1120,8 @@ def run_variant(kit: Kit, prep: dict, variant: str, tmp: Path) -> None:
         kit.log(f"\n=== {variant}: {why} ===")
         kit.write()
         return
-    job = {"variant": variant, "preset": kit.args.preset, "backend": chosen["backend"], "overrides": chosen["overrides"],
+    job = {"variant": variant, "preset": kit.args.preset, "backend": chosen["backend"],
+           "overrides": chosen["overrides"],
            "run_dir": str(tmp / f"run-{variant}"), "part": str(tmp / f"{variant}.json")}
     kit.log(f"\n=== {variant}: {chosen['backend']} backend, {prep['steps']} GRPO steps (~{estimate:.0f} s by the "
             f"kit's estimate, {kit.remaining():.0f} s of the budget left) ===")
@@ -1213,7 +1221,8 @@ def cap_and_resume(kit: Kit, prep: dict, tmp: Path) -> None:
     argv = ["--preset", kit.args.preset, "--backend", "hf", "--output-dir", str(run)]
     for value in prep["settings"]["hf-nf4"]["overrides"] + ["eval.enabled=false"]:
         argv += ["--set", value]
-    job = {"argv": argv, "run_dir": str(run), "part": str(tmp / "cap.json"), "step_adds": int(measured["step_adds_gib"] * GIB)}
+    job = {"argv": argv, "run_dir": str(run), "part": str(tmp / "cap.json"),
+           "step_adds": int(measured["step_adds_gib"] * GIB)}
     kit.log(f"\n=== the cap: hf-nf4 again, capped after its first checkpoint (~{cap_s:.0f} s) ===")
     started = time.monotonic()
     try:
@@ -1226,7 +1235,8 @@ def cap_and_resume(kit: Kit, prep: dict, tmp: Path) -> None:
     line = _error_line(proc.stderr)
     checkpoint = RunDir(run).latest_checkpoint()
     plan_total = measured["plan"].get("total_gib")
-    cap = {"variant": "hf-nf4", "exit_code": proc.returncode, "error_line": line, "step_adds_gib": measured["step_adds_gib"],
+    cap = {"variant": "hf-nf4", "exit_code": proc.returncode, "error_line": line,
+           "step_adds_gib": measured["step_adds_gib"],
            "cap_share": CAP_SHARE, "plan_total_gib": plan_total, **info,
            "checkpoint_kept": checkpoint.name if checkpoint else None, "estimated_s": round(cap_s, 1),
            "wall_s": round(time.monotonic() - started, 1)}
@@ -1259,7 +1269,8 @@ def cap_and_resume(kit: Kit, prep: dict, tmp: Path) -> None:
 
 _steps = whole_number_at_least(2, " (the cap needs a checkpoint before the step it caps)")
 _budget = whole_number_at_least(1, " (seconds the kit may take, all its work included)")
-DEFAULT_BUDGET_S = 480  # one command on a lent card may run 10 minutes: the kit's share, the machine's start and margin left
+DEFAULT_BUDGET_S = 480  # one command on a lent card may run 10 minutes: the kit's share, the machine's start and
+                        # margin left
 
 
 def _variants(text: str) -> list[str]:

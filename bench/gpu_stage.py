@@ -3,8 +3,10 @@
     bash bench/prepare_gpu_site.sh              # here, once: .gpu/site (~46 MiB), the packages the card's image lacks
     python -m bench.gpu_stage split             # here: the SmolLM2 GGUF in two parts, .gpu-stage-1/ and .gpu-stage-2/
     python -m bench.gpu_stage calls             # here: the calls, what each carries, its size and its command
-    python3 -m bench.gpu_stage check N          # on the card, in call N: what calls 1..N carried is there, sha256 checked
-    python3 -m bench.gpu_stage join             # on the card: the parts joined into /tmp/lowvram-smollm2, sha256 checked
+    python3 -m bench.gpu_stage check N          # on the card, in call N: what calls 1..N carried is there,
+                                                  sha256 checked
+    python3 -m bench.gpu_stage join             # on the card: the parts joined into /tmp/lowvram-smollm2,
+                                                  sha256 checked
 
 The lent machine (this workplace's device tool) takes the checkout's tree (tracked and untracked-not-ignored files)
 plus the ignored paths a call names in `carry`, at most 64 MiB per call, and keeps the ignored paths carried by
@@ -292,7 +294,8 @@ def main(argv=None) -> int:
         if args.command == "split":
             manifest = split(root)
             print(f"split {manifest['file']} ({manifest['bytes']} bytes, sha256 {manifest['sha256'][:12]}, as the "
-                  f"wheel's RECORD gives it) into " + ", ".join(f"{p['folder']}/{p['name']}" for p in manifest["parts"]))
+                  f"wheel's RECORD gives it) into "
+                  + ", ".join(f"{p['folder']}/{p['name']}" for p in manifest["parts"]))
             print(calls_text(the_calls(root)))
         elif args.command == "calls":
             print(calls_text(the_calls(root)))

@@ -62,7 +62,8 @@ class Call:
     carry: tuple
     timeout_s: int
     work: str
-    recorded_mib: tuple  # each carried folder's size when prepared here (.gpu 2026-11-27, .vs 2026-11-28); used where absent
+    # each carried folder's size when prepared here (.gpu 2026-11-27, .vs 2026-11-28); used where absent
+    recorded_mib: tuple
 
     @property
     def command(self) -> str:
@@ -129,7 +130,8 @@ def check_calls(root: Path = REPO, calls=CALLS, require: bool = False) -> dict:
         if len(call.carry) > MAX_CARRY:
             problems.append(f"call {call.number} carries {len(call.carry)} paths (the tool takes {MAX_CARRY})")
         if len(call.command) > MAX_COMMAND:
-            problems.append(f"call {call.number}'s command is {len(call.command)} characters (the tool takes {MAX_COMMAND})")
+            problems.append(f"call {call.number}'s command is {len(call.command)} characters "
+                            f"(the tool takes {MAX_COMMAND})")
         for path, recorded in zip(call.carry, call.recorded_mib):
             for number, other in seen:
                 if _nested(path, other):
@@ -142,8 +144,8 @@ def check_calls(root: Path = REPO, calls=CALLS, require: bool = False) -> dict:
                 if links:
                     problems.append(f"{path} holds links, which travel only as links: {', '.join(links[:3])}")
                 if not _ignored(root, path):
-                    problems.append(f"{path} is not ignored by git: it would travel with every call (add /{path.split('/')[0]}/ "
-                                    f"to .git/info/exclude)")
+                    problems.append(f"{path} is not ignored by git: it would travel with every call (add "
+                                    f"/{path.split('/')[0]}/ to .git/info/exclude)")
             else:
                 size = int(recorded * MIB)
                 sources.append("recorded")
@@ -155,7 +157,8 @@ def check_calls(root: Path = REPO, calls=CALLS, require: bool = False) -> dict:
             problems.append(f"call {call.number} carries {carried / MIB:.2f} MiB + the tree {tree / MIB:.2f} MiB = "
                             f"{total / MIB:.2f} MiB, over {LIMIT_MIB} MiB: split the vLLM parts smaller (LIMIT_MIB in "
                             f"split.sh) or make the tree smaller")
-        rows.append({"call": call.number, "carry": list(call.carry), "command": call.command, "timeout_s": call.timeout_s,
+        rows.append({"call": call.number, "carry": list(call.carry), "command": call.command,
+                     "timeout_s": call.timeout_s,
                      "carried_mib": round(carried / MIB, 2), "with_tree_mib": round(total / MIB, 2),
                      "sizes": sources, "work": call.work})
     problems += _stage_problems(root, calls)
@@ -190,7 +193,8 @@ def _stage_problems(root: Path, calls) -> list[str]:
             problems.append(f"{STAGE}/{name} is part of the vLLM stage and no call carries it")
     for path in carried:
         if not (root / path).is_dir():
-            problems.append(f"{path} is carried but the stage here has no such part (it has {', '.join(present) or 'none'})")
+            problems.append(f"{path} is carried but the stage here has no such part "
+                            f"(it has {', '.join(present) or 'none'})")
     manifest = next((stage / p / "MANIFEST" for p in present if (stage / p / "MANIFEST").is_file()), None)
     if manifest is not None:
         for kind, _sha, name, *where in (line.split() for line in manifest.read_text().splitlines() if line.strip()):
@@ -207,8 +211,8 @@ def calls_text(report: dict) -> str:
     for row in report["calls"]:
         lines.append(f"call {row['call']}: carry={json.dumps(row['carry'])} timeout_s={row['timeout_s']} "
                      f"command: {row['command']}")
-        lines.append(f"    {row['carried_mib']} MiB ({'/'.join(row['sizes'])}), {row['with_tree_mib']} MiB with the tree: "
-                     f"{row['work']}")
+        lines.append(f"    {row['carried_mib']} MiB ({'/'.join(row['sizes'])}), {row['with_tree_mib']} MiB with the "
+                     f"tree: {row['work']}")
     return "\n".join(lines)
 
 
@@ -274,7 +278,8 @@ def versions() -> dict:
         spec = importlib.util.find_spec(dist)
         where = None
         if spec and spec.origin:  # the folder on the path it comes from (a package's parent, a module's folder)
-            where = str(Path(spec.origin).parent.parent if spec.submodule_search_locations else Path(spec.origin).parent)
+            where = str(Path(spec.origin).parent.parent if spec.submodule_search_locations
+                        else Path(spec.origin).parent)
         found[dist] = {"version": version, "from": where}
     import torch
 
@@ -335,7 +340,8 @@ def dry_preset(work: Path) -> Path:
     if "\nrequires_cuda: true" not in text:
         raise RuntimeError(f"the {PRESET} preset no longer says requires_cuda: true: update dry_preset")
     path = Path(work) / f"{PRESET}-dry.yaml"
-    path.write_text(text.replace("\nrequires_cuda: true", "\nrequires_cuda: false  # the CPU dry run (gpu_vllm_window)"))
+    path.write_text(text.replace("\nrequires_cuda: true",
+                                 "\nrequires_cuda: false  # the CPU dry run (gpu_vllm_window)"))
     return path
 
 
@@ -369,7 +375,8 @@ class Recorder:
             self.polls = self.used is not None
             self.used = self.used or memory.used
         self.used_source = ("NVML, sampled every 20 ms" if self.polls and self.used is not memory.used else
-                            memory.what["used"] + (", sampled every 20 ms" if self.polls else ", at phase and step ends"))
+                            memory.what["used"]
+                            + (", sampled every 20 ms" if self.polls else ", at phase and step ends"))
         self.t0 = time.monotonic()
         self.lock = threading.Lock()
         self.used_peak = 0
@@ -480,7 +487,8 @@ def observe(rec: Recorder) -> None:
     """Wrap the run's steps (GRPORun), the handle's generation and LoRA calls (ModelHandle), the trainer's step
     boundaries (transformers' CallbackHandler) and transformers' generate (rollouts without vLLM). vLLM's and
     unsloth_zoo's functions are wrapped when the model loads with fast_inference (vllm_hooks). transformers is
-    imported only once the run has imported unsloth (prepare_backend, before load_model): unsloth patches it on import."""
+    imported only once the run has imported unsloth (prepare_backend, before load_model): unsloth patches it on
+    import."""
     from lowvram_grpo.run import pipeline
     from lowvram_grpo.model.handle import ModelHandle
 
@@ -582,7 +590,8 @@ def transformers_hooks(rec: Recorder) -> None:
         with rec.outermost() as outer:
             if not (outer and rec.training and not rec.evaluating and rec.step is not None):
                 return original(model, *args, **kwargs)
-            inputs = next((x for x in (kwargs.get("input_ids"), kwargs.get("inputs"), *args[:1]) if x is not None), None)
+            inputs = next((x for x in (kwargs.get("input_ids"), kwargs.get("inputs"), *args[:1]) if x is not None),
+                          None)
             out, seconds = _timed(lambda: original(model, *args, **kwargs))
             sequences = getattr(out, "sequences", out)
             new = (sequences.shape[1] - inputs.shape[1]) * sequences.shape[0] if inputs is not None else 0
@@ -615,7 +624,8 @@ def vllm_hooks(rec: Recorder) -> None:
         used_before = rec.used()
         llm, seconds = _timed(lambda: original(*args, **kwargs))
         asked = {k: kwargs.get(k) for k in ("gpu_memory_utilization", "max_seq_length", "max_lora_rank",
-                                           "use_bitsandbytes", "enforce_eager", "float8_kv_cache", "unsloth_vllm_standby")}
+                                           "use_bitsandbytes", "enforce_eager", "float8_kv_cache",
+                                           "unsloth_vllm_standby")}
         rec.emit("engine", seconds=seconds, used_before_gib=round(used_before / GIB, 4),
                  used_after_gib=round(rec.used() / GIB, 4), total_gib=round(rec.memory.total() / GIB, 4),
                  asked=asked, vllm=engine_facts(llm, kwargs.get("config")), vllm_version=vllm.__version__)
@@ -667,8 +677,10 @@ def engine_facts(llm, hf_config=None) -> dict:
                                                                  "compilation_config"))
     facts = {"gpu_memory_utilization": getattr(cache, "gpu_memory_utilization", None),
              "num_gpu_blocks": getattr(cache, "num_gpu_blocks", None), "block_size": getattr(cache, "block_size", None),
-             "max_model_len": getattr(model, "max_model_len", None), "quantization": getattr(model, "quantization", None),
-             "enforce_eager": getattr(model, "enforce_eager", None), "max_num_seqs": getattr(sched, "max_num_seqs", None),
+             "max_model_len": getattr(model, "max_model_len", None),
+             "quantization": getattr(model, "quantization", None),
+             "enforce_eager": getattr(model, "enforce_eager", None),
+             "max_num_seqs": getattr(sched, "max_num_seqs", None),
              "compilation": str(getattr(comp, "mode", getattr(comp, "level", None))),
              "cudagraph_mode": str(getattr(comp, "cudagraph_mode", None))}
     if hf_config is not None and facts["num_gpu_blocks"] and facts["block_size"]:
@@ -866,7 +878,8 @@ def run_window(args, log=print) -> int:
     report = {"window": "bench/gpu_vllm_window.py (issue 55)", "dry": args.dry, "budget_s": args.budget_s,
               "command": "python -m lowvram_grpo.run " + shlex.join(argv), "enforce_eager": args.enforce_eager,
               "versions": versions(), "checkpoint": _json_or_none(model_dir / "stand_in.json"),
-              "calls": _calls_log(args.calls_log), "install": _json_or_none(Path(args.install)) if args.install else None,
+              "calls": _calls_log(args.calls_log),
+              "install": _json_or_none(Path(args.install)) if args.install else None,
               "measured": None, "run": None, "elapsed_s": 0.0}
     write_json(out, report)
     job = {"argv": argv, "events": str(events_path), "enforce_eager": args.enforce_eager}
@@ -897,7 +910,8 @@ def run_window(args, log=print) -> int:
             break
         if stopped is None and time.monotonic() > deadline:
             stopped = "budget"
-            log(f"window: the budget of {args.budget_s} s is over: SIGTERM to the run (it stops at its next safe point)")
+            log(f"window: the budget of {args.budget_s} s is over: SIGTERM to the run "
+                f"(it stops at its next safe point)")
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
         elif stopped == "budget" and time.monotonic() > deadline + KILL_AFTER_S:
@@ -950,7 +964,8 @@ def print_summary(report: dict, log=print) -> None:
     m = report.get("measured") or {}
     times, engine, share = m.get("step_times") or {}, m.get("engine") or {}, m.get("vllm_share_vs_plan") or {}
     log(f"\nwindow: run exit {report.get('exit_code')}, status {(report.get('run') or {}).get('status')}, "
-        f"{times.get('steps', 0)} steps; step 1 {times.get('first_step_s')} s, steady {times.get('steady_step_s_mean')} s")
+        f"{times.get('steps', 0)} steps; step 1 {times.get('first_step_s')} s, "
+        f"steady {times.get('steady_step_s_mean')} s")
     if engine:
         log(f"  vLLM engine start {engine.get('seconds')} s; utilization {share.get('engine_utilization')} = "
             f"{share.get('engine_share_gib')} GiB against the plan's {share.get('planned_gib')} GiB")

@@ -55,7 +55,8 @@ def write_child_result(path, result: dict) -> None:
 def ratios(results: dict, reference: str, keys: tuple[str, ...]) -> dict:
     """{variant: {key: variant's value / the reference's}} for every other variant of the same run."""
     ref = results[reference]
-    return {name: {key: round(r[key] / ref[key], 3) for key in keys} for name, r in results.items() if name != reference}
+    return {name: {key: round(r[key] / ref[key], 3) for key in keys}
+            for name, r in results.items() if name != reference}
 
 
 def command_line(module: str) -> str:
@@ -211,7 +212,8 @@ def run_cli(argv: list[str], log: Path, stdout: bool = False) -> "tuple[float, s
     return round(time.time() - started, 1), proc.stdout
 
 
-def seed_table_parser(module: str, doc: str, out: Path, root: Path) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+def seed_table_parser(module: str, doc: str, out: Path,
+                      root: Path) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """`python -m MODULE run --seed S [--root ROOT]` (one seed, each step only if its result is not there yet) and
     `python -m MODULE table` (the docs' table from OUT/seed-*.json); the parser and its `run` subparser."""
     parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])

@@ -1,6 +1,6 @@
 """Benchmark: host memory (RSS) of the default CPU job, today's behaviour against the host_memory fixes.
 
-    flock /tmp/lowvram-cpu.lock python -m bench.host_memory --keep runs/host-memory   # the whole default job per variant
+    flock /tmp/lowvram-cpu.lock python -m bench.host_memory --keep runs/host-memory  # the whole default job per variant
     flock /tmp/lowvram-cpu.lock python -m bench.host_memory --prime-steps 10 --steps 20 --eval-size 16 \\
         --variants off,head,trim,head+trim --out bench/results/host_memory_quick.json    # quick breakdown
 
@@ -210,7 +210,8 @@ def summarize(raw: dict, window: int) -> dict:
         if inside:
             peaks[cur["phase"]] = max(peaks.get(cur["phase"], 0.0), max(inside))
     at_peak = max(raw["samples"], key=lambda x: x[1]) if raw["samples"] else ()
-    heap_at_peak = ({"heap_in_use_mb": round(at_peak[2]), "heap_free_mb": round(at_peak[3]), "mmapped_mb": round(at_peak[4])}
+    heap_at_peak = ({"heap_in_use_mb": round(at_peak[2]), "heap_free_mb": round(at_peak[3]),
+                     "mmapped_mb": round(at_peak[4])}
                     if len(at_peak) == 5 else None)
     return {
         "peak_rss_mb": round(raw["ru_maxrss_mb"]),
@@ -248,7 +249,8 @@ def run_variant(name: str, args, out_dir: Path) -> dict:
     env = dict(os.environ, LOWVRAM_GRPO_HOST_MEMORY=variant.features, **dict(variant.env))
     run_args += ["--set", f"memory.host_allocator={variant.allocator}"]
     run_args += [part for extra in variant.sets for part in ("--set", extra)] + args.run_args
-    if variant.allocator == "mimalloc":  # the child runs the CLI's main in its own process: preload as the CLI's restart does
+    # the child runs the CLI's main in its own process: preload as the CLI's restart does
+    if variant.allocator == "mimalloc":
         from lowvram_grpo.core.allocator import mimalloc_library
 
         library = mimalloc_library()
@@ -258,7 +260,8 @@ def run_variant(name: str, args, out_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "bench.host_memory", "--child", str(result), "--", *run_args]
     print(f"[{name}] {' '.join(cmd)}", flush=True)
     with open(out_dir / f"{name.replace('+', '_')}.log", "w") as log:
-        code = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
+        code = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                               cwd=Path(__file__).resolve().parent.parent)
     raw = json.loads(result.read_text())
     if code != 0:
         raise SystemExit(f"[{name}] the run failed (exit {code}); see {out_dir}")
@@ -281,11 +284,14 @@ def _losses(path: Path) -> list:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--variants", default="off,head+trim,head+trim+mimalloc", help="comma list of: " + ", ".join(VARIANTS))
+    p.add_argument("--variants", default="off,head+trim,head+trim+mimalloc",
+                   help="comma list of: " + ", ".join(VARIANTS))
     p.add_argument("--prime-steps", type=int, help="priming steps (default: the preset's)")
     p.add_argument("--steps", type=int, help="GRPO steps (default: the preset's)")
     p.add_argument("--eval-size", type=int, help="held-out questions (default: the preset's)")
-    p.add_argument("--keep", type=Path, help="keep each variant's run folder here (run-<variant>) instead of a temporary one; a rerun replaces them")
+    p.add_argument("--keep", type=Path,
+                   help="keep each variant's run folder here (run-<variant>) instead of a temporary one; "
+                        "a rerun replaces them")
     p.add_argument("--window", type=int, default=40, help="the RSS slope is taken over the last N GRPO steps")
     p.add_argument("--out", type=Path, default=RESULTS / "host_memory.json")
     p.add_argument("run_args", nargs="*", help="after --: more arguments for lowvram_grpo.run")
@@ -311,13 +317,15 @@ def main(argv=None) -> int:
     for name in names:
         r = results[name]
         r["grpo_step_time_vs_" + ref] = _ratio(r["grpo_step_s_median"], reference["grpo_step_s_median"])
-        r["grpo_step_time_clean_vs_" + ref] = _ratio(r["grpo_step_s_median_clean"], reference["grpo_step_s_median_clean"])
+        r["grpo_step_time_clean_vs_" + ref] = _ratio(r["grpo_step_s_median_clean"],
+                                                     reference["grpo_step_s_median_clean"])
         r["prime_step_time_vs_" + ref] = _ratio(r["prime_step_s_median"], reference["prime_step_s_median"])
         r["peak_rss_vs_" + ref] = _ratio(r["peak_rss_mb"], reference["peak_rss_mb"])
     out = {
         "command": "python -m bench.host_memory " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "job": {"preset": "smollm2_cpu (default)", "prime_steps": args.prime_steps or "preset's", "grpo_steps": args.steps or "preset's",
-                "eval_size": args.eval_size or "preset's", "extra_args": args.run_args},
+        "job": {"preset": "smollm2_cpu (default)", "prime_steps": args.prime_steps or "preset's",
+                "grpo_steps": args.steps or "preset's", "eval_size": args.eval_size or "preset's",
+                "extra_args": args.run_args},
         "machine": {"cpus": NCPU, "python": sys.version.split()[0]},
         "clean_step_threshold_other_cpu_share": CLEAN,
         "variants": results,

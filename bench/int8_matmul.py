@@ -11,7 +11,8 @@ random values) at the rollout's row counts:
 - `int8_weight_only`: torch's `aten._weight_int8pack_mm` (int8 weights with a bf16 scale per output row, bf16
   activations; gpt-fast's and torchao's CPU weight-only path): half the weight bytes;
 - `int8_dynamic_fbgemm`: torch's quantized dynamic linear (`quantized::linear_dynamic` on a prepacked per-channel
-  int8 weight; the activations quantized per call, to 7 bits on a CPU without VNNI where 8 saturate, fp32 in and out; FBGEMM's kernels);
+  int8 weight; the activations quantized per call, to 7 bits on a CPU without VNNI where 8 saturate, fp32 in and
+  out; FBGEMM's kernels);
 - `int8_int_mm`: `torch._int_mm` of per-row int8 activations with the int8 weights, rescaled in fp32.
 
 For each: the time of one token step's products (every layer with its own weights, so no more of them stay in the
@@ -118,7 +119,8 @@ def row_counts(text: str) -> list[int]:
 
 def main(argv=None) -> int:
     parser = ArgumentParser(prog="python -m bench.int8_matmul", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=row_counts, default=[4, 16], help="activation rows (the rollout batch): comma list")
+    parser.add_argument("--rows", type=row_counts, default=[4, 16],
+                        help="activation rows (the rollout batch): comma list")
     parser.add_argument("--out", type=Path, default=Path("bench/results/int8_matmul.json"))
     args = parser.parse_args(argv)
     import torch

@@ -146,7 +146,8 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default="base", help="comma-separated names (see --list)")
     parser.add_argument("--extra", action="append", default=[], metavar="NAME:KEY=VALUE;KEY=VALUE",
                         help="an ad-hoc variant: its name, then --set overrides separated by ';'")
-    parser.add_argument("--set", dest="common", action="append", default=[], help="override for priming and every variant")
+    parser.add_argument("--set", dest="common", action="append", default=[],
+                        help="override for priming and every variant")
     parser.add_argument("--seeds", default="3407", help="train.seed values per variant (comma-separated)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/levers.json"))
     parser.add_argument("--cache", type=Path, default=Path("/tmp/lowvram-levers"))
@@ -183,14 +184,16 @@ def main(argv=None) -> int:
             measured = json.loads(proc.stdout.strip().splitlines()[-1])
             after = measured["after"]
             record = {"variant": name, "sets": sets, "seed": seed, "prime_steps": args.prime_steps,
-                      "grpo_steps": args.steps, "common": common, "s_per_step": round(measured["train_seconds"] / args.steps, 2),
+                      "grpo_steps": args.steps, "common": common,
+                      "s_per_step": round(measured["train_seconds"] / args.steps, 2),
                       "prime_seconds": round(prime_seconds, 1), "primed": primed, **measured}
             results.append(record)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results, indent=1) + "\n")
             print(f"{name} seed {seed}: strict {primed['accuracy_strict']:.3f} -> {after['accuracy_strict']:.3f}, "
                   f"lenient {primed['accuracy_lenient']:.3f} -> {after['accuracy_lenient']:.3f}, format "
-                  f"{after['format_rate']:.3f}, {record['s_per_step']} s/step, training {measured['training']}", flush=True)
+                  f"{after['format_rate']:.3f}, {record['s_per_step']} s/step, training {measured['training']}",
+                  flush=True)
     return 0
 
 

@@ -22,9 +22,9 @@ RAN: dict[tuple[str, str], str] = {}
 
 
 def _fp8_buys(preset: str, card: str) -> str:
-    """The plan's KV cache in sequences of model.max_seq_length tokens, and unsloth_zoo's max_model_len, at 16-bit -> fp8,
-    on the card with FlashInfer on (an nvcc of torch's CUDA major there): from sm80 vLLM serves an fp8 KV cache through
-    FlashInfer, and with FlashInfer off only on sm90/sm100 (resolve.fp8_kv_refusal)."""
+    """The plan's KV cache in sequences of model.max_seq_length tokens, and unsloth_zoo's max_model_len, at 16-bit ->
+    fp8, on the card with FlashInfer on (an nvcc of torch's CUDA major there): from sm80 vLLM serves an fp8 KV cache
+    through FlashInfer, and with FlashInfer off only on sm90/sm100 (resolve.fp8_kv_refusal)."""
     import dataclasses
 
     from lowvram_grpo.settings.config import load_config

@@ -125,7 +125,8 @@ def phase_peaks(prof) -> list[dict]:
 
     spans = {name: sorted((e.start_ns(), e.end_ns()) for e in events if e.name() == name)
              for name in ("PHASE_generation", "PHASE_step")}
-    return [{"generation_peak_mib": round(peak(g0, g1) / MIB, 1), "loss_backward_peak_mib": round(peak(g1, s1) / MIB, 1)}
+    return [{"generation_peak_mib": round(peak(g0, g1) / MIB, 1),
+             "loss_backward_peak_mib": round(peak(g1, s1) / MIB, 1)}
             for (g0, g1), (_, s1) in zip(spans["PHASE_generation"], spans["PHASE_step"])]
 
 
@@ -179,7 +180,8 @@ def measure(case: str) -> dict:
     predicted = {
         "lora_grads": terms["lora"].bytes // 2,  # the weights exist before training
         "activations": terms["activations"].bytes,
-        "cpu_logprob_chunks": 4 * min(batch * step_seq, chunk_rows) * shape.vocab * 4,  # logits, exp, softmax, softmax x logits
+        "cpu_logprob_chunks": 4 * min(batch * step_seq, chunk_rows) * shape.vocab * 4,  # logits, exp, softmax,
+                                                                                        # softmax x logits
     }
     return {
         "case": case, "model": spec["model"], "params": shape.params, "batch": batch,
@@ -206,7 +208,8 @@ def main(argv=None) -> int:
     results = []
     for case in args.cases.split(","):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        proc = subprocess.run([sys.executable, "-m", "bench.memory_plan_check", "--one", case], capture_output=True, text=True, env=env, cwd=REPO)
+        proc = subprocess.run([sys.executable, "-m", "bench.memory_plan_check", "--one", case], capture_output=True,
+                              text=True, env=env, cwd=REPO)
         line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
         if proc.returncode != 0 or line is None:
             print(proc.stderr[-3000:], file=sys.stderr)
@@ -215,9 +218,9 @@ def main(argv=None) -> int:
         results.append(result)
         last = result["steps"][-1]
         print(f"{case}: saved activations {result['saved_activations_per_token_layer_kib']} KiB/token/layer "
-              f"(plan {result['plan_activations_per_token_layer_kib']}); last step: generation +{last['generation_peak_mib']} MiB, "
-              f"loss+backward +{last['loss_backward_peak_mib']} MiB measured vs +{result['predicted_loss_backward_total_mib']} "
-              f"MiB predicted {result['predicted_loss_backward_mib']}")
+              f"(plan {result['plan_activations_per_token_layer_kib']}); last step: generation "
+              f"+{last['generation_peak_mib']} MiB, loss+backward +{last['loss_backward_peak_mib']} MiB measured vs "
+              f"+{result['predicted_loss_backward_total_mib']} MiB predicted {result['predicted_loss_backward_mib']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")

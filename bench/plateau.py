@@ -103,8 +103,9 @@ def _prime_result(handle, eval_rows, config, args, steps: int, seconds: float, l
 
     out = prime_dir(args.root, args.seed, steps)
     numbers, texts = evaluate(handle, eval_rows, handle.plan.eval, lora_request=handle.load_lora(out / "adapter"))
-    _write(out / "result.json", {"seed": args.seed, "prime_steps": steps, "common": args.common, "prime_seconds": round(seconds, 1),
-                                 "last_loss": last_loss, "numbers": _measured(numbers) | {"protocol": numbers["protocol"]},
+    _write(out / "result.json", {"seed": args.seed, "prime_steps": steps, "common": args.common,
+                                 "prime_seconds": round(seconds, 1), "last_loss": last_loss,
+                                 "numbers": _measured(numbers) | {"protocol": numbers["protocol"]},
                                  "sample": texts[:2]})
     print(f"{out}: strict {numbers['accuracy_strict']:.3f} lenient {numbers['accuracy_lenient']:.3f} "
           f"format {numbers['format_rate']:.3f} ({seconds:.0f} s priming)", flush=True)
@@ -131,7 +132,8 @@ def prime(args) -> int:
         return 0
     from lowvram_grpo.training.priming import prime as run_priming
 
-    config, handle, train_q, eval_rows = _setup(args.preset, [*args.common, *seed_overrides(args.seed), f"prime.steps={args.steps}"])
+    config, handle, train_q, eval_rows = _setup(args.preset, [*args.common, *seed_overrides(args.seed),
+                                                               f"prime.steps={args.steps}"])
     made = []  # the checkpoints this run saved; one an earlier run left is not written again
 
     def checkpoint(done: int, seconds: float) -> None:
@@ -162,7 +164,8 @@ def measure(args) -> int:
         print(f"{out}: done already", flush=True)
         return 0
     if not (out / "trajectory.json").is_file():
-        print(f"error: {out} holds no saved checkpoint: run `python -m bench.plateau prime --seed {args.seed} --steps N "
+        print(f"error: {out} holds no saved checkpoint: "
+              f"run `python -m bench.plateau prime --seed {args.seed} --steps N "
               f"--save-at {args.steps}` (N >= {args.steps}) first", file=sys.stderr)
         return 2
     saved = _read(out / "trajectory.json")
@@ -229,8 +232,9 @@ def grpo(args) -> int:
             continue
         overrides = [*args.common, *seed_overrides(args.seed), f"train.max_steps={args.grpo_steps}",
                      f"train.save_steps={args.grpo_steps + 1}", *VARIANTS[variant]]
-        spec = {"preset": args.preset, "variant": variant, "sets": VARIANTS[variant], "seed": args.seed, "prime_steps": args.prime_steps,
-                "grpo_steps": args.grpo_steps, "overrides": overrides, "primed": str(primed / "adapter"), "out": str(out)}
+        spec = {"preset": args.preset, "variant": variant, "sets": VARIANTS[variant], "seed": args.seed,
+                "prime_steps": args.prime_steps, "grpo_steps": args.grpo_steps, "overrides": overrides,
+                "primed": str(primed / "adapter"), "out": str(out)}
         proc = subprocess.run([sys.executable, "-m", "bench.plateau", "one", json.dumps(spec)])
         if proc.returncode != 0:
             print(f"{variant} seed {args.seed} failed (exit {proc.returncode})", flush=True)
@@ -277,17 +281,21 @@ def times(args) -> int:
     from lowvram_grpo.training.priming import prime as run_priming
 
     primed = prime_dir(args.root, args.seed, args.prime_steps) / "adapter"
-    config, handle, train_q, _ = _setup(args.preset, [*args.common, *seed_overrides(args.seed), f"prime.steps={args.time_prime_steps}"])
+    config, handle, train_q, _ = _setup(args.preset, [*args.common, *seed_overrides(args.seed),
+                                                      f"prime.steps={args.time_prime_steps}"])
     started = time.perf_counter()
     priming = run_priming(handle, train_q, handle.plan.prime, log=lambda *a: None)
     total = time.perf_counter() - started  # over all steps, the first one's warm-up included
     result = {"command": "python -m bench.plateau " + " ".join(sys.argv[1:]), "common": args.common,
               "threads": __import__("torch").get_num_threads(), "prime_steps_timed": priming["steps"],
-              "prime_seconds": round(total, 2), "prime_seconds_per_step": round(total / priming["steps"], 3), "grpo": {}}
+              "prime_seconds": round(total, 2), "prime_seconds_per_step": round(total / priming["steps"], 3),
+              "grpo": {}}
     for variant in args.variants.split(","):
         with tempfile.TemporaryDirectory() as tmp:
-            spec = {"preset": args.preset, "overrides": [*args.common, *seed_overrides(args.seed), f"train.max_steps={args.time_grpo_steps}",
-                                  f"train.save_steps={args.time_grpo_steps + 1}", "eval.enabled=false", *VARIANTS[variant]],
+            spec = {"preset": args.preset, "overrides": [*args.common, *seed_overrides(args.seed),
+                                                         f"train.max_steps={args.time_grpo_steps}",
+                                                         f"train.save_steps={args.time_grpo_steps + 1}",
+                                                         "eval.enabled=false", *VARIANTS[variant]],
                     "primed": str(primed), "out": tmp}
             proc = subprocess.run([sys.executable, "-m", "bench.plateau", "one-time", json.dumps(spec)],
                                   capture_output=True, text=True)
@@ -297,9 +305,11 @@ def times(args) -> int:
             continue
         steps = json.loads(proc.stdout.strip().splitlines()[-1])["grpo_step_seconds"]
         median = statistics.median(steps[1:])  # the first step pays one-time costs (kernels, caches)
-        result["grpo"][variant] = {"step_seconds": [round(s, 2) for s in steps], "median_seconds_per_step": round(median, 3),
+        result["grpo"][variant] = {"step_seconds": [round(s, 2) for s in steps],
+                                   "median_seconds_per_step": round(median, 3),
                                    "ratio_to_priming_step": round(median / result["prime_seconds_per_step"], 3)}
-        print(f"{variant}: {median:.2f} s per GRPO step, {result['grpo'][variant]['ratio_to_priming_step']:.2f} priming steps",
+        print(f"{variant}: {median:.2f} s per GRPO step, "
+              f"{result['grpo'][variant]['ratio_to_priming_step']:.2f} priming steps",
               flush=True)
     args.times_out.parent.mkdir(parents=True, exist_ok=True)
     _write(args.times_out, result)
@@ -331,7 +341,8 @@ def equal_time_steps(times_data, variant: str, primed: dict, result: dict) -> tu
 
 def measured_primings(root: Path, seed: int) -> list[int]:
     """The step counts of `seed`'s primings that have a result.json, ascending."""
-    names = (d.name.removeprefix("prime-") for d in (root / f"seed-{seed}").glob("prime-*") if (d / "result.json").is_file())
+    names = (d.name.removeprefix("prime-") for d in (root / f"seed-{seed}").glob("prime-*")
+             if (d / "result.json").is_file())
     return sorted(int(name) for name in names if name.isdigit())
 
 
@@ -344,7 +355,8 @@ def nearest_measured_at_or_above(root: Path, seed: int, steps: int) -> tuple[int
 
 def table(args) -> int:
     times_data = _read(args.times_out)
-    lines = ["| seed | variant | primed (prime steps) | after GRPO | GRPO's change, paired (newly right/wrong, McNemar p) "
+    lines = ["| seed | variant | primed (prime steps) | after GRPO | "
+             "GRPO's change, paired (newly right/wrong, McNemar p) "
              "| prime-only, equal time (steps) | after GRPO - prime-only, paired |", "|---|---|---|---|---|---|---|"]
     for seed in [int(s) for s in args.seeds.split(",")]:
         primed = _read(prime_dir(args.root, seed, args.prime_steps) / "result.json")
@@ -365,13 +377,15 @@ def table(args) -> int:
                 else:
                     equal = f"not run ({n} steps, from {source})"
                 lines.append(f"| {seed} | {variant} ({label}) | {_acc(primed['numbers'], key)} ({args.prime_steps}) | "
-                             f"**{_acc(result['numbers'], key)}** | {_paired(primed['numbers'], result['numbers'], key)} | "
+                             f"**{_acc(result['numbers'], key)}** | "
+                             f"{_paired(primed['numbers'], result['numbers'], key)} | "
                              f"{equal} | {versus} |")
     lines += ["", "| seed | priming steps | strict | lenient | format | priming s |", "|---|---|---|---|---|---|"]
     for seed in [int(s) for s in args.seeds.split(",")]:  # the priming curve: where its plateau is
         measured = [_read(prime_dir(args.root, seed, n) / "result.json") for n in measured_primings(args.root, seed)]
         lines += [f"| {seed} | {r['prime_steps']} | {_acc(r['numbers'], 'accuracy_strict')} | "
-                  f"{_acc(r['numbers'], 'accuracy_lenient')} | {r['numbers']['format_rate']:.3f} | {r['prime_seconds']} |"
+                  f"{_acc(r['numbers'], 'accuracy_lenient')} | {r['numbers']['format_rate']:.3f} | "
+                  f"{r['prime_seconds']} |"
                   for r in measured]
     print("\n".join(lines))
     return 0
@@ -386,9 +400,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=3407)
     parser.add_argument("--seeds", default="3407,1,2")
     parser.add_argument("--steps", type=int, default=200, help="prime: priming steps")
-    parser.add_argument("--save-at", default="", metavar="N,N", help="prime: also save the adapter at these step counts")
-    parser.add_argument("--measure-at", default="", metavar="N,N", help="prime: also save and measure at these step counts")
-    parser.add_argument("--prime-steps", type=int, default=200, help="grpo/times/table: the primed adapter to start from")
+    parser.add_argument("--save-at", default="", metavar="N,N",
+                        help="prime: also save the adapter at these step counts")
+    parser.add_argument("--measure-at", default="", metavar="N,N",
+                        help="prime: also save and measure at these step counts")
+    parser.add_argument("--prime-steps", type=int, default=200,
+                        help="grpo/times/table: the primed adapter to start from")
     parser.add_argument("--grpo-steps", type=int, default=48)
     parser.add_argument("--variants", default="default")
     parser.add_argument("--set", dest="common", action="append", default=[], metavar="KEY=VALUE",

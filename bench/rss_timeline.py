@@ -105,7 +105,8 @@ def main(argv=None) -> int:
                                       "paired_changes")}
     write_report(args.out, record)
     print(f"peak {record['peak_gib']} GiB, set in phase {record['peak_set_in']!r}; per phase (max RSS MiB, high-water "
-          f"rise MiB): " + ", ".join(f"{k} {v['max_rss_mib']}/{v['hwm_rise_mib']}" for k, v in record["phases"].items()))
+          f"rise MiB): " + ", ".join(f"{k} {v['max_rss_mib']}/{v['hwm_rise_mib']}"
+                                     for k, v in record["phases"].items()))
     return 0 if record["returncode"] == 0 else 1
 
 

@@ -44,7 +44,8 @@ def row_of(run: Path) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| seed | | before | primed | after GRPO | GRPO's own change, paired (newly right/wrong, McNemar p) | prime-only, same time |",
+    lines = ["| seed | | before | primed | after GRPO | GRPO's own change, paired (newly right/wrong, McNemar p) "
+             "| prime-only, same time |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         s, b = r["summary"], r["baseline"]
@@ -82,8 +83,9 @@ def main(argv=None) -> int:
             "total_seconds": r["summary"]["total_seconds"], "steps": r["summary"]["steps"],
             **{c: {k: r["summary"][c][k] for k in keep} for c in ("before", "primed", "after")},
             **{f"paired_{k}": paired_change(r["summary"]["primed"], r["summary"]["after"], k) for k in KEYS},
-            "prime_only": ({k: r["baseline"]["prime_only"][k] for k in keep} | {"steps": r["baseline"]["priming"]["steps"],
-                           "budget_seconds": r["baseline"]["budget_seconds"]}) if r["baseline"] else None}
+            "prime_only": ({k: r["baseline"]["prime_only"][k] for k in keep}
+                           | {"steps": r["baseline"]["priming"]["steps"],
+                              "budget_seconds": r["baseline"]["budget_seconds"]}) if r["baseline"] else None}
            for r in rows]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"command": "python -m bench.seeds_table " + " ".join(map(str, args.runs)),

@@ -90,7 +90,8 @@ def seed_records(out: Path = OUT) -> list[dict]:
 
 def table(records: list[dict]) -> str:
     lines = ["| seed | column | with the tool, strict [95 % CI] | calls per answer / answers with calls / ran | "
-             "format | without the tool, strict | with the tool vs without (right/wrong, p) |", "|---|---|---|---|---|---|---|"]
+             "format | without the tool, strict | with the tool vs without (right/wrong, p) |",
+             "|---|---|---|---|---|---|---|"]
     for r in records:
         run, plain = r.get("run"), r.get("without_tools")
         if run is None:
@@ -112,7 +113,8 @@ def table(records: list[dict]) -> str:
 
 
 def _sum(pairs: list) -> tuple[int, int, float]:
-    """Paired changes of several seeds added up (each seed's questions counted once per seed), McNemar's p on the sums."""
+    """Paired changes of several seeds added up (each seed's questions counted once per seed), McNemar's p on the
+    sums."""
     gained, lost = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
     return gained, lost, mcnemar_p(gained, lost)
 
@@ -131,8 +133,9 @@ def _pooled(records: list[dict]) -> list[str]:
                     f"{mean(calls):.2f} calls per answer (mean) | {mean([c['format_rate'] for c in cols]):.3f} | "
                     f"{mean([c['accuracy_strict'] for c in plain]):.3f} (mean) | "
                     f"{paired_cell(_sum([r['without_tools']['tool_vs_none'][key] for r in records]))} |")
-    rows.append(f"| {n} seeds | GRPO: primed -> after | {paired_cell(_sum([r['run']['grpo']['accuracy_strict'] for r in records]))}"
-                f" | | | {paired_cell(_sum([r['without_tools']['grpo_without_tools'] for r in records]))} | |")
+    rows.append(f"| {n} seeds | GRPO: primed -> after | "
+                f"{paired_cell(_sum([r['run']['grpo']['accuracy_strict'] for r in records]))} | | | "
+                f"{paired_cell(_sum([r['without_tools']['grpo_without_tools'] for r in records]))} | |")
     return rows
 
 

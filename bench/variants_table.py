@@ -129,8 +129,9 @@ def table(records: list[dict]) -> str:
             vs_default = "" if name == "default" else paired_cell(v["vs_default"]["accuracy_strict"])
             extra = v.get("extra_rollouts")
             lines.append(f"| {r['seed']} | {v['label']} | {accuracy_cell(v['after'], 'accuracy_strict')} | "
-                         f"{paired_cell(v['vs_primed']['accuracy_strict'])} | {vs_default} | {v['after']['format_rate']:.3f} | "
-                         f"{v['train_seconds']:.0f} ({v['steps']}) | {'' if extra is None else int(extra)} |")
+                         f"{paired_cell(v['vs_primed']['accuracy_strict'])} | {vs_default} | "
+                         f"{v['after']['format_rate']:.3f} | {v['train_seconds']:.0f} ({v['steps']}) | "
+                         f"{'' if extra is None else int(extra)} |")
     return "\n".join(lines)
 
 
@@ -144,7 +145,8 @@ def main(argv=None) -> int:
         only = tuple(n for n in args.only.split(",") if n)
         unknown = [n for n in only if n not in ("default", "control", *VARIANTS)]
         if unknown:
-            parser.error(f"--only: unknown variant {unknown[0]!r}; choose among default, control, {', '.join(VARIANTS)}")
+            parser.error(
+                f"--only: unknown variant {unknown[0]!r}; choose among default, control, {', '.join(VARIANTS)}")
         run_seed(args.seed, args.root, only)
         return 0
     records = [json.loads(p.read_text()) for p in sorted(OUT.glob("seed-*.json"))]

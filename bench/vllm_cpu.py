@@ -249,8 +249,10 @@ def child(variant: str, args) -> dict:
             result["engine_cpu_s_during_training"] = engine_cpu.seconds
             result["engine_sampling_wall_s"] = round(sum(sampling_seconds), 2)
             result["engine_threads"] = engine.settings.cpu_threads or len(os.sched_getaffinity(0))
-            result["sampling_logp_difference_mean"] = [round(r["sampling/sampling_logp_difference/mean"], 4) for r in logs]
-            result["importance_sampling_ratio_mean"] = [round(r["sampling/importance_sampling_ratio/mean"], 4) for r in logs]
+            result["sampling_logp_difference_mean"] = [round(r["sampling/sampling_logp_difference/mean"], 4)
+                                                       for r in logs]
+            result["importance_sampling_ratio_mean"] = [round(r["sampling/importance_sampling_ratio/mean"], 4)
+                                                        for r in logs]
             result["adapter_sync_s"] = [round(s, 3) for s in engine.stats.sync_seconds]
         if handle is not None:  # held-out answers with the trained adapter, through this variant's engine
             from lowvram_grpo.task.data import load_questions, to_prompt_rows
@@ -261,8 +263,10 @@ def child(variant: str, args) -> dict:
             adapter = handle.save_lora(Path(tempfile.mkdtemp(prefix="bench-adapter-")) / "adapter")
             t0 = time.perf_counter()
             scores, texts = evaluate(handle, rows, handle.plan.eval, lora_request=handle.load_lora(adapter))
-            result["heldout"] = {"seconds": round(time.perf_counter() - t0, 2), **{k: round(v, 3) if isinstance(v, float) else v for k, v in scores.items()},
-                                 "answers": [{"question": r["prompt"][-1]["content"], "gold": r["answer"], "answer": t[:300]}
+            result["heldout"] = {"seconds": round(time.perf_counter() - t0, 2),
+                                 **{k: round(v, 3) if isinstance(v, float) else v for k, v in scores.items()},
+                                 "answers": [{"question": r["prompt"][-1]["content"], "gold": r["answer"],
+                                              "answer": t[:300]}
                                              for r, t in zip(rows, texts)]}
         if engine is not None:
             try:
@@ -281,7 +285,8 @@ def child(variant: str, args) -> dict:
 def table(results: dict) -> str:
     ref = results.get("transformers")
     trl = results.get("trl")
-    lines = ["| variant | s/step | generate | sync | rewards | log-probs (no grad) | forward | backward | peak RSS MB (all) "
+    lines = ["| variant | s/step | generate | sync | rewards | log-probs (no grad) | forward | backward "
+             "| peak RSS MB (all) "
              "| peak PSS MB (all) | time vs transformers | time vs TRL | PSS vs transformers | PSS vs TRL |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():

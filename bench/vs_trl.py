@@ -269,7 +269,8 @@ def child(variant: str, args) -> dict:
     trainer.train()
     steps = clock.steps[1:] or clock.steps  # the first step warms up allocators and caches
     median = {key: round(statistics.median(s[key] for s in steps), 3) for key in ("step",) + PARTS}
-    lengths = [row.get("completions/mean_length") for row in trainer.state.log_history if "completions/mean_length" in row]
+    lengths = [row.get("completions/mean_length") for row in trainer.state.log_history
+               if "completions/mean_length" in row]
     gaps = [row for row in trainer.state.log_history[1:] if GAP_MEAN in row]  # the counted steps' (the first warms up)
     return {
         "step_s": median["step"],
@@ -283,7 +284,8 @@ def child(variant: str, args) -> dict:
         "sample_completions": samples,  # the first completion of each step: is the sampling sane?
         "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
         "optim": str(trainer.args.optim),
-        "weights_dtype": str(next(getattr(trainer.model, "get_base_model", lambda: trainer.model)().parameters()).dtype).replace("torch.", ""),
+        "weights_dtype": str(next(getattr(trainer.model, "get_base_model", lambda: trainer.model)()
+                                  .parameters()).dtype).replace("torch.", ""),
         "lora_dtype": next((str(p.dtype).replace("torch.", "") for n, p in trainer.model.named_parameters()
                             if "lora_" in n), None),
         "bf16_autocast": bool(trainer.args.bf16),
@@ -318,8 +320,10 @@ def table(results: dict) -> str:
         mem_ratio = f"{r['peak_rss_mb'] / trl['peak_rss_mb']:.2f}x" if trl else "-"
         gap = r.get("sampler_gap")
         gap = f"{gap['mean_abs_logp_difference']:.4f} / {gap['max_abs_logp_difference']:.3f}" if gap else "-"
-        lines.append(f"| {name} | {r['step_s']:.2f} | {p['generate']:.2f} | {p['rewards']:.3f} | {p['logps_nograd']:.2f} "
-                     f"| {p['forward']:.2f} | {p['backward']:.2f} | {p.get('optimizer', 0):.3f} | {r['peak_rss_mb']:.0f} "
+        lines.append(f"| {name} | {r['step_s']:.2f} | {p['generate']:.2f} | {p['rewards']:.3f} "
+                     f"| {p['logps_nograd']:.2f} "
+                     f"| {p['forward']:.2f} | {p['backward']:.2f} | {p.get('optimizer', 0):.3f} "
+                     f"| {r['peak_rss_mb']:.0f} "
                      f"| {time_ratio} | {mem_ratio} | {gap} |")
     return "\n".join(lines)
 

@@ -79,7 +79,8 @@ def read_run(run_dir: Path) -> tuple:
         raise RunDirError(f"{run_dir} has no config.yaml and summary.json: give the --output-dir of a finished run")
     summary = folder.read_summary()
     if summary.get("status") != "complete" or not summary.get("after"):
-        raise RunDirError(f"{run_dir} is not a finished run with before/after numbers (status {summary.get('status')!r})")
+        raise RunDirError(f"{run_dir} is not a finished run with before/after numbers "
+                          f"(status {summary.get('status')!r})")
     return folder.read_config(), summary
 
 
@@ -127,7 +128,8 @@ def run_baseline(run_dir: Path, steps: Optional[int] = None, backend: str = "aut
     hf_logging.set_verbosity_error()
     max_seconds = None if steps is not None else budget
     log(f"prime-only baseline for {run_dir}: " + (f"{steps} priming steps" if steps is not None else
-        f"priming for {budget:.0f} s (the run's priming {summary['priming']['seconds'] if summary.get('priming') else 0} s "
+        f"priming for {budget:.0f} s "
+        f"(the run's priming {summary['priming']['seconds'] if summary.get('priming') else 0} s "
         f"+ GRPO {summary['train_seconds']} s)"))
     priming = prime(handle, train_questions, resolved.plan.prime, log, max_seconds=max_seconds)
     if not priming["steps"]:
@@ -150,7 +152,8 @@ def run_baseline(run_dir: Path, steps: Optional[int] = None, backend: str = "aut
     record_control(run_dir, "prime-only", {
         "label": "prime-only baseline", "folder": CONTROL_FOLDER["prime-only"],
         "headline": "What GRPO added beyond priming alone for the same wall time",
-        "about": f"Priming alone for the run's training time: {priming['steps']} priming steps in {priming['seconds']} s "
+        "about": f"Priming alone for the run's training time: {priming['steps']} priming steps "
+                 f"in {priming['seconds']} s "
                  f"(budget {budget:.0f} s), files in `{CONTROL_FOLDER['prime-only']}/`.",
         "definition": "a fresh LoRA primed (supervised, the run's priming settings) for the run's priming + GRPO wall "
                       "time" if steps is None else f"a fresh LoRA primed for {steps} steps",
@@ -181,7 +184,8 @@ def random_ranges(run_dir: Path, config) -> dict[str, tuple[float, float]]:
             ranges[name] = known
             continue
         key = f"rewards/{logged_name(name)}"
-        spans = [(row[f"{key}/mean"] - (row.get(f"{key}/std") or 0.0), row[f"{key}/mean"] + (row.get(f"{key}/std") or 0.0))
+        spans = [(row[f"{key}/mean"] - (row.get(f"{key}/std") or 0.0),
+                  row[f"{key}/mean"] + (row.get(f"{key}/std") or 0.0))
                  for row in rows if isinstance(row.get(f"{key}/mean"), (int, float))]
         ranges[name] = (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else (0.0, 1.0)
     return ranges
@@ -241,7 +245,8 @@ def _run_control(run_dir: Path, control: str, backend: str, log) -> dict:
             grpo.save()
             numbers = grpo.measure("after", grpo.adapter_dir)
         steps, seconds = grpo.trainer.state.global_step, round(grpo.train_seconds, 2)
-        result = {"status": "complete", "control": control, "of_run": str(run_dir), "definition": RANDOM_REWARD_DEFINITION,
+        result = {"status": "complete", "control": control, "of_run": str(run_dir),
+                  "definition": RANDOM_REWARD_DEFINITION,
                   "start": started_from, "random_ranges": {k: list(v) for k, v in ranges.items()}, "steps": steps,
                   "train_seconds": seconds, "backend": grpo.resolved.backend, "control_random_reward": numbers,
                   "paired": paired_against(numbers, summary["after"]),
@@ -257,7 +262,8 @@ def _run_control(run_dir: Path, control: str, backend: str, log) -> dict:
             "definition": RANDOM_REWARD_DEFINITION, "steps": steps, "train_seconds": seconds, "numbers": numbers}, log)
         return result
     except (Interrupted, KeyboardInterrupt) as exc:
-        signum = getattr(exc, "signum", None) or stops.received() or (getattr(exc, "exit_code", 130) - 128) or signal.SIGINT
+        signum = (getattr(exc, "signum", None) or stops.received() or (getattr(exc, "exit_code", 130) - 128)
+                  or signal.SIGINT)
         raise stops.StopRequested(signum, f"stopped by {stops.name(signum)} during the random-reward control of "
                                           f"{run_dir}: the run is unchanged, and the control's partial files in {out} "
                                           f"are replaced when it runs again: {stops.same_command()}") from None
@@ -272,7 +278,8 @@ def main(argv=None) -> int:
                      description="Priming alone for the same wall time as a finished GRPO run, or (--control "
                                  "random-reward) the run's GRPO again with random rewards.")
     parser.add_argument("run_dir", type=Path, help="the --output-dir of a finished python -m lowvram_grpo.run")
-    parser.add_argument("--steps", type=int, help="prime exactly this many steps instead of for the run's training time")
+    parser.add_argument("--steps", type=int,
+                        help="prime exactly this many steps instead of for the run's training time")
     parser.add_argument("--control", choices=CONTROLS,
                         help="instead of the prime-only baseline: random-reward = the run's GRPO again from the same "
                              "start with every reward replaced by random values, measured the same way")

@@ -98,7 +98,8 @@ from lowvram_grpo.settings.resolve import DECODE_GRAPHS_ENV, decode_graphs_envir
 from lowvram_grpo.settings.toolchain import toolchain_lines
 from lowvram_grpo.settings.unsloth_sizing import vllm_budget
 
-FILES_PER_SAVE = 10 * 2 ** 20  # the tokenizer, RNG and trainer state saved beside each adapter (Llama 3's tokenizer.json: 9 MB)
+# the tokenizer, RNG and trainer state saved beside each adapter (Llama 3's tokenizer.json: 9 MB)
+FILES_PER_SAVE = 10 * 2 ** 20
 GPU_ONLY_MODULES = tuple(m for m in GPU_MODULES if m not in CPU_MODULES)
 PROBE_MARK = "lowvram-doctor-probe "
 VLLM_BNB_PROBE = "+vllm-bitsandbytes"  # a probe step, not a module: vLLM's plugins loaded, "bitsandbytes" listed
@@ -198,15 +199,18 @@ def module_lines(modules: list[tuple[str, str]], install_set: InstallSet, runnab
     """A line per module: version, found or not, imported or not. Missing is a blocker; a failed import is
     one too where the run could start here (on a machine without CUDA a GPU run's modules may need a GPU)."""
     found = {m: find_module(m) for m, _ in modules}
-    probed = {} if quick else probe_imports([m for m, _ in modules if found[m]] + ([VLLM_BNB_PROBE] if vllm_bitsandbytes and
-                                                                                   found.get("vllm_bnb_plugin") else []))
-    how = "found with find_spec (--quick: not imported)" if quick else "imported in a fresh interpreter, in the run's order"
+    probed = {} if quick else probe_imports(
+        [m for m, _ in modules if found[m]]
+        + ([VLLM_BNB_PROBE] if vllm_bitsandbytes and found.get("vllm_bnb_plugin") else []))
+    how = ("found with find_spec (--quick: not imported)" if quick
+           else "imported in a fresh interpreter, in the run's order")
     lines = [_note(f"modules this run imports ({how}):")]
     for module, why in modules:
         version = module_version(module) or "?"
         pin = install_set.pins.get(normalize(DISTRIBUTION_OF.get(module, module)))
         if not found[module]:
-            fix = f"pip install {normalize(DISTRIBUTION_OF.get(module, module))}=={pin}" if pin else install_set.install_hint()
+            fix = (f"pip install {normalize(DISTRIBUTION_OF.get(module, module))}=={pin}" if pin
+                   else install_set.install_hint())
             if module in GPU_ONLY_MODULES and install_set.name == "cpu":
                 fix = f"it is part of the GPU set: on a machine with an NVIDIA GPU, pip {GPU_COMMANDS[0]}"
             lines.append(_block(f"{module}: not installed ({why})", fix))
@@ -226,7 +230,8 @@ def module_lines(modules: list[tuple[str, str]], install_set: InstallSet, runnab
         if result["ok"]:
             lines.append(_ok("vLLM lists the 'bitsandbytes' quantization once its plugins load (vllm-bnb-plugin)"))
         elif runnable_here:
-            lines.append(_block(f"vLLM cannot serve the 4-bit base: {result['error']}", "pip install vllm-bnb-plugin==" +
+            lines.append(_block(f"vLLM cannot serve the 4-bit base: {result['error']}",
+                                "pip install vllm-bnb-plugin==" +
                                 install_set.pins.get("vllm-bnb-plugin", "0.0.3")))
         else:
             lines.append(_note(f"vLLM's bitsandbytes plugin could not be checked here: {result['error']}"))
@@ -246,7 +251,8 @@ def plan_lines(resolved, facts: CudaFacts) -> list[Line]:
     free = card.free_bytes / GIB
     config = with_settings(resolved.config, {"memory.vram_gb": None})
     util = config.memory.gpu_memory_utilization
-    vllm = resolved.generation == "unsloth_vllm"  # our own engine (generation vllm) sizes itself: memory_plan_terms.engine_*
+    # our own engine (generation vllm) sizes itself: memory_plan_terms.engine_*
+    vllm = resolved.generation == "unsloth_vllm"
     planned = resolve(config, with_memory(resolved.hardware, round(free, 2)), resolved.requested_backend,
                       resolved.num_processes)
     try:
@@ -264,7 +270,8 @@ def plan_lines(resolved, facts: CudaFacts) -> list[Line]:
                          f"{free - p.total_gb:.1f} GiB to spare"))
     else:
         changes = [(s.key, s.value) for s in p.suggestions]
-        sets = " ".join(f"--set {key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in changes)
+        sets = " ".join(
+            f"--set {key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in changes)
         if not p.suggestions:
             fix = f"no settings of this preset fit ({p.no_fit_reason}): pick a smaller model"
         elif vllm:
@@ -279,8 +286,9 @@ def plan_lines(resolved, facts: CudaFacts) -> list[Line]:
         engine_util = engine_gpu_memory_utilization(p.shape, planned, card.total_bytes / GIB)
         demand = engine_util * card.total_bytes + p.terms["weights"].bytes + p.terms["cuda"].bytes
         if demand > card.free_bytes:
-            lines.append(_block(f"the vLLM engine asks for {engine_util:g} x {card.total_bytes / GIB:.1f} GiB free at start "
-                                f"({demand / GIB:.1f} GiB with the trainer loaded before it), {free:.1f} GiB are free",
+            lines.append(_block(f"the vLLM engine asks for {engine_util:g} x {card.total_bytes / GIB:.1f} GiB free at "
+                                f"start ({demand / GIB:.1f} GiB with the trainer loaded before it), {free:.1f} GiB are "
+                                "free",
                                 "lower memory.vllm_kv_cache_gb or eval.batch_size, set model.generation=transformers, "
                                 "or free the GPU"))
     return lines
@@ -292,16 +300,19 @@ def vllm_length_lines(resolved, shape, card: Card) -> list[Line]:
 
     config = resolved.config
     budget = vllm_budget(shape, config.memory.gpu_memory_utilization, card.free_bytes, card.total_bytes,
-                         config.model.max_seq_length, resolved.vllm_max_lora_rank or config.lora.r, resolved.load_in_4bit)
+                         config.model.max_seq_length, resolved.vllm_max_lora_rank or config.lora.r,
+                         resolved.load_in_4bit)
     need = config.train.rollout_tokens
-    text = (f"vLLM starts with gpu_memory_utilization {budget.utilization:.3f} ({budget.share_bytes / GIB:.1f} GiB) and "
-            f"max_model_len {budget.max_model_len} (unsloth_zoo's KV-cache estimate holds {budget.kv_tokens} tokens)")
+    text = (f"vLLM starts with gpu_memory_utilization {budget.utilization:.3f} ({budget.share_bytes / GIB:.1f} GiB) "
+            f"and max_model_len {budget.max_model_len} (unsloth_zoo's KV-cache estimate holds {budget.kv_tokens} "
+            "tokens)")
     if budget.max_model_len >= need:
         return [_ok(text)]
     return [_warn(f"{text}: below train.max_prompt_length + train.max_completion_length = {need}, so longer rollouts "
                   f"are cut at {budget.max_model_len} tokens and a longer prompt is refused",
                   "raise memory.gpu_memory_utilization or free the GPU" + (
-                      f", or lower train.max_completion_length to {budget.max_model_len - config.train.max_prompt_length}"
+                      ", or lower train.max_completion_length to "
+                      f"{budget.max_model_len - config.train.max_prompt_length}"
                       if budget.max_model_len > config.train.max_prompt_length else ""))]
 
 
@@ -387,7 +398,8 @@ def disk_lines(resolved, output_dir: Path) -> list[Line]:
     for where, items in needs.items():
         free = shutil.disk_usage(where).free
         total = sum(size for size, _ in items)
-        text = f"disk: {' + '.join(f'{size / GIB:.1f} GiB for {label}' for size, label in items)}; {free / GIB:.1f} GiB free there"
+        text = (f"disk: {' + '.join(f'{size / GIB:.1f} GiB for {label}' for size, label in items)}; "
+                f"{free / GIB:.1f} GiB free there")
         lines.append(_ok(text) if free >= total else _block(text, f"free {(total - free) / GIB:.1f} GiB, or set "
                                                                    "HF_HOME / --output-dir to a larger disk"))
     return lines
@@ -473,14 +485,16 @@ def diagnose(preset: Optional[str], overrides: list[str], backend: str = "auto",
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="lowvram-grpo doctor", description="Check this machine for a run before it starts: the "
-                       "installed set against its pins, the modules the run imports, torch's CUDA build and the driver, "
-                       "the card and its free memory, the run's settings and memory plan, disk. Exit 0: it can start; "
-                       "2: the blockers, each with its fix.")
+                       "installed set against its pins, the modules the run imports, torch's CUDA build and the "
+                       "driver, the card and its free memory, the run's settings and memory plan, disk. Exit 0: it can "
+                       "start; 2: the blockers, each with its fix.")
     p.add_argument("--preset", help="the preset to check (default: the one `lowvram-grpo` runs here without --preset)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a setting the run will be given (repeatable), as for the run")
-    p.add_argument("--backend", default="auto", choices=["auto", "unsloth", "hf"], help="the backend the run will be given")
-    p.add_argument("--output-dir", type=Path, help="where the run will write (disk space is checked there; default outputs/)")
+    p.add_argument("--backend", default="auto", choices=["auto", "unsloth", "hf"],
+                   help="the backend the run will be given")
+    p.add_argument("--output-dir", type=Path,
+                   help="where the run will write (disk space is checked there; default outputs/)")
     p.add_argument("--quick", action="store_true", help="find the modules without importing them (faster; misses "
                    "modules that are installed but fail to import)")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")

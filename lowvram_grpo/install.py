@@ -2,7 +2,8 @@
 
 `install_plan(fit)` lists the modules of the install set that fits the driver (driver_fit.fit_install: nvidia-smi's
 CUDA version -> requirements.txt for CUDA 13, requirements-cuda12.txt for CUDA 12, requirements-cuda126.txt where GPU 0
-is below sm75 (a P100, a V100), the CPU set without a usable driver or a card no torch 2.13 build has kernels for) that are missing, and the pip commands that install that set. Every module the set provides is checked,
+is below sm75 (a P100, a V100), the CPU set without a usable driver or a card no torch 2.13 build has kernels for)
+that are missing, and the pip commands that install that set. Every module the set provides is checked,
 not a few: a GPU machine with torch and transformers but no unsloth, vLLM or bitsandbytes (a Colab runtime, say)
 still needs the GPU set. Imports nothing heavy (it runs before anything is installed).
 

@@ -234,6 +234,7 @@ def assert_same_adapter(expected_dir: Path, got_dir: Path, atol: float = 0.0, wh
     got = load_file(str(Path(got_dir) / "adapter_model.safetensors"))
     assert expected.keys() == got.keys()
     for name in expected:
-        same = torch.equal(got[name], expected[name]) if atol == 0 else torch.allclose(got[name], expected[name], atol=atol, rtol=0)
+        same = (torch.equal(got[name], expected[name]) if atol == 0
+                else torch.allclose(got[name], expected[name], atol=atol, rtol=0))
         assert same, name
     assert any(torch.count_nonzero(v) for k, v in got.items() if "lora_B" in k), f"{what} moved nothing"

@@ -3,8 +3,8 @@
     python tests/inject_failures.py FAILURE CLI-ARGS...     (run from the repository root)
 
 FAILURE is one of:
-- `oom-training`:   torch.cuda.OutOfMemoryError raised by a decoder layer's (or the rotary module's) forward in a training step
-                    (gradients on, inside Trainer.train, not generating), once a checkpoint exists;
+- `oom-training`:   torch.cuda.OutOfMemoryError raised by a decoder layer's (or the rotary module's) forward in a
+                    training step (gradients on, inside Trainer.train, not generating), once a checkpoint exists;
 - `oom-rollout`:    the same error while TRL generates the rollouts (inside Trainer.train, inside
                     `generate`), once a checkpoint exists;
 - `oom-evaluation`: the same error while the trained adapter is measured (generating after training);
@@ -108,7 +108,8 @@ def install(failure: str, output_dir: Path) -> None:
 
     def due() -> bool:
         if failure == "oom-training":
-            return state["training"] and not state["generating"] and torch.is_grad_enabled() and _has_checkpoint(output_dir)
+            return (state["training"] and not state["generating"] and torch.is_grad_enabled()
+                    and _has_checkpoint(output_dir))
         if failure == "oom-rollout":
             return state["training"] and state["generating"] and _has_checkpoint(output_dir)
         return state["trained"] and not state["training"] and state["generating"]

@@ -249,7 +249,8 @@ class PinnedWheels:
         self.wheels = dict(wheels)
 
     @classmethod
-    def fetch(cls, names: Iterable[str], requirements: Path = REQUIREMENTS, cache: Optional[Path] = None) -> "PinnedWheels":
+    def fetch(cls, names: Iterable[str], requirements: Path = REQUIREMENTS,
+              cache: Optional[Path] = None) -> "PinnedWheels":
         pins = read_pins(requirements)
         wheels = {}
         for name in names:
@@ -320,7 +321,8 @@ class PinnedWheels:
     def _exports(self, wheel: Wheel, member: str, name: str) -> bool:
         """Would `from module import *` bind `name`? (`__all__` if it is a literal list, else public names.)"""
         for node in top_level_statements(wheel.tree(member).body):
-            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
+                                                    for t in node.targets):
                 try:
                     return name in ast.literal_eval(node.value)
                 except ValueError:

@@ -124,8 +124,8 @@ def inject(toolkit: Path) -> dict:
         assert fast_inference
         zoo.load_vllm(model_name=model_name, config=AutoConfig.from_pretrained(model_name),
                       gpu_memory_utilization=gpu_memory_utilization, max_seq_length=max_seq_length, dtype=dtype,
-                      float8_kv_cache=float8_kv_cache, enable_lora=True, max_lora_rank=max_lora_rank, disable_log_stats=True,
-                      use_bitsandbytes=load_in_4bit, unsloth_vllm_standby=False, fp8_mode=None)
+                      float8_kv_cache=float8_kv_cache, enable_lora=True, max_lora_rank=max_lora_rank,
+                      disable_log_stats=True, use_bitsandbytes=load_in_4bit, unsloth_vllm_standby=False, fp8_mode=None)
         raise AssertionError("the engine stand-in stops every load")
 
     unsloth.FastLanguageModel.from_pretrained = staticmethod(gpu_loader)

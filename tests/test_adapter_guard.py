@@ -1,5 +1,5 @@
-"""The rollouts against the adapter and the base on every generation path a CPU runs, and the guard that catches rollouts
-that ignore the adapter (issue 66), each a real tiny run.
+"""The rollouts against the adapter and the base on every generation path a CPU runs, and the guard that catches
+rollouts that ignore the adapter (issue 66), each a real tiny run.
 
 Every GRPO step (train.adapter_check_every=1) the sampled tokens are scored under the adapter and under the base (the
 adapter disabled): sampling/adapter_minus_base_logp/mean on every path, whether or not the importance-sampling

@@ -20,7 +20,8 @@ from lowvram_grpo.settings.resolve import choose_host_allocator, resolve
 pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
 
 LIBRARY = allocator.mimalloc_library()
-needs_mimalloc = pytest.mark.skipif(LIBRARY is None, reason="cmeel-mimalloc is not installed (requirements-cpu-nodeps.txt)")
+needs_mimalloc = pytest.mark.skipif(LIBRARY is None,
+                                    reason="cmeel-mimalloc is not installed (requirements-cpu-nodeps.txt)")
 FAKE = "/opt/lib/libmimalloc.so"
 
 
@@ -42,7 +43,8 @@ def test_mimalloc_asked_without_the_wheel_is_refused_with_the_fix():
     with pytest.raises(ResolveError) as err:
         resolve(config, _with(PROFILES["cpu"], None))
     assert err.value.exit_code == 2
-    assert "pip install --no-deps cmeel-mimalloc==3.4.3" in str(err.value) and "memory.host_allocator=auto" in str(err.value)
+    assert ("pip install --no-deps cmeel-mimalloc==3.4.3" in str(err.value)
+            and "memory.host_allocator=auto" in str(err.value))
 
 
 def test_the_decision_is_in_the_resolved_settings():
@@ -97,8 +99,9 @@ _RESTART = textwrap.dedent("""
         allocator.restart_with(allocator.mimalloc_library(), [sys.executable, "-c", sys.argv[1], sys.argv[1]])
         print(json.dumps({"restarted": False}))
     else:
-        child = subprocess.run([sys.executable, "-c", "from lowvram_grpo.core import allocator; print(allocator.active())"],
-                               capture_output=True, text=True, check=True).stdout.strip()
+        child = subprocess.run(
+            [sys.executable, "-c", "from lowvram_grpo.core import allocator; print(allocator.active())"],
+            capture_output=True, text=True, check=True).stdout.strip()
         print(json.dumps({"restarted": True, "active": allocator.active(), "release": allocator.release(),
                           "ld_preload": os.environ.get("LD_PRELOAD"), "child": child}))
 """)
@@ -111,7 +114,8 @@ def test_restart_with_runs_the_same_command_on_mimalloc_and_its_children_on_the_
                           timeout=120, env={**os.environ, "LD_PRELOAD": user_preload})
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out == {"restarted": True, "active": "mimalloc", "release": True, "ld_preload": user_preload, "child": "glibc"}
+    assert out == {"restarted": True, "active": "mimalloc", "release": True, "ld_preload": user_preload,
+                   "child": "glibc"}
 
 
 @needs_mimalloc
@@ -132,7 +136,9 @@ def test_the_cli_runs_on_the_allocator_it_resolves_to(tmp_path, tiny_model_dir, 
 def test_an_error_after_the_restart_is_still_one_line(tmp_path):
     """The missing dataset is found by the restarted process (data is read after the settings): one error line."""
     out = tmp_path / "never"
-    proc = run_cli("--preset", "tiny", "--dataset", str(tmp_path / "missing.jsonl"), "--output-dir", str(out), timeout=120)
+    proc = run_cli("--preset", "tiny", "--dataset", str(tmp_path / "missing.jsonl"),
+                   "--output-dir", str(out), timeout=120)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "does not exist" in lines[0], proc.stderr
+    assert (proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ")
+            and "does not exist" in lines[0]), proc.stderr
     assert not out.exists()

@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from lowvram_grpo.task.answers import (CheckerError, _math_verify, final_answer, is_correct, lenient_answer, plain_number, strict_answer, whole_answer)
+from lowvram_grpo.task.answers import (CheckerError, _math_verify, final_answer, is_correct, lenient_answer,
+                                       plain_number, strict_answer, whole_answer)
 from lowvram_grpo.task.rewards import REWARDS, extract_hash_answer, xml_formatted
 
 

@@ -45,14 +45,18 @@ CLI_CASES = [
     ("dataset-no-columns", ["--preset", "tiny", "--dataset", "{tmp}/cols.jsonl"],
      "has no 'question' column and no TRL 'prompt' column: its columns are 'q', 'a'; map the question with "
      "data.question_column=NAME"),
-    ("dataset-mapped-column-missing", ["--preset", "tiny", "--dataset", "{tmp}/cols.jsonl", "--set", "data.question_column=q",
+    ("dataset-mapped-column-missing", ["--preset", "tiny", "--dataset", "{tmp}/cols.jsonl", "--set",
+                                       "data.question_column=q",
                                        "--set", "data.answer_column=label"],
      "has no column 'label' (data.answer_column): its columns are 'q', 'a'"),
     ("dataset-bad-json", ["--preset", "tiny", "--dataset", "{tmp}/badjson.jsonl"], "is not valid JSON"),
     ("dataset-unknown-extension", ["--preset", "tiny", "--dataset", "{tmp}/data.xlsx"], "unknown extension '.xlsx'"),
-    ("dataset-csv-wide-row", ["--preset", "tiny", "--dataset", "{tmp}/wide.csv"], "quote fields that contain the separator"),
-    ("dataset-not-text", ["--preset", "tiny", "--dataset", "{tmp}/latin.csv"], "is neither UTF-8 nor Windows-1252 text"),
-    ("dataset-empty-question", ["--preset", "tiny", "--dataset", "{tmp}/emptyq.jsonl"], "row 1 has an empty 'question'"),
+    ("dataset-csv-wide-row", ["--preset", "tiny", "--dataset", "{tmp}/wide.csv"],
+     "quote fields that contain the separator"),
+    ("dataset-not-text", ["--preset", "tiny", "--dataset", "{tmp}/latin.csv"],
+     "is neither UTF-8 nor Windows-1252 text"),
+    ("dataset-empty-question", ["--preset", "tiny", "--dataset", "{tmp}/emptyq.jsonl"],
+     "row 1 has an empty 'question'"),
     ("dataset-bad-prompt", ["--preset", "tiny", "--dataset", "{tmp}/badprompt.jsonl"],
      "'prompt' must be text or a list of chat messages"),
     ("dataset-mixed-prompts", ["--preset", "tiny", "--dataset", "{tmp}/mixedprompts.jsonl"],
@@ -61,8 +65,8 @@ CLI_CASES = [
     ("dataset-trl-keyword-column", ["--preset", "tiny", "--dataset", "{tmp}/kwcolumn.jsonl"],
      "has a column 'trainer_state', a keyword TRL itself passes the reward functions"),
     ("dataset-no-gold-for-correctness", ["--preset", "tiny", "--dataset", "{tmp}/nogold.jsonl"],
-     "reward 'correctness' needs gold answers and the data {tmp}/nogold.jsonl gives none (its other columns: 'question'): "
-     "map the answer column with data.answer_column=NAME"),
+     "reward 'correctness' needs gold answers and the data {tmp}/nogold.jsonl gives none (its other columns: "
+     "'question'): map the answer column with data.answer_column=NAME"),
     ("validation-takes-every-training-question", ["--preset", "tiny", "--dataset", "{tmp}/dsfolder@main:train", "--set",
      "eval.every_steps=2", "--set", "eval.validation_size=6"],
      "eval.validation_size=6 validation questions leave 0 of the 6 training questions to train on: lower "
@@ -75,7 +79,8 @@ CLI_CASES = [
      "--preset {run}/config.yaml --init-adapter {run}/adapter --output-dir {run}-more; or pick another --output-dir, "
      "or add --overwrite to replace it"),
     ("output-dir-holds-a-stopped-run", ["--preset", "tiny", "--output-dir", "{tmp}/started-run"],
-     "holds a stopped run (no checkpoint yet): continue it with: python -m lowvram_grpo.run --resume {tmp}/started-run"),
+     "holds a stopped run (no checkpoint yet): continue it with: "
+     "python -m lowvram_grpo.run --resume {tmp}/started-run"),
     ("output-dir-being-written", ["--preset", "tiny", "--output-dir", "{tmp}/locked-run"],
      "output dir {tmp}/locked-run is being written by a running process (pid "),
     ("overwrite-a-running-run", ["--preset", "tiny", "--output-dir", "{tmp}/locked-run", "--overwrite"],
@@ -100,7 +105,8 @@ CLI_CASES = [
     ("resume-with-overwrite", ["--resume", "{run}", "--overwrite"], "drop --overwrite"),
     ("resume-with-init-adapter", ["--resume", "{run}", "--init-adapter", "{run}/adapter"], "drop --init-adapter"),
     ("resume-missing-value", ["--resume"], "expected one argument"),
-    ("resume-on-another-backend", ["--resume", "{tmp}/started-run", "--backend", "hf"], "started on the unsloth backend"),
+    ("resume-on-another-backend", ["--resume", "{tmp}/started-run", "--backend", "hf"],
+     "started on the unsloth backend"),
     ("init-adapter-missing", ["--preset", "tiny", "--init-adapter", "{tmp}/no-adapter"],
      "lora.init_adapter: {tmp}/no-adapter does not exist: give the folder of a saved PEFT LoRA adapter"),
     ("init-adapter-a-run-folder", ["--preset", "tiny", "--init-adapter", "{run}"],
@@ -121,7 +127,8 @@ CLI_CASES = [
      "lora.init_adapter {tmp}/dora-adapter sets use_dora in its adapter_config.json, which decode.merge_lora=true "
      "cannot merge (merged here: plain LoRA, rslora, alpha): set decode.merge_lora=auto and decode.fused=auto"),
     ("dry-run-with-value", ["--preset", "tiny", "--dry-run=yes"], "ignored explicit argument"),
-    ("gpu-unknown-profile", ["--preset", "llama8b_4bit", "--dry-run", "--gpu", "gtx1080"], "unknown GPU profile 'gtx1080': choose one of t4"),
+    ("gpu-unknown-profile", ["--preset", "llama8b_4bit", "--dry-run", "--gpu", "gtx1080"],
+     "unknown GPU profile 'gtx1080': choose one of t4"),
     ("gpu-without-dry-run", ["--preset", "tiny", "--gpu", "t4"], "--gpu t4 plans for a card you name: add --dry-run"),
     ("gpu-bf16-on-a-t4", ["--preset", "llama8b_4bit", "--dry-run", "--gpu", "t4", "--set", "model.dtype=bfloat16"],
      "model.dtype=bfloat16 needs a GPU with native bf16"),
@@ -135,7 +142,8 @@ CLI_CASES = [
     ("unknown-option", ["--preset", "tiny", "--lr", "1"], "unrecognized arguments: --lr"),
 ]
 
-# ---------------------------------------------------------------- `lowvram-grpo doctor ARGS` (through the CLI's subcommand)
+# ---------------------------------------------------------------- `lowvram-grpo doctor ARGS`
+# (through the CLI's subcommand)
 DOCTOR_CASES = [
     ("doctor-preset-unknown", ["--preset", "nope"], "unknown preset 'nope'"),
     ("doctor-preset-missing-value", ["--preset"], "expected one argument"),
@@ -150,20 +158,26 @@ DOCTOR_CASES = [
     ("doctor-unknown-option", ["--preset", "tiny", "--lr", "1"], "unrecognized arguments: --lr"),
 ]
 
-# ---------------------------------------------------------------- `python -m bench.gpu_first_run ARGS` (the first-run kit)
+# ---------------------------------------------------------------- `python -m bench.gpu_first_run ARGS`
+# (the first-run kit)
 KIT_CASES = [
     ("kit-preset-missing", [], "the following arguments are required: --preset"),
     ("kit-preset-unknown", ["--preset", "nope"], "unknown preset 'nope'"),
-    ("kit-preset-without-a-shape", ["--preset", "{tmp}/noshape.yaml"], "cannot plan for someone/unknown-7b: its config.json is not in the local hub cache"),
-    ("kit-preset-family-without-a-stand-in", ["--preset", "gemma3_1b"], "the kit builds random stand-ins of the llama, mistral, qwen2, qwen3 families, not gemma3"),
+    ("kit-preset-without-a-shape", ["--preset", "{tmp}/noshape.yaml"],
+     "cannot plan for someone/unknown-7b: its config.json is not in the local hub cache"),
+    ("kit-preset-family-without-a-stand-in", ["--preset", "gemma3_1b"],
+     "the kit builds random stand-ins of the llama, mistral, qwen2, qwen3 families, not gemma3"),
     ("kit-variants-unknown", ["--preset", "tiny", "--variants", "fast"], "--variants: unknown variant 'fast'"),
     ("kit-variants-empty", ["--preset", "tiny", "--variants", ","], "--variants: name at least one variant"),
-    ("kit-variant-not-installed", ["--preset", "tiny", "--variants", "hf-vllm"], "--variants: hf-vllm needs vllm, which is not installed"),
+    ("kit-variant-not-installed", ["--preset", "tiny", "--variants", "hf-vllm"],
+     "--variants: hf-vllm needs vllm, which is not installed"),
     ("kit-steps-one", ["--preset", "tiny", "--steps", "1"], "--steps: must be >= 2"),
     ("kit-steps-word", ["--preset", "tiny", "--steps", "few"], "--steps: expected a whole number"),
     ("kit-out-is-a-directory", ["--preset", "tiny", "--out", "{tmp}"], "--out {tmp} is a directory"),
-    ("kit-out-under-a-file", ["--preset", "tiny", "--out", "{tmp}/a_file/r.json"], "{tmp}/a_file is not a writable folder"),
-    ("kit-model-dir-is-a-file", ["--preset", "tiny", "--model-dir", "{tmp}/a_file"], "--model-dir {tmp}/a_file is a file"),
+    ("kit-out-under-a-file", ["--preset", "tiny", "--out", "{tmp}/a_file/r.json"],
+     "{tmp}/a_file is not a writable folder"),
+    ("kit-model-dir-is-a-file", ["--preset", "tiny", "--model-dir", "{tmp}/a_file"],
+     "--model-dir {tmp}/a_file is a file"),
     ("kit-no-cap-with-value", ["--preset", "tiny", "--no-cap=yes"], "ignored explicit argument"),
     ("kit-budget-zero", ["--preset", "tiny", "--budget-s", "0"], "--budget-s: must be >= 1"),
     ("kit-budget-word", ["--preset", "tiny", "--budget-s", "long"], "--budget-s: expected a whole number"),
@@ -209,8 +223,10 @@ CONFIG_CASES = [
     ("train.top_p", "0", "train.top_p must be in (0, 1]"),
     ("train.beta", "-0.1", "train.beta must be >= 0"),
     ("train.epsilon", "0", "train.epsilon must be > 0"),
-    ("train.loss_type", "ppo", "train.loss_type must be one of grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo; got 'ppo'"),
-    ("train.importance_sampling_level", "batch", "train.importance_sampling_level must be one of token, sequence; got 'batch'"),
+    ("train.loss_type", "ppo",
+     "train.loss_type must be one of grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo; got 'ppo'"),
+    ("train.importance_sampling_level", "batch",
+     "train.importance_sampling_level must be one of token, sequence; got 'batch'"),
     ("train.epsilon_high", "-0.1", "train.epsilon_high must be > 0 (DAPO: 0.28) or null"),
     ("train.top_entropy_quantile", "1.5", "train.top_entropy_quantile must be in (0, 1]"),
     ("train.dynamic_sampling", "maybe", "train.dynamic_sampling must be bool"),
@@ -232,13 +248,15 @@ CONFIG_CASES = [
     ("data.dataset", "{tmp}/missing.jsonl", "does not exist"),
     ("data.system_prompt", "[a, b]", "data.system_prompt must be str"),
     ("data.answer_format", "json", "data.answer_format must be one of xml, think; got 'json'"),
-    ("data.answer_format", "think", "rewards.names xmlcount, soft_format, strict_format, int, correctness score another "
-                                    "answer format than data.answer_format=think: name think's own instead, e.g. "
-                                    "--set rewards.names=[think_format,think_correctness]"),
+    ("data.answer_format", "think", "rewards.names xmlcount, soft_format, strict_format, int, correctness score "
+                                    "another answer format than data.answer_format=think: name think's own instead, "
+                                    "e.g. --set rewards.names=[think_format,think_correctness]"),
     ("data.chat_template_kwargs", "{tokenize: true}", "data.chat_template_kwargs.tokenize is an argument of "
                                                       "apply_chat_template itself"),
-    ("data.chat_template_kwargs", "enable_thinking", "data.chat_template_kwargs must be a mapping, e.g. {enable_thinking: false}"),
-    ("data.chat_template_kwargs", "{enable_thinking: [1]}", "data.chat_template_kwargs.enable_thinking must be a bool, number or string"),
+    ("data.chat_template_kwargs", "enable_thinking",
+     "data.chat_template_kwargs must be a mapping, e.g. {enable_thinking: false}"),
+    ("data.chat_template_kwargs", "{enable_thinking: [1]}",
+     "data.chat_template_kwargs.enable_thinking must be a bool, number or string"),
     ("data.question_column", "''", "data.question_column is empty"),
     ("data.answer_column", "[a]", "data.answer_column must be str"),
     ("data.solution_column", "' '", "data.solution_column is empty"),
@@ -258,7 +276,8 @@ CONFIG_CASES = [
     ("rewards.module", "{tmp}/importerr.py", "failed to import: ModuleNotFoundError"),
     ("rewards.on_error", "ignore", "rewards.on_error must be one of stop, zero"),
     ("tools.names", "[calculator, calculator]", "tools.names lists a tool twice"),
-    ("tools.names", "[nope]", "unknown tool 'nope' in tools.names: choose from calculator (or give your own in tools.module)"),
+    ("tools.names", "[nope]",
+     "unknown tool 'nope' in tools.names: choose from calculator (or give your own in tools.module)"),
     ("tools.module", "{tmp}/tools_good.py", "tools.module is set but tools.names is empty"),
     ("tools.max_turns", "0", "tools.max_turns must be >= 1"),
     ("tools.timeout_seconds", "0", "tools.timeout_seconds must be > 0"),
@@ -298,7 +317,8 @@ CONFIG_CASES = [
     ("model.kv_cache_dtype", "int4", "model.kv_cache_dtype must be one of auto, fp8, bfloat16, float16, float32"),
 ]
 
-# ---------------------------------------------------------------- a user's reward file: (id, extra --set values, fragment)
+# ---------------------------------------------------------------- a user's reward file: (id, extra --set values,
+# fragment)
 REWARD_FILE_CASES = [
     ("name-not-in-file", ["rewards.module={tmp}/good.py", "rewards.names=[says_four, nope]"],
      "unknown reward 'nope' in rewards.names: choose from"),
@@ -306,10 +326,12 @@ REWARD_FILE_CASES = [
     ("probe-wrong-length", ["rewards.module={tmp}/wronglen.py", "rewards.names=[wrong_len]"],
      "reward 'wrong_len' returned 2 scores for 1 completions: return one number per completion (called once on the "
      "first training row, as TRL will call it)"),
-    ("probe-raises", ["rewards.module={tmp}/raises.py", "rewards.names=[raises]"], "reward 'raises' raised ValueError: boom"),
+    ("probe-raises", ["rewards.module={tmp}/raises.py", "rewards.names=[raises]"],
+     "reward 'raises' raised ValueError: boom"),
     ("probe-complex", ["rewards.module={tmp}/complexscore.py", "rewards.names=[complex_score]"],
      "reward 'complex_score' returned 1j (complex) as score 0"),
-    ("probe-not-numbers", ["rewards.module={tmp}/text.py", "rewards.names=[text_score]"], "returned 'good' (str) as score 0"),
+    ("probe-not-numbers", ["rewards.module={tmp}/text.py", "rewards.names=[text_score]"],
+     "returned 'good' (str) as score 0"),
     ("probe-no-kwargs", ["rewards.module={tmp}/nokwargs.py", "rewards.names=[no_kwargs]"],
      "reward 'no_kwargs' does not take the keyword 'answer' that TRL passes it"),
     ("probe-async-raises", ["rewards.module={tmp}/asyncraises.py", "rewards.names=[async_raises]"],
@@ -320,11 +342,13 @@ REWARD_FILE_CASES = [
      "defines 'correctness', the name of a built-in reward"),
 ]
 
-# ---------------------------------------------------------------- a user's tools file: (id, extra --set values, fragment)
+# ---------------------------------------------------------------- a user's tools file: (id, extra --set values,
+# fragment)
 TOOL_FILE_CASES = [
     ("module-missing", ["tools.module={tmp}/missing_tools.py", "tools.names=[lookup]"],
      "tools.module {tmp}/missing_tools.py does not exist: give the path of a .py file"),
-    ("module-not-python", ["tools.module={tmp}/rewards.txt", "tools.names=[lookup]"], "tools.module must be a .py file"),
+    ("module-not-python", ["tools.module={tmp}/rewards.txt", "tools.names=[lookup]"],
+     "tools.module must be a .py file"),
     ("module-syntax-error", ["tools.module={tmp}/syntax.py", "tools.names=[lookup]"],
      "tools.module {tmp}/syntax.py failed to import: SyntaxError"),
     ("name-not-in-file", ["tools.module={tmp}/tools_good.py", "tools.names=[lookup, nope]"],
@@ -376,7 +400,8 @@ def no_args(word: str) -> str:
 TOOLS_ALIAS = TOOLS_GOOD.split("\n\n\ndef undocumented")[0] + "\n\n\nfind = lookup\n"
 TOOLS_SHADOW = 'def calculator(expression: str) -> str:\n    """Mine.\n\n    Args:\n        expression: x\n    """\n'
 
-# ---------------------------------------------------------------- top-level preset keys, via a preset file: (id, YAML, fragment)
+# ---------------------------------------------------------------- top-level preset keys, via a preset file:
+# (id, YAML, fragment)
 TOP_LEVEL_CASES = [
     ("preset", "preset: [a]\nmodel: {name: builtin:tiny}\n", "preset must be str"),
     ("description", "description: {a: 1}\nmodel: {name: builtin:tiny}\n", "description must be str"),
@@ -398,10 +423,12 @@ FILES = {
     "emptyq.jsonl": '{"question": " ", "answer": "1"}\n' * 10,
     "badprompt.jsonl": '{"prompt": {"text": "hi"}}\n' * 10,
     "mixedprompts.jsonl": '{"prompt": "hi"}\n{"prompt": [{"role": "user", "content": "hi"}]}\n' * 5,
-    "mixedtypes.jsonl": '{"question": "a", "answer": "1", "level": 3}\n{"question": "b", "answer": "2", "level": "hard"}\n' * 5,
+    "mixedtypes.jsonl": ('{"question": "a", "answer": "1", "level": 3}\n'
+                         '{"question": "b", "answer": "2", "level": "hard"}\n') * 5,
     "kwcolumn.jsonl": '{"question": "a", "answer": "1", "trainer_state": "x"}\n' * 10,
     "nogold.jsonl": '{"question": "Name a colour."}\n' * 10,
-    "dsfolder/README.md": "---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: main.jsonl\n---\n",
+    "dsfolder/README.md": ("---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n"
+                           "    path: main.jsonl\n---\n"),
     "dsfolder/main.jsonl": '{"question": "1 + 1?", "answer": "#### 2"}\n' * 10,
     "complexscore.py": "def complex_score(prompts, completions, **kwargs):\n    return [1j] * len(completions)\n",
     "nokwargs.py": "def no_kwargs(prompts, completions):\n    return [0.0] * len(completions)\n",
@@ -429,11 +456,14 @@ FILES = {
 # the '-after-load' ones need the loaded model (a tiny GPT-2, whose layers are not Llama's) and are refused
 # right after it loads.
 CROSS_CASES = [
-    ("lengths", ["--set", "train.max_completion_length=400"], "= 656 tokens do not fit model.max_seq_length (512): set model.max_seq_length=656"),
+    ("lengths", ["--set", "train.max_completion_length=400"],
+     "= 656 tokens do not fit model.max_seq_length (512): set model.max_seq_length=656"),
     ("context", ["--set", "model.max_seq_length=4096"], "longer than builtin:tiny's context of 2048 tokens"),
-    ("lora-target", ["--set", "lora.target_modules=[q_proj, qkv_proj]"], "has no 'qkv_proj'; its linear layers are down_proj"),
+    ("lora-target", ["--set", "lora.target_modules=[q_proj, qkv_proj]"],
+     "has no 'qkv_proj'; its linear layers are down_proj"),
     ("lora-rank", ["--set", "lora.r=64"], "lora.r=64 exceeds the smaller side of k_proj (64 x 32)"),
-    ("held-out", ["--dataset", "{tmp}/small.jsonl", "--set", "data.eval_size=50"], "too few to hold out data.eval_size=50"),
+    ("held-out", ["--dataset", "{tmp}/small.jsonl", "--set", "data.eval_size=50"],
+     "too few to hold out data.eval_size=50"),
     ("lora-target-after-load", ["--set", "model.name={tmp}/gpt2-tiny"], "has no 'q_proj', 'k_proj'"),
     ("lora-rank-after-load", ["--set", "model.name={tmp}/gpt2-tiny", "--set", "lora.target_modules=[c_attn, c_fc]",
                               "--set", "lora.r=64"], "lora.r=64 exceeds the smaller side of c_attn (32 x 96)"),
@@ -443,7 +473,8 @@ CROSS_CASES = [
     ("turn-cap-above-budget", ["--set", "tools.names=[calculator]", "--set", "tools.max_tokens_per_turn=999"],
      "tools.max_tokens_per_turn=999 is above train.max_completion_length="),
     ("dynamic-sampling-reward-alone", ["--set", "train.dynamic_sampling_reward=correctness"],
-     "train.dynamic_sampling_reward=correctness does nothing without dynamic sampling: add --set train.dynamic_sampling=true"),
+     "train.dynamic_sampling_reward=correctness does nothing without dynamic sampling: "
+     "add --set train.dynamic_sampling=true"),
     ("kv-fp8-without-vllm", ["--set", "model.kv_cache_dtype=fp8"],
      "model.kv_cache_dtype=fp8 is unsloth's vLLM engine's fp8 KV cache and this run generates with transformers"),
     ("kv-dtype-not-compute", ["--set", "model.kv_cache_dtype=float16"], "the KV cache is kept in the compute dtype"),
@@ -493,7 +524,8 @@ def bad_files(tmp_path_factory):
     shutil.copytree(ensure_tiny_model(), tmp / "tiny-no-weights")
     shutil.copytree(ensure_tiny_model(), tmp / "tiny-no-template-no-weights")  # a base model's tokenizer: no template
     _drop_chat_template(tmp / "tiny-no-template-no-weights")
-    for folder in ("gpt2-plain-chat-no-weights", "tiny-no-weights", "tiny-no-template-no-weights"):  # tokenizer + config.json
+    for folder in ("gpt2-plain-chat-no-weights", "tiny-no-weights",
+                   "tiny-no-template-no-weights"):  # tokenizer + config.json
         (tmp / folder / "model.safetensors").unlink()
     run = tmp / "complete-run"  # what a finished run leaves (for --resume)
     run.mkdir()
@@ -513,7 +545,8 @@ def bad_files(tmp_path_factory):
     locked.mkdir()
     (locked / "config.yaml").write_text("preset: tiny\nmodel: {name: builtin:tiny}\n")
     (locked / "summary.json").write_text(json.dumps({"status": "training", "backend": "hf"}))
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(locked)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(locked)], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO)
     assert holder.stdout.readline().strip() == "locked"
     yield tmp
     holder.kill()
@@ -521,7 +554,8 @@ def bad_files(tmp_path_factory):
 
 
 # Holds a run folder's lock, as a running run does, until killed.
-HOLD_LOCK = "import sys, time; from lowvram_grpo.report.run_dir import RunDir; RunDir(sys.argv[1]).lock(); print('locked', flush=True); time.sleep(3600)"
+HOLD_LOCK = ("import sys, time; from lowvram_grpo.report.run_dir import RunDir; RunDir(sys.argv[1]).lock(); "
+             "print('locked', flush=True); time.sleep(3600)")
 
 
 def _adapters(tmp, ours):
@@ -550,7 +584,8 @@ def _adapters(tmp, ours):
 
 # Plain ChatML, the tiny model's chat template before it rendered tools.
 PLAIN_CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-                "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+                "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}"
+                "{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 def _tiny_gpt2(folder, chat_template=None):
@@ -631,7 +666,8 @@ def test_bad_tools_file(sets, fragment, bad_files, capsys):
     _check_case(argv, fragment, bad_files, capsys)
 
 
-@pytest.mark.parametrize("case_id, fragment", [(c[0], c[2]) for c in TOP_LEVEL_CASES], ids=[c[0] for c in TOP_LEVEL_CASES])
+@pytest.mark.parametrize("case_id, fragment", [(c[0], c[2]) for c in TOP_LEVEL_CASES],
+                         ids=[c[0] for c in TOP_LEVEL_CASES])
 def test_bad_top_level_preset_value(case_id, fragment, bad_files, capsys):
     _check_case(["--preset", f"{{tmp}}/top-{case_id}.yaml"], fragment, bad_files, capsys)
 
@@ -730,7 +766,8 @@ def test_in_a_fresh_process(case_id, bad_files):
     _, argv, fragment = next(c for c in CLI_CASES if c[0] == case_id)
     argv = _fill(argv, bad_files)
     out = bad_files / "out-never"
-    proc = run_cli(*argv, *([] if "--resume" in argv or "--output-dir" in argv else ["--output-dir", str(out)]), timeout=120)
+    proc = run_cli(*argv, *([] if "--resume" in argv or "--output-dir" in argv else ["--output-dir", str(out)]),
+                   timeout=120)
     _assert_refused(proc.returncode, proc.stderr, _fill([fragment], bad_files)[0])
     assert not out.exists()
 
@@ -761,25 +798,30 @@ def test_a_mismatched_or_corrupt_adapter_is_refused_by_load_lora(tmp_path, tiny_
         handle.load_lora(tmp_path / "mine")
 
 
-# ---------------------------------------------------------------- `lowvram-grpo eval` (evaluate.py): (id, argv after 'eval', fragment)
+# ---------------------------------------------------------------- `lowvram-grpo eval` (evaluate.py):
+# (id, argv after 'eval', fragment)
 # Refused before the model loads; the command writes nothing in any case. `{tmp}/adapter-*` are prepared adapters.
 EVAL_CASES = [
     ("adapter-missing", ["--adapter", "{tmp}/no-adapter"], "--adapter {tmp}/no-adapter: no adapter at"),
-    ("adapter-incomplete", ["--adapter", "{tmp}/adapter-incomplete"], "is incomplete: adapter_model.safetensors missing"),
+    ("adapter-incomplete", ["--adapter", "{tmp}/adapter-incomplete"],
+     "is incomplete: adapter_model.safetensors missing"),
     ("adapter-other-base", ["--preset", "tiny", "--adapter", "{tmp}/adapter-other"],
      "was made for someone/Other-Model-7B, not for the model here (builtin:tiny): pass --model someone/Other-Model-7B"),
-    ("adapter-same-names", ["--preset", "tiny", "--adapter", "a={tmp}/adapter-tiny", "--adapter", "a={tmp}/adapter-tiny"],
+    ("adapter-same-names", ["--preset", "tiny", "--adapter", "a={tmp}/adapter-tiny", "--adapter",
+                            "a={tmp}/adapter-tiny"],
      "two columns have the same name"),
     ("adapter-missing-value", ["--adapter"], "expected one argument"),
     ("dataset-missing", ["--preset", "tiny", "--dataset", "{tmp}/missing.jsonl"], "does not exist"),
-    ("dataset-no-columns", ["--preset", "tiny", "--dataset", "{tmp}/cols.jsonl"], "has no 'question' column and no TRL 'prompt' column"),
+    ("dataset-no-columns", ["--preset", "tiny", "--dataset", "{tmp}/cols.jsonl"],
+     "has no 'question' column and no TRL 'prompt' column"),
     ("limit-zero", ["--preset", "tiny", "--limit", "0"], "--limit: must be >= 1"),
     ("limit-word", ["--preset", "tiny", "--limit", "all"], "--limit: expected a whole number"),
     ("preset-unknown", ["--preset", "nope"], "unknown preset 'nope'"),
     ("model-missing", ["--preset", "tiny", "--model", "./no/such/model"], "model.name ./no/such/model does not exist"),
     ("set-unknown-key", ["--preset", "tiny", "--set", "eval.bogus=1"], "unknown key 'eval.bogus'"),
     ("set-bad-value", ["--preset", "tiny", "--set", "eval.samples=-2"], "eval.samples must be >= 0"),
-    ("without-tools-no-tools", ["--preset", "tiny", "--without-tools"], "--without-tools: these settings have no tools"),
+    ("without-tools-no-tools", ["--preset", "tiny", "--without-tools"],
+     "--without-tools: these settings have no tools"),
     ("backend-unknown", ["--preset", "tiny", "--backend", "vllm"], "--backend: invalid choice"),
     ("gpu-preset-without-gpu", ["--preset", "llama8b_4bit", "--dataset", "{tmp}/small.jsonl"], "needs an NVIDIA GPU"),
     ("json-with-value", ["--preset", "tiny", "--json=yes"], "ignored explicit argument"),
@@ -837,7 +879,8 @@ def test_eval_in_a_fresh_process(eval_files):
 
     from conftest import REPO
 
-    proc = subprocess.run([sys.executable, "-m", "lowvram_grpo.evaluate", "--adapter", str(eval_files / "adapter-other"),
+    proc = subprocess.run([sys.executable, "-m", "lowvram_grpo.evaluate", "--adapter",
+                           str(eval_files / "adapter-other"),
                            "--preset", "tiny"], cwd=REPO, capture_output=True, text=True, timeout=120)
     _assert_refused(proc.returncode, proc.stderr, "was made for someone/Other-Model-7B")
 

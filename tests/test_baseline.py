@@ -46,7 +46,8 @@ def test_prime_only_for_the_runs_training_time(primed_run):
     recorded = json.loads((primed_run / "summary.json").read_text())["controls"]["prime-only"]  # beside after
     assert recorded["numbers"]["accuracy_strict"] == numbers["accuracy_strict"]
     assert recorded["paired"]["accuracy_strict"]["n"] == run["after"]["n"]
-    assert "What GRPO added beyond priming alone for the same wall time: accuracy_strict" in (primed_run / "report.md").read_text()
+    assert ("What GRPO added beyond priming alone for the same wall time: accuracy_strict"
+            in (primed_run / "report.md").read_text())
 
 
 def test_prime_only_for_a_fixed_number_of_steps(primed_run):
@@ -73,14 +74,16 @@ def test_the_docs_table_reads_the_run_and_its_baseline(primed_run, tmp_path):
     [row] = json.loads(out.read_text())["runs"]
     assert row["after"]["accuracy_strict"] == run["after"]["accuracy_strict"] and row["prime_only"]["steps"] == 1
     gained, lost, _ = row["paired_accuracy_strict"]
-    assert gained - lost == round((run["after"]["accuracy_strict"] - run["primed"]["accuracy_strict"]) * run["after"]["n"])
+    assert gained - lost == round((run["after"]["accuracy_strict"] - run["primed"]["accuracy_strict"])
+                                  * run["after"]["n"])
     assert "| strict |" in proc.stdout and "(1 steps)" in proc.stdout
 
 
 def test_the_docs_table_refuses_a_folder_without_a_finished_run(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.seeds_table", str(tmp_path), "--out", str(tmp_path / "s.json")],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and proc.stderr.startswith("error:") and "has no finished run" in proc.stderr and "Traceback" not in proc.stderr
+    assert (proc.returncode == 2 and proc.stderr.startswith("error:") and "has no finished run" in proc.stderr
+            and "Traceback" not in proc.stderr)
 
 
 def test_random_reward_control_trains_the_run_again_with_random_rewards(primed_run):

@@ -63,8 +63,10 @@ def test_vs_trl_writes_step_times_memory_and_ratios(tmp_path, tiny_model_dir):
         assert result["parts_s"]["generate"] > 0 and result["parts_s"]["backward"] > 0
         assert result["parts_s"]["generate"] <= result["step_s"]  # a part is within its step, never counted twice
     assert report["trl"]["optim"].endswith("ADAMW_TORCH")
-    assert set(report["ratios_vs_trl"]) == {"ours", "ours_int8", "ours_unmerged", "ours_forward"}  # all but the reference
-    # the correction runs on our loop (auto -> on), so TRL logs the sampler's gap; plain TRL samples with its own forward
+    assert set(report["ratios_vs_trl"]) == {"ours", "ours_int8", "ours_unmerged", "ours_forward"}  # all but the
+                                                                                                   # reference
+    # the correction runs on our loop (auto -> on), so TRL logs the sampler's gap; plain TRL samples with its own
+    # forward
     for variant in ("ours", "ours_int8", "ours_unmerged", "ours_forward"):
         gap = report[variant]["sampler_gap"]
         assert 0 <= gap["mean_abs_logp_difference"] <= gap["max_abs_logp_difference"], variant
@@ -83,7 +85,8 @@ def test_vs_trl_takes_the_headline_against_the_fastest_plain_trl_and_keeps_each_
     variant asked --once: the first round only)."""
     out = tmp_path / "vs_trl.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.vs_trl", "--preset", "tiny", "--steps", "2", "--generations", "2", "--tokens", "8",
+        [sys.executable, "-m", "bench.vs_trl", "--preset", "tiny", "--steps", "2", "--generations", "2",
+         "--tokens", "8",
          "--variants", "ours,trl_fp32,trl_8bit,trl_bf16", "--rounds", "2", "--once", "trl_bf16", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )

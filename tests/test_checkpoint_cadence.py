@@ -52,7 +52,8 @@ def test_an_explicit_save_steps_is_kept_and_a_long_one_says_what_a_stop_would_lo
     (note,) = [n for n in long.notes if n.startswith("train.save_steps=")]
     hours = 250 * auto.step_seconds / 3600
     assert note.startswith(f"train.save_steps=250 is ~{hours:.1f} h of GRPO between checkpoints at "
-                           f"~{auto.step_seconds:.0f} s a step (estimated for Tesla T4) (no checkpoint before the last step)")
+                           f"~{auto.step_seconds:.0f} s a step (estimated for Tesla T4) "
+                           "(no checkpoint before the last step)")
     assert note.endswith(f"train.save_steps={auto.save_steps} (or null, auto) checkpoints every ~15 minutes")
     short = resolve(load_config("llama8b_4bit", [f"train.save_steps={auto.save_steps}"]), t4)
     assert short.save_steps == auto.save_steps and not [n for n in short.notes if n.startswith("train.save_steps")]
@@ -75,8 +76,10 @@ def test_a_run_that_lost_unsloths_vllm_is_re_decided_for_transformers_generation
     assert lost.generation == "transformers" and lost.step_seconds > resolved.step_seconds
     assert lost.save_steps < resolved.save_steps
     assert [n for n in lost.notes if n.startswith("train.save_steps")] == \
-        [f"train.save_steps auto -> {lost.save_steps}: a checkpoint every ~{span_text(lost.save_steps * lost.step_seconds)} "
-         f"at ~{lost.step_seconds:.0f} s a GRPO step, a conservative estimate for NVIDIA GeForce RTX 4090 (step_time.py), "
+        [f"train.save_steps auto -> {lost.save_steps}: a checkpoint every "
+         f"~{span_text(lost.save_steps * lost.step_seconds)} "
+         f"at ~{lost.step_seconds:.0f} s a GRPO step, a conservative estimate for NVIDIA GeForce RTX 4090 "
+         "(step_time.py), "
          "not measured"]
 
 
@@ -99,7 +102,8 @@ def test_dry_run_says_which_save_steps_was_chosen_and_why():
     resolved = resolve(load_config("llama8b_4bit"), profile("t4"))
     assert (f"note: train.save_steps auto -> {resolved.save_steps}: a checkpoint every "
             f"~{span_text(resolved.save_steps * resolved.step_seconds)} at "
-            f"~{resolved.step_seconds:.0f} s a GRPO step, a conservative estimate for Tesla T4 (step_time.py)") in proc.stdout
+            f"~{resolved.step_seconds:.0f} s a GRPO step, a conservative estimate for Tesla T4 "
+            "(step_time.py)") in proc.stdout
     assert f"checkpoint every {resolved.save_steps} GRPO step(s)" in proc.stdout
     warned = run_cli("--preset", "llama8b_4bit", "--dry-run", "--gpu", "t4", "--set", "train.save_steps=250")
     assert warned.returncode == 0 and "note: train.save_steps=250 is ~" in warned.stdout

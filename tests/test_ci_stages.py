@@ -41,7 +41,8 @@ def _pytest(folder: Path, no_skips: bool) -> subprocess.CompletedProcess:
 def test_a_stage_that_must_run_fails_on_a_skip(tmp_path):
     """A module skipped at collection (a vLLM extra that does not import) and a test that skips: both pass
     as skips normally, both fail under LOWVRAM_GRPO_NO_SKIPS=1 (before: the stage passed, 0 failures)."""
-    for name, text, reason in (("module", SKIPPING, "the extra is not installed"), ("test", SKIPPING_TEST, "no engine here")):
+    for name, text, reason in (("module", SKIPPING, "the extra is not installed"),
+                               ("test", SKIPPING_TEST, "no engine here")):
         folder = tmp_path / name
         folder.mkdir()
         (folder / f"test_{name}_skip.py").write_text(text)

@@ -41,7 +41,8 @@ def test_progress_and_table_are_shown(tiny_run):
     _, proc = tiny_run
     assert "GRPO" in proc.stderr and "3/3" in proc.stderr and "reward=" in proc.stderr and "avg10=" in proc.stderr
     assert "signal=" in proc.stderr and "kl=" in proc.stderr and "loss=" not in proc.stderr  # tiny: beta 0.04
-    assert "held-out metric" in proc.stdout and "reward_mean" in proc.stdout and "protocol: greedy decoding" in proc.stdout
+    assert ("held-out metric" in proc.stdout and "reward_mean" in proc.stdout
+            and "protocol: greedy decoding" in proc.stdout)
 
 
 def test_list_presets():

@@ -50,8 +50,10 @@ def test_llama8b_preset_matches_the_unsloth_notebook():
     assert (c.lora.r, c.lora.alpha) == (32, 32)
     assert set(c.lora.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     t = c.train
-    assert (t.optim, t.learning_rate, t.adam_beta1, t.adam_beta2, t.weight_decay) == ("paged_adamw_8bit", 5e-6, 0.9, 0.99, 0.1)
-    assert (t.warmup_ratio, t.lr_scheduler_type, t.num_generations, t.max_grad_norm, t.max_steps) == (0.1, "cosine", 6, 0.1, 250)
+    assert ((t.optim, t.learning_rate, t.adam_beta1, t.adam_beta2, t.weight_decay)
+            == ("paged_adamw_8bit", 5e-6, 0.9, 0.99, 0.1))
+    assert ((t.warmup_ratio, t.lr_scheduler_type, t.num_generations, t.max_grad_norm, t.max_steps)
+            == (0.1, "cosine", 6, 0.1, 250))
     assert c.memory.gpu_memory_utilization == 0.6
     assert c.rewards.names == ["xmlcount", "soft_format", "strict_format", "int", "correctness"]
 
@@ -97,7 +99,8 @@ def test_bad_values_say_how_to_fix_them(override, fragment):
 
 def test_generation_batch_divisible_by_group_size():
     # 4 completions x 3 accumulation steps = 12, divisible by 6: valid
-    c = load_config("tiny", ["train.num_generations=6", "train.per_device_train_batch_size=4", "train.gradient_accumulation_steps=3"])
+    c = load_config("tiny", ["train.num_generations=6", "train.per_device_train_batch_size=4",
+                             "train.gradient_accumulation_steps=3"])
     assert c.train.generation_batch_size == 12
     with pytest.raises(ConfigError, match="divisible"):
         load_config("tiny", ["train.num_generations=6", "train.per_device_train_batch_size=4"])

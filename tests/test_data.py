@@ -93,7 +93,8 @@ BAD_DATASETS = [
     (lambda p: _write_jsonl(p / "cols.jsonl", [{"q": 1, "a": 2}] * 5), {},
      "has no 'question' column and no TRL 'prompt' column: its columns are 'q', 'a'; map the question with "
      "data.question_column=NAME"),
-    (lambda p: _write_jsonl(p / "cols.jsonl", [{"q": 1, "a": 2}] * 5), {"question_column": "q", "answer_column": "label"},
+    (lambda p: _write_jsonl(p / "cols.jsonl", [{"q": 1, "a": 2}] * 5),
+     {"question_column": "q", "answer_column": "label"},
      "has no column 'label' (data.answer_column): its columns are 'q', 'a'"),
     (lambda p: _write_jsonl(p / "cols.jsonl", [{"q": 1, "a": 2}] * 5), {"question_column": "q", "solution_column": "a",
                                                                         "answer_column": "a"},
@@ -103,18 +104,22 @@ BAD_DATASETS = [
     (lambda p: (p / "bad.json").write_text('[{"a": 1}') and p / "bad.json", {}, "is not valid JSON"),
     (lambda p: (p / "bad.parquet").write_bytes(b"garbage") and p / "bad.parquet", {}, "cannot read dataset"),
     (lambda p: _write_jsonl(p / "few.jsonl", GSM_ROWS[:3]), {}, "too few to hold out"),
-    (lambda p: _write(p / "x.xlsx", "x"), {}, "unknown extension '.xlsx': use .jsonl, .ndjson, .json, .csv, .tsv, .parquet"),
-    (lambda p: _write(p / "wide.csv", "question,answer\nWhat is 1, 2?,3,4\n"), {}, "quote fields that contain the separator"),
+    (lambda p: _write(p / "x.xlsx", "x"), {},
+     "unknown extension '.xlsx': use .jsonl, .ndjson, .json, .csv, .tsv, .parquet"),
+    (lambda p: _write(p / "wide.csv", "question,answer\nWhat is 1, 2?,3,4\n"), {},
+     "quote fields that contain the separator"),
     (lambda p: _write(p / "dup.csv", "question,question\na,b\n"), {}, "names the column 'question' twice"),
     (lambda p: (p / "latin.csv").write_bytes(b"question,answer\n\x81\x8d,1\n") and p / "latin.csv", {},
      "neither UTF-8 nor Windows-1252"),
     (lambda p: (p / "u16.csv").write_bytes("question,answer\n".encode("utf-16-le")) and p / "u16.csv", {},
      "UTF-16 without a byte-order mark"),
     (lambda p: _write_jsonl(p / "q.jsonl", [{"question": "", "answer": "1"}] * 6), {}, "row 1 has an empty 'question'"),
-    (lambda p: _write_jsonl(p / "pr.jsonl", [{"prompt": 7}] * 6), {}, "'prompt' must be text or a list of chat messages"),
+    (lambda p: _write_jsonl(p / "pr.jsonl", [{"prompt": 7}] * 6), {},
+     "'prompt' must be text or a list of chat messages"),
     (lambda p: _write_jsonl(p / "pr.jsonl", [{"prompt": [{"content": "hi"}]}] * 6), {},
      "'prompt' must be text or a list of chat messages"),
-    (lambda p: _write_jsonl(p / "mix.jsonl", [{"prompt": "hi"}, {"prompt": [{"role": "user", "content": "hi"}]}] * 3), {},
+    (lambda p: _write_jsonl(p / "mix.jsonl", [{"prompt": "hi"},
+                                              {"prompt": [{"role": "user", "content": "hi"}]}] * 3), {},
      "mixes text prompts and chat-message prompts"),
     (lambda p: _write_jsonl(p / "types.jsonl", [{"question": "a", "answer": "1", "level": 3},
                                                 {"question": "b", "answer": "2", "level": "hard"}] * 3), {},
@@ -172,11 +177,13 @@ def _jsonl_as_editors_save_it(path):
 
 EXPORTS = {
     "pandas to_csv (index column, LF)": ("d.csv", _pandas("csv")),
-    "Excel 'CSV UTF-8' (BOM, CRLF)": ("d.csv", _pandas("csv", index=False, encoding="utf-8-sig", lineterminator="\r\n")),
-    "Excel 'CSV' in a ';' locale (Windows-1252, CRLF)": ("d.csv", _pandas("csv", index=False, sep=";", encoding="cp1252",
-                                                                       lineterminator="\r\n")),
+    "Excel 'CSV UTF-8' (BOM, CRLF)": ("d.csv", _pandas("csv", index=False, encoding="utf-8-sig",
+                                                       lineterminator="\r\n")),
+    "Excel 'CSV' in a ';' locale (Windows-1252, CRLF)": ("d.csv", _pandas("csv", index=False, sep=";",
+                                                                       encoding="cp1252", lineterminator="\r\n")),
     "Excel 'Unicode Text' (UTF-16 with BOM, tabs)": ("d.tsv", _pandas("csv", index=False, sep="\t", encoding="utf-16")),
-    "old Mac line ends (CR, every field quoted)": ("d.csv", _pandas("csv", index=False, lineterminator="\r", quoting=1)),
+    "old Mac line ends (CR, every field quoted)": ("d.csv", _pandas("csv", index=False, lineterminator="\r",
+                                                                    quoting=1)),
     "TSV": ("d.tsv", _pandas("csv", index=False, sep="\t")),
     "pandas to_json (default: columns)": ("d.json", _pandas("json")),
     "pandas to_json records": ("d.json", _pandas("json", orient="records", force_ascii=False)),
@@ -214,9 +221,11 @@ def test_files_as_common_tools_write_them(tmp_path, name):
 # --------------------------------------------------------------------------- column mapping and gold answers
 
 MATH_ROWS = [  # MATH (hendrycks): problem / solution with the answer boxed inside it, and other columns
-    {"problem": f"What is $\\frac{{{i}}}{{2}} + \\frac{{{i}}}{{2}}$?", "solution": f"We add: $\\frac{{{2 * i}}}{{2}} = \\boxed{{{i}}}$.",
+    {"problem": f"What is $\\frac{{{i}}}{{2}} + \\frac{{{i}}}{{2}}$?",
+     "solution": f"We add: $\\frac{{{2 * i}}}{{2}} = \\boxed{{{i}}}$.",
      "level": "Level 1", "type": "Algebra"} for i in range(1, 7)
-] + [{"problem": "Simplify $\\frac{2}{4}$.", "solution": "Divide by 2: $\\boxed{\\frac{1}{2}}$.", "level": "Level 2", "type": "Algebra"}]
+] + [{"problem": "Simplify $\\frac{2}{4}$.", "solution": "Divide by 2: $\\boxed{\\frac{1}{2}}$.", "level": "Level 2",
+      "type": "Algebra"}]
 
 
 def test_math_style_data_maps_the_question_and_takes_the_boxed_answer_from_the_solution(tmp_path):
@@ -239,7 +248,8 @@ def test_math_style_data_maps_the_question_and_takes_the_boxed_answer_from_the_s
 
 def test_answer_column_forms_and_a_mapped_plain_label(tmp_path):
     rows = [{"q": "Is 4 even?", "label": "yes", "notes": "n1"}, {"q": "Is 3 even?", "label": "no", "notes": "n2"},
-            {"q": "MATH-500 style", "label": "\\frac{14}{3}", "notes": ""}, {"q": "boxed", "label": "so \\boxed{7}", "notes": ""},
+            {"q": "MATH-500 style", "label": "\\frac{14}{3}", "notes": ""},
+            {"q": "boxed", "label": "so \\boxed{7}", "notes": ""},
             {"q": "empty gold", "label": "", "notes": ""}, {"q": "gsm", "label": "2 + 2 = 4 #### 4", "notes": ""}]
     path = tmp_path / "labels.csv"
     import csv
@@ -248,7 +258,8 @@ def test_answer_column_forms_and_a_mapped_plain_label(tmp_path):
         writer = csv.DictWriter(fh, fieldnames=["q", "label", "notes"])
         writer.writeheader()
         writer.writerows(rows)
-    train, held_out = load_questions(DataConfig(dataset=str(path), eval_size=1, question_column="q", answer_column="label"))
+    train, held_out = load_questions(DataConfig(dataset=str(path), eval_size=1, question_column="q",
+                                                answer_column="label"))
     got = {q.question: (q.answer, q.solution) for q in train + held_out}
     assert got == {"Is 4 even?": ("yes", ""), "Is 3 even?": ("no", ""), "MATH-500 style": ("\\frac{14}{3}", ""),
                    "boxed": ("7", "so \\boxed{7}"), "empty gold": (None, ""), "gsm": ("4", "2 + 2 = 4")}
@@ -273,7 +284,8 @@ def test_trl_standard_and_conversational_prompt_columns_with_every_other_column(
     train, held_out = load_questions(DataConfig(dataset=str(_write_jsonl(tmp_path / "c.jsonl", chats)), eval_size=2))
     rows = to_prompt_rows(train + held_out, "IGNORED")
     assert all(r["prompt"][0] == {"role": "system", "content": "Be brief."} for r in rows)
-    assert {r["answer"] for r in rows} == {c["answer"] for c in chats} and {r["country"] for r in rows} == {c["country"] for c in chats}
+    assert ({r["answer"] for r in rows} == {c["answer"] for c in chats}
+            and {r["country"] for r in rows} == {c["country"] for c in chats})
     assert {q.question for q in train + held_out} == {f"Capital of {c['country']}?" for c in chats}
 
 
@@ -287,12 +299,16 @@ def test_a_local_dataset_folder_with_configs_and_splits(tmp_path):
             _write_jsonl(folder / config / f"{split}.jsonl", part)
     (folder / "README.md").write_text(
         "---\nconfigs:\n"
-        "- config_name: main\n  data_files:\n  - split: train\n    path: main/train.jsonl\n  - split: test\n    path: main/test.jsonl\n"
-        "- config_name: tiny\n  data_files:\n  - split: train\n    path: tiny/train.jsonl\n  - split: test\n    path: tiny/test.jsonl\n"
+        "- config_name: main\n  data_files:\n  - split: train\n    path: main/train.jsonl\n"
+        "  - split: test\n    path: main/test.jsonl\n"
+        "- config_name: tiny\n  data_files:\n  - split: train\n    path: tiny/train.jsonl\n"
+        "  - split: test\n    path: tiny/test.jsonl\n"
         "---\n")
-    train, held_out = load_questions(DataConfig(dataset=f"{folder}@main:train", eval_dataset=f"{folder}@main:test", eval_size=5))
+    train, held_out = load_questions(DataConfig(dataset=f"{folder}@main:train", eval_dataset=f"{folder}@main:test",
+                                                eval_size=5))
     assert len(train) == 12 and len(held_out) == 5 and all(q.answer.isdigit() for q in train + held_out)
-    train, _ = load_questions(DataConfig(dataset=f"{folder}@tiny:train", eval_dataset=f"{folder}@tiny:test", eval_size=2))
+    train, _ = load_questions(DataConfig(dataset=f"{folder}@tiny:train", eval_dataset=f"{folder}@tiny:test",
+                                         eval_size=2))
     assert len(train) == 4
     with pytest.raises(DataError, match=r"cannot load dataset .*@main:validation.*check the folder's config and split"):
         load_questions(DataConfig(dataset=f"{folder}@main:validation", eval_size=2))
@@ -327,7 +343,8 @@ def test_the_readme_data_example_trains_on_a_task_that_is_not_arithmetic(tmp_pat
     (tmp_path / "reviews.csv").write_bytes(b"\xef\xbb\xbf" + blocks["csv"].replace("\n", "\r\n").encode())
     (tmp_path / "sentiment_reward.py").write_text(blocks["python"])
     argv = shlex.split(blocks["bash"].replace("\\\n", " "))
-    assert argv[:3] == ["python", "-m", "lowvram_grpo.run"] and "reviews.csv" in argv and "rewards.module=sentiment_reward.py" in argv
+    assert (argv[:3] == ["python", "-m", "lowvram_grpo.run"] and "reviews.csv" in argv
+            and "rewards.module=sentiment_reward.py" in argv)
     proc = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

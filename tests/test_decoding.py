@@ -41,7 +41,8 @@ def test_resolve_decides_the_levers_per_device_and_refuses_what_cannot_hold():
     cpu = resolve(load_config("smollm2_cpu", []), detect(), "hf")
     assert (cpu.decode_loop, cpu.decode_sampler, cpu.decode_merge_lora, cpu.decode_fused) == (
         "lowvram", "inverse_cdf", True, True)
-    assert "own decode loop, inverse-cdf sampler, LoRA merged when sampling, fused layers when sampling" in cpu.describe()
+    assert ("own decode loop, inverse-cdf sampler, LoRA merged when sampling, fused layers when sampling"
+            in cpu.describe())
     plain = resolve(load_config("smollm2_cpu", ["decode.loop=transformers"]), detect(), "hf")
     assert (plain.decode_loop, plain.decode_merge_lora) == ("transformers", False)
     four_bit = resolve(load_config("smollm2_cpu", ["memory.load_in_4bit=true"]), detect(), "hf")
@@ -240,7 +241,8 @@ def test_rows_that_ended_are_padded_and_the_loop_stops_when_all_ended(tiny_model
         out = model.generate(**batch, max_new_tokens=6, do_sample=False, eos_token_id=first, pad_token_id=0)
         assert out.shape[1] == batch["input_ids"].shape[1] + 1
         out = model.generate(**batch, max_new_tokens=6, do_sample=False, eos_token_id=vocab + 5, pad_token_id=0)
-        theirs = _plain_generate(model, **batch, max_new_tokens=6, do_sample=False, eos_token_id=vocab + 5, pad_token_id=0)
+        theirs = _plain_generate(model, **batch, max_new_tokens=6, do_sample=False, eos_token_id=vocab + 5,
+                                 pad_token_id=0)
     assert out.shape[1] == batch["input_ids"].shape[1] + 6 and torch.equal(out, theirs)
 
 
@@ -356,7 +358,8 @@ def _tiny_peft(kind: str, *, dtype=torch.bfloat16, rope: str = "default", target
     attention_bias), random non-zero biases, weights drawn at std `init`, in `dtype`, LoRA on `targets` with B drawn
     at `scale` (trained-looking)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
     torch.manual_seed(0)
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -475,7 +478,8 @@ def test_the_adapter_really_shifts_the_sampled_distribution(merge):
     one prompt: with the adapter their frequencies differ from those without it (two-sample chi-square p < 1e-6) and
     agree with transformers' generate on the unmerged adapter (p > 1e-3)."""
     model = _tiny_peft("llama", init=0.3)  # logits far from uniform
-    decoding.install(model, decoding.DecodeSettings(loop="lowvram", sampler="inverse_cdf", merge_lora=merge, fused=True))
+    decoding.install(model, decoding.DecodeSettings(loop="lowvram", sampler="inverse_cdf", merge_lora=merge,
+                                                    fused=True))
     prompt = torch.tensor([[5, 9, 14, 3]]).expand(2048, -1).contiguous()
     kwargs = dict(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=1, do_sample=True,
                   temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
@@ -499,7 +503,8 @@ def test_the_adapter_really_shifts_the_sampled_distribution(merge):
 # --------------------------------------------------------------------------- a failure mid-loop
 
 def _snapshot(model):
-    return {name: (tensor.data_ptr(), tensor.detach().clone()) for name, tensor in model.state_dict(keep_vars=True).items()}
+    return {name: (tensor.data_ptr(), tensor.detach().clone())
+            for name, tensor in model.state_dict(keep_vars=True).items()}
 
 
 @pytest.mark.parametrize("fused, merge", [(False, True), (True, True), (True, False)])
@@ -649,7 +654,8 @@ def test_a_lora_bias_adapter_is_sampled_unmerged_and_exactly():
     assert model._lowvram_decode_calls == 1 and torch.equal(ours, theirs)
 
 
-def test_an_init_adapter_with_an_option_beyond_the_merge_is_refused_when_the_merge_is_asked_for(tmp_path, tiny_model_dir):
+def test_an_init_adapter_with_an_option_beyond_the_merge_is_refused_when_the_merge_is_asked_for(tmp_path,
+                                                                                                   tiny_model_dir):
     """A saved adapter whose adapter_config.json sets lora_bias (or an aLoRA's invocation tokens): with
     decode.merge_lora=true, refused at the settings check (before the model loads) in one line; with auto, accepted."""
     import json

@@ -96,10 +96,12 @@ MIRRORED = [
      "peft.tuners.lora.layer:Linear.forward",
      """elif self.merged:
         result = self.base_layer(x, *args, **kwargs)""",
-     fused_decode.merged_weight, "if hasattr(module, \"lora_A\") and not module.disable_adapters and not module.merged:"),
+     fused_decode.merged_weight,
+     "if hasattr(module, \"lora_A\") and not module.disable_adapters and not module.merged:"),
 ] + [
     (f"{family}: RMSNorm",
-     f"transformers.models.{family}.modeling_{family}:{dict(qwen2='Qwen2', qwen3='Qwen3').get(family, family.title())}RMSNorm.forward",
+     f"transformers.models.{family}.modeling_{family}:"
+     f"{dict(qwen2='Qwen2', qwen3='Qwen3').get(family, family.title())}RMSNorm.forward",
      """input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
@@ -139,7 +141,8 @@ MIRRORED = [
 
 @pytest.mark.parametrize("what, upstream, theirs, ours, mine", MIRRORED, ids=[m[0] for m in MIRRORED])
 def test_each_copied_piece_mirrors_the_installed_upstream_lines(what, upstream, theirs, ours, mine):
-    assert _normalized(theirs) in _source(_upstream(upstream)), f"{upstream} changed: re-read it, then {ours.__qualname__}"
+    assert _normalized(theirs) in _source(_upstream(upstream)), (f"{upstream} changed: re-read it, then "
+                                                                 f"{ours.__qualname__}")
     assert _normalized(mine) in _source(ours), f"{ours.__qualname__} no longer mirrors {upstream}"
 
 

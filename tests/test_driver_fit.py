@@ -1,6 +1,6 @@
-"""Which install fits the driver (lowvram_grpo/settings/driver_fit.py), decided from what nvidia-smi prints, before anything is
-installed: CUDA 13 drivers get requirements.txt, CUDA 12 drivers requirements-cuda12.txt (torch and vLLM 0.31's
-CUDA 12.9 builds), no driver or one too old for torch 2.13 the CPU set. The fixtures are nvidia-smi's own output
+"""Which install fits the driver (lowvram_grpo/settings/driver_fit.py), decided from what nvidia-smi prints, before
+anything is installed: CUDA 13 drivers get requirements.txt, CUDA 12 drivers requirements-cuda12.txt (torch and vLLM
+0.31's CUDA 12.9 builds), no driver or one too old for torch 2.13 the CPU set. The fixtures are nvidia-smi's own output
 as these drivers print it; `python -m lowvram_grpo.install` runs the decision against a stand-in nvidia-smi on PATH."""
 import subprocess
 import sys
@@ -9,7 +9,8 @@ import pytest
 
 from conftest import REPO
 from lowvram_grpo.doctor import read_pins
-from lowvram_grpo.settings.driver_fit import (CUDA12_FILE, CUDA13_FILE, MIN_DRIVER, SETS, Driver, build_major, driver_advice, fit_install, hosted_runtime, parse_nvidia_smi)
+from lowvram_grpo.settings.driver_fit import (CUDA12_FILE, CUDA13_FILE, MIN_DRIVER, SETS, Driver, build_major,
+                                              driver_advice, fit_install, hosted_runtime, parse_nvidia_smi)
 
 HEADER = """{date}
 +-----------------------------------------------------------------------------------------+
@@ -24,7 +25,8 @@ HEADER = """{date}
 +-----------------------------------------+------------------------+----------------------+
 """
 # Recorded headers: Colab's T4 runtimes (535.104.05: CUDA 12.2; 550.54.15: CUDA 12.4), a 570 workstation (CUDA 12.8),
-# the H100 lent on 2026-11-26 (580.159.04: CUDA 13.0, ../shared/gpu/README.md), and a machine whose driver is not loaded.
+# the H100 lent on 2026-11-26 (580.159.04: CUDA 13.0, ../shared/gpu/README.md), and a machine whose driver is not
+# loaded.
 SMI = {
     "12.2": HEADER.format(date="Tue Nov 24 10:02:11 2026", version="535.104.05", cuda="12.2", gpu="Tesla T4"),
     "12.4": HEADER.format(date="Wed Nov 25 08:41:50 2026", version="550.54.15", cuda="12.4", gpu="Tesla T4"),
@@ -56,7 +58,8 @@ def test_the_install_that_fits_each_recorded_driver(header, driver, name, file, 
     assert (read.version, read.cuda) == (driver, header) if driver else read is None
     fit = fit_install(read)
     assert (fit.name, fit.pinned.file if fit.pinned else None, fit.commands, fit.vllm) == (name, file, pip, vllm)
-    assert all((REPO / word).is_file() for command in pip for word in command.split() if word.startswith("requirements"))
+    assert all((REPO / word).is_file() for command in pip for word in command.split()
+               if word.startswith("requirements"))
     assert "\n" not in fit.line and (driver or "no NVIDIA driver") in fit.line
     if fit.gpu:  # the set's torch runs on this driver: same CUDA major, driver at least that major's minimum
         assert fit.pinned.torch_cuda == read.cuda_major or fit.pinned.torch_cuda < read.cuda_major
@@ -86,7 +89,8 @@ def test_the_sets_torch_and_vllm_are_the_requirement_files_pins():
     cuda13, cuda12 = read_pins(REPO / CUDA13_FILE), read_pins(REPO / CUDA12_FILE)
     assert cuda12["torch"].split("+")[0] == cuda13["torch"] and cuda12["vllm"].split("+")[0] == cuda13["vllm"]
     swapped = {"torch", "vllm", "torchvision", "torchaudio"}
-    assert {k: v for k, v in cuda12.items() if k not in swapped} == {k: v for k, v in cuda13.items() if k not in swapped}
+    assert ({k: v for k, v in cuda12.items() if k not in swapped}
+            == {k: v for k, v in cuda13.items() if k not in swapped})
     assert f"/whl/cu{SETS[12].torch.split('+cu')[1]}" in (REPO / CUDA12_FILE).read_text()
     assert f"v{cuda13['vllm']}/vllm-{SETS[12].vllm}-" in (REPO / CUDA12_FILE).read_text()
 
@@ -109,7 +113,8 @@ def test_a_driver_update_is_never_advised_where_it_cannot_be_done():
 
 
 def test_wheel_versions_name_their_cuda():
-    assert [build_major(v, 13) for v in ("2.13.0", "2.13.0+cu129", "2.13.0+cu126", "2.13.0+cu130", "2.13.0+cpu", None)] \
+    assert [build_major(v, 13) for v in ("2.13.0", "2.13.0+cu129", "2.13.0+cu126", "2.13.0+cu130", "2.13.0+cpu",
+                                         None)] \
         == [13, 12, 12, 13, None, None]
     assert Driver("580.159.04", "13.0").cuda_major == 13 and Driver(None, None).cuda_major is None
 
@@ -121,7 +126,8 @@ def test_the_install_command_reads_nvidia_smi_and_names_the_set(header, tmp_path
 
     tools = tmp_path / "bin"
     tools.mkdir()
-    (tools / "nvidia-smi").write_text(f"#!/bin/sh\ncat <<'EOF'\n{SMI[header]}EOF\n" + ("exit 9\n" if header == "none" else ""))
+    (tools / "nvidia-smi").write_text(f"#!/bin/sh\ncat <<'EOF'\n{SMI[header]}EOF\n"
+                                      + ("exit 9\n" if header == "none" else ""))
     (tools / "nvidia-smi").chmod(0o755)
     env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"}
     proc = subprocess.run([sys.executable, "-m", "lowvram_grpo.install", "--dry-run"], cwd=REPO, env=env,
@@ -146,13 +152,15 @@ def test_the_doctor_checks_the_cuda12_sets_pins_where_its_torch_is_installed(mon
     real = installed.installed_version
     monkeypatch.setattr(installed, "installed_version", lambda name: "2.13.0+cu129" if name == "torch" else real(name))
     chosen = installed.choose_set(gpu_present=True)
-    assert chosen.files == (CUDA12_FILE,) and chosen.pins["torch"] == "2.13.0+cu129" and chosen.pins["vllm"] == SETS[12].vllm
+    assert (chosen.files == (CUDA12_FILE,) and chosen.pins["torch"] == "2.13.0+cu129"
+            and chosen.pins["vllm"] == SETS[12].vllm)
     assert chosen.install_hint().startswith("pip install -q -r requirements-cuda12.txt")
     monkeypatch.setattr(installed, "installed_version", lambda name: "2.13.0" if name == "torch" else real(name))
     assert installed.choose_set(gpu_present=True).files == (CUDA13_FILE,)
 
 
-# Issue 65, defect 4: the install decided by the driver AND GPU 0's compute capability (nvidia-smi --query-gpu=compute_cap).
+# Issue 65, defect 4: the install decided by the driver AND GPU 0's compute capability
+# (nvidia-smi --query-gpu=compute_cap).
 #       header  compute cap  set              file            vLLM
 CARDS = [
     ("12.4", (6, 0), "cuda126", "requirements-cuda126.txt", False),  # Kaggle's P100 (driver 550, CUDA 12.4)

@@ -66,7 +66,7 @@ def reference_verdicts(text, gold):
     return strict, _right(_last_value(lenient_text), gold)
 
 
-# ----------------------------------------------------------------------------- greedy decoding with plain transformers + PEFT
+# ----------------------------------------------------------------------- greedy decoding with plain transformers + PEFT
 def reference_answers(model_dir, adapter_dir, prompts, max_new_tokens, dtype):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -82,7 +82,8 @@ def reference_answers(model_dir, adapter_dir, prompts, max_new_tokens, dtype):
     for start in range(0, len(texts), BATCH):
         batch = tokenizer(texts[start:start + BATCH], return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
-            out = model.generate(**batch, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+            out = model.generate(**batch, do_sample=False, max_new_tokens=max_new_tokens,
+                                 pad_token_id=tokenizer.pad_token_id)
         answers += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
     return answers
 

@@ -72,7 +72,8 @@ def test_eval_takes_a_peft_adapter_made_elsewhere_for_the_same_base(tmp_path, ti
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    theirs = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    theirs = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                             task_type="CAUSAL_LM"))
     with torch.no_grad():
         for name, param in theirs.named_parameters():
             if "lora_B" in name:

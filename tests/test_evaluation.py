@@ -60,7 +60,8 @@ def test_score_uses_a_reward_files_functions_and_weights(tmp_path):
 
 def test_table_prints_intervals_and_says_whether_they_overlap():
     def row(strict, lenient, n=200):
-        return {"reward_mean": 1.0, "accuracy_strict": strict / n, "accuracy_strict_ci": list(wilson_interval(strict, n)),
+        return {"reward_mean": 1.0, "accuracy_strict": strict / n,
+                "accuracy_strict_ci": list(wilson_interval(strict, n)),
                 "accuracy_lenient": lenient / n, "accuracy_lenient_ci": list(wilson_interval(lenient, n)),
                 "format_rate": 1.0, "mean_completion_tokens": 30.0, "n": n}
     before, primed, after = row(0, 40), row(40, 60), row(90, 70)
@@ -98,7 +99,8 @@ def test_paired_change_counts_questions_that_flipped_and_its_mcnemar_p():
 
     start = {"strict_correct": [1, 0, 0, 0, 1, 0], "lenient_correct": [1, 1, 0, 0, 1, 0]}
     end = {"strict_correct": [1, 1, 1, 0, 0, 1], "lenient_correct": [1, 1, 0, 0, 1, 0]}
-    assert paired_change(start, end, "accuracy_strict") == (3, 1, pytest.approx(0.625))  # 2 * P(X <= 1), X ~ Bin(4, 1/2)
+    # 2 * P(X <= 1), X ~ Bin(4, 1/2)
+    assert paired_change(start, end, "accuracy_strict") == (3, 1, pytest.approx(0.625))
     assert paired_change(start, end, "accuracy_lenient") == (0, 0, 1.0)
     assert paired_change({}, end, "accuracy_strict") is None
     assert mcnemar_p(10, 0) == pytest.approx(2 / 1024) and mcnemar_p(5, 5) == 1.0
@@ -151,11 +153,13 @@ def test_a_table_of_any_columns_has_the_sampled_rows_the_protocol_and_the_pairs(
                 "protocol": {"decoding": "greedy", "temperature": 0.0, "max_tokens": 64, "batch_size": 8},
                 **({"sampled": sampled} if sampled else {})}
     sampled = {"k": 4, **{f"{j}_{m}_at_k": 0.5 for j in ("strict", "lenient") for m in ("mean", "pass")}}
-    named = [("base", column([0] * 10)), ("primed", column([1] * 4 + [0] * 6)), ("trained", column([1] * 9 + [0], sampled))]
+    named = [("base", column([0] * 10)), ("primed", column([1] * 4 + [0] * 6)),
+             ("trained", column([1] * 9 + [0], sampled))]
     pairs = [("base", named[0][1], "trained", named[2][1]), ("primed", named[1][1], "trained", named[2][1])]
     table = format_columns(named, pairs)
     assert "protocol: greedy decoding, up to 64 new tokens" in table and "(change = trained - base)" in table
     assert "strict pass@4" in table and "lenient mean@4" in table
     assert "accuracy_strict primed -> trained: +0.500; " in table and "5 newly right, 0 newly wrong" in table
-    other = dict(named[2][1], protocol={"decoding": "sampled", "temperature": 0.8, "top_p": 0.95, "seed": 1, "max_tokens": 64})
+    other = dict(named[2][1],
+                 protocol={"decoding": "sampled", "temperature": 0.8, "top_p": 0.95, "seed": 1, "max_tokens": 64})
     assert "measured under different protocols" in format_columns([named[0], ("x", other)], [])

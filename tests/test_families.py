@@ -191,7 +191,8 @@ def test_a_think_format_run_scores_a_think_completion_right_and_a_malformed_one_
     numbers = score([row] * 3, [Completion(t, 10) for t in (right, only_thought, twice)], run_plan(config).eval)
     assert numbers["strict_correct"] == [1, 0, 0]
     assert numbers["format_rate"] == pytest.approx(2 / 3)  # the second one is well formed, only wrong
-    assert numbers["reward_mean"] == pytest.approx((2.5 + 0.5 + 2.0) / 3)  # think_correctness reads after the last </think>
+    assert numbers["reward_mean"] == pytest.approx((2.5 + 0.5 + 2.0) / 3)  # think_correctness reads
+                                                                           # after the last </think>
     tokenizer = AutoTokenizer.from_pretrained(build("qwen3"))
     pieces = example_pieces(tokenizer, question, config.data.system_prompt, None, config.data.answer_format)
     assert pieces[-1][0].startswith("<think>\n") and f"</think>\n\n{gold}" in pieces[-1][0]

@@ -1,9 +1,9 @@
 """What the pinned wheels do with each model family, read from the installed GPU set (issue 52): the facts
-lowvram_grpo.settings.model_shapes states (VLLM_FAMILIES, UNSLOTH_NO_VLLM, UNSLOTH_VLLM_NEEDS_SM80, UNSLOTH_FORCE_FLOAT32)
-against vLLM 0.31's model registry and model classes (SupportsLoRA; packed_modules_mapping and load_weights, what
-vllm-bnb-plugin's loader requires), the plugin's loader, unsloth's loader and unsloth_zoo's model lists; and
-unsloth_zoo's own vLLM sizing, extracted from the installed source, on the sliding-window and q/k-norm families.
-Nothing is imported from vLLM or unsloth (they need CUDA): their source is parsed (ast).
+lowvram_grpo.settings.model_shapes states (VLLM_FAMILIES, UNSLOTH_NO_VLLM, UNSLOTH_VLLM_NEEDS_SM80,
+UNSLOTH_FORCE_FLOAT32) against vLLM 0.31's model registry and model classes (SupportsLoRA; packed_modules_mapping and
+load_weights, what vllm-bnb-plugin's loader requires), the plugin's loader, unsloth's loader and unsloth_zoo's model
+lists; and unsloth_zoo's own vLLM sizing, extracted from the installed source, on the sliding-window and q/k-norm
+families. Nothing is imported from vLLM or unsloth (they need CUDA): their source is parsed (ast).
 
 Runs in the GPU install set (CI's GPU-set stage, .ci/run); skips elsewhere, fails there under LOWVRAM_GRPO_GPU_SET=1.
 """
@@ -112,7 +112,8 @@ def test_unsloths_family_lists_are_the_ones_model_shapes_states():
     """unsloth's loader: the families fast_inference cannot share with vLLM, those it runs on vLLM only from sm80;
     unsloth_zoo's FORCE_FLOAT32 matched the way the loader matches it (name with '_' dropped equal, or in
     'model_type,'), for each family's model types."""
-    from lowvram_grpo.settings.model_shapes import (UNSLOTH_FORCE_FLOAT32, UNSLOTH_NO_VLLM, UNSLOTH_VLLM_NEEDS_SM80, VLLM_FAMILIES)
+    from lowvram_grpo.settings.model_shapes import (UNSLOTH_FORCE_FLOAT32, UNSLOTH_NO_VLLM, UNSLOTH_VLLM_NEEDS_SM80,
+                                                    VLLM_FAMILIES)
 
     assert tuple(_assigned(UNSLOTH_LOADER, "VLLM_UNSUPPORTED_MODEL_TYPES")) == UNSLOTH_NO_VLLM
     assert tuple(_assigned(UNSLOTH_LOADER, "VLLM_NEEDS_SM80_MODEL_TYPES")) == UNSLOTH_VLLM_NEEDS_SM80
@@ -164,7 +165,8 @@ def test_vllms_share_and_max_model_len_are_unsloth_zoos_for_q_k_norm_and_sliding
     namespace = {"os": os, "torch": torch, "math": math, "re": re}
     exec(_functions(VLLM_UTILS, names), namespace)
     shape, config = KNOWN_SHAPES[key], _hf_config(key)
-    weights = {b: namespace["vllm_weights_memory_usage"](config, load_in_4bit=b) for b in (True, False)}  # a meta model each
+    weights = {b: namespace["vllm_weights_memory_usage"](config, load_in_4bit=b)
+               for b in (True, False)}  # a meta model each
 
     def sizing(config, free, total, util, max_seq_length, rank, load_in_4bit):  # as test_gpu_wheels', weights once
         namespace["get_mem_info"] = lambda: (free, total)
@@ -180,7 +182,8 @@ def test_vllms_share_and_max_model_len_are_unsloth_zoos_for_q_k_norm_and_sliding
         for util in (0.3, 0.5, 0.6, 0.8):
             for length, r in ((1024, 16), (1280, 32), (4096, 64)):
                 for four_bit in (True, False):
-                    actual, tokens, max_model_len = sizing(config, free, total, util, length, vllm_lora_rank(r), four_bit)
+                    actual, tokens, max_model_len = sizing(config, free, total, util, length, vllm_lora_rank(r),
+                                                           four_bit)
                     ours = vllm_budget(shape, util, free, total, length, vllm_lora_rank(r), four_bit)
                     assert ours.utilization == pytest.approx(actual, rel=1e-12), (total_gib, free_gib, util)
                     assert ours.kv_tokens == tokens, (total_gib, free_gib, util, length, four_bit)

@@ -21,7 +21,8 @@ import pytest
 from conftest import REPO, run_cli
 from lowvram_grpo.report import learning_signals as signals
 from lowvram_grpo.evaluate.evaluation import paired_changes
-from lowvram_grpo.report.build import (BETA_ZERO_LOSS, changed_headline, comparison_table, line_figure, main as report_main, plot_specs, what_changed)
+from lowvram_grpo.report.build import (BETA_ZERO_LOSS, changed_headline, comparison_table, line_figure,
+                                       main as report_main, plot_specs, what_changed)
 from lowvram_grpo.training.grpo import compile_note, projection_due, projection_line
 
 PRIME_STEPS, STEPS = 2, 5
@@ -86,7 +87,8 @@ def test_a_real_run_with_all_wrong_groups_warns_where_its_plot_shows_it(first_ru
     shares = [row[signals.ALL_WRONG_KEY] for row in rows]
     assert len(rows) == STEPS and min(shares) >= signals.THRESHOLD, shares  # the premise: a stretch of all-wrong groups
     stretches = signals.all_wrong_stretches(rows)
-    assert stretches and stretches == _plotted_stretches(rows, _config(out))[0] == _plotted_stretches(rows, _config(out))[1]
+    assert (stretches and stretches == _plotted_stretches(rows, _config(out))[0]
+            == _plotted_stretches(rows, _config(out))[1])
     report = (out / "report.md").read_text()
     first, last = stretches[0]
     assert f"- **all_wrong** (from step {first}):" in report and f"on steps {first}-{last}" in report
@@ -100,7 +102,8 @@ def test_a_real_run_with_all_wrong_groups_warns_where_its_plot_shows_it(first_ru
 
 @pytest.mark.parametrize("shares, warned", [([0.0, 0.0, 1.0, 0.0, 0.0], False), ([0.0, 1.0, 1.0, 1.0, 1.0], True),
                                             ([1.0, 0.0, 1.0, 0.0, 1.0], True)])
-def test_the_rebuilt_report_warns_exactly_where_the_plot_is_at_or_above_the_threshold(first_run, tmp_path, shares, warned):
+def test_the_rebuilt_report_warns_exactly_where_the_plot_is_at_or_above_the_threshold(first_run, tmp_path, shares,
+                                                                                       warned):
     out, _ = first_run
     copy = tmp_path / "copy"
     shutil.copytree(out, copy, ignore=shutil.ignore_patterns("adapter", "primed_adapter", "*checkpoint-*"))
@@ -173,7 +176,8 @@ def test_every_legend_is_clear_of_its_title_and_axes_and_the_loss_is_captioned_a
 
 def test_each_threshold_has_its_own_lines_colour_and_a_name():
     rows = [{"step": i, signals.CLIPPED_KEY: 0.6, signals.ZERO_STD_KEY: 0.2, signals.ALL_RIGHT_KEY: 0.0,
-             signals.ALL_WRONG_KEY: 0.7, "completions/max_length": 30, "completions/mean_length": 20} for i in range(1, 9)]
+             signals.ALL_WRONG_KEY: 0.7, "completions/max_length": 30, "completions/mean_length": 20}
+            for i in range(1, 9)]
     config = {"train": {"max_completion_length": 32}}
     for name in ("clipped_ratio", "completion_length"):
         ax = line_figure(rows=rows, **plot_specs(rows, config)[name]).axes[0]
@@ -183,7 +187,8 @@ def test_each_threshold_has_its_own_lines_colour_and_a_name():
             continue
         assert labels["truncation warning threshold 0.5 (above it)"] == labels[
             "completions cut at max_completion_length, mean of last 5 steps"]
-        assert labels["all-equal warning threshold 0.5 (above it)"] == labels["groups with all-equal rewards, mean of last 5 steps"]
+        assert labels["all-equal warning threshold 0.5 (above it)"] == labels[
+            "groups with all-equal rewards, mean of last 5 steps"]
         assert labels["all-wrong warning threshold 0.5"] == labels[ALL_WRONG_LINE]
         assert len({labels[k] for k in labels if "threshold" in k}) == 3
 
@@ -196,7 +201,8 @@ def test_summary_holds_the_paired_changes_the_report_and_the_log_show(first_run,
     assert set(stored) == {"primed_to_after", "before_to_after"}
     assert stored == json.loads(json.dumps(paired_changes(summary["before"], summary["after"], summary["primed"])))
     report = (out / "report.md").read_text()
-    for pair, label in (("primed_to_after", "primed -> after (GRPO's own change)"), ("before_to_after", "before -> after")):
+    for pair, label in (("primed_to_after", "primed -> after (GRPO's own change)"),
+                        ("before_to_after", "before -> after")):
         for key, change in stored[pair].items():
             line = (f"{key} {label}: ")
             shown = (f"paired over the same {change['n']} questions: {change['newly_right']} newly right, "
@@ -206,7 +212,8 @@ def test_summary_holds_the_paired_changes_the_report_and_the_log_show(first_run,
     # the report reads them from summary.json: an edited count there is what it shows
     copy = tmp_path / "copy"
     shutil.copytree(out, copy, ignore=shutil.ignore_patterns("adapter", "primed_adapter", "*checkpoint-*"))
-    summary["paired_changes"]["before_to_after"]["accuracy_strict"].update(newly_right=7, newly_wrong=3, mcnemar_p=0.34375)
+    summary["paired_changes"]["before_to_after"]["accuracy_strict"].update(newly_right=7, newly_wrong=3,
+                                                                          mcnemar_p=0.34375)
     (copy / "summary.json").write_text(json.dumps(summary))
     assert report_main([str(copy)]) == 0
     assert "7 newly right, 3 newly wrong (McNemar p = 0.344)" in (copy / "report.md").read_text()
@@ -227,7 +234,8 @@ def test_the_run_ends_with_what_grpo_changed_counted_from_the_verdicts(first_run
     assert len(changed["examples"]) == 2 and len({e["index"] for e in changed["examples"]}) == 2
     for example, found, kind in zip(changed["examples"], (right, wrong), ("turned right", "turned wrong")):
         assert example["index"] == found[0] if found else example["kind"].startswith(f"none {kind}")
-        assert example["correct"] == {s: summary[s]["strict_correct"][example["index"]] for s in ("before", "primed", "after")}
+        assert example["correct"] == {s: summary[s]["strict_correct"][example["index"]]
+                                      for s in ("before", "primed", "after")}
         assert f"[{example['kind']}] Q: {example['question']}" in proc.stdout
     report = (out / "report.md").read_text()
     assert changed_headline(changed) in report[report.index("## Sample answers"):]
@@ -272,7 +280,8 @@ def test_the_run_folder_card_names_the_base_model_and_loads_the_adapter(first_ru
     for pair, label in (("primed_to_after", "primed -> after"), ("before_to_after", "before -> after")):
         change = summary["paired_changes"][pair]["accuracy_strict"]
         assert (f"- accuracy_strict, {label}" in card and
-                f"{change['newly_right']} newly right, {change['newly_wrong']} newly wrong of {change['n']} questions" in card)
+                f"{change['newly_right']} newly right, {change['newly_wrong']} newly wrong of {change['n']} "
+                "questions" in card)
     assert f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), '{out / 'adapter'}')" in card
     assert f"lowvram-grpo eval --adapter {out / 'adapter'}" in card and f"--init-adapter {out / 'adapter'}" in card
     assert f"card:    {out / 'README.md'}" in proc.stdout
@@ -309,4 +318,5 @@ def test_projection_is_due_after_three_steps_or_a_tenth_and_counts_from_the_seco
 def test_the_compile_note_is_for_cuda_only():
     assert compile_note("cpu", True) is None and compile_note(None, False) is None
     assert compile_note("cuda", True).startswith("GRPO step 1 includes compiling unsloth's")
-    assert "TRL's Triton kernels" in compile_note("cuda", False, step=11) and "step 11" in compile_note("cuda", False, 11)
+    assert ("TRL's Triton kernels" in compile_note("cuda", False, step=11)
+            and "step 11" in compile_note("cuda", False, 11))

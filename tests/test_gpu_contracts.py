@@ -104,13 +104,15 @@ def test_there_is_something_to_check():
 
 def _our_calls(path: Path, function: str | None = None) -> list[ast.Call]:
     tree = ast.parse(path.read_text(), filename=str(path))
-    scopes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == function] \
+    scopes = [n for n in ast.walk(tree)
+              if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == function] \
         if function else [tree]
     return [n for scope in scopes for n in ast.walk(scope) if isinstance(n, ast.Call)]
 
 
 def call_sites(path: Path, builder: str) -> list[ast.Call]:
-    """Every call in `path` that takes `**builder(...)`, or `**name` where `name = builder(...)` in the same function."""
+    """Every call in `path` that takes `**builder(...)`, or `**name` where `name = builder(...)` in the same
+    function."""
     def is_builder(node) -> bool:
         return isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == builder
 
@@ -129,7 +131,8 @@ def call_sites(path: Path, builder: str) -> list[ast.Call]:
 def call_site(path: Path, builder: str) -> ast.Call:
     """The one call in `path` that takes the output of `builder`."""
     found = call_sites(path, builder)
-    assert len(found) == 1, f"{path.name}: expected one call taking **{builder}(...), found {[ast.unparse(c) for c in found]}"
+    assert len(found) == 1, (f"{path.name}: expected one call taking **{builder}(...), "
+                             f"found {[ast.unparse(c) for c in found]}")
     return found[0]
 
 
@@ -157,7 +160,8 @@ def test_our_call_sites_use_the_builders():
     savers = [c for c in _our_calls(BACKEND, "export") if any(k.arg is None for k in c.keywords)]
     assert [(ast.unparse(c.func), len(c.args)) for c in savers] == [("saver", 2)]
     # our `from vllm import SamplingParams as VLLMSamplingParams`
-    imports = [n for n in ast.walk(ast.parse(BACKEND.read_text())) if isinstance(n, ast.ImportFrom) and n.module == "vllm"]
+    imports = [n for n in ast.walk(ast.parse(BACKEND.read_text()))
+               if isinstance(n, ast.ImportFrom) and n.module == "vllm"]
     assert any((a.name, a.asname) == ("SamplingParams", "VLLMSamplingParams") for n in imports for a in n.names)
 
 
@@ -336,7 +340,8 @@ def test_savers_are_attached_and_take_our_keywords(wheels):
     unsloth/save.py's patch_saving_functions binds the method (`_bind_saving_method(func, model, name)`,
     a types.MethodType); FastLlamaModel.get_peft_model -> patch_peft_model -> patch_saving_functions(model)."""
     peft = wheels.find("unsloth", "unsloth/models/loader.py", "FastLlamaModel.get_peft_model")
-    assert _calls(peft, "FastLlamaModel.patch_peft_model"), f"{peft.where}: get_peft_model no longer calls patch_peft_model"
+    assert _calls(peft, "FastLlamaModel.patch_peft_model"), \
+        f"{peft.where}: get_peft_model no longer calls patch_peft_model"
     patch_peft = wheels.find("unsloth", "unsloth/models/loader.py", "FastLlamaModel.patch_peft_model")
     assert _calls(patch_peft, "patch_saving_functions"), f"{patch_peft.where}: no patch_saving_functions(model)"
     binder = wheels.find("unsloth", "unsloth/save.py", "patch_saving_functions")
@@ -369,13 +374,16 @@ def test_fast_generate_is_the_vllm_engines_generate(wheels):
     (FastLlamaModel.from_pretrained, unsloth/models/llama.py), and get_peft_model's patch_peft_fast_inference
     copies it (and attaches load_lora) onto the PEFT model we hold (unsloth/models/_utils.py)."""
     loader = wheels.find("unsloth", "unsloth/models/loader.py", "FastLlamaModel.from_pretrained")
-    assert "model.vllm_engine.generate" in [ast.unparse(a.value) for a in _assignments(loader, "fast_generate")], loader.where
+    assert "model.vllm_engine.generate" in [ast.unparse(a.value) for a in _assignments(loader, "fast_generate")], \
+        loader.where
     assert "llm" in [ast.unparse(a.value) for a in _assignments(loader, "vllm_engine")], loader.where
     copy = wheels.find("unsloth", "unsloth/models/llama.py", "patch_peft_fast_inference")
-    assert "model.model.fast_generate" in [ast.unparse(a.value) for a in _assignments(copy, "fast_generate")], copy.where
+    assert "model.model.fast_generate" in [ast.unparse(a.value) for a in _assignments(copy, "fast_generate")], \
+        copy.where
     partials = [ast.unparse(a.value) for a in _assignments(copy, "load_lora")]
     assert "functools.partial(load_lora, model)" in partials, (copy.where, partials)
-    imported = [n for n in ast.walk(copy.node) if isinstance(n, ast.ImportFrom) and any(a.name == "load_lora" for a in n.names)]
+    imported = [n for n in ast.walk(copy.node)
+                if isinstance(n, ast.ImportFrom) and any(a.name == "load_lora" for a in n.names)]
     assert [n.module for n in imported] == ["unsloth_zoo.vllm_utils"], copy.where
     peft = wheels.find("unsloth", "unsloth/models/loader.py", "FastLlamaModel.patch_peft_model")
     assert _calls(peft, "patch_peft_fast_inference"), peft.where
@@ -399,7 +407,8 @@ def test_vllm_generate_takes_our_keywords(wheels, tiny_model_dir):
     prompt = wheels.find("vllm", "vllm/inputs/__init__.py", "TokensPrompt")
     fields = wheels.fields(prompt)
     required = {name for name in fields for n in prompt.node.body
-                if isinstance(n, ast.AnnAssign) and n.target.id == name and "NotRequired" not in ast.unparse(n.annotation)}
+                if isinstance(n, ast.AnnAssign) and n.target.id == name
+                and "NotRequired" not in ast.unparse(n.annotation)}
     assert "prompt_token_ids" in required, prompt.where
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = unsloth_backend.token_prompts(tokenizer, ["What is 7 * 8?", "hi"])
@@ -437,7 +446,8 @@ def test_load_lora_takes_our_keywords_and_builds_a_vllm_lora_request(wheels):
     assert kwargs.get("load_tensors", False) is False  # vLLM reads the saved adapter from disk
     build = wheels.find("unsloth_zoo", "unsloth_zoo/vllm_utils.py", "_build_lora_request")
     requests = [n for n in ast.walk(build.node) if isinstance(n, ast.Call) and ast.unparse(n.func) == "LoRARequest"]
-    imports = [n for n in ast.walk(build.node) if isinstance(n, ast.ImportFrom) and any(a.name == "LoRARequest" for a in n.names)]
+    imports = [n for n in ast.walk(build.node)
+               if isinstance(n, ast.ImportFrom) and any(a.name == "LoRARequest" for a in n.names)]
     assert [n.module for n in imports] == ["vllm.lora.request"], build.where
     vllm_request = wheels.find("vllm", "vllm/lora/request.py", "LoRARequest")
     zoo_request = wheels.find("unsloth_zoo", "unsloth_zoo/vllm_lora_request.py", "LoRARequest")
@@ -501,7 +511,8 @@ def test_gpu_presets_name_ids_unsloth_maps_to_pre_quantized_4bit(wheels):
         if not config.memory.load_in_4bit:
             continue  # a 16-bit preset (gemma3_1b, qwen3_5_0_8b) loads its own id: no pre-quantized repo
         name = config.model.name
-        keys = [key for key, values in table.items() for group in (values.values() if isinstance(values, dict) else [values])
+        keys = [key for key, values in table.items()
+                for group in (values.values() if isinstance(values, dict) else [values])
                 if name in group]
         assert keys, f"{preset}: unsloth {wheels['unsloth'].version}'s mapper has no pre-quantized repo for {name}"
         assert all(key.endswith("bnb-4bit") for key in keys), keys

@@ -69,8 +69,10 @@ def test_the_cuda_stand_in_records_what_opens_a_context(tmp_path):
     assert proc.stdout.count("refused: CUDA stand-in") == 2
     events = standin_events(record)
     assert [e["event"] for e in events] == ["installed", "query", "context", "context"]
-    assert events[1]["site"].startswith("lowvram_grpo/settings/hardware.py:") and events[1]["call"] == "torch.cuda.is_available"
-    assert events[2]["site"].startswith("lowvram_grpo/settings/hardware.py:") and events[2]["site"].endswith(" in detect")
+    assert (events[1]["site"].startswith("lowvram_grpo/settings/hardware.py:")
+            and events[1]["call"] == "torch.cuda.is_available")
+    assert (events[2]["site"].startswith("lowvram_grpo/settings/hardware.py:")
+            and events[2]["site"].endswith(" in detect"))
 
 
 def test_the_kit_measures_every_phase_beside_the_plan(kit):
@@ -79,7 +81,8 @@ def test_the_kit_measures_every_phase_beside_the_plan(kit):
     assert report["model"]["shape"] == "builtin:tiny" and report["model"]["vocab"] == 512
     assert 200 < report["model"]["prompt_tokens_max"] <= 256  # padded up to train.max_prompt_length, as planned
     run = report["variants"]["hf-nf4"]
-    assert run["backend"] == "hf" and run["resolved"]["load_in_4bit"] is True and run["resolved"]["generation"] == "transformers"
+    assert (run["backend"] == "hf" and run["resolved"]["load_in_4bit"] is True
+            and run["resolved"]["generation"] == "transformers")
     assert set(run["phases"]) == PHASES
     assert run["phases"]["rollout"]["times"] == 2 and run["phases"]["evaluation"]["times"] == 1  # the trained adapter
     for name, phase in run["phases"].items():
@@ -113,7 +116,8 @@ def test_the_kit_measures_every_phase_beside_the_plan(kit):
     graphs = run["decode_graphs"]
     assert graphs["decided"] is False and "hf backend" in graphs["reason"] and graphs["stats"] is None
     assert set(graphs["environment"]) == {"UNSLOTH_DECODE_CUDA_GRAPHS", "UNSLOTH_DECODE_GRAPH_PREALLOC"}
-    assert [s["step"] for s in graphs["per_step"]] == [1, 2] and all(s["ms_per_decode_step"] > 0 for s in graphs["per_step"])
+    assert ([s["step"] for s in graphs["per_step"]] == [1, 2]
+            and all(s["ms_per_decode_step"] > 0 for s in graphs["per_step"]))
     assert graphs["steady_ms_per_decode_step_median"] == graphs["per_step"][1]["ms_per_decode_step"]
 
 
@@ -209,7 +213,8 @@ print(json.dumps(out))
                     assert f"{key}={change['to']}" in chosen["overrides"], (preset, key)
             planned = chosen["plan_total_gib"]
             assert planned["kit_lengths"] < planned["preset_lengths"], (preset, variant, planned)
-        assert prep["shortened"]["train.max_completion_length"]["to"] < prep["shortened"]["train.max_completion_length"]["from"]
+        assert (prep["shortened"]["train.max_completion_length"]["to"]
+                < prep["shortened"]["train.max_completion_length"]["from"])
         assert 0 < prep["prompt_tokens"] <= int(prep["shortened"].get("train.max_prompt_length", {"to": 10 ** 6})["to"])
     assert prepared["llama8b_4bit"]["vocab"] == 128256 and prepared["qwen1_5b_4bit"]["vocab"] == 151936
 
@@ -229,7 +234,8 @@ def test_the_budget_sizes_the_h100_work_and_skips_what_cannot_fit():
     assert sum(size["estimates"]) <= 480 * FIT_SHARE
     assert sizing(work, costs, 60, 3, 512, 16, 6)["fits"] == 0
     costs.learn(100.0, 200.0)  # a child took twice its estimate: what is left is planned twice as long
-    assert costs.estimate("variant", "hf", 3, 512, 16, 6) == 2 * CostModel(True, 1.54e9).estimate("variant", "hf", 3, 512, 16, 6)
+    assert (costs.estimate("variant", "hf", 3, 512, 16, 6)
+            == 2 * CostModel(True, 1.54e9).estimate("variant", "hf", 3, 512, 16, 6))
 
 
 def test_a_sigterm_after_the_first_variant_leaves_its_figures_in_the_json(tmp_path):
@@ -271,12 +277,14 @@ def test_a_kit_whose_preparation_cannot_finish_builds_nothing(tmp_path):
 
     out = tmp_path / "kit.json"
     proc = subprocess.run([sys.executable, "-m", "bench.gpu_first_run", "--preset", "tiny", "--variants", "hf-nf4",
-                           "--budget-s", "12", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+                           "--budget-s", "12", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert "prepare" not in report["done"] and "model" not in report
     why = report["variants"]["hf-nf4"]["skipped"]
-    assert why.endswith("nothing was built") and report["cap"]["skipped"] == why and report["skipped"] == ["hf-nf4", "cap", "resume"]
+    assert (why.endswith("nothing was built") and report["cap"]["skipped"] == why
+            and report["skipped"] == ["hf-nf4", "cap", "resume"])
     assert report["budget"]["preparation_s"]["first_piece"] == "hf-nf4"
     # on a card's cost model: the 8B shape's build alone is ~106 s, so 90 s left (the old threshold) never suffice
     import argparse
@@ -312,7 +320,8 @@ def test_the_default_job_runs_end_to_end_in_its_dry_mode(tmp_path):
         assert run["steps"] == run["grpo_steps_asked"] == 3 and len(run["step_time_s"]["all"]) == 3
         assert all(run["held_out"][s]["n"] == 4 for s in ("before", "primed", "after"))
         assert run["priming"] and run["peak_gib"]["peak_allocated"] > 0 and run["plan"]["total_gib"] > 0
-        assert run["peak_vs_plan"]["peak_allocated"] == round(run["peak_gib"]["peak_allocated"] / run["plan"]["total_gib"], 3)
+        assert run["peak_vs_plan"]["peak_allocated"] == round(run["peak_gib"]["peak_allocated"]
+                                                              / run["plan"]["total_gib"], 3)
         assert "--preset tiny --backend hf" in run["command"]
     decode = job["phases"]["decode"]["variants"]
     assert {"transformers", "loop", "default"} <= set(decode)
@@ -339,7 +348,8 @@ def test_the_doctor_says_which_import_it_probes_before_it_starts():
     results = probe_imports(["json", "no_such_module_here", "csv"], progress=started.append)
     assert started == ["json", "no_such_module_here", "csv"]
     assert results["json"]["ok"] and not results["no_such_module_here"]["ok"] and results["csv"]["ok"]
-    proc = subprocess.run([sys.executable, "-c", "from lowvram_grpo.doctor import probe_progress as p; p('unsloth'); p('json')"],
+    proc = subprocess.run([sys.executable, "-c",
+                           "from lowvram_grpo.doctor import probe_progress as p; p('unsloth'); p('json')"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.stdout == "" and proc.stderr.splitlines() == [
         "doctor: importing unsloth (can take 30 s or more on a GPU: it patches transformers and trl) ...",
@@ -389,6 +399,7 @@ def test_the_window_script_runs_end_to_end_in_its_dry_mode(tmp_path):
 def test_the_window_script_refuses_bad_input(tmp_path):
     for argv, fragment in (([], "name the output folder"), ([str(tmp_path), "--fast"], "unknown option --fast"),
                            ([str(tmp_path / "a"), str(tmp_path / "b")], "one output folder")):
-        proc = subprocess.run(["bash", "bench/gpu_window.sh", *argv], cwd=REPO, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(["bash", "bench/gpu_window.sh", *argv], cwd=REPO, capture_output=True, text=True,
+                              timeout=60)
         assert proc.returncode == 2 and proc.stderr.startswith("error: ") and fragment in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1

@@ -213,7 +213,8 @@ def test_hf_4bit_plan_counts_the_fp32_parts_prepare_model_for_kbit_training_make
     assert hf.bytes == int(shape.linear_params * NF4_BYTES_PER_PARAM + shape.other_params * 4)
     llama_hf = plan(resolve(load_config("llama8b_4bit"), profile("rtx3090"), "hf")).terms["weights"].bytes
     llama_unsloth = plan(resolve(load_config("llama8b_4bit"), profile("rtx3090"), "unsloth")).terms["weights"].bytes
-    assert (llama_hf - llama_unsloth) / 2 ** 30 == pytest.approx(model_shape("unsloth/Meta-Llama-3.1-8B-Instruct").other_params * 2 / 2 ** 30)
+    assert (llama_hf - llama_unsloth) / 2 ** 30 == pytest.approx(
+        model_shape("unsloth/Meta-Llama-3.1-8B-Instruct").other_params * 2 / 2 ** 30)
     assert llama_hf - llama_unsloth > 1.9 * 2 ** 30  # the ~2 GiB the plan used to miss
 
 
@@ -248,7 +249,8 @@ def test_install_plan_installs_the_gpu_set_when_any_of_it_is_missing():
     from lowvram_grpo.settings.driver_fit import Driver, fit_install
     from lowvram_grpo.install import GPU_MODULES, install_plan
 
-    colab = {"torch", "transformers", "trl", "peft", "datasets", "matplotlib", "accelerate", "safetensors", "yaml", "tqdm"}
+    colab = {"torch", "transformers", "trl", "peft", "datasets", "matplotlib", "accelerate", "safetensors", "yaml",
+             "tqdm"}
     cuda13, cuda12 = fit_install(Driver("580.159.04", "13.0")), fit_install(Driver("550.54.15", "12.4"))
     plan = install_plan(cuda13, installed=colab.__contains__)
     assert set(plan.missing) == {"bitsandbytes", "unsloth", "unsloth_zoo", "vllm", "vllm_bnb_plugin", "math_verify"}
@@ -299,10 +301,12 @@ DRIVERS = {"13.0": SMI_HEADER.format("580.159.04", "13.0"), "12.4": SMI_HEADER.f
 
 
 @pytest.mark.parametrize("driver, modules, pip, said", [
-    ("13.0", COLAB, ["install -q -r requirements.txt"], "missing bitsandbytes, math_verify, unsloth, unsloth_zoo, vllm, "
-                                                        "vllm_bnb_plugin: installing the GPU set (requirements.txt)"),
-    ("12.4", COLAB, ["install -q -r requirements-cuda12.txt"], "missing bitsandbytes, math_verify, unsloth, unsloth_zoo, "
-                                                               "vllm, vllm_bnb_plugin: installing the GPU set (requirements-cuda12.txt)"),
+    ("13.0", COLAB, ["install -q -r requirements.txt"],
+     "missing bitsandbytes, math_verify, unsloth, unsloth_zoo, vllm, vllm_bnb_plugin: installing the GPU set "
+     "(requirements.txt)"),
+    ("12.4", COLAB, ["install -q -r requirements-cuda12.txt"],
+     "missing bitsandbytes, math_verify, unsloth, unsloth_zoo, vllm, vllm_bnb_plugin: installing the GPU set "
+     "(requirements-cuda12.txt)"),
     ("13.0", COLAB | {"bitsandbytes", "math_verify", "unsloth", "unsloth_zoo", "vllm", "vllm_bnb_plugin"}, [],
      "the GPU set (requirements.txt) is installed: nothing to install"),
     (None, set(), CPU_SET, "installing the CPU set (requirements-cpu*.txt)"),

@@ -135,7 +135,8 @@ def _string_tuples(path: Path, marker: str) -> list[tuple[str, ...]]:
     """Tuples of strings in `path`'s source that contain `marker` (the module lookups unsloth_zoo loops over)."""
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Tuple) and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+        if isinstance(node, ast.Tuple) and all(isinstance(e, ast.Constant) and isinstance(e.value, str)
+                                               for e in node.elts):
             values = tuple(e.value for e in node.elts)
             if any(marker in v for v in values):
                 out.append(values)
@@ -361,9 +362,9 @@ def test_the_dtype_we_pass_unsloth_passes_its_assert_and_is_not_changed(combos):
 
 
 def test_unsloths_grpo_patch_turns_trls_importance_sampling_off_and_the_line_it_replaces_exists():
-    """Why resolve.choose_is_correction sets it explicitly: unsloth's GRPOConfig defaults vllm_importance_sampling_correction to
-    False and its trainer patch disables TRL's correction block, whose line must exist in TRL 1.15 for the
-    patch to apply at all."""
+    """Why resolve.choose_is_correction sets it explicitly: unsloth's GRPOConfig defaults
+    vllm_importance_sampling_correction to False and its trainer patch disables TRL's correction block, whose line must
+    exist in TRL 1.15 for the patch to apply at all."""
     rl = (SITE / "unsloth" / "models" / "rl.py").read_text()
     assert '"vllm_importance_sampling_correction": False,' in rl
     replacements = (SITE / "unsloth" / "models" / "rl_replacements.py").read_text()

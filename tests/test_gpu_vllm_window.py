@@ -171,7 +171,8 @@ def test_the_parts_are_verified_in_place_and_a_changed_byte_is_refused(tmp_path)
     data[7] ^= 1
     (folders[1] / "big.whl.part01").write_bytes(bytes(data))
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: the vLLM parts: ") and "big.whl.part01" in proc.stderr
+    assert (proc.returncode == 2 and proc.stderr.startswith("error: the vLLM parts: ")
+            and "big.whl.part01" in proc.stderr)
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
@@ -224,14 +225,16 @@ def test_the_report_puts_vllm_share_rollout_speed_and_the_lora_sync_beside_the_p
     assert m["peak_vs_plan"] == {"allocated": 0.1, "reserved": 0.125, "used": 0.9}
     share = m["vllm_share_vs_plan"]
     assert share["engine_share_gib"] == 32.0 and share["engine_share_vs_plan"] == round(32 / 31, 3)
-    assert share["used_by_the_start_gib"] == 31.0 and share["kv_cache_gib"] == 30.0 and share["planned_kv_cache_gib"] == 29.5
+    assert (share["used_by_the_start_gib"] == 31.0 and share["kv_cache_gib"] == 30.0
+            and share["planned_kv_cache_gib"] == 29.5)
     assert m["evaluation"]["after"]["ms_per_token"] == 1.5 and m["evaluation"]["after"]["lora"] == ["/r/adapter"]
     assert m["exit_code"] == 0
 
 
 def test_the_window_script_parses_and_refuses_bad_input(tmp_path):
     assert subprocess.run(["bash", "-n", "bench/gpu_vllm_window.sh"], cwd=REPO).returncode == 0
-    for argv, fragment in (([], "name the call"), (["5", str(tmp_path)], "name the call"), (["1"], "name the output folder"),
+    for argv, fragment in (([], "name the call"), (["5", str(tmp_path)], "name the call"),
+                           (["1"], "name the output folder"),
                            (["all", str(tmp_path)], "on a CPU only, with --dry"), (["1", str(tmp_path), "--fast"],
                                                                                   "unknown option --fast")):
         proc = subprocess.run(["bash", "bench/gpu_vllm_window.sh", *argv], cwd=REPO, capture_output=True, text=True,
@@ -245,15 +248,18 @@ def test_the_module_refuses_bad_input_in_one_line_before_anything_runs(tmp_path)
     for argv, fragment in (
             (["run", "--out", str(tmp_path / "w.json"), "--model-dir", str(tmp_path / "model")],
              "has no checkpoint: build it first with python -m bench.gpu_vllm_window build"),
-            (["run", "--out", str(tmp_path), "--model-dir", str(tmp_path / "model")], "is a directory: name a .json file"),
+            (["run", "--out", str(tmp_path), "--model-dir", str(tmp_path / "model")],
+             "is a directory: name a .json file"),
             (["run", "--out", str(tmp_path / "w.json"), "--model-dir", str(tmp_path), "--dry", "--enforce-eager"],
              "--enforce-eager is for vLLM on the card"),
-            (["run", "--out", str(tmp_path / "w.json"), "--model-dir", str(tmp_path), "--budget-s", "5"], "must be >= 10"),
+            (["run", "--out", str(tmp_path / "w.json"), "--model-dir", str(tmp_path), "--budget-s", "5"],
+             "must be >= 10"),
             (["calls", "--root", str(tmp_path)], "is not a git checkout"),
             (["verify", str(tmp_path / "model")], "no MANIFEST in")):
         proc = subprocess.run([sys.executable, "-m", "bench.gpu_vllm_window", *argv], cwd=REPO, capture_output=True,
                               text=True, timeout=120)
-        assert proc.returncode == 2 and proc.stderr.startswith("error: ") and fragment in proc.stderr, (argv, proc.stderr)
+        assert (proc.returncode == 2 and proc.stderr.startswith("error: ")
+                and fragment in proc.stderr), (argv, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "w.json").exists()
 

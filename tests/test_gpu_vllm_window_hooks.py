@@ -82,7 +82,8 @@ def test_the_observed_functions_take_the_arguments_the_observer_reads():
     outputs = classes(tree("vllm", "outputs.py"))
     assert "token_ids" in ast.unparse(outputs["CompletionOutput"]) and "self.outputs = outputs" in ast.unparse(
         outputs["RequestOutput"])
-    calls = [ast.unparse(n.func) for n in ast.walk(tree("trl", "generation/vllm_generation.py")) if isinstance(n, ast.Call)]
+    calls = [ast.unparse(n.func) for n in ast.walk(tree("trl", "generation/vllm_generation.py"))
+             if isinstance(n, ast.Call)]
     assert "self.llm.generate" in calls  # TRL's rollouts: the call the observer times
 
 

@@ -79,7 +79,8 @@ def _unsloth_zoo_load_vllm_sizing():
         namespace["get_mem_info"] = lambda: (free, total)
         tokens, _, actual, kv_gb = namespace["approximate_vllm_memory_usage"](
             config, load_in_4bit=load_in_4bit, max_seq_length=max_seq_length, gpu_memory_utilization=util,
-            enable_lora=True, max_lora_rank=rank, max_loras=1, float8_kv_cache=float8_kv_cache, account_for_gradients=True,
+            enable_lora=True, max_lora_rank=rank, max_loras=1, float8_kv_cache=float8_kv_cache,
+            account_for_gradients=True,
             weight_bytes=namespace["vllm_weights_memory_usage"](config, load_in_4bit=load_in_4bit),
             max_num_batched_tokens=8192)
         return actual, tokens, namespace["_fit_max_seq_length_to_kv_cache"](max_seq_length, tokens)
@@ -132,10 +133,10 @@ def test_vllms_share_and_max_model_len_are_unsloth_zoos_run_on_the_installed_sou
 
 @pytest.mark.parametrize("model", ["unsloth/Meta-Llama-3.1-8B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct"])
 def test_with_an_fp8_kv_cache_vllms_length_is_unsloth_zoos_and_the_plans_kv_term_halves(model):
-    """model.kv_cache_dtype=fp8 (from_pretrained float8_kv_cache=True): unsloth_zoo's approximate_vllm_memory_usage counts
-    1.25 bytes a KV element, so the tokens in the same share and the max_model_len it starts vLLM with are ours with
-    float8_kv_cache (unsloth_sizing.vllm_budget); the share itself does not move. The plan's own KV term (vLLM's fp8
-    cache: 1 byte an element) is half the 16-bit one: memory_plan_terms via Resolved.kv_bytes."""
+    """model.kv_cache_dtype=fp8 (from_pretrained float8_kv_cache=True): unsloth_zoo's approximate_vllm_memory_usage
+    counts 1.25 bytes a KV element, so the tokens in the same share and the max_model_len it starts vLLM with are ours
+    with float8_kv_cache (unsloth_sizing.vllm_budget); the share itself does not move. The plan's own KV term (vLLM's
+    fp8 cache: 1 byte an element) is half the 16-bit one: memory_plan_terms via Resolved.kv_bytes."""
     from lowvram_grpo.settings.config import load_config
     from lowvram_grpo.settings.hardware import profile
     from lowvram_grpo.settings.memory_terms import estimate
@@ -164,7 +165,8 @@ def test_with_an_fp8_kv_cache_vllms_length_is_unsloth_zoos_and_the_plans_kv_term
     name = "llama8b_4bit" if "Llama" in model else "qwen1_5b_4bit"
     # an H100: vLLM 0.31 serves an fp8 KV cache there with FlashInfer off (FlashAttention 3); on an RTX 4090 without
     # FlashInfer resolve refuses it (resolve.fp8_kv_refusal, tests/test_gpu_defects.py)
-    plans = [estimate(r, r.vram_gib) for r in (resolve(load_config(name, [f"model.kv_cache_dtype={kv}"]), profile("h100-80gb"))
+    plans = [estimate(r, r.vram_gib) for r in (resolve(load_config(name, [f"model.kv_cache_dtype={kv}"]),
+                                                       profile("h100-80gb"))
                                                for kv in ("bfloat16", "fp8"))]
     assert plans[0].kv_needed_bytes == 2 * plans[1].kv_needed_bytes
 
@@ -228,7 +230,8 @@ def test_unsloth_asks_for_flashinfers_sampler_below_sm80_which_vllm_refuses_and_
     assert below, "unsloth_zoo no longer forces the FlashInfer sampler below sm80: resolve's decision may be dropped"
     sampler = (SITE / "vllm" / "v1" / "sample" / "ops" / "topk_topp_sampler.py").read_text()
     assert 'if envs.is_set("VLLM_USE_FLASHINFER_SAMPLER"):\n        raise RuntimeError(' in sampler
-    assert "if not envs.VLLM_USE_FLASHINFER_SAMPLER:\n        logger.info_once(" in sampler  # 0: no FlashInfer, no raise
+    assert ("if not envs.VLLM_USE_FLASHINFER_SAMPLER:\n        logger.info_once("
+            in sampler)  # 0: no FlashInfer, no raise
 
 
 def test_from_sm80_unsloth_asks_for_flashinfer_whenever_nvcc_exists_and_our_switch_comes_first():
@@ -253,7 +256,8 @@ def test_from_sm80_unsloth_asks_for_flashinfer_whenever_nvcc_exists_and_our_swit
         "unsloth_zoo now reads nvcc's CUDA release: resolve.choose_flashinfer may defer to it"
     sm80 = re.search(r'# Flashinfer sampler maybe makes it somewhat faster on newer GPUs\n(?:\s+#.*\n)*'
                      r'\s+if major_version >= 8:\n\s+os\.environ\["VLLM_USE_FLASHINFER_SAMPLER"\] = "1"', decided)
-    assert sm80, "unsloth_zoo no longer forces the FlashInfer sampler from sm80: resolve.choose_flashinfer may be dropped"
+    assert sm80, ("unsloth_zoo no longer forces the FlashInfer sampler from sm80: resolve.choose_flashinfer may be "
+                  "dropped")
     link = _functions(VLLM_UTILS, ["_can_link_libcuda"])
     assert "--version" not in link and "release" not in link  # a file's presence, not its CUDA release
 
@@ -306,7 +310,8 @@ def _sm75_start(mode: str) -> dict:
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("UNSLOTH_VLLM_NO_FLASHINFER", "VLLM_USE_FLASHINFER_SAMPLER")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("UNSLOTH_VLLM_NO_FLASHINFER", "VLLM_USE_FLASHINFER_SAMPLER")}
     proc = subprocess.run([sys.executable, str(SM75_START), mode], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -332,7 +337,8 @@ def test_on_a_t4_without_our_switch_the_real_load_vllm_fails_on_vllms_flashinfer
     assert vllm_raised["file"].endswith(SAMPLER_SOURCE) and vllm_raised["function"] == "flashinfer_sampler_supported"
     unsloth_raised = result["load_vllm_raised"]
     assert unsloth_raised["type"] == "RuntimeError" and unsloth_raised["message"] == FLASHINFER_ON_SM75
-    assert unsloth_raised["file"].endswith(os.path.join("unsloth_zoo", "vllm_utils.py")) and unsloth_raised["function"] == "load_vllm"
+    assert (unsloth_raised["file"].endswith(os.path.join("unsloth_zoo", "vllm_utils.py"))
+            and unsloth_raised["function"] == "load_vllm")
     error = result["error"]
     assert "\n" not in error
     assert error.startswith("unsloth could not start vLLM for model.fast_inference on Tesla T4 (sm75): RuntimeError: "
@@ -422,12 +428,14 @@ def test_unsloths_importance_sampling_correction_is_off_by_default_and_our_flag_
     rl = (UNSLOTH / "rl.py").read_text()
     assert '"vllm_importance_sampling_correction": False,' in rl  # unsloth's default: what auto overrides
     replacements = (UNSLOTH / "rl_replacements.py").read_text()
-    assert 'replacement_string = "if False and self.use_vllm and self.vllm_importance_sampling_correction:"' in replacements
+    assert ('replacement_string = "if False and self.use_vllm and self.vllm_importance_sampling_correction:"'
+            in replacements)
     assert ('if self.use_vllm and getattr(self, "vllm_importance_sampling_correction", False):\n'
             '                output["sampling_per_token_logps"] = sampling_per_token_logps') in replacements
     assert 'sampling_per_token_logps = inputs.get("sampling_per_token_logps", None)' in replacements
     assert "sampling_per_token_logps = sampling_per_token_logps," in replacements  # into grpo_accumulated_loss
-    logged = replacements[replacements.index('(self.use_vllm and getattr(self, "vllm_importance_sampling_correction", False))'):]
+    logged = replacements[replacements.index(
+        '(self.use_vllm and getattr(self, "vllm_importance_sampling_correction", False))'):]
     for key in ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
                 "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
                 "sampling/importance_sampling_ratio/max"):
@@ -441,11 +449,13 @@ def test_unsloths_importance_sampling_correction_is_off_by_default_and_our_flag_
     assert override and override.group(1) == override.group(2) == IS_MODE_ENV
     modes = re.search(r'kwargs\["vllm_importance_sampling_mode"\] not in \(\s*([^)]*)\)', accumulated)
     assert modes and {IS_MODE, IS_MODE_VESPO} <= set(re.findall(r'"(\w+)"', modes.group(1)))
-    assert 'kwargs["vllm_importance_sampling_correction"] = getattr(trainer, "vllm_importance_sampling_correction", False)' \
+    assert ('kwargs["vllm_importance_sampling_correction"] = '
+            'getattr(trainer, "vllm_importance_sampling_correction", False)') \
         in accumulated and 'kwargs["use_vllm"] = trainer.use_vllm' in accumulated
     compute = _functions(ZOO_RL, ["grpo_compute_loss"])
     assert 'vllm_importance_sampling_correction = kwargs.get("vllm_importance_sampling_correction", False)' in compute
-    applied = compute[compute.rindex("if use_vllm and sampling_per_token_logps is not None and vllm_importance_sampling_correction:"):]
+    applied = compute[compute.rindex(
+        "if use_vllm and sampling_per_token_logps is not None and vllm_importance_sampling_correction:"):]
     assert "loss_i = loss_i * importance_sampling_ratio" in applied[:400]
     assert 'if vllm_importance_sampling_mode in ["sequence_mask", "sequence_truncate"]:' in compute
 
@@ -480,7 +490,8 @@ def test_unsloths_decode_graphs_cover_the_model_types_resolve_names_under_the_sw
     assert "# Tested families only (Qwen2 shares the Llama attention but is untested here)." in text
     qwen2 = (UNSLOTH / "qwen2.py").read_text()
     assert "Qwen2ForCausalLM.forward = CausalLM_fast_forward(LlamaModel_fast_forward_inference)" in qwen2
-    assert "_decode_graphs.register_attention(LlamaAttention_fast_forward_inference)" in (UNSLOTH / "llama.py").read_text()
+    assert ("_decode_graphs.register_attention(LlamaAttention_fast_forward_inference)"
+            in (UNSLOTH / "llama.py").read_text())
     linear = (SITE / "unsloth" / "kernels" / "utils.py").read_text()
     assert "    if bias is not None:\n        out += bias" in linear[linear.index("def fast_linear_forward("):]
 
@@ -508,8 +519,8 @@ def test_the_stats_door_reads_the_installed_module():
 
 def test_float8_kv_cache_is_a_from_pretrained_parameter_that_load_vllm_turns_into_vllms_fp8_cache():
     """resolve.choose_kv_cache_dtype / FP8_KV_MIN_COMPUTE_CAPABILITY and unsloth_backend.from_pretrained_kwargs against
-    the pinned source: FastLanguageModel.from_pretrained takes float8_kv_cache and hands it to load_vllm, which refuses it
-    below sm80, starts vLLM with kv_cache_dtype="fp8", and sizes with 1.25 bytes an element (unsloth_sizing)."""
+    the pinned source: FastLanguageModel.from_pretrained takes float8_kv_cache and hands it to load_vllm, which refuses
+    it below sm80, starts vLLM with kv_cache_dtype="fp8", and sizes with 1.25 bytes an element (unsloth_sizing)."""
     from lowvram_grpo.settings.resolve import FP8_KV_MIN_COMPUTE_CAPABILITY
     from lowvram_grpo.settings.unsloth_sizing import FP8_KV_ELEMENT_BYTES, KV_ELEMENT_BYTES
 
@@ -630,7 +641,8 @@ def test_the_pinned_torch_is_built_for_the_cuda_driver_fit_says():
 
     pinned = SETS[13]
     assert PINS["torch"] == pinned.torch and SETS[12].torch.split("+")[0] == pinned.torch
-    metadata = Parser().parsestr(_pypi_wheel_metadata("torch", f"torch-{pinned.torch}-cp311-cp311-manylinux_2_28_x86_64.whl"))
+    metadata = Parser().parsestr(_pypi_wheel_metadata("torch",
+                                                      f"torch-{pinned.torch}-cp311-cp311-manylinux_2_28_x86_64.whl"))
     requires = metadata.get_all("Requires-Dist") or []
     linux = [r for r in requires if "extra ==" not in r]
     toolkit = [r for r in linux if r.startswith("cuda-toolkit")]

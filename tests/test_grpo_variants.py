@@ -46,13 +46,16 @@ def test_every_variant_reaches_grpo_config(tmp_path):
         assert (args.loss_type, args.importance_sampling_level, args.epsilon_high, args.top_entropy_quantile,
                 args.mask_truncated_completions) == (loss, "sequence", 0.28, 0.2, True)
     default = grpo_args(resolve(load_config("tiny"), profile("cpu")), tmp_path)
-    assert (default.loss_type, default.importance_sampling_level, default.epsilon_high, default.top_entropy_quantile) == \
+    assert (default.loss_type, default.importance_sampling_level, default.epsilon_high,
+            default.top_entropy_quantile) == \
         ("grpo", "token", None, 1.0)  # the presets' behaviour is unchanged
 
 
 @pytest.mark.parametrize("setting, fragment", [
-    ("train.loss_type=ppo", "train.loss_type must be one of grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo; got 'ppo'"),
-    ("train.importance_sampling_level=batch", "train.importance_sampling_level must be one of token, sequence; got 'batch'"),
+    ("train.loss_type=ppo",
+     "train.loss_type must be one of grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo; got 'ppo'"),
+    ("train.importance_sampling_level=batch",
+     "train.importance_sampling_level must be one of token, sequence; got 'batch'"),
     ("train.epsilon_high=0", "train.epsilon_high must be > 0 (DAPO: 0.28) or null"),
     ("train.top_entropy_quantile=0", "train.top_entropy_quantile must be in (0, 1]"),
     ("train.dynamic_sampling_max_draws=0", "train.dynamic_sampling_max_draws must be >= 1"),
@@ -75,7 +78,8 @@ def test_dynamic_sampling_is_refused_where_it_cannot_run():
 def test_the_effective_settings_line_names_the_variants():
     from lowvram_grpo.training.grpo import describe_effective
 
-    settings = {"loss_type": "dapo", "beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.28, "importance_sampling_level": "sequence",
+    settings = {"loss_type": "dapo", "beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.28,
+                "importance_sampling_level": "sequence",
                 "mask_truncated_completions": True, "top_entropy_quantile": 0.2, "dynamic_sampling_max_draws": 3,
                 "scale_rewards": "group", "num_generations": 4, "generation_batch_size": 8, "use_vllm": False,
                 "bf16": False, "fp16": False, "vllm_importance_sampling_correction": False,
@@ -111,7 +115,8 @@ SOMETIMES = "def sometimes(prompts, completions, **kwargs):\n" \
 def test_gspo_dr_grpo_clip_higher_and_entropy_tokens_train_through_the_cli(tmp_path):
     out = tmp_path / "run"
     sets = [part for s in GSPO_SETTINGS for part in ("--set", s)]
-    proc = run_cli("--preset", "tiny", "--max-steps", "2", "--set", "eval.enabled=false", *sets, "--output-dir", str(out))
+    proc = run_cli("--preset", "tiny", "--max-steps", "2", "--set", "eval.enabled=false", *sets,
+                   "--output-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("GRPO as the trainer runs it: "))
     for part in ("loss_type=dr_grpo", "importance_sampling_level=sequence", "epsilon_high=0.28",
@@ -128,8 +133,9 @@ def test_gspo_dr_grpo_clip_higher_and_entropy_tokens_train_through_the_cli(tmp_p
 def test_dynamic_sampling_trains_through_the_cli_and_logs_its_cost(tmp_path):
     (tmp_path / "sometimes.py").write_text(SOMETIMES)
     out = tmp_path / "run"
-    proc = run_cli("--preset", "tiny", "--max-steps", "3", "--set", "eval.enabled=false", "--set", "train.dynamic_sampling=true",
-                   "--set", "train.per_device_train_batch_size=12", "--set", f"rewards.module={tmp_path / 'sometimes.py'}",
+    proc = run_cli("--preset", "tiny", "--max-steps", "3", "--set", "eval.enabled=false",
+                   "--set", "train.dynamic_sampling=true", "--set", "train.per_device_train_batch_size=12",
+                   "--set", f"rewards.module={tmp_path / 'sometimes.py'}",
                    "--set", "rewards.names=[sometimes]", "--output-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "dynamic_sampling=on(max_draws=3)" in next(l for l in proc.stdout.splitlines()
@@ -187,7 +193,8 @@ def test_the_hook_replaces_groups_without_signal_in_the_batch_trl_trains_on(by, 
         funcs = [spread, scripted]
     handle = load_model(resolve(config, detect(), "hf"))
     train_q, _ = load_questions(config.data)
-    trainer = build_trainer(handle, to_prompt_rows(train_q[:40], config.data.system_prompt), tmp_path, reward_funcs=funcs)
+    trainer = build_trainer(handle, to_prompt_rows(train_q[:40], config.data.system_prompt), tmp_path,
+                            reward_funcs=funcs)
     assert trainer.dynamic_sampling_draws == 3 and trainer.dynamic_sampling_reward == by
     trainer.model.train()
     rows = [trainer.train_dataset[i] for i in range(3)]
@@ -248,7 +255,8 @@ def test_gspo_is_grpos_update_when_each_batch_takes_one_step(tmp_path, tiny_mode
     config = load_config("tiny", ["train.per_device_train_batch_size=8", "rewards.names=[xmlcount]"])
     handle = load_model(resolve(config, detect(), "hf"))
     train_q, _ = load_questions(config.data)
-    trainer = build_trainer(handle, to_prompt_rows(train_q[:40], config.data.system_prompt), tmp_path, reward_funcs=[spread])
+    trainer = build_trainer(handle, to_prompt_rows(train_q[:40], config.data.system_prompt), tmp_path,
+                            reward_funcs=[spread])
     assert trainer.args.steps_per_generation == 1 and trainer.args.num_iterations == 1
     trainer.model.train()
     rows = [trainer.train_dataset[i] for i in range(2)]

@@ -16,7 +16,8 @@ from lowvram_grpo.settings.resolve import resolve
 
 pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
 
-PROMPTS = [[{"role": "user", "content": "What is 7 * 8?"}], [{"role": "user", "content": "A farmer has 3 cows and buys 12 more. How many cows?"}]]
+PROMPTS = [[{"role": "user", "content": "What is 7 * 8?"}],
+           [{"role": "user", "content": "A farmer has 3 cows and buys 12 more. How many cows?"}]]
 
 
 def _rss_mb() -> float:
@@ -36,7 +37,8 @@ def test_lm_head_gets_a_contiguous_input_and_sampling_is_unchanged(monkeypatch, 
     contiguous = []
     for handle in (plain, hooked):
         head = handle.model.get_base_model().get_output_embeddings()
-        head.register_forward_pre_hook(lambda mod, args, h=handle: contiguous.append((h is hooked, args[0].is_contiguous())))
+        head.register_forward_pre_hook(
+            lambda mod, args, h=handle: contiguous.append((h is hooked, args[0].is_contiguous())))
     params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=12, seed=3)
     assert plain.fast_generate(PROMPTS, params) == hooked.fast_generate(PROMPTS, params)
     assert any(not ok for is_hooked, ok in contiguous if not is_hooked), "the prefill passes a strided view unhooked"

@@ -129,11 +129,13 @@ def test_the_readme_map_lists_the_rooms_top_down():
 # the doctor and the checks import them before (or without) any model.
 PURE_MODULES = ("lowvram_grpo.task.rewards", "lowvram_grpo.task.tools")
 HEAVY_PACKAGES = ("trl", "torch", "transformers", "peft", "datasets", "vllm", "unsloth", "bitsandbytes")
-OFF_LIMITS = ("lowvram_grpo.model.backends", "lowvram_grpo.training.trl_compat", "lowvram_grpo.training.grpo")  # and their submodules
+OFF_LIMITS = ("lowvram_grpo.model.backends", "lowvram_grpo.training.trl_compat",
+              "lowvram_grpo.training.grpo")  # and their submodules
 # Modules a pure one may reach whose heavy imports sit inside functions, run only on request (by name, and why):
 # their module-level imports are still checked.
 LAZY_BOUNDARIES = {
-    "lowvram_grpo.task.reward_models": "scores a reward model named in rewards.names: transformers, torch, trl.data_utils",
+    "lowvram_grpo.task.reward_models": "scores a reward model named in rewards.names: transformers, torch, "
+                                       "trl.data_utils",
 }
 
 
@@ -188,7 +190,8 @@ def test_the_guard_sees_relative_and_lazy_imports():
     trl_compat inside the package) is caught as reaching trl_compat, and reward_models' function-level transformers
     import is what makes it a boundary."""
     graph, modules = import_graph(), _modules()
-    assert any("lowvram_grpo.training.trl_compat" in p for p in pure_module_problems("lowvram_grpo.training.grpo", graph, modules))
+    assert any("lowvram_grpo.training.trl_compat" in p
+               for p in pure_module_problems("lowvram_grpo.training.grpo", graph, modules))
     assert _heavy_imports(modules["lowvram_grpo.task.reward_models"], module_level_only=False)
     assert not _heavy_imports(modules["lowvram_grpo.task.reward_models"], module_level_only=True)
 
@@ -201,7 +204,8 @@ def test_importing_rewards_or_tools_loads_no_heavy_module():
     import sys
 
     for module in PURE_MODULES:
-        code = f"import importlib, json, sys; importlib.import_module({module!r}); print(json.dumps(sorted(sys.modules)))"
+        code = (f"import importlib, json, sys; importlib.import_module({module!r}); "
+                "print(json.dumps(sorted(sys.modules)))")
         out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         loaded = json.loads(out.stdout.splitlines()[-1])
@@ -214,8 +218,8 @@ def test_the_memory_plan_stays_arithmetic():
     """The plan's modules reach no trl_compat, backend or training by any import (the out-of-memory line, oom.py,
     reads TRL's rollout frame names from trl_compat when a run runs out of memory: it is not part of the plan)."""
     graph = import_graph()
-    plan_modules = ("lowvram_grpo.settings.memory_plan", "lowvram_grpo.settings.memory_terms", "lowvram_grpo.settings.memory_fit",
-                    "lowvram_grpo.settings.model_shapes")
+    plan_modules = ("lowvram_grpo.settings.memory_plan", "lowvram_grpo.settings.memory_terms",
+                    "lowvram_grpo.settings.memory_fit", "lowvram_grpo.settings.model_shapes")
     reached = {m: sorted(n for n in _reachable(graph, m) if _off_limits(n)) for m in plan_modules}
     assert reached == {m: [] for m in plan_modules}, reached
     assert "lowvram_grpo.training.trl_compat" in graph["lowvram_grpo.run.oom"]
@@ -252,7 +256,8 @@ def test_derived_settings_are_computed_only_where_they_are_decided():
                  for line, what in _derivations(ast.parse(path.read_text()))]
     assert not offenders, "\n".join(offenders)
     # the check sees what it looks for
-    sample = "need = t.max_prompt_length + t.max_completion_length\nb = c.per_device_train_batch_size or c.num_generations\n" \
+    sample = "need = t.max_prompt_length + t.max_completion_length\n" \
+             "b = c.per_device_train_batch_size or c.num_generations\n" \
              "cap = config.tools.max_tokens_per_turn or config.train.max_completion_length\n"
     assert [line for line, _ in _derivations(ast.parse(sample))] == [1, 2, 3]
 
@@ -296,13 +301,14 @@ def test_an_import_inside_a_function_is_heavy_or_says_why():
 
 # --------------------------------------------------------------------------- config below the pipeline (issue 50)
 
-SECTIONS = {"model", "lora", "train", "data", "rewards", "tools", "environment", "prime", "eval", "log", "memory", "decode"}
+SECTIONS = {"model", "lora", "train", "data", "rewards", "tools", "environment", "prime", "eval", "log", "memory",
+            "decode"}
 # Where the plan is built (resolve.py, plans.py: the phases' frozen settings) and the user's settings are checked or
 # changed (checks, the memory plan and its fixes; run/oom.py turns an out-of-memory into `--set` changes, re-resolved),
 # and the commands at the edge that build the plan. Every other module takes the plan (plans.RunPlan) or plain values.
 READS_CONFIG = {"settings/config.py", "settings/resolve.py", "settings/plans.py", "settings/checks.py",
-                "settings/memory_plan.py", "settings/memory_terms.py", "settings/memory_fit.py", "settings/step_time.py",
-                "settings/hardware.py", "doctor.py", "baseline.py", "evaluate/cli.py",
+                "settings/memory_plan.py", "settings/memory_terms.py", "settings/memory_fit.py",
+                "settings/step_time.py", "settings/hardware.py", "doctor.py", "baseline.py", "evaluate/cli.py",
                 "run/cli.py", "run/pipeline.py", "run/oom.py"}
 # In the pipeline only construction reads the config: GRPORun's step methods read its plan (and the handle).
 PIPELINE_CLASS, CONSTRUCTION = "GRPORun", ("__init__",)
@@ -320,7 +326,8 @@ def config_reads(source: str) -> int:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Attribute) and node.attr in SECTIONS and _is_config(node.value):
             count += 1
-        elif (isinstance(node, ast.Attribute) and node.attr == "config" and isinstance(node.value, (ast.Name, ast.Attribute))
+        elif (isinstance(node, ast.Attribute) and node.attr == "config"
+              and isinstance(node.value, (ast.Name, ast.Attribute))
               and (getattr(node.value, "id", None) or getattr(node.value, "attr", None)) == "resolved"):
             count += 1
     return count
@@ -354,10 +361,12 @@ def test_config_is_read_only_where_the_plan_is_built_and_the_settings_are_checke
     assert config_reads("def f(resolved):\n    return g(resolved.config) + resolved.config.model.name\n") == 3
     reads = {str(path.relative_to(PACKAGE)): n for path in PACKAGE.rglob("*.py")
              if str(path.relative_to(PACKAGE)) not in READS_CONFIG and (n := config_reads(path.read_text()))}
-    assert not reads, f"config read below the pipeline (module: reads): pass the plan (plans.RunPlan) or plain values: {reads}"
+    assert not reads, ("config read below the pipeline (module: reads): pass the plan (plans.RunPlan) or plain "
+                       f"values: {reads}")
 
 
-# --------------------------------------------------------------------------- files read where a config is built (issue 50)
+# --------------------------------------------------------------------------- files read where a config is built
+# (issue 50)
 
 # What reads a file's contents (a path's existence is a check, and stays in __post_init__)
 FILE_READERS = {"open", "read_text", "read_bytes", "safe_load", "load", "adapter_settings", "import_user_file"}

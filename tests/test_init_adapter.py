@@ -82,7 +82,8 @@ def _loaded_matches(handle, adapter: Path) -> None:
 def test_another_tools_adapter_is_the_trainable_lora_with_its_own_settings(tmp_path, tiny_model_dir):
     adapter = _other_tools_adapter(tmp_path / "theirs", tiny_model_dir)
     config = load_config("tiny", [f"lora.init_adapter={adapter}", "train.max_steps=1"])
-    assert (config.lora.r, config.lora.alpha, config.lora.target_modules, config.lora.dropout) == (4, 12, ["q_proj", "v_proj"], 0.05)
+    assert (config.lora.r, config.lora.alpha, config.lora.target_modules,
+            config.lora.dropout) == (4, 12, ["q_proj", "v_proj"], 0.05)
     from lowvram_grpo.run.pipeline import GRPORun
 
     grpo = GRPORun(config, tmp_path / "out", backend="hf", log=lambda *a: None)
@@ -166,7 +167,8 @@ from peft.utils import load_peft_weights
 saved, live = load_peft_weights(str(adapter), device="cpu"), get_peft_model_state_dict(handle.model)
 print(json.dumps({"backend": grpo.resolved.backend, "same_keys": saved.keys() == live.keys(),
                   "equal": all(bool((saved[k] == live[k].cpu()).all()) for k in saved),
-                  "rslora": bool(handle.model.peft_config["default"].use_rslora), "r": handle.model.peft_config["default"].r,
+                  "rslora": bool(handle.model.peft_config["default"].use_rslora),
+                  "r": handle.model.peft_config["default"].r,
                   "trainable": handle.trainable_parameters(), "numel": sum(v.numel() for v in saved.values())}))
 grpo.start(); grpo.prime(); grpo.train(); grpo.save(); grpo.finish()
 """
@@ -177,8 +179,9 @@ def test_the_unsloth_backend_trains_on_from_another_tools_adapter(tmp_path, tiny
     adapter = _other_tools_adapter(tmp_path / "theirs", tiny_model_dir)
     script = tmp_path / "from_adapter.py"
     script.write_text(UNSLOTH_FROM_ADAPTER)
-    proc = subprocess.run([sys.executable, str(script), str(adapter), str(tmp_path / "out")], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, **ENV, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run([sys.executable, str(script), str(adapter), str(tmp_path / "out")], cwd=REPO,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **ENV, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
     assert loaded == {"backend": "unsloth", "same_keys": True, "equal": True, "rslora": True, "r": 4,

@@ -56,12 +56,14 @@ def test_an_out_of_memory_during_grpo_keeps_the_checkpoint_and_resume_finishes(t
     assert json.loads((out / "summary.json").read_text())["status"] == "complete"
 
 
-def test_an_out_of_memory_in_the_evaluation_after_training_keeps_the_adapter_and_resume_with_its_advice_finishes(tmp_path):
+def test_an_out_of_memory_in_the_evaluation_after_training_keeps_the_adapter_and_resume_with_its_advice_finishes(
+        tmp_path):
     out = tmp_path / "run"
     proc = run_with("oom-evaluation", out)
     assert proc.returncode == 1, proc.stderr[-3000:]
     line = error_line(proc)
-    assert line.startswith("error: CUDA out of memory in the held-out evaluation; set eval.batch_size=2 (was 4); "), line
+    assert line.startswith("error: CUDA out of memory in the held-out evaluation; set eval.batch_size=2 "
+                           "(was 4); "), line
     assert f"the trained adapter is saved in {out / 'adapter'}" in line
     assert RunDir.is_complete(out / "checkpoint-3")
     command = line.split("then continue with: ", 1)[1]

@@ -16,7 +16,8 @@ from lowvram_grpo.settings.config import load_config
 from lowvram_grpo.core.errors import ResolveError
 from lowvram_grpo.settings.hardware import PROFILES
 from lowvram_grpo.settings.memory_terms import estimate
-from lowvram_grpo.settings.resolve import (DECODE_GRAPH_MODEL_TYPES, IS_MODE, IS_MODE_VESPO, choose_decode_graphs, decode_graphs_environment_note, model_type_of, resolve, without_vllm)
+from lowvram_grpo.settings.resolve import (DECODE_GRAPH_MODEL_TYPES, IS_MODE, IS_MODE_VESPO, choose_decode_graphs,
+                                           decode_graphs_environment_note, model_type_of, resolve, without_vllm)
 from lowvram_grpo.settings.unsloth_sizing import vllm_budget
 
 CARDS = ("t4", "rtx3090", "rtx4090")
@@ -67,8 +68,8 @@ def test_off_is_kept_on_vllm_and_on_is_refused_without_a_second_sampler():
     assert not off.is_correction and off.trainer_environment == {} and "differ uncorrected" in off.is_reason
     on = resolved("qwen1_5b_4bit", "rtx4090", "train.is_correction=on")
     assert on.is_correction and on.is_reason.startswith("train.is_correction=on")
-    with pytest.raises(ResolveError, match="train.is_correction=on corrects a sampler's log-probs against the trainer's, "
-                                           "and this run's rollouts come from unsloth's patched generate"):
+    with pytest.raises(ResolveError, match="train.is_correction=on corrects a sampler's log-probs against the "
+                                           "trainer's, and this run's rollouts come from unsloth's patched generate"):
         resolved("qwen1_5b_4bit", "rtx3090", "model.fast_inference=false", "train.is_correction=on")
 
 
@@ -140,7 +141,8 @@ def test_an_environment_override_of_the_graphs_is_named():
     assert "decodes eagerly" in decode_graphs_environment_note(on, {"UNSLOTH_DECODE_CUDA_GRAPHS": "0"})
     assert decode_graphs_environment_note(on, {"UNSLOTH_DECODE_CUDA_GRAPHS": "1"}) is None
     off = resolved("qwen1_5b_4bit", "rtx3090", "model.fast_inference=false")
-    assert "decided off here (model type qwen2" in decode_graphs_environment_note(off, {"UNSLOTH_DECODE_CUDA_GRAPHS": "1"})
+    assert "decided off here (model type qwen2" in decode_graphs_environment_note(off,
+                                                                                  {"UNSLOTH_DECODE_CUDA_GRAPHS": "1"})
     assert decode_graphs_environment_note(off, {}) is None
     hf = resolved("llama8b_4bit", "rtx3090", "model.fast_inference=false", backend="hf")  # unsloth does not generate
     assert decode_graphs_environment_note(hf, {"UNSLOTH_DECODE_CUDA_GRAPHS": "1"}) is None
@@ -157,7 +159,8 @@ def test_fp8_kv_is_refused_below_sm80_and_off_vllm():
         resolved("llama8b_4bit", "rtx3090", "model.fast_inference=false", "model.kv_cache_dtype=fp8")
     with pytest.raises(ResolveError, match="the hf backend's vLLM engine keeps its KV cache in the compute dtype"):
         resolved("smollm2_cpu", "cpu", "model.generation=vllm", "model.kv_cache_dtype=fp8", hardware=CPU_WITH_VLLM)
-    with pytest.raises(ResolveError, match=r"compute dtype \(bfloat16\) or fp8: set model.kv_cache_dtype=auto, fp8 or bfloat16"):
+    with pytest.raises(ResolveError,
+                       match=r"compute dtype \(bfloat16\) or fp8: set model.kv_cache_dtype=auto, fp8 or bfloat16"):
         resolved("llama8b_4bit", "rtx3090", "model.kv_cache_dtype=float16")
 
 
@@ -201,7 +204,8 @@ def test_the_plans_kv_term_halves_with_fp8_and_unsloths_token_count_uses_its_1_2
 def test_the_summary_and_dry_run_carry_the_three_decisions():
     r = resolved("llama8b_4bit", "rtx3090")
     summary = r.summary()
-    assert summary["is_correction"] is True and summary["decode_graphs"] is False and summary["kv_cache_dtype"] == "bfloat16"
+    assert (summary["is_correction"] is True and summary["decode_graphs"] is False
+            and summary["kv_cache_dtype"] == "bfloat16")
     assert summary["is_reason"] and summary["decode_graphs_reason"] and summary["kv_cache_reason"]
 
 
@@ -213,6 +217,7 @@ def test_the_docs_table_is_the_one_the_code_decides():
     text = (REPO / "docs" / "gpu.md").read_text()
     assert BEGIN in text and END in text, "docs/gpu.md lacks the generated levers table (python -m bench.levers_table)"
     shown = text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip()
-    assert shown == table().strip(), "docs/gpu.md's levers table differs from the code's: python -m bench.levers_table --write"
+    assert shown == table().strip(), ("docs/gpu.md's levers table differs from the code's: "
+                                      "python -m bench.levers_table --write")
     rows = [line for line in shown.splitlines() if line.startswith("| `")]
     assert len(rows) == len(re.findall(r"\| `", shown)) and len(rows) >= 4 * len(CARDS)

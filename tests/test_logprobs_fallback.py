@@ -24,7 +24,8 @@ def test_matches_full_logits_values_and_gradients(monkeypatch, softcap, scale, u
     weight = torch.randn(50, 16, requires_grad=True)
     bias = torch.randn(50) if use_bias else None
     targets = torch.randint(0, 50, (10,))
-    lp, ent, *rest = lf.torch_chunked_logprobs(hidden, weight, bias, targets, 0.7, None, softcap, scale, ("log_probs", "entropy"))
+    lp, ent, *rest = lf.torch_chunked_logprobs(hidden, weight, bias, targets, 0.7, None, softcap, scale,
+                                               ("log_probs", "entropy"))
     ref_lp, ref_ent = _reference(hidden, weight, bias, targets, 0.7, softcap, scale)
     assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-4)
     assert rest == [None, None, None]

@@ -1,6 +1,7 @@
 """The memory plan (lowvram_grpo.settings.memory_plan, with model_shapes, memory_plan_terms, memory_fit and oom): its
 arithmetic, the published figures it is checked against, its suggestions, the CLI's --dry-run / --vram /
---auto-fit / --export, the OOM report, and the CUDA path's wiring at its boundary (the arguments built for GPU libraries; nothing here ran on a GPU)."""
+--auto-fit / --export, the OOM report, and the CUDA path's wiring at its boundary (the arguments built for GPU
+libraries; nothing here ran on a GPU)."""
 import ast
 import dataclasses
 import importlib.util
@@ -47,7 +48,8 @@ def test_the_tiny_shape_is_the_built_model_and_counts_its_parameters(tiny_model_
     from transformers import AutoModelForCausalLM
 
     shape = shape_from_config_json(tiny_model_dir / "config.json")
-    assert dataclasses.replace(shape, name="builtin:tiny", source="") == dataclasses.replace(model_shape("builtin:tiny"), source="")
+    assert (dataclasses.replace(shape, name="builtin:tiny", source="")
+            == dataclasses.replace(model_shape("builtin:tiny"), source=""))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert model_shape("builtin:tiny").params == sum(p.numel() for p in model.parameters())
 
@@ -146,9 +148,11 @@ def test_memory_settings_shrink_their_terms():
     assert fp32_adam.terms["optimizer"].bytes == 4 * base.terms["optimizer"].bytes  # 8 vs 2 bytes/param
     no_ckpt = planned(load_config("llama8b_4bit", ['memory.gradient_checkpointing="false"']), 24)
     ckpt = planned(load_config("llama8b_4bit", ['memory.gradient_checkpointing="true"']), 24)
-    assert no_ckpt.terms["activations"].bytes > 10 * ckpt.terms["activations"].bytes > 10 * base.terms["activations"].bytes
+    assert (no_ckpt.terms["activations"].bytes > 10 * ckpt.terms["activations"].bytes
+            > 10 * base.terms["activations"].bytes)
     # 'unsloth' offloads only on the unsloth backend; on hf it is plain checkpointing
-    assert planned(load_config("llama8b_4bit"), 24, backend="hf").terms["activations"].bytes == ckpt.terms["activations"].bytes
+    assert (planned(load_config("llama8b_4bit"), 24, backend="hf").terms["activations"].bytes
+            == ckpt.terms["activations"].bytes)
 
 
 def test_vllm_takes_its_share_of_the_card_and_training_gets_the_rest():
@@ -309,7 +313,8 @@ def test_an_out_of_memory_in_evaluation_advises_a_smaller_eval_batch_that_resume
     assert message.startswith("CUDA out of memory in the held-out evaluation")
     assert "set eval.batch_size=8 (was 16)" in message
     assert f"the trained adapter is saved in {tmp_path / 'adapter'}" in message
-    assert message.endswith(f"then continue with: python -m lowvram_grpo.run --resume {tmp_path} --set eval.batch_size=8")
+    assert message.endswith(f"then continue with: python -m lowvram_grpo.run --resume {tmp_path} "
+                            "--set eval.batch_size=8")
 
 
 def test_an_out_of_memory_while_generating_is_told_apart_from_the_training_step(tmp_path):
@@ -424,7 +429,8 @@ def test_auto_fit_that_cannot_work_is_one_error_line(args, fragment, tmp_path):
 def test_unknown_model_dry_run_says_the_plan_cannot_be_made():
     proc = run_cli("--preset", "llama8b_4bit", "--set", "model.name=someone/Mystery-7B", "--dry-run")
     assert proc.returncode == 0
-    assert "GPU memory plan: cannot plan for someone/Mystery-7B: its config.json is not in the local hub cache" in proc.stdout
+    assert ("GPU memory plan: cannot plan for someone/Mystery-7B: its config.json is not in the local hub cache"
+            in proc.stdout)
 
 
 @pytest.mark.slow
@@ -435,7 +441,8 @@ def test_gpu_preset_without_cuda_stops_before_the_heavy_imports(tmp_path):
             "print('RC', rc, 'HEAVY', heavy)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert "RC 2 HEAVY []" in proc.stdout, proc.stdout + proc.stderr
-    assert proc.stderr.strip().count("\n") == 0 and "needs an NVIDIA GPU" in proc.stderr and "Traceback" not in proc.stderr
+    assert (proc.stderr.strip().count("\n") == 0 and "needs an NVIDIA GPU" in proc.stderr
+            and "Traceback" not in proc.stderr)
     assert not (tmp_path / "out").exists()
 
 
@@ -539,7 +546,8 @@ def test_the_hf_backends_own_vllm_engine_is_planned_as_the_engine_asks_vllm():
     vLLM while the engine asked for ~0.3 GiB of KV cache, which vLLM then used instead, and counted G
     sequences where the engine asks for max(G, eval batch)."""
     from lowvram_grpo.model.vllm import settings_for
-    from lowvram_grpo.settings.memory_terms import (KV_BLOCK_TOKENS, VLLM_PROCESS_BYTES, engine_kv_cache_bytes, engine_sequences, engine_share_bytes)
+    from lowvram_grpo.settings.memory_terms import (KV_BLOCK_TOKENS, VLLM_PROCESS_BYTES, engine_kv_cache_bytes,
+                                                    engine_sequences, engine_share_bytes)
 
     config = load_config("qwen1_5b_4bit", ["model.generation=vllm", "model.fast_inference=false"])
     with_vllm = planned(config, 22, backend="hf")
@@ -549,13 +557,15 @@ def test_the_hf_backends_own_vllm_engine_is_planned_as_the_engine_asks_vllm():
     engine = settings_for(resolved, shape, config.model.name)
     assert engine.max_num_seqs == engine_sequences(config) == max(6, config.eval.batch_size) == 16
     tokens = -(-config.model.max_seq_length // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
-    assert engine.kv_cache_bytes == engine_kv_cache_bytes(shape, config, 2) == 2 * 28 * 256 * 2 * 16 * tokens  # 0.33 GiB
+    assert (engine.kv_cache_bytes == engine_kv_cache_bytes(shape, config, 2)
+            == 2 * 28 * 256 * 2 * 16 * tokens)  # 0.33 GiB
     term = with_vllm.terms["vllm"]
     assert term.bytes == engine_share_bytes(shape, resolved) + VLLM_PROCESS_BYTES and "its own weights" in term.label
     assert term.gib == pytest.approx(2.53, abs=0.01)  # was 0.5 x 22 + 0.6 = 11.6 GiB
     assert with_vllm.total_gb == pytest.approx(without.total_gb + term.gib)
     # vLLM refuses to start unless gpu_memory_utilization x the card is free: the engine passes its own share
-    assert engine.gpu_memory_utilization == pytest.approx(-(-engine_share_bytes(shape, resolved) * 100 // (22 * GIB)) / 100)
+    assert engine.gpu_memory_utilization == pytest.approx(
+        -(-engine_share_bytes(shape, resolved) * 100 // (22 * GIB)) / 100)
     small = planned(config, 4, backend="hf")
     assert not small.fits and any(s.key == "model.generation" for s in small.suggestions)
 
@@ -591,7 +601,8 @@ def test_the_plan_is_made_on_the_free_memory_as_unsloth_sizes_vllm():
     assert f"does NOT fit a 14.7 GiB card ({whole.total_gb - 0.1:.1f} GiB free)" in format_plan(tight)
     # memory.vram_gb keeps its meaning: a card of that size, nothing else on it
     override = plan(resolve(load_config("llama8b_4bit", ["memory.vram_gb=14"]), shared_hw))
-    assert override.vram_gb == override.free_gb == 14 and "14 GiB (memory.vram_gb), planned as all free" in format_plan(override)
+    assert (override.vram_gb == override.free_gb == 14
+            and "14 GiB (memory.vram_gb), planned as all free" in format_plan(override))
 
 
 def test_a_detected_card_records_its_free_memory_and_vram_overrides_drop_it():
@@ -624,7 +635,8 @@ def test_the_kv_cache_is_checked_against_the_larger_of_the_rollout_and_evaluatio
     assert 6 * 1024 * per_token <= starved.kv_cache_bytes < 16 * 1024 * per_token and starved.fits
     text = format_plan(starved)
     assert "GiB does NOT hold the evaluation batch: 16 sequences x 1024 tokens = 2.00 GiB" in text
-    assert ("warning: vLLM's KV cache (0.80 GiB) holds 6 of an evaluation batch's 16 sequences at full length (2.00 GiB): "
+    assert ("warning: vLLM's KV cache (0.80 GiB) holds 6 of an evaluation batch's 16 sequences at full length "
+            "(2.00 GiB): "
             "the held-out answers are generated in waves") in text and "--set eval.batch_size=6" in text
     fixed = plan(resolve(load_config("llama8b_4bit", ["memory.gpu_memory_utilization=0.45", "eval.batch_size=6"]),
                          profile("t4")))
@@ -692,7 +704,8 @@ def test_priming_is_planned_with_its_own_optimizer_and_batch():
     lora = lora_param_count(shape, base.config)
     assert peak.parts["AdamW fp32 state"] == 8 * lora == 4 * base.terms["optimizer"].bytes
     tokens = 8 * 1024
-    assert peak.parts["activations 8 x 1024 tokens"] == tokens * shape.hidden * 2 + tokens * activation_bytes_per_token_layer(shape, 2)
+    assert (peak.parts["activations 8 x 1024 tokens"]
+            == tokens * shape.hidden * 2 + tokens * activation_bytes_per_token_layer(shape, 2))
     assert peak.parts["vLLM"] == base.terms["vllm"].bytes and peak.parts["weights"] == base.terms["weights"].bytes
     assert base.terms["activations"].bytes < peak.parts["activations 8 x 1024 tokens"]
     assert base.fits and peak.fits and "priming (prime.steps=30): 12.26 GiB" in format_plan(base)

@@ -1,7 +1,7 @@
-"""Model shapes from the model itself (lowvram_grpo.settings.model_shapes): each family's parameters counted as transformers
-builds the model, its KV cache and linear-attention state as transformers' own cache holds them, config.json read
-from a local folder or the local hub cache (offline: the fallback table, or one line naming the file), and the
-presets of today's notebooks planned offline on the cards their headers name."""
+"""Model shapes from the model itself (lowvram_grpo.settings.model_shapes): each family's parameters counted as
+transformers builds the model, its KV cache and linear-attention state as transformers' own cache holds them,
+config.json read from a local folder or the local hub cache (offline: the fallback table, or one line naming the file),
+and the presets of today's notebooks planned offline on the cards their headers name."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,8 @@ CARDS = ["t4", "rtx3090", "rtx4090"]
 
 
 def _tiny_configs():
-    """(family, transformers config, model class) of a few-layer model of each family, from transformers' own classes."""
+    """(family, transformers config, model class) of a few-layer model of each family, from transformers' own
+    classes."""
     import transformers as T
 
     common = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
@@ -30,7 +31,8 @@ def _tiny_configs():
                   num_position_embeddings=16, patch_size=4)
     return [
         ("llama", T.LlamaConfig(**common, num_hidden_layers=3), T.LlamaForCausalLM),
-        ("qwen3", T.Qwen3Config(**common, num_hidden_layers=3, head_dim=32, tie_word_embeddings=True), T.Qwen3ForCausalLM),
+        ("qwen3", T.Qwen3Config(**common, num_hidden_layers=3, head_dim=32, tie_word_embeddings=True),
+         T.Qwen3ForCausalLM),
         ("gemma3", T.Gemma3TextConfig(**dict(common, num_key_value_heads=1), num_hidden_layers=7, head_dim=32,
                                       sliding_window=16), T.Gemma3ForCausalLM),
         ("qwen3_5", T.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True),
@@ -166,8 +168,9 @@ def _qwen3_4b_config() -> dict:
 
     s = KNOWN_SHAPES["qwen3-4b"]
     return transformers.Qwen3Config(hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
-                                    num_key_value_heads=s.kv_heads, head_dim=s.head_dim, intermediate_size=s.intermediate,
-                                    vocab_size=s.vocab, tie_word_embeddings=True, max_position_embeddings=s.context).to_dict()
+                                    num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
+                                    intermediate_size=s.intermediate, vocab_size=s.vocab, tie_word_embeddings=True,
+                                    max_position_embeddings=s.context).to_dict()
 
 
 def test_the_plan_reads_config_json_from_the_hub_cache_and_a_local_folder(tmp_path, tiny_model_dir):
@@ -204,8 +207,8 @@ def test_offline_with_no_cached_copy_is_one_line_naming_the_file(tmp_path):
     assert rc1 == 0 and "GPU memory plan: cannot plan for someorg/Not-Cached-7B: its config.json is not in the " \
                        "local hub cache" in dry and "HF_HUB_OFFLINE is set" in dry
     errors = [line for line in run_err.splitlines() if line.strip()]
-    assert rc2 == 2 and len(errors) == 1 and errors[0].startswith("error: model.name someorg/Not-Cached-7B: its "
-                                                                    "config.json is not in the local hub cache"), run_err
+    assert rc2 == 2 and len(errors) == 1 and errors[0].startswith(
+        "error: model.name someorg/Not-Cached-7B: its config.json is not in the local hub cache"), run_err
     assert not out_dir.exists()
 
 
@@ -220,7 +223,8 @@ def test_the_plan_says_what_it_cannot_know_and_where_unsloth_runs_no_vllm(tmp_pa
     """gpt-oss offline: its shape from the table, the expert LoRA it cannot know said as such, and unsloth's refusal
     to share its weights with vLLM (VLLM_UNSUPPORTED_MODEL_TYPES) said with the setting to change."""
     base = ["--preset", "qwen3_4b_4bit", "--dry-run", "--gpu", "rtx4090", "--set", "model.name=unsloth/gpt-oss-20b"]
-    (rc1, on, _), (rc2, off, _) = _cli([base, base + ["--set", "model.fast_inference=false"]], _offline(tmp_path), tmp_path)
+    (rc1, on, _), (rc2, off, _) = _cli([base, base + ["--set", "model.fast_inference=false"]],
+                                       _offline(tmp_path), tmp_path)
     assert rc1 == rc2 == 0
     for out in (on, off):
         assert "KNOWN_SHAPES['gpt-oss-20b']" in out and "not known: which expert modules LoRA adapts" in out
@@ -268,7 +272,8 @@ def test_online_the_plan_downloads_config_json_alone_then_reads_it_from_the_cach
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        env = {"HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}", "HF_HUB_CACHE": str(tmp_path / "hub-cache"),
+        env = {"HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
+               "HF_HUB_CACHE": str(tmp_path / "hub-cache"),
                "HF_HUB_OFFLINE": "0"}  # online on purpose, also where the user's shell sets offline
         base = ["--preset", "qwen3_4b_4bit", "--dry-run", "--gpu", "t4"]
         (rc1, table, _), = _cli([base], _offline(tmp_path), tmp_path)

@@ -92,7 +92,8 @@ def test_notebook_runs_top_to_bottom_on_cpu(executed):
 def test_notebook_shows_the_before_after_table(executed):
     notebook, _ = executed
     tables = [o.data["text/markdown"] for o in outputs(notebook)
-              if o.output_type == "display_data" and "text/markdown" in o.data and "| held-out metric |" in o.data["text/markdown"]]
+              if o.output_type == "display_data" and "text/markdown" in o.data
+              and "| held-out metric |" in o.data["text/markdown"]]
     assert tables and "| before (base) | primed | after (GRPO) | change |" in tables[0]
     for metric in ("reward_mean", "accuracy_strict", "accuracy_lenient", "format_rate", "mean_completion_tokens"):
         assert f"| {metric} |" in tables[0]
@@ -108,7 +109,8 @@ def test_notebook_shows_the_plots(executed):
 def test_without_overrides_the_notebook_picks_the_cpu_default(kernel_here, tmp_path):
     """The parameter cell's own choice on this machine (no CUDA): smollm2_cpu. Runs the cells up to it only."""
     notebook = nbformat.read(NOTEBOOK, as_version=4)
-    last = next(i for i, c in enumerate(notebook.cells) if "LOWVRAM_GRPO_NOTEBOOK_PRESET" in c.source and c.cell_type == "code")
+    last = next(i for i, c in enumerate(notebook.cells)
+                if "LOWVRAM_GRPO_NOTEBOOK_PRESET" in c.source and c.cell_type == "code")
     notebook.cells = notebook.cells[:last + 1]
     with pytest.MonkeyPatch.context() as mp:
         for key in (*CI_SETTINGS, "LOWVRAM_GRPO_NOTEBOOK_OUTPUT"):
@@ -155,7 +157,8 @@ def test_on_a_gpu_machine_torch_cannot_use_the_notebook_stops_at_the_doctor(kern
     install = next(i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and "install_plan(" in c.source)
     notebook.cells.insert(install + 1, nbformat.v4.new_code_cell(
         f"import os\nos.environ['PATH'] = {str(tools)!r} + os.pathsep + os.environ['PATH']"))
-    doctor_cell = next(i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and "doctor(CHECKED)" in c.source)
+    doctor_cell = next(i for i, c in enumerate(notebook.cells)
+                       if c.cell_type == "code" and "doctor(CHECKED)" in c.source)
     with pytest.MonkeyPatch.context() as mp:
         for key in CI_SETTINGS:
             mp.delenv(key, raising=False)
@@ -164,8 +167,10 @@ def test_on_a_gpu_machine_torch_cannot_use_the_notebook_stops_at_the_doctor(kern
             execute(notebook, kernel_here)
     assert stopped.value.ename == "NotReady" and "stops llama8b_4bit on this machine" in stopped.value.evalue
     text = text_of(notebook)
-    assert "preset llama8b_4bit on CPU" in text and "preset smollm2_cpu on" not in text  # the GPU preset, not the CPU one
-    assert "BLOCK" in text and "Tesla T4" in text  # the doctor's blocker, with its fix: the set for this CUDA 12.4 driver
+    assert "preset llama8b_4bit on CPU" in text and "preset smollm2_cpu on" not in text  # the GPU preset,
+                                                                                         # not the CPU one
+    assert "BLOCK" in text and "Tesla T4" in text  # the doctor's blocker, with its fix:
+                                                   # the set for this CUDA 12.4 driver
     assert "then pip install -r requirements-cuda12.txt" in text and "update the NVIDIA driver" not in text
     ran = [i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and c.get("execution_count")]
     assert max(ran) == doctor_cell, ran  # nothing after the doctor ran
@@ -227,7 +232,8 @@ def test_the_doctor_cell_checks_the_settings_the_run_gets(kernel_here, tmp_path)
     cell passes, so it checked those settings and not the preset's defaults; without them the cell stops (before:
     the cell checked `--preset` alone and stopped either way)."""
     preset = tmp_path / "tiny_with_vllm.yaml"
-    preset.write_text((REPO / "presets" / "tiny.yaml").read_text().replace("fast_inference: false", "fast_inference: true"))
+    preset.write_text((REPO / "presets" / "tiny.yaml").read_text().replace("fast_inference: false",
+                                                                           "fast_inference: true"))
     runs = {}
     for name, settings in (("applied", "model.fast_inference=false"), ("without", "")):
         notebook = _cells_up_to(nbformat.read(NOTEBOOK, as_version=4), "doctor(")
@@ -243,7 +249,8 @@ def test_the_doctor_cell_checks_the_settings_the_run_gets(kernel_here, tmp_path)
                 runs[name] = exc
         runs[name, "text"] = text_of(notebook)
     assert runs["applied"] is None, runs["applied"]
-    assert (f"ready: the CPU path is ready: python -m lowvram_grpo.run --preset {preset} --set model.fast_inference=false"
+    assert (f"ready: the CPU path is ready: python -m lowvram_grpo.run --preset {preset} "
+            "--set model.fast_inference=false"
             in runs["applied", "text"])
     assert runs["without"].ename == "NotReady" and "model.fast_inference uses vLLM" in runs["without", "text"]
 

@@ -57,7 +57,8 @@ def test_accelerate_launch_two_processes_trains_once_and_writes_once(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+         "--num_machines", "1",
          "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "lowvram_grpo.run", "--preset", "tiny",
          "--max-steps", "4", "--set", "train.save_steps=2", "--output-dir", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
@@ -68,7 +69,8 @@ def test_accelerate_launch_two_processes_trains_once_and_writes_once(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "complete" and summary["steps"] == 4 and summary["resolved"]["num_processes"] == 2
     checkpoint = out / "checkpoint-4"
-    assert {"rng_state_0.pth", "rng_state_1.pth", "run_state.json", "optimizer.pt"} <= {p.name for p in checkpoint.iterdir()}
+    assert ({"rng_state_0.pth", "rng_state_1.pth", "run_state.json", "optimizer.pt"}
+            <= {p.name for p in checkpoint.iterdir()})
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no staging folder left behind
     weights = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in weights.items())
@@ -123,7 +125,8 @@ def test_pip_install_gives_a_console_script_that_runs_from_any_folder(tmp_path):
         dry = subprocess.run([str(venv / "bin" / "lowvram-grpo"), "--preset", name, "--dry-run"], cwd=elsewhere,
                              capture_output=True, text=True, timeout=300, env=env)
         assert dry.returncode == 0 and f"preset: {name}" in dry.stdout, (name, dry.stderr[-2000:])
-    proc = subprocess.run([str(venv / "bin" / "lowvram-grpo"), "--preset", "tiny", "--max-steps", "2", "--output-dir", "D"],
+    proc = subprocess.run([str(venv / "bin" / "lowvram-grpo"), "--preset", "tiny", "--max-steps", "2",
+                           "--output-dir", "D"],
                           cwd=elsewhere, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((elsewhere / "D" / "summary.json").read_text())["steps"] == 2
@@ -141,4 +144,5 @@ def test_pyproject_installs_every_package_folder_and_the_top_level_presets():
     folders = {".".join(p.relative_to(REPO).parent.parts) for p in (REPO / "lowvram_grpo").rglob("__init__.py")}
     assert set(setuptools["packages"]) == folders | {"lowvram_grpo.presets"}
     assert setuptools["package-dir"] == {"lowvram_grpo.presets": "presets"}
-    assert sorted(p.name for p in (REPO / "presets").glob("*.yaml")) and not (REPO / "lowvram_grpo" / "presets").exists()
+    assert (sorted(p.name for p in (REPO / "presets").glob("*.yaml"))
+            and not (REPO / "lowvram_grpo" / "presets").exists())

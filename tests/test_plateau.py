@@ -38,7 +38,8 @@ def test_prime_time_grpo_and_the_equal_time_table_on_the_tiny_model(tmp_path):
     for variant in ("default", "lr1e-5"):
         result = json.loads((root / "seed-1" / "prime-2" / f"grpo-{variant}-2" / "result.json").read_text())
         assert result["numbers"]["n"] == 4 and result["training"]["reward|all"] is not None
-        assert [json.loads(line)["step"] for line in (root / "seed-1" / "prime-2" / f"grpo-{variant}-2" / "metrics.jsonl")
+        assert [json.loads(line)["step"]
+                for line in (root / "seed-1" / "prime-2" / f"grpo-{variant}-2" / "metrics.jsonl")
                 .read_text().splitlines()] == [1, 2]
     again = plateau("grpo", *common, "--prime-steps", 2, "--grpo-steps", 2, "--variants", "default")
     assert again.returncode == 0 and "done already" in again.stdout  # a finished step is not run again
@@ -60,9 +61,11 @@ def test_prime_time_grpo_and_the_equal_time_table_on_the_tiny_model(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = plateau("table", *common, "--seeds", 1, "--prime-steps", 2, "--grpo-steps", 2, "--variants", "default",
                     "--times-out", times)
-    longer = json.loads((root / "seed-1" / f"prime-{equal + 1}" / "result.json").read_text())["numbers"]["accuracy_strict"]
-    assert f"{longer:.3f} " in table.stdout and f"({equal + 1}: equal time is {equal}, the nearest measured above it) |" \
-        in table.stdout, table.stdout  # prime-only gets the nearest longer priming measured, and the table says so
+    longer = json.loads((root / "seed-1" / f"prime-{equal + 1}" / "result.json")
+                        .read_text())["numbers"]["accuracy_strict"]
+    assert f"{longer:.3f} " in table.stdout and \
+        f"({equal + 1}: equal time is {equal}, the nearest measured above it) |" in table.stdout, \
+        table.stdout  # prime-only gets the nearest longer priming measured, and the table says so
     proc = plateau("prime", *common, "--steps", equal)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = plateau("table", *common, "--seeds", 1, "--prime-steps", 2, "--grpo-steps", 2, "--variants", "default",
@@ -76,7 +79,8 @@ def test_prime_time_grpo_and_the_equal_time_table_on_the_tiny_model(tmp_path):
 def test_an_unknown_variant_is_one_error_line_and_exit_2(tmp_path):
     proc = plateau("grpo", "--root", tmp_path / "screen", "--variants", "default,nope")
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("error: unknown variant 'nope'")
+    assert (proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+            and proc.stderr.startswith("error: unknown variant 'nope'"))
     assert not (tmp_path / "screen").exists()
 
 
@@ -89,7 +93,8 @@ def test_checkpoints_of_one_priming_are_the_adapters_of_shorter_primings_bit_for
     proc = plateau("prime", "--preset", "tiny", "--root", long, "--seed", "1", "--steps", 4, "--measure-at", 2,
                    "--save-at", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (long / "seed-1" / "prime-2" / "result.json").is_file() and (long / "seed-1" / "prime-4" / "result.json").is_file()
+    assert ((long / "seed-1" / "prime-2" / "result.json").is_file()
+            and (long / "seed-1" / "prime-4" / "result.json").is_file())
     assert not (long / "seed-1" / "prime-3" / "result.json").exists()  # saved, not measured
     proc = plateau("prime", "--preset", "tiny", "--root", short, "--seed", "1", "--steps", 3)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -115,12 +120,14 @@ def test_checkpoints_of_one_priming_are_the_adapters_of_shorter_primings_bit_for
     assert (long / "seed-1" / "prime-5" / "result.json").is_file()
 
     curve = plateau("table", "--preset", "tiny", "--root", long, "--seeds", 1, "--prime-steps", 2)
-    assert [line.split("|")[2].strip() for line in curve.stdout.splitlines() if line.startswith("| 1 | ")] == ["2", "3", "4", "5"]
+    assert [line.split("|")[2].strip() for line in curve.stdout.splitlines()
+            if line.startswith("| 1 | ")] == ["2", "3", "4", "5"]
 
 
 def test_checkpoints_outside_the_priming_and_unsaved_measures_are_one_error_line(tmp_path):
     proc = plateau("prime", "--preset", "tiny", "--root", tmp_path / "s", "--steps", 3, "--save-at", "2-4")
-    assert proc.returncode == 2 and proc.stderr.startswith("error: --save-at") and len(proc.stderr.strip().splitlines()) == 1
+    assert (proc.returncode == 2 and proc.stderr.startswith("error: --save-at")
+            and len(proc.stderr.strip().splitlines()) == 1)
     assert not (tmp_path / "s").exists()
     proc = plateau("measure", "--preset", "tiny", "--root", tmp_path / "s", "--steps", 3)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "holds no saved checkpoint" in proc.stderr

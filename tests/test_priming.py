@@ -51,7 +51,8 @@ def test_completion_loss_equals_the_models_own_labels_loss(tiny_model_dir):
     model = handle.model
     model.train()
     eos = handle.tokenizer.eos_token
-    ids, attention, labels = _batch(handle.tokenizer, [[("Ava has 3 apples.", False), ("<answer>\n7\n</answer>" + eos, True)],
+    ids, attention, labels = _batch(handle.tokenizer, [[("Ava has 3 apples.", False),
+                                                        ("<answer>\n7\n</answer>" + eos, True)],
                                                        [("Q", False), ("ok" + eos, True)]], 512)
     lora = [p for p in model.parameters() if p.requires_grad]
     with torch.no_grad():  # non-zero B so the LoRA path carries gradient to A too
@@ -77,7 +78,8 @@ def test_with_beta_the_kl_reference_is_the_primed_model_not_the_base(tiny_model_
     from lowvram_grpo import train
 
     result = train("tiny", ["prime.steps=6", "prime.learning_rate=5e-3", "prime.batch_size=4", "train.beta=0.04",
-                            "train.max_steps=1", "train.save_steps=2", "eval.enabled=false"], output_dir=str(tmp_path / "run"))
+                            "train.max_steps=1", "train.save_steps=2", "eval.enabled=false"],
+                   output_dir=str(tmp_path / "run"))
     model = result.handle.model
     assert "ref" in model.peft_config
     primed = load_file(str(tmp_path / "run" / "primed_adapter" / "adapter_model.safetensors"))
@@ -153,6 +155,7 @@ def test_priming_with_the_calculator_trains_on_transcripts_that_call_it(tiny_mod
 def test_calculations_read_gsm8k_annotations_and_the_builtin_equations():
     from lowvram_grpo.training.priming import calculations
 
-    assert calculations("Natalia sold 48/2 = <<48/2=24>>24 clips in May. Altogether <<48+24=72>>72.") == ["48/2", "48+24"]
+    assert (calculations("Natalia sold 48/2 = <<48/2=24>>24 clips in May. Altogether <<48+24=72>>72.")
+            == ["48/2", "48+24"])
     assert calculations("After buying, Ava has 3 + 4 = 7 apples. After giving 2 away, 7 - 2 = 5.") == ["3 + 4", "7 - 2"]
     assert calculations("She has seventy apples.") == []

@@ -63,16 +63,19 @@ def test_every_package_module_and_folder_is_in_the_readme_layout():
     expected = {"lowvram_grpo": {p.name for p in package.glob("*.py") if p.name != "__main__.py"}}
     for folder in (p for p in package.iterdir() if p.is_dir() and not p.name.startswith("__")):
         expected[folder.name] = ({p.name for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
-                                 | {f"{d.name}/" for d in folder.iterdir() if d.is_dir() and not d.name.startswith("__")})
+                                 | {f"{d.name}/" for d in folder.iterdir()
+                                    if d.is_dir() and not d.name.startswith("__")})
     for folder in _top_level_folders() - {"lowvram_grpo"}:
         expected[folder] = set()
     assert set(rooms) == set(expected), f"the map's rooms {sorted(rooms)} should be the folders {sorted(expected)}"
     for room, names in expected.items():
-        named = set(re.findall(r"(?<![\w./])(\w+\.py)\b", rooms[room])) | set(re.findall(r"(?<![\w./])(\w+/)", rooms[room]))
+        named = (set(re.findall(r"(?<![\w./])(\w+\.py)\b", rooms[room]))
+                 | set(re.findall(r"(?<![\w./])(\w+/)", rooms[room])))
         assert names - named == set(), f"add to the README's layout map, room {room}/: {sorted(names - named)}"
     every = {p.name for p in package.rglob("*.py")}
     named_modules = set(re.findall(r"(?<![\w./])(\w+\.py)\b", section))
-    assert named_modules - every == set(), f"the README's layout names what is not there: {sorted(named_modules - every)}"
+    assert named_modules - every == set(), \
+        f"the README's layout names what is not there: {sorted(named_modules - every)}"
 
 
 def _where_questions_enter(module, tmp_path):
@@ -94,7 +97,8 @@ def _where_the_model_is_built(module, tmp_path):
 
 
 def _where_rewards_are_computed(module, tmp_path):
-    assert module.REWARDS["correctness"]([None, None], ["<answer>72</answer>", "<answer>7</answer>"], answer=["72", "72"]) == [2.0, 0.0]
+    assert module.REWARDS["correctness"]([None, None], ["<answer>72</answer>", "<answer>7</answer>"],
+                                         answer=["72", "72"]) == [2.0, 0.0]
 
 
 def _where_outputs_are_written(module, tmp_path):
@@ -107,8 +111,10 @@ def _where_tools_run(module, tmp_path):
     assert module.calculator("6 * 7") == "42"
 
 
-LAYOUT_ROLES = {"where questions enter": _where_questions_enter, "where settings are decided": _where_settings_are_decided,
-                "where the model is built": _where_the_model_is_built, "where rewards are computed": _where_rewards_are_computed,
+LAYOUT_ROLES = {"where questions enter": _where_questions_enter,
+                "where settings are decided": _where_settings_are_decided,
+                "where the model is built": _where_the_model_is_built,
+                "where rewards are computed": _where_rewards_are_computed,
                 "where tools run": _where_tools_run, "where outputs are written": _where_outputs_are_written}
 
 
@@ -169,7 +175,8 @@ def _machines(records) -> str:
              for r in records]
     counts = {kind: kinds.count(kind) for kind in kinds}  # first-seen order
     words = {2: "two", 3: "three", 4: "four"}
-    names = [f"an {kind}" if n == 1 else f"{words[n]} {kind.replace(' with', 's with', 1) if ' with' in kind else kind + 's'}"
+    names = [f"an {kind}" if n == 1
+             else f"{words[n]} {kind.replace(' with', 's with', 1) if ' with' in kind else kind + 's'}"
              for kind, n in counts.items()]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
@@ -196,7 +203,8 @@ def _readme_results() -> dict[str, str]:
     worst_p = max(max(r["paired_accuracy_strict"][2], r["paired_accuracy_lenient"][2]) for r in SEEDS)
     bound = math.ceil(worst_p * 1000) / 1000  # the smallest 3-decimal bound every seed is below
     primed = {s: _numbers(PLATEAU / f"seed-{s}" / "prime-200" / "result.json") for s in PLATEAU_SEEDS}
-    prompts4 = {s: _numbers(PLATEAU / f"seed-{s}" / "prime-200" / "grpo-prompts4-12" / "result.json") for s in PLATEAU_SEEDS}
+    prompts4 = {s: _numbers(PLATEAU / f"seed-{s}" / "prime-200" / "grpo-prompts4-12" / "result.json")
+                for s in PLATEAU_SEEDS}
     pairs = [(a, b) for s in PLATEAU_SEEDS for a, b in zip(primed[s]["strict_correct"], prompts4[s]["strict_correct"])]
     right, wrong = sum(a < b for a, b in pairs), sum(a > b for a, b in pairs)
     primed_acc = {round(primed[s]["accuracy_strict"], 3) for s in PLATEAU_SEEDS}
@@ -213,21 +221,24 @@ def _readme_results() -> dict[str, str]:
     searched = [json.loads((DEFAULT_JOB / f"seeds-lr2e-4-seed{s}.json").read_text()) for s in (3407, 1, 2)]
     assert all(r["overrides"] == ["train.learning_rate=2e-4"] for r in searched)
     return {
-        "searched": ", ".join(_change(r["paired_grpo"]) for r in searched[:2]) + f" and {_change(searched[2]['paired_grpo'])}"
+        "searched": ", ".join(_change(r["paired_grpo"]) for r in searched[:2])
+                    + f" and {_change(searched[2]['paired_grpo'])}"
                     " on seeds 3407, 1 and 2",
         "minutes": f"{min(minutes):.0f}-{max(minutes):.0f} minutes on the 2-core machines measured",
         "machines": _machines(first) + ", all with AVX512-BF16",
         "step": f"({min(steps):.1f}-{max(steps):.1f} s a GRPO step;",
         "accuracy": f"held-out accuracy {_range(of('before'), 2, same=True)} before, {_range(of('primed'), 2)} primed, "
                     f"{_range(of('after'), 2)} after on those machines",
-        "seeds": f"seeds 3407, 1 and 2 on the slower EPYC ended at {_range([r['after'] for r in preset], 2)} after GRPO, "
+        "seeds": f"seeds 3407, 1 and 2 on the slower EPYC ended at {_range([r['after'] for r in preset], 2)} "
+                 "after GRPO, "
                  + ", ".join(_change(r["paired_grpo"]) for r in preset[:2])
                  + f" and {_change(preset[2]['paired_grpo'])} past priming",
         "gain": f"(+{min(gains):.2f} to +{max(gains):.2f}, paired p < {bound:g})",
         "equal time": f"({_range([r['prime_only']['accuracy_strict'] for r in SEEDS])} against "
                       f"{_range([r['after']['accuracy_strict'] for r in SEEDS])}, sampled at T=0.8)",
         "converged": f"(200\nsteps, {primed_acc.pop():.3f} greedy)",
-        "prompts4": f"(+{mean(prompts4) - mean(primed):.3f} over the three seeds, {right} questions newly right and {wrong} newly wrong)",
+        "prompts4": f"(+{mean(prompts4) - mean(primed):.3f} over the three seeds, {right} questions newly right "
+                    f"and {wrong} newly wrong)",
     }
 
 
@@ -244,7 +255,8 @@ def test_every_number_the_readme_states_comes_from_a_results_file():
     for phrase in stated.values():
         section = section.replace(squash(phrase), " ")
     left = set(re.findall(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?!\w)", section))  # not a name's (SmolLM2-135M)
-    assert left <= SETTINGS, f"numbers in the README's section with no results file behind them: {sorted(left - SETTINGS)}"
+    assert left <= SETTINGS, \
+        f"numbers in the README's section with no results file behind them: {sorted(left - SETTINGS)}"
 
 
 # --------------------------------------------------------------------------- the default job's time, wherever stated
@@ -286,12 +298,14 @@ def test_the_default_jobs_time_stated_in_docs_and_presets_is_the_measured_one():
     for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "presets").glob("*.yaml"))]:
         text = _flat(path)
         for stale in STALE_TIMES:
-            assert not re.search(stale, text), f"{path.relative_to(REPO)}: {re.search(stale, text).group(0)!r} is not what " \
+            assert not re.search(stale, text), f"{path.relative_to(REPO)}: " \
+                                               f"{re.search(stale, text).group(0)!r} is not what " \
                                                f"the records say ({times['step']}, {times['minutes']})"
         for step in re.findall(r"([\d.]+-[\d.]+) s a GRPO step", text):  # a range of step times is the default job's
             assert f"{step} s a GRPO step" == times["step"], (path.name, step)
     totals = [r["total_seconds"] / 60 for r in SEEDS]
-    assert round(sum(totals) / len(totals)) == 13 and squash_ws(SEEDS_MINUTES) in squash_ws((REPO / "docs" / "results.md").read_text())
+    assert (round(sum(totals) / len(totals)) == 13
+            and squash_ws(SEEDS_MINUTES) in squash_ws((REPO / "docs" / "results.md").read_text()))
 
 
 def test_the_presets_levers_figures_are_levers_r1s():

@@ -120,7 +120,8 @@ def test_a_tiny_run_writes_report_and_plots(tiny_run):
     out, proc = tiny_run
     text = (out / REPORT_FILE).read_text()
     assert "| held-out metric | before (base) | after (GRPO) | change |" in text
-    assert "| reward_mean |" in text and "| accuracy_lenient |" in text and "## Sample answers" in text and "## Training-signal warnings" in text
+    assert ("| reward_mean |" in text and "| accuracy_lenient |" in text and "## Sample answers" in text
+            and "## Training-signal warnings" in text)
     for name in PLOT_FILES:  # tiny has beta > 0, so KL is logged too
         image = imread(out / name)
         assert image.shape[0] > 300 and image.shape[1] > 600, name
@@ -160,7 +161,8 @@ def test_the_report_shows_the_sampler_against_the_trainer_where_the_run_logged_i
     assert "Sampler vs trainer (importance" not in (copy / REPORT_FILE).read_text()
     assert not (copy / "sampler_gap.png").exists()
     for i, row in enumerate(rows):  # the keys as trl/trainer/grpo_trainer.py logs them
-        row.update({"sampling/sampling_logp_difference/mean": 0.03 + 0.001 * i, "sampling/sampling_logp_difference/max": 0.9,
+        row.update({"sampling/sampling_logp_difference/mean": 0.03 + 0.001 * i,
+                    "sampling/sampling_logp_difference/max": 0.9,
                     "sampling/importance_sampling_ratio/min": 0.5, "sampling/importance_sampling_ratio/mean": 1.01,
                     "sampling/importance_sampling_ratio/max": 2.5})
     (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -216,11 +218,13 @@ def test_truncated_run_warns_during_the_run_and_in_the_report(tmp_path):
 
 # ----------------------------------------------------------------------------- which way the all-equal groups are
 def test_the_all_equal_warning_says_which_way_and_what_to_do():
-    all_wrong = rows_with(signals.ZERO_STD_KEY, [0.9, 0.8, 0.9], **{signals.ALL_WRONG_KEY: 0.8, signals.ALL_RIGHT_KEY: 0.05})
+    all_wrong = rows_with(signals.ZERO_STD_KEY, [0.9, 0.8, 0.9],
+                          **{signals.ALL_WRONG_KEY: 0.8, signals.ALL_RIGHT_KEY: 0.05})
     message = signals.no_signal(all_wrong)
     assert "Most are all wrong" in message and "prime.steps" in message and "partial-credit" in message
     assert "num_generations" not in message
-    all_right = rows_with(signals.ZERO_STD_KEY, [0.9, 0.8, 0.9], **{signals.ALL_WRONG_KEY: 0.0, signals.ALL_RIGHT_KEY: 0.8})
+    all_right = rows_with(signals.ZERO_STD_KEY, [0.9, 0.8, 0.9],
+                          **{signals.ALL_WRONG_KEY: 0.0, signals.ALL_RIGHT_KEY: 0.8})
     message = signals.no_signal(all_right)
     assert "Most are all right (80% of groups" in message and "prime.steps" not in message
     assert "data.max_operand" in message and "train.num_generations" in message and "train.temperature" in message
@@ -240,7 +244,8 @@ def test_the_progress_bar_shows_reward_its_average_signal_and_kl_not_the_loss():
 
     recent = collections.deque(maxlen=3)
     for reward in (1.0, 2.0, 3.0):
-        fields = progress_fields({"reward": reward, "loss": 0.0, signals.ZERO_STD_KEY: 0.25, "kl": 0.01}, recent, beta=0.04)
+        fields = progress_fields({"reward": reward, "loss": 0.0, signals.ZERO_STD_KEY: 0.25, "kl": 0.01}, recent,
+                                 beta=0.04)
     assert fields == {"reward": "3.000", "avg3": "2.000", "signal": "75% of groups", "kl": "0.0100"}
     fields = progress_fields({"reward": 5.0, signals.ZERO_STD_KEY: 0.5, "kl": 0.0}, recent, beta=0.0)
     assert fields == {"reward": "5.000", "avg3": "3.333", "signal": "50% of groups"}  # beta 0: no KL

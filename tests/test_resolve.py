@@ -110,7 +110,8 @@ def test_batch_sizes_are_decided_once():
     r = resolve(load_config("tiny", ["train.num_generations=4", "train.per_device_train_batch_size=8",
                                      "train.gradient_accumulation_steps=2"]), profile("cpu"), num_processes=2)
     assert (r.per_device_train_batch_size, r.generation_batch_size) == (8, 32)
-    assert resolve(load_config("tiny"), profile("cpu")).per_device_train_batch_size == load_config("tiny").train.num_generations
+    assert (resolve(load_config("tiny"), profile("cpu")).per_device_train_batch_size
+            == load_config("tiny").train.num_generations)
 
 
 def test_unsloth_loaded_dtype_wins_over_the_plan():
@@ -147,8 +148,10 @@ def test_resolve_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys; from lowvram_grpo.settings.resolve import resolve; from lowvram_grpo.settings.hardware import profile; "
-            "from lowvram_grpo.settings.config import load_config; resolve(load_config('llama8b_4bit'), profile('t4')); "
+    code = ("import sys; from lowvram_grpo.settings.resolve import resolve; "
+            "from lowvram_grpo.settings.hardware import profile; "
+            "from lowvram_grpo.settings.config import load_config; "
+            "resolve(load_config('llama8b_4bit'), profile('t4')); "
             "assert 'torch' not in sys.modules")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 

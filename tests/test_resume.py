@@ -95,7 +95,8 @@ def test_kill_9_after_the_step_4_checkpoint_then_resume_equals_the_uninterrupted
     reference = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))  # steps 5-6 of the killed run are not doubled
     for row, ref in zip(rows, reference):
-        assert row["reward"] == pytest.approx(ref["reward"], abs=1e-6) and row["loss"] == pytest.approx(ref["loss"], abs=1e-6)
+        assert (row["reward"] == pytest.approx(ref["reward"], abs=1e-6)
+                and row["loss"] == pytest.approx(ref["loss"], abs=1e-6))
     summary, ref_summary = (json.loads((d / "summary.json").read_text()) for d in (out, uninterrupted))
     assert summary["status"] == "complete" and summary["steps"] == 8
     assert summary["before"] == ref_summary["before"] and summary["after"] == ref_summary["after"]

@@ -8,7 +8,8 @@ from fractions import Fraction
 import pytest
 
 from lowvram_grpo.core.errors import ConfigError, RewardError
-from lowvram_grpo.task.rewards import (REWARD_MAX, REWARDS, call_reward, callable_name, check_rewards, count_xml, extract_hash_answer, guarded, is_async_callable, xml_formatted)
+from lowvram_grpo.task.rewards import (REWARD_MAX, REWARDS, call_reward, callable_name, check_rewards, count_xml,
+                                       extract_hash_answer, guarded, is_async_callable, xml_formatted)
 
 NOTEBOOK_FIVE = ["xmlcount", "soft_format", "strict_format", "int", "correctness"]
 
@@ -39,7 +40,8 @@ def test_correctness_accepts_the_number_however_written(stated):
     assert score("correctness", f"<reasoning>\nok\n</reasoning>\n<answer>\n{stated}\n</answer>") == 2.0
 
 
-@pytest.mark.parametrize("gold,stated", [("1,000", "1000"), ("1000", "1,000"), ("1,000", "$1,000.00"), ("-3", "-3"), ("0.5", ".5")])
+@pytest.mark.parametrize("gold,stated", [("1,000", "1000"), ("1000", "1,000"), ("1,000", "$1,000.00"), ("-3", "-3"),
+                                         ("0.5", ".5")])
 def test_correctness_normalises_gold_and_stated(gold, stated):
     assert score("correctness", f"<answer>{stated}</answer>", gold) == 2.0
 
@@ -150,14 +152,16 @@ def _returning(value):
 ], ids=["none", "nan", "bools", "tuple", "iterator", "decimal-fraction"])
 def test_what_trl_takes_from_a_reward_passes_unchanged(value, expected):
     got = guarded(_returning(value), "mine")(prompts=["p", "p"], completions=["a", "b"])
-    assert [None if g is None else (math.nan if math.isnan(g) else g) for g in got] == pytest.approx(expected, nan_ok=True)
+    assert [None if g is None else (math.nan if math.isnan(g) else g) for g in got] == pytest.approx(expected,
+                                                                                                    nan_ok=True)
 
 
 def test_numpy_and_torch_scores_and_an_infinite_one_that_warns_once():
     import numpy as np
     import torch
 
-    assert guarded(_returning(np.array([0.5, 1.0], dtype=np.float32)), "np")(prompts=[0, 0], completions=[0, 0]) == [0.5, 1.0]
+    assert guarded(_returning(np.array([0.5, 1.0], dtype=np.float32)), "np")(prompts=[0, 0],
+                                                                             completions=[0, 0]) == [0.5, 1.0]
     assert guarded(_returning(torch.tensor([[0.5], [2.0]])), "pt")(prompts=[0, 0], completions=[0, 0]) == [0.5, 2.0]
     warnings = []
     reward = guarded(_returning([math.inf, 1.0]), "inf", warn=warnings.append)
@@ -190,7 +194,8 @@ def test_async_functions_callable_objects_and_partials_as_trl_takes_them():
     assert is_async_callable(reward) and asyncio.run(reward(prompts=[0, 0], completions=["ab", "c"])) == [2.0, 1.0]
     assert call_reward(reward, prompts=[0], completions=["abc"]) == [3.0]  # outside the trainer (evaluation, probe)
     assert call_reward(guarded(CallableScorer(), "obj"), prompts=[0], completions=["x"]) == [1.0]
-    assert is_async_callable(AsyncScorer()) and call_reward(guarded(AsyncScorer(), "aobj"), prompts=[0], completions=["x"]) == [2.0]
+    assert is_async_callable(AsyncScorer()) and call_reward(guarded(AsyncScorer(), "aobj"), prompts=[0],
+                                                            completions=["x"]) == [2.0]
     partial = functools.partial(_scaled, scale=0.25)
     assert call_reward(guarded(partial, "scaled"), prompts=[0], completions=["x"]) == [0.25]
     assert callable_name(partial) == "_scaled" and callable_name(CallableScorer()) == "CallableScorer"  # TRL's names
@@ -206,7 +211,8 @@ def test_a_reward_without_kwargs_is_told_which_keyword_trl_passes():
     def narrow(prompts, completions):
         return [0.0] * len(completions)
 
-    with pytest.raises(RewardError, match=r"reward 'narrow' does not take the keyword 'trainer_state' that TRL passes it .*"
+    with pytest.raises(RewardError, match=r"reward 'narrow' does not take the keyword 'trainer_state' that TRL "
+                                          r"passes it .*"
                                           r"add \*\*kwargs"):
         guarded(narrow, "narrow")(prompts=[0], completions=["x"], trainer_state=None)
 
@@ -216,11 +222,13 @@ def test_rewards_are_checked_against_the_runs_own_rows(tmp_path):
 
     rows = [{"prompt": "Say a colour:", "colour": "red"}, {"prompt": "Say a fruit:", "colour": None}]
     with pytest.raises(ConfigError, match=r"reward 'correctness' needs gold answers and the data d.csv gives none "
-                                          r"\(its other columns: 'colour'\): map the answer column with data.answer_column"):
+                                          r"\(its other columns: 'colour'\): map the answer column with "
+                                          r"data.answer_column"):
         check_rewards(RewardsConfig(names=["brevity", "correctness"]), rows, "d.csv")
     module = tmp_path / "mine.py"
     module.write_text("def names_colour(prompts, completions, colour, **kwargs):\n"
-                      "    assert isinstance(completions[0], str)  # text prompts: text completions, as TRL passes them\n"
+                      "    assert isinstance(completions[0], str)  # text prompts: text completions, "
+                      "as TRL passes them\n"
                       "    return [1.0 if c and c in t else 0.0 for t, c in zip(completions, colour)]\n")
     check_rewards(RewardsConfig(names=["names_colour"], module=str(module)), rows, "d.csv")  # takes the row's column
     gold = [{"prompt": [{"role": "user", "content": "1+1?"}], "answer": "2"}]
@@ -269,7 +277,8 @@ def _tiny_reward_model(folder, tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)
     model = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                                       num_hidden_layers=1, num_attention_heads=2,
+                                                       num_key_value_heads=1,
                                                        num_labels=1, pad_token_id=tokenizer.pad_token_id))
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -283,12 +292,14 @@ def test_a_real_run_with_trls_whole_reward_contract_and_a_reward_model_by_name(t
     (tmp_path / "contract.py").write_text(CONTRACT_REWARDS)
     reward_model = _tiny_reward_model(tmp_path / "tiny-rm", tiny_model_dir)
     rows = [{"prompt": f"Say the word {w}:", "target": w, "kind": "a" if i % 3 else "b"}
-            for i, w in enumerate(["apple", "river", "stone", "cloud", "green", "light", "music", "ocean", "paper", "tiger"])]
+            for i, w in enumerate(["apple", "river", "stone", "cloud", "green", "light", "music", "ocean", "paper",
+                                   "tiger"])]
     data = tmp_path / "words.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "run"
     names = f"[brevity, says_target, judge, only_kind_a, fixed, by_step, {reward_model}]"
-    proc = run_cli("--preset", "tiny", "--max-steps", "3", "--dataset", str(data), "--set", f"rewards.module={tmp_path / 'contract.py'}",
+    proc = run_cli("--preset", "tiny", "--max-steps", "3", "--dataset", str(data), "--set",
+                   f"rewards.module={tmp_path / 'contract.py'}",
                    "--set", f"rewards.names={names}", "--output-dir", str(out), env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -330,7 +341,8 @@ def test_the_random_reward_controls_stand_in_never_reads_the_completion_and_repe
     assert again(prompts=[None] * 8, completions=completions, trainer_state=state) == values
     assert again(prompts=[None] * 8, completions=completions, trainer_state=state) != values  # the step's second call
     other_step = random_reward("correctness", 0.0, 2.0, seed=7)
-    assert other_step(prompts=[None] * 8, completions=completions, trainer_state=types.SimpleNamespace(global_step=4)) != values
+    assert other_step(prompts=[None] * 8, completions=completions,
+                      trainer_state=types.SimpleNamespace(global_step=4)) != values
     assert reward_range("my_reward_from_a_file") is None
 
 

@@ -122,8 +122,8 @@ HOLD_LOCK = ("import sys, time; from lowvram_grpo.report.run_dir import RunDir; 
 
 def test_the_lock_goes_with_its_process_however_it_ends(tmp_path):
     folder = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(folder)], stdout=subprocess.PIPE, text=True, cwd=REPO,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(folder)], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         assert holder.stdout.readline().strip() == "locked"
         assert RunDir(folder).locked_by() == f"pid {holder.pid}"
@@ -148,9 +148,9 @@ def test_the_lock_goes_with_its_process_however_it_ends(tmp_path):
 def _accelerate(out, env_extra=None):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **(env_extra or {})}
     return subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-         "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "lowvram_grpo.run", "--preset", "tiny",
-         "--max-steps", "2", "--output-dir", str(out)],
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "lowvram_grpo.run",
+         "--preset", "tiny", "--max-steps", "2", "--output-dir", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
 
 
@@ -166,13 +166,14 @@ def test_under_accelerate_launch_the_main_process_refuses_and_nothing_is_written
     assert _snapshot(out) == before
 
     folder = tmp_path / "running"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(folder)], stdout=subprocess.PIPE, text=True, cwd=REPO,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(folder)], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         assert holder.stdout.readline().strip() == "locked"
         proc = _accelerate(folder)
         assert proc.returncode != 0
-        assert proc.stderr.count(f"error: output dir {folder} is being written by a running process (pid {holder.pid})") == 1, \
+        assert proc.stderr.count(f"error: output dir {folder} is being written by a running process "
+                                 f"(pid {holder.pid})") == 1, \
             proc.stderr[-3000:]
         assert not folder.exists()
     finally:

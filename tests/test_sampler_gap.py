@@ -25,8 +25,8 @@ def test_our_loop_is_corrected_by_default_and_its_bf16_gap_is_logged_and_reporte
     scores with PEFT's unmerged forward; the gap is small but not 0, so the ratios TRL weights the loss by are not
     all 1. The default (train.is_correction=auto) turns the correction on for our loop, said in the log."""
     out = tmp_path / "run"
-    proc = run_cli("--preset", "tiny", "--max-steps", "2", "--set", "model.dtype=bfloat16", "--set", "eval.enabled=false",
-                   "--output-dir", str(out))
+    proc = run_cli("--preset", "tiny", "--max-steps", "2", "--set", "model.dtype=bfloat16", "--set",
+                   "eval.enabled=false", "--output-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     assert "IS correction on (sequence_mask): auto -> on: our decode loop samples" in log
@@ -38,17 +38,20 @@ def test_our_loop_is_corrected_by_default_and_its_bf16_gap_is_logged_and_reporte
     assert any(r[SAMPLER_GAP_KEY] > 1e-6 for r in rows), rows  # bf16: the sampler is not exactly the trainer
     assert any(r[RATIO_KEY] != 1.0 for r in rows), rows  # ... and the loss is re-weighted
     report = (out / "report.md").read_text()
-    assert "## Sampler vs trainer (importance sampling)" in report and "![Sampler vs trainer](sampler_gap.png)" in report
+    assert ("## Sampler vs trainer (importance sampling)" in report
+            and "![Sampler vs trainer](sampler_gap.png)" in report)
     assert f"above the threshold {SAMPLER_GAP_THRESHOLD}" in report and (out / "sampler_gap.png").is_file()
 
 
 @pytest.mark.parametrize("extra", [("train.gradient_accumulation_steps=2", "train.per_device_train_batch_size=2"),
-                                   ("train.loss_type=vespo",)], ids=["sequence_mask-two-micro-batches", "token_truncate"])
+                                   ("train.loss_type=vespo",)],
+                         ids=["sequence_mask-two-micro-batches", "token_truncate"])
 def test_the_ratio_from_the_loss_is_the_one_of_trls_extra_forward_to_the_bit(tmp_path, extra):
     """train.is_logprobs=auto (trl_compat.RatioFromLoss) takes the correction's trainer log-probs from the loss's own
     forward instead of TRL's extra no-grad forward: the same run with train.is_logprobs=forward (TRL's) logs the same
-    loss, gradient norm, rewards and gap bit for bit and the ratios' statistics to a float32 ulp, in both modes resolve gives (sequence_mask over two
-    micro-batches of one generation: the metrics gathered over the whole batch; token_truncate, which vespo gets)."""
+    loss, gradient norm, rewards and gap bit for bit and the ratios' statistics to a float32 ulp, in both modes resolve
+    gives (sequence_mask over two micro-batches of one generation: the metrics gathered over the whole batch;
+    token_truncate, which vespo gets)."""
     rows = {}
     for source in ("auto", "forward"):
         out = tmp_path / source
@@ -117,7 +120,8 @@ def test_transformers_generate_logs_the_gap_when_the_correction_is_asked_for(tmp
     proc = run_cli("--preset", "tiny", "--max-steps", "2", "--set", "decode.loop=transformers", "--set",
                    "train.is_correction=on", "--set", "eval.enabled=false", "--output-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "IS correction on (sequence_mask): train.is_correction=on: transformers' generate samples" in proc.stdout + proc.stderr
+    assert ("IS correction on (sequence_mask): train.is_correction=on: transformers' generate samples"
+            in proc.stdout + proc.stderr)
     rows = rows_of(out)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

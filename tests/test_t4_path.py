@@ -43,8 +43,8 @@ def test_dry_run_on_a_t4_says_flashinfer_is_off_and_why():
     assert "vLLM's FlashInfer kept off on sm75 (UNSLOTH_VLLM_NO_FLASHINFER=1)" in proc.stdout
     a100 = run_cli("--preset", "llama8b_4bit", "--dry-run", "--gpu", "a100-40gb")  # sm80, its toolchain not known here
     assert a100.returncode == 0 and "FlashInfer off" in a100.stdout, a100.stderr[-2000:]
-    assert ("vLLM's FlashInfer kept off on sm80 (UNSLOTH_VLLM_NO_FLASHINFER=1): the nvcc and torch CUDA build of a named "
-            "card are not known here") in a100.stdout
+    assert ("vLLM's FlashInfer kept off on sm80 (UNSLOTH_VLLM_NO_FLASHINFER=1): the nvcc and torch CUDA build of a "
+            "named card are not known here") in a100.stdout
 
 
 # (compute capability, nvcc's CUDA release (None: no nvcc), torch's CUDA build) -> FlashInfer allowed, why not
@@ -80,7 +80,8 @@ def test_flashinfer_is_allowed_only_from_sm80_with_an_nvcc_of_torchs_cuda_major(
         assert "FlashInfer allowed" in shown and notes == []
         return
     sm = f"sm{cc[0]}{cc[1]}"
-    assert "FlashInfer off" in shown and f"note: vLLM's FlashInfer kept off on {sm} (UNSLOTH_VLLM_NO_FLASHINFER=1): " in shown
+    assert ("FlashInfer off" in shown
+            and f"note: vLLM's FlashInfer kept off on {sm} (UNSLOTH_VLLM_NO_FLASHINFER=1): " in shown)
     (note,) = notes
     assert why in note and "\n" not in note
 
@@ -102,8 +103,9 @@ def test_without_unsloths_vllm_flashinfer_is_not_decided_whatever_the_toolchain(
                      r"\(unsloth merges one tensor at a time\) and this machine has 1\.5 GB available"),
 ])
 def test_merged16_host_ram_is_checked_for_what_each_backends_merge_holds(backend, available_gb, refused):
-    """The hf backend's merge_and_unload holds Llama-3.1-8B's whole 16-bit base (~16.1 GB; Colab has ~12.7 GB); unsloth's
-    streamed merge (unsloth_zoo merge_and_overwrite_lora) one tensor and its merged copy (the embedding: ~2.1 GB)."""
+    """The hf backend's merge_and_unload holds Llama-3.1-8B's whole 16-bit base (~16.1 GB; Colab has ~12.7 GB);
+    unsloth's streamed merge (unsloth_zoo merge_and_overwrite_lora) one tensor and its merged copy
+    (the embedding: ~2.1 GB)."""
     from lowvram_grpo.model.backends import check_export_fits_host, host_available_bytes
     from lowvram_grpo.core.errors import BackendError
 
@@ -159,7 +161,8 @@ def test_a_start_that_failed_on_flashinfer_says_what_the_switch_did(monkeypatch)
             "UNSLOTH_VLLM_NO_FLASHINFER=1 in the environment") in not_set
     monkeypatch.setenv("UNSLOTH_VLLM_NO_FLASHINFER", "1")
     ignored = str(engine_did_not_start(resolved, cause))
-    assert "UNSLOTH_VLLM_NO_FLASHINFER=1 was set for this load and unsloth_zoo still asked vLLM for FlashInfer" in ignored
+    assert ("UNSLOTH_VLLM_NO_FLASHINFER=1 was set for this load and unsloth_zoo still asked vLLM for FlashInfer"
+            in ignored)
     other = str(engine_did_not_start(resolved, "RuntimeError: CUDA out of memory"))
     assert "FlashInfer" not in other and "--set memory.gpu_memory_utilization=LOWER" in other
     for line in (not_set, ignored, other):

@@ -69,7 +69,8 @@ def test_fast_generate_with_lora_request_matches_the_trained_model(trained):
     text = handle.apply_chat_template(prompt)
     ids = tok(text, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
-        out = handle.model.generate(**ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id, use_cache=True)
+        out = handle.model.generate(**ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id,
+                                    use_cache=True)
     direct = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     assert with_saved == [direct]
     assert isinstance(base[0], str)
@@ -149,7 +150,8 @@ def test_sampling_inside_the_trainer_keeps_the_kv_cache_under_gradient_checkpoin
     in_generation = [False]
     layer = handle.model.get_base_model().model.layers[0]
     layer.register_forward_pre_hook(
-        lambda mod, args, kwargs: seen.append((in_generation[0], mod.training, kwargs.get("past_key_values") is not None)),
+        lambda mod, args, kwargs: seen.append((in_generation[0], mod.training,
+                                               kwargs.get("past_key_values") is not None)),
         with_kwargs=True,
     )
     original = trainer._generate_single_turn
@@ -189,7 +191,8 @@ def test_effective_settings_are_read_back_from_the_trainer_as_plain_values(tmp_p
     assert used["loss_type"] == "dr_grpo" and used["optim"] == "adamw_8bit" and used["lr_scheduler_type"] == "constant"
     assert used["reward_weights"] == [1.0] * 6 and effective["changed"] == {}
     assert effective["trainer"] == "GRPOTrainer"  # the hf backend: TRL's own class, named in the log line
-    assert describe_effective(effective).startswith("GRPO as the trainer runs it: trainer=GRPOTrainer loss_type=dr_grpo ")
+    assert describe_effective(effective).startswith(
+        "GRPO as the trainer runs it: trainer=GRPOTrainer loss_type=dr_grpo ")
 
 
 def test_loss_variants_reach_trls_config(tmp_path):
@@ -199,7 +202,8 @@ def test_loss_variants_reach_trls_config(tmp_path):
     from lowvram_grpo.settings.resolve import resolve
     from lowvram_grpo.training.grpo import grpo_args
 
-    config = load_config("tiny", ["train.loss_type=dr_grpo", "train.scale_rewards=none", "train.mask_truncated_completions=true"])
+    config = load_config(
+        "tiny", ["train.loss_type=dr_grpo", "train.scale_rewards=none", "train.mask_truncated_completions=true"])
     args = grpo_args(resolve(config, profile("cpu")), tmp_path)
     assert (args.loss_type, args.scale_rewards, args.mask_truncated_completions) == ("dr_grpo", "none", True)
     default = grpo_args(resolve(load_config("tiny"), profile("cpu")), tmp_path)

@@ -25,7 +25,8 @@ def test_another_version_with_the_same_hooks_warns_once(monkeypatch):
 
 def test_a_missing_hook_is_an_error_with_the_fix(monkeypatch):
     monkeypatch.delattr(trl_compat.Trainer, "_get_grad_norm")
-    with pytest.raises(BackendError, match=r"Trainer\._get_grad_norm\(model, grad_norm\).*pip install trl==1\.15\.0 transformers==5\.17\.0"):
+    with pytest.raises(BackendError, match=r"Trainer\._get_grad_norm\(model, grad_norm\)"
+                                           r".*pip install trl==1\.15\.0 transformers==5\.17\.0"):
         trl_compat.check_versions()
 
 
@@ -42,7 +43,8 @@ def test_private_reaches_live_only_here():
     from pathlib import Path
 
     package = Path(trl_compat.__file__).parents[1]  # the whole package, every room
-    pattern = re.compile(r"def (_save_checkpoint|_get_output_dir|_get_grad_norm|_load_from_checkpoint)\b|_ChunkedLogProbFunction\s*="
+    pattern = re.compile(r"def (_save_checkpoint|_get_output_dir|_get_grad_norm|_load_from_checkpoint)\b"
+                         r"|_ChunkedLogProbFunction\s*="
                          r"|\.(use_vllm|vllm_generation|_last_loaded_step)\s*=[^=]"
                          r"|[\"'](_generate_and_score_completions|_generate|_generate_single_turn)[\"']")
     offenders = sorted(p.relative_to(package).as_posix() for p in package.rglob("*.py")
@@ -139,7 +141,8 @@ def door_violations(source: str) -> list[str]:
 def test_the_ratio_from_the_loss_reads_trls_own_lines(monkeypatch):
     """trl_compat.RatioFromLoss mirrors TRL 1.15's importance-sampling ratio and relies on its loss calling
     _get_per_token_logps_and_entropies before multiplying by inputs["importance_sampling_ratio"]: check_versions
-    reads those lines in the installed GRPOTrainer (RATIO_SOURCE), and a TRL whose loss no longer has them is refused."""
+    reads those lines in the installed GRPOTrainer (RATIO_SOURCE), and a TRL whose loss no longer has them is
+    refused."""
     import trl
 
     assert trl_compat.missing_ratio_hooks(trl.GRPOTrainer) == []
@@ -161,7 +164,8 @@ def test_the_ratio_from_the_loss_reads_trls_own_lines(monkeypatch):
 def test_private_reaches_go_through_the_doors():
     planted = ("import torch\n\n\nclass T:\n    def f(self):\n        self._x = 1\n        return super()._y()\n\n\n"
                "def g(model, trainer):\n    model._lowvram_decode = 1\n    getattr(model, '_tag', None)\n"
-               "    torch._C._cuda_getDriverVersion()\n    trainer.run_dir = 'x'\n    trainer.callback_handler.callbacks\n"
+               "    torch._C._cuda_getDriverVersion()\n    trainer.run_dir = 'x'\n"
+               "    trainer.callback_handler.callbacks\n"
                "    trainer.add_callback(None)\n    setattr(trainer, 'validation', None)\n"
                "    from lowvram_grpo.model.vllm.engine import _OPEN\n    return model.__class__\n")
     assert door_violations(planted) == [
@@ -180,7 +184,8 @@ def test_the_internals_door_finds_every_reach_in_the_pinned_wheels(monkeypatch):
     monkeypatch.delattr(GenerationConfig, "_get_default_generation_params")
     assert internals.missing_reaches() == [
         "transformers.generation.configuration_utils.GenerationConfig._get_default_generation_params"]
-    with pytest.raises(BackendError, match=r"_get_default_generation_params.*pip install transformers==5\.17\.0 peft==0\.21\.2"):
+    with pytest.raises(BackendError,
+                       match=r"_get_default_generation_params.*pip install transformers==5\.17\.0 peft==0\.21\.2"):
         internals.default_generation_params(GenerationConfig())
 
 

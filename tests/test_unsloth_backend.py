@@ -38,7 +38,8 @@ def _check_merged_export(exported, adapter):
     assert not hasattr(merged, "peft_config") and merged.dtype.itemsize == 2
     base_path = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
     base = AutoModelForCausalLM.from_pretrained(base_path).state_dict()
-    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), adapter).merge_and_unload().state_dict()
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path),
+                                          adapter).merge_and_unload().state_dict()
     export_error = max((merged.state_dict()[k].float() - w).abs().max().item() for k, w in reference.items())
     adapter_effect = max((w - base[k]).abs().max().item() for k, w in reference.items())
     assert export_error < adapter_effect / 4  # 16-bit rounding, well below what training changed
@@ -61,7 +62,8 @@ def test_choosing_a_backend_imports_neither_trl_nor_transformers():
     import sys
 
     code = ("import sys; import lowvram_grpo.run.pipeline, lowvram_grpo.run.cli, lowvram_grpo.settings.config as c; "
-            "from lowvram_grpo.settings.resolve import resolve; from lowvram_grpo.settings.hardware import detect; resolve(c.load_config('tiny'), detect()); "
+            "from lowvram_grpo.settings.resolve import resolve; from lowvram_grpo.settings.hardware import detect; "
+            "resolve(c.load_config('tiny'), detect()); "
             "bad = [m for m in ('trl', 'transformers', 'peft', 'unsloth') if m in sys.modules]; "
             "assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

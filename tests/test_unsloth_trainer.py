@@ -221,8 +221,8 @@ def test_kill_9_mid_run_then_resume_continues_to_the_unbroken_adapter(unbroken, 
 def test_a_bfloat16_model_on_a_cpu_trains_in_bf16_not_under_unsloths_fp16_autocast(tmp_path):
     """UnslothGRPOTrainer turns bf16=False, fp16=False into fp16 autocast on a device it deems without bf16 (a CPU),
     even for a bfloat16 model; resolve.for_unsloth_trainer asks for bf16 mixed precision there instead."""
-    proc = _cli(tmp_path, "--preset", "tiny", "--backend", "unsloth", "--max-steps", "1", "--set", "model.dtype=bfloat16",
-                "--set", "data.eval_size=1", "--output-dir", str(tmp_path / "run"))
+    proc = _cli(tmp_path, "--preset", "tiny", "--backend", "unsloth", "--max-steps", "1",
+                "--set", "model.dtype=bfloat16", "--set", "data.eval_size=1", "--output-dir", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("GRPO as the trainer runs it: "))
     assert line.startswith(TRAINED_BY) and " bf16=True fp16=False" in line, line
@@ -259,7 +259,8 @@ from lowvram_grpo.task.data import load_questions, to_prompt_rows
 config = load_config("tiny", ["train.max_steps=1"])
 resolved = resolve(config, detect(), "unsloth")
 prepare_backend("unsloth")
-from lowvram_grpo.training.grpo import build_trainer  # after unsloth's patch, as the pipeline imports it: unsloth's GRPOConfig
+# after unsloth's patch, as the pipeline imports it: unsloth's GRPOConfig
+from lowvram_grpo.training.grpo import build_trainer
 import trl
 # unsloth's GRPOConfig (it keeps TRL's class name for pickling; its own fields tell): default correction off
 assert "unsloth_num_chunks" in {f.name for f in dataclasses.fields(trl.GRPOConfig)}, trl.GRPOConfig
@@ -274,10 +275,13 @@ print("RESULT", json.dumps({
     "trainer": next(c.__name__ for c in type(trainer).__mro__ if c.__name__ == "UnslothGRPOTrainer"),
     "flag": trainer.vllm_importance_sampling_correction, "args_flag": trainer.args.vllm_importance_sampling_correction,
     "mode": trainer.args.vllm_importance_sampling_mode,
-    "loss_passes_rollout_logps": "sampling_per_token_logps = sampling_per_token_logps," in inspect.getsource(compute_loss),
-    "loss_logs_under_flag": 'getattr(self, "vllm_importance_sampling_correction", False)' in inspect.getsource(compute_loss),
+    "loss_passes_rollout_logps":
+        "sampling_per_token_logps = sampling_per_token_logps," in inspect.getsource(compute_loss),
+    "loss_logs_under_flag":
+        'getattr(self, "vllm_importance_sampling_correction", False)' in inspect.getsource(compute_loss),
     "zoo_reads_trainer_flag": 'kwargs["vllm_importance_sampling_correction"] = getattr(trainer, '
-                              '"vllm_importance_sampling_correction", False)' in inspect.getsource(zoo.grpo_accumulated_loss),
+                              '"vllm_importance_sampling_correction", False)'
+                              in inspect.getsource(zoo.grpo_accumulated_loss),
 }))
 """
 

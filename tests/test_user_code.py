@@ -61,7 +61,8 @@ def test_one_run_loads_each_user_file_and_looks_up_each_name_once(tmp_path, monk
     (tmp_path / "my_env.py").write_text(ENVIRONMENT_FILE)
     (tmp_path / "my_rewards.py").write_text(REWARDS_FILE)
     counts = collections.Counter()
-    _count(monkeypatch, counts, "lowvram_grpo.task.user_files", "import_user_file", lambda path, setting, *a, **k: ("file", setting))
+    _count(monkeypatch, counts, "lowvram_grpo.task.user_files", "import_user_file",
+           lambda path, setting, *a, **k: ("file", setting))
     _count(monkeypatch, counts, "lowvram_grpo.task.rewards", "lookup_reward", lambda name, *a, **k: ("reward", name))
     _count(monkeypatch, counts, "lowvram_grpo.task.tools", "lookup_tool", lambda name, *a, **k: ("tool", name))
     _count(monkeypatch, counts, "lowvram_grpo.task.tools", "environment_class", lambda name, *a: ("environment", name))
@@ -74,6 +75,7 @@ def test_one_run_loads_each_user_file_and_looks_up_each_name_once(tmp_path, monk
     result = run(config, tmp_path / "run", backend="hf", log=lambda *_: None)
     assert result.summary["status"] == "complete" and result.summary["steps"] == 2
     assert result.summary["primed"] is not None and result.summary["after"] is not None  # every phase ran
-    assert dict(counts) == {("file", "tools.module"): 1, ("file", "environment.module"): 1, ("file", "rewards.module"): 1,
+    assert dict(counts) == {("file", "tools.module"): 1, ("file", "environment.module"): 1,
+                            ("file", "rewards.module"): 1,
                             ("reward", "says_something"): 1, ("reward", "correctness"): 1,
                             ("tool", "calculator"): 1, ("tool", "shout"): 1, ("environment", "Shop"): 1}, dict(counts)

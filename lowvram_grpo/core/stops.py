@@ -43,7 +43,8 @@ def same_command() -> str:
     """The command line of this process, to run again (`python -m lowvram_grpo.run ...`, `lowvram-grpo eval ...`)."""
     argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
     rest = argv[1:]
-    if rest and not rest[0].startswith("-") and not rest[0].endswith(".py") and Path(rest[0]).name.startswith("lowvram"):
+    if (rest and not rest[0].startswith("-") and not rest[0].endswith(".py")
+            and Path(rest[0]).name.startswith("lowvram")):
         return shlex.join([Path(rest[0]).name, *rest[1:]])  # a console script: lowvram-grpo ...
     return shlex.join(["python", *rest])
 

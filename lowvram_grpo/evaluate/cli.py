@@ -60,14 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", help="questions to score: a .jsonl/.json/.parquet file or hub id the trainer accepts "
                    "(default: the config's held-out split)")
     p.add_argument("--limit", type=positive_int, metavar="N", help="score the first N questions only")
-    p.add_argument("--preset", help="settings when no adapter comes from a run folder (default: the machine's default preset)")
+    p.add_argument("--preset", help="settings when no adapter comes from a run folder (default: the machine's "
+                   "default preset)")
     p.add_argument("--model", help="the base model (model.name): a hub id, a local folder or builtin:NAME")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable), e.g. --set eval.samples=4")
     p.add_argument("--backend", default="auto", choices=["auto", "unsloth", "hf"], help="model backend (default: auto)")
     p.add_argument("--without-tools", action="store_true", help="with a config that has tools: measure each column "
                    "again without them, beside it, with the paired change")
-    p.add_argument("--json", action="store_true", help="print one JSON object (columns, protocol, paired changes) instead of the table")
+    p.add_argument("--json", action="store_true", help="print one JSON object (columns, protocol, paired changes) "
+                   "instead of the table")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     return p
 
@@ -99,7 +101,8 @@ def adapter_columns(specs: list[str]) -> list[Column]:
         label = name or (short if names.count(short) == 1 else f"{path.parent.name}/{path.name}")
         columns.append(Column(label, path))
     if len({c.name for c in columns} | {"base"}) != len(columns) + 1:
-        raise ConfigError(f"two columns have the same name ({', '.join(c.name for c in columns)}): name them --adapter NAME=PATH")
+        raise ConfigError(f"two columns have the same name ({', '.join(c.name for c in columns)}): "
+                          "name them --adapter NAME=PATH")
     return columns
 
 
@@ -193,7 +196,8 @@ def comparisons(columns: list[tuple[str, dict]], twins: bool = False) -> list[tu
     return pairs
 
 
-def as_json(config, where: str, named: list[tuple[str, dict]], adapters: list[Optional[Path]], twins: bool = False) -> dict:
+def as_json(config, where: str, named: list[tuple[str, dict]], adapters: list[Optional[Path]],
+            twins: bool = False) -> dict:
     # loads transformers
     from lowvram_grpo.evaluate.evaluation import WITH_INTERVAL, paired_change, protocol, protocol_label
 

@@ -99,10 +99,12 @@ def protocol(ev: EvalPlan) -> dict:
     if not ev.greedy:
         described.update(top_p=ev.top_p, seed=ev.seed, answers_per_question=1)
     if ev.samples:
-        described["samples"] = {"k": ev.samples, "temperature": ev.sample_temperature, "top_p": ev.top_p, "seed": ev.seed}
+        described["samples"] = {"k": ev.samples, "temperature": ev.sample_temperature, "top_p": ev.top_p,
+                                "seed": ev.seed}
     tools, prompts = ev.tools, ev.prompts
     if tools.used:  # answered with tools (tool_turns.py): max_tokens per turn
-        described["tools"] = {"names": list(tools.names), "environment": tools.environment, "max_turns": tools.max_turns}
+        described["tools"] = {"names": list(tools.names), "environment": tools.environment,
+                              "max_turns": tools.max_turns}
         if tools.max_tokens_per_turn is not None:
             described["tools"]["max_tokens_per_turn"] = described["max_tokens"] = tools.turn_tokens
     if prompts.answer_format != "xml":  # answers read in another format (answers.extractors)
@@ -115,7 +117,8 @@ def protocol(ev: EvalPlan) -> dict:
 def protocol_label(described: Optional[dict]) -> str:
     """The protocol in words, for tables and reports ('greedy decoding, up to 64 new tokens')."""
     if not described:
-        return "protocol not recorded (summaries written before it was: one answer sampled at eval.temperature, 0.8 by default then)"
+        return ("protocol not recorded (summaries written before it was: one answer sampled at eval.temperature, "
+                "0.8 by default then)")
     if described.get("decoding") == "greedy":
         text = f"greedy decoding, up to {described['max_tokens']} new tokens"
     else:
@@ -123,7 +126,8 @@ def protocol_label(described: Optional[dict]) -> str:
                 f"seed {described['seed']}, up to {described['max_tokens']} new tokens")
     samples = described.get("samples")
     if samples:
-        text += f"; mean@{samples['k']} / pass@{samples['k']} over {samples['k']} samples at T={samples['temperature']:g}"
+        text += (f"; mean@{samples['k']} / pass@{samples['k']} over {samples['k']} samples at "
+                 f"T={samples['temperature']:g}")
     if described.get("answer_format"):
         text += f"; answers read in the {described['answer_format']} format"
     return text
@@ -131,10 +135,10 @@ def protocol_label(described: Optional[dict]) -> str:
 
 def generate_answers(handle: ModelHandle, rows: list[dict], ev: EvalPlan, lora_request: Optional[LoraRequest],
                      temperature: Optional[float] = None, tool_counts: Optional[dict] = None) -> list[Completion]:
-    """One completion per row under `ev` (plans.EvalPlan), in batches of eval.batch_size, at `temperature` (default eval.temperature;
-    0 = greedy). Sampling uses eval.top_p and a seed per batch, identical for every column. A run with tools
-    answers with them (tool_turns.py: multi-turn, the answer is the model's last turn); `tool_counts` then adds up
-    the calls, the calls that ran and the answers that called a tool."""
+    """One completion per row under `ev` (plans.EvalPlan), in batches of eval.batch_size, at `temperature`
+    (default eval.temperature; 0 = greedy). Sampling uses eval.top_p and a seed per batch, identical for every
+    column. A run with tools answers with them (tool_turns.py: multi-turn, the answer is the model's last turn);
+    `tool_counts` then adds up the calls, the calls that ran and the answers that called a tool."""
 
     with_tools = ev.tools.used
     temperature = ev.temperature if temperature is None else temperature
@@ -163,7 +167,8 @@ def generate_answers(handle: ModelHandle, rows: list[dict], ev: EvalPlan, lora_r
 def _reward_keywords(rows: list[dict], completions: list[str], max_steps: int, tokenizer=None) -> dict:
     """What TRL passes a reward function besides prompts and completions: every dataset column but the
     prompt, the completion ids, a trainer state and the two logging hooks."""
-    columns = {key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion", "completion_ids")}
+    columns = {key: [row[key] for row in rows] for key in rows[0]
+               if key not in ("prompt", "completion", "completion_ids")}
     if tokenizer is not None:
         tokenizer = text_tokenizer(tokenizer)  # a processor (a vision-language checkpoint): its tokenizer
         ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in completions]
@@ -265,15 +270,18 @@ def sampled_numbers(rows: list[dict], texts: list[str], k: int, answer_format: s
     return out
 
 
-def evaluate(handle: ModelHandle, rows: list[dict], ev: EvalPlan, lora_request: Optional[LoraRequest]) -> tuple[dict, list[str]]:
-    """The column's numbers under the protocol of `ev` (plans.EvalPlan), and its answers (the greedy ones by default)."""
+def evaluate(handle: ModelHandle, rows: list[dict], ev: EvalPlan,
+             lora_request: Optional[LoraRequest]) -> tuple[dict, list[str]]:
+    """The column's numbers under the protocol of `ev` (plans.EvalPlan), and its answers (the greedy ones by
+    default)."""
     tool_counts: dict = {}
     generated = generate_answers(handle, rows, ev, lora_request, tool_counts=tool_counts)
     numbers = score(rows, generated, ev, tokenizer=handle.tokenizer)
     numbers["protocol"] = protocol(ev)
     if tool_counts:  # answered with tools (tool_turns.py)
         calls = tool_counts["calls"]
-        numbers["tools"] = {"calls_per_answer": calls / len(rows), "answers_with_calls": tool_counts["answers_with_calls"] / len(rows),
+        numbers["tools"] = {"calls_per_answer": calls / len(rows),
+                            "answers_with_calls": tool_counts["answers_with_calls"] / len(rows),
                             "ran_share": tool_counts["ran"] / calls if calls else None}
     k = ev.samples
     if k:
@@ -343,7 +351,8 @@ def pair_notes(pairs: list[tuple[str, dict, str, dict]], stored: Optional[list[O
             if entry is not None:
                 p = entry["mcnemar_p"]
                 verdict += (f"; paired over the same {entry['n']} questions: {entry['newly_right']} newly right, "
-                            f"{entry['newly_wrong']} newly wrong (McNemar p {'< 0.001' if p < 0.001 else f'= {p:.3f}'})")
+                            f"{entry['newly_wrong']} newly wrong (McNemar p "
+                            f"{'< 0.001' if p < 0.001 else f'= {p:.3f}'})")
             notes.append(f"{key} {name} -> {label}: {change:+.3f}; {verdict}")
     return notes
 
@@ -396,8 +405,8 @@ def beyond_line(headline: str, control: dict, after: dict) -> str:
         if "mcnemar_p" in entry:
             p = entry["mcnemar_p"]
             ps.append(p)
-            text += (f" ({entry['newly_right']} newly right, {entry['newly_wrong']} newly wrong of {entry['n']} questions, "
-                     f"McNemar p {'< 0.001' if p < 0.001 else f'= {p:.3f}'})")
+            text += (f" ({entry['newly_right']} newly right, {entry['newly_wrong']} newly wrong of {entry['n']} "
+                     f"questions, McNemar p {'< 0.001' if p < 0.001 else f'= {p:.3f}'})")
         parts.append(text)
     if "reward_mean" in after and "reward_mean" in control:
         parts.append(f"held-out reward_mean {after['reward_mean'] - control['reward_mean']:+.3f}")
@@ -408,7 +417,8 @@ def beyond_line(headline: str, control: dict, after: dict) -> str:
     return f"{headline}: {'; '.join(parts)}{verdict}."
 
 
-def interval_notes(before: dict, after: dict, primed: Optional[dict] = None, changes: Optional[dict] = None) -> list[str]:
+def interval_notes(before: dict, after: dict, primed: Optional[dict] = None,
+                   changes: Optional[dict] = None) -> list[str]:
     """A run's notes: primed -> after (GRPO's own change) when priming ran, and before -> after. `changes`: the
     run's `paired_changes` as summary.json stores them (None: computed here, for summaries written before)."""
     changes = paired_changes(before, after, primed) if changes is None else changes
@@ -442,7 +452,10 @@ def format_table(before: dict, after: dict, primed: Optional[dict] = None, chang
     table = format_columns(named, [])
     lines = table.splitlines()
     if primed:
-        own = "".join(f", {key} {after[key] - primed[key]:+.3f}" for key in WITH_INTERVAL if key in after and key in primed)
-        lines.append(f"(GRPO's own change in reward_mean, primed -> after: {after['reward_mean'] - primed['reward_mean']:+.3f}{own})")
+        own = "".join(
+            f", {key} {after[key] - primed[key]:+.3f}" for key in WITH_INTERVAL if key in after and key in primed)
+        lines.append(
+            "(GRPO's own change in reward_mean, primed -> after: "
+            f"{after['reward_mean'] - primed['reward_mean']:+.3f}{own})")
     lines += interval_notes(before, after, primed, changes)
     return "\n".join(lines)

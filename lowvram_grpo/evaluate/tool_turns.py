@@ -91,8 +91,9 @@ def _call(tool_by_name: dict, call: dict) -> tuple[str, str, bool]:
 
 def generate_with_tools(handle, rows: list[dict], plan, params: SamplingParams,
                         lora_request: Optional[LoraRequest]) -> tuple[list[Completion], list[list[dict]], dict]:
-    """`plan`: a plans.EvalPlan (or any phase's plan: its tools, prompts and rewards). Each row's answer (its last turn) with its tokens over all turns, each row's turns and tool messages, and
-    the batch's counts: tool calls, calls that ran without an error, answers with at least one call."""
+    """`plan`: a plans.EvalPlan (or any phase's plan: its tools, prompts and rewards). Each row's answer (its last turn)
+    with its tokens over all turns, each row's turns and tool messages, and the batch's counts: tool calls, calls that
+    ran without an error, answers with at least one call."""
     tokenizer = handle.text_tokenizer
     tools, conversations = _tools_for(plan, rows)
     turns: list[list[dict]] = [[] for _ in rows]

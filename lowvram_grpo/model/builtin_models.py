@@ -52,7 +52,8 @@ def _build_tiny(target: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False
     )
     tok.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(

@@ -31,8 +31,9 @@ without its per-token machinery. Its levers, each one setting of `decode:`:
   by the next training forward; without: the base weights read in place and the adapter added unmerged
   (fused_decode.UnmergedLinear: no copy of the weights).
 - `weights` (opt-in, CPU): 'int8' multiplies the fused layers' base weights, quantized and packed once per model,
-  with FBGEMM's dynamic int8 linear and adds the adapter unmerged (fused_decode.Int8Linear); where the fused layers do not run, sampled tokens read
-  the model's own weights, said once in the log. 'bf16': the model's own weights (its dtype).
+  with FBGEMM's dynamic int8 linear and adds the adapter unmerged (fused_decode.Int8Linear); where the fused layers do
+  not run, sampled tokens read the model's own weights, said once in the log. 'bf16': the model's own weights (its
+  dtype).
 """
 from __future__ import annotations
 

@@ -26,8 +26,8 @@ linear (internals.int8_prepack / int8_linear). The adapter is not merged into th
 group), so the learned part is sampled exactly and nothing is repacked as the adapter changes (repacking every weight
 each call costs more than a short rollout saves on 2 cores). Why the rescaling: without it FBGEMM's one activation
 scale a tensor is set by a few outlier channels (the down projection's input most), far from the 16-bit layers'
-log-probs. Sampled tokens then come from a slightly different distribution than the trainer's (its log-probs go to TRL as
-always; tests/test_decode_int8.py measures the gap); resolve() turns the importance-sampling correction on, per
+log-probs. Sampled tokens then come from a slightly different distribution than the trainer's (its log-probs go to TRL
+as always; tests/test_decode_int8.py measures the gap); resolve() turns the importance-sampling correction on, per
 token. The packed base (~1 byte a parameter) lives as long as the model (`int8_base`), rebuilt if a base weight
 changes (a merge).
 
@@ -179,7 +179,7 @@ def merged_copies(inner) -> dict:
             copies[index] = dict(qkv=(torch.cat([q[0], k[0], v[0]]),                          # [(H + 2 KV) D, hidden]
                                       _cat_bias([q[1], k[1], v[1]], [q[0], k[0], v[0]])),
                                  o=_merged(groups["o"][0]),
-                                 gate_up=(torch.cat([gate[0], up[0]]),                          # [2 intermediate, hidden]
+                                 gate_up=(torch.cat([gate[0], up[0]]),                        # [2 intermediate, hidden]
                                           _cat_bias([gate[1], up[1]], [gate[0], up[0]])),
                                  down=_merged(groups["down"][0]))
         copies["head"] = _merged(inner.get_output_embeddings())
@@ -382,7 +382,8 @@ def _call(x, op):
 
 
 class _Recording:
-    """F.linear(x, weight, bias) that keeps the per-channel max |x| [in] (float32) of its first call in `record[key]`."""
+    """F.linear(x, weight, bias) that keeps the per-channel max |x| [in] (float32) of its first call in
+    `record[key]`."""
     def __init__(self, record: dict, key, weight, bias):
         self.record, self.key, self.weight, self.bias = record, key, weight, bias
 

@@ -60,7 +60,8 @@ Prompt = Union[str, Sequence[dict]]
 
 
 class GenerationEngine(Protocol):
-    def generate(self, texts: list[str], params: SamplingParams, lora_request: Optional[LoraRequest]) -> list[Completion]:
+    def generate(self, texts: list[str], params: SamplingParams,
+                 lora_request: Optional[LoraRequest]) -> list[Completion]:
         ...
 
     def load_lora(self, path: Path) -> LoraRequest:
@@ -117,7 +118,8 @@ class TransformersEngine:
             return model.disable_adapter()
         return _active_adapter(model, lora_request.name)
 
-    def generate(self, texts: list[str], params: SamplingParams, lora_request: Optional[LoraRequest]) -> list[Completion]:
+    def generate(self, texts: list[str], params: SamplingParams,
+                 lora_request: Optional[LoraRequest]) -> list[Completion]:
         import torch
 
         model, tokenizer = self.handle.model, self.handle.text_tokenizer

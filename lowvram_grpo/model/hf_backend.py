@@ -40,7 +40,8 @@ def load_model(resolved) -> ModelHandle:
     quantization = BitsAndBytesConfig(**quantization_kwargs(resolved)) if resolved.load_in_4bit else None
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=quantization,
                                                  device_map=resolved.device)
-    checks.after_load(resolved.plan, model)  # lengths and LoRA layers against the loaded model, before anything is written
+    checks.after_load(resolved.plan, model)  # lengths and LoRA layers against the loaded model, before anything is
+                                             # written
     tokenizer = AutoTokenizer.from_pretrained(path, model_max_length=plan.max_seq_length)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -178,7 +178,8 @@ def load_adapter_into(peft_model, path: Path, adapter_name: str, base_model: str
         detail = next((line for line in lines if "size mismatch" in line), lines[0])[:300]
         made_for = config.get("base_model_name_or_path") or "an unnamed base"
         this = f"; this is {base_model}" if base_model else ""
-        raise AdapterError(f"adapter at {path} does not fit this base model (it was made for {made_for}{this}): {detail}") from None
+        raise AdapterError(f"adapter at {path} does not fit this base model (it was made for {made_for}{this}): "
+                           f"{detail}") from None
 
 
 # --------------------------------------------------------------------------- starting a run from an adapter

@@ -1,7 +1,7 @@
 """The cache of models built on this machine (the built-ins): where they live, and building one exactly once.
 
-`cache_dir()` (settings.builtin_names) is $LOWVRAM_GRPO_CACHE, else ~/.cache/lowvram_grpo. `build_once(name, build)` builds into a
-hidden staging dir and renames it into place, so a crash or a concurrent build never leaves a
+`cache_dir()` (settings.builtin_names) is $LOWVRAM_GRPO_CACHE, else ~/.cache/lowvram_grpo. `build_once(name, build)`
+builds into a hidden staging dir and renames it into place, so a crash or a concurrent build never leaves a
 half-written model behind. Imports nothing heavy.
 """
 from __future__ import annotations

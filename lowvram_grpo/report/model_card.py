@@ -136,7 +136,8 @@ def render(summary: dict, config: dict, run_dir) -> str:
         "## Training\n\n" + "\n".join(training_lines(summary, config)),
         "## Held-out numbers\n\n" + numbers,
         "## Paired changes\n\n" + ("\n".join(paired) if paired else
-                                   "None: the columns have no per-question verdicts (evaluation off, or no gold answers)."),
+                                   "None: the columns have no per-question verdicts (evaluation off, or no gold "
+                                   "answers)."),
         "## How to load the adapter\n\n" + loading_section(model, run_dir, load_in_4bit),
     ]
     return "\n\n".join(sections) + "\n"

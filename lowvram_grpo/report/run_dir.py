@@ -17,7 +17,8 @@ A run folder holds:
 - `best_adapter/`: the adapter of the best point of the held-out curve (validation.py), with `best_step.json`;
 - `checkpoint-N/`: what transformers' Trainer saves (adapter(s), optimizer, scheduler, RNG states,
   trainer_state.json) plus our `run_state.json` (data position, the NaN guard's counters),
-  `metrics.jsonl` as it was at that step and `validation/best_adapter/` (best_adapter/ then). Built under a hidden staging name and renamed into place
+  `metrics.jsonl` as it was at that step and `validation/best_adapter/` (best_adapter/ then). Built under a hidden
+  staging name and renamed into place
   (lora_io.atomic_replace_dir), so a checkpoint that exists is complete; the newest `keep` are kept;
 - `prime-checkpoint-N/`: the priming after N steps (priming.py: LoRA weights, optimizer, RNG, losses), every
   `prime.save_steps`, at a stop and at its end, written the same atomic way; --resume continues priming from it;
@@ -60,14 +61,16 @@ except ImportError:  # not POSIX (Windows): runs are not locked there
 from lowvram_grpo.model.lora_io import atomic_replace_dir, atomic_write_text, check_adapter_dir, remove_stale_staging
 from lowvram_grpo.core.errors import AdapterError, ConfigError, RunDirError
 
-CONFIG, SUMMARY, METRICS, RUN_STATE, REPORT = "config.yaml", "summary.json", "metrics.jsonl", "run_state.json", "report.md"
+CONFIG, SUMMARY, METRICS, RUN_STATE, REPORT = ("config.yaml", "summary.json", "metrics.jsonl", "run_state.json",
+                                               "report.md")
 PLAN = "plan.txt"
 ADAPTER, PRIMED_ADAPTER, BEST_ADAPTER = "adapter", "primed_adapter", "best_adapter"
 COMPLETIONS = "completions.jsonl"
 BEST_STEP = "best_step.json"  # inside best_adapter/: the GRPO step it is, and its validation numbers
 CHECKPOINT_BEST = "validation"  # checkpoint-N/validation/best_adapter: the best adapter as it was at step N
 TRL_COMPLETIONS = "completions"  # TRL's log_completions writes its parquet tables there (grpo.py turns it on)
-PLOT_FILES = ("reward.png", "kl.png", "completion_length.png", "clipped_ratio.png", "loss.png")  # report/build.py draws them
+PLOT_FILES = ("reward.png", "kl.png", "completion_length.png", "clipped_ratio.png",
+              "loss.png")  # report/build.py draws them
 VALIDATION_PLOT = "validation.png"  # report/build.py draws it for a run with the held-out curve
 SAMPLER_PLOT = "sampler_gap.png"  # report/build.py draws it for a run with the importance-sampling correction on
 # what a run leaves that marks the folder as holding one (any of them)
@@ -95,7 +98,8 @@ def train_on_command(path: Path, preset: str = "") -> str:
         new, number = path.with_name(f"{path.name}-more{number}"), number + 1
     return (f"python -m lowvram_grpo.run --preset {path / CONFIG} --init-adapter {path / ADAPTER} --output-dir {new}"
             if (path / CONFIG).is_file() else
-            f"python -m lowvram_grpo.run --preset {preset or 'PRESET'} --init-adapter {path / ADAPTER} --output-dir {new}")
+            f"python -m lowvram_grpo.run --preset {preset or 'PRESET'} --init-adapter {path / ADAPTER} "
+            f"--output-dir {new}")
 
 
 # --------------------------------------------------------------------------- the lock
@@ -194,13 +198,16 @@ class RunDir:
         `--overwrite`, at the new run's first write."""
         if not self.writer or not self.path.is_dir():
             return
-        doomed = [self.path / name for name in (CONFIG, PLAN, SUMMARY, METRICS, REPORT, ADAPTER, PRIMED_ADAPTER, "runs", *PLOT_FILES,
+        doomed = [self.path / name for name in (CONFIG, PLAN, SUMMARY, METRICS, REPORT, ADAPTER, PRIMED_ADAPTER, "runs",
+                                                  *PLOT_FILES,
                                                  "README.md",  # the run's model card (TRL's, then model_card.py's)
                                                  COMPLETIONS, BEST_ADAPTER, TRL_COMPLETIONS, VALIDATION_PLOT,
                                                  SAMPLER_PLOT)]
         doomed += list(self.path.glob("vllm_gen_lora*"))  # unsloth's rollout LoRA folder, moved here after training
-        doomed += [p for _, p in self.checkpoint_dirs() + self.prime_checkpoint_dirs()] + list(self.path.glob("export-*"))
-        doomed += list(self.path.glob(f"{STAGING_PREFIX}*")) + list(self.path.glob(".adapter.*")) + list(self.path.glob(".primed_adapter.*"))
+        doomed += ([p for _, p in self.checkpoint_dirs() + self.prime_checkpoint_dirs()]
+                   + list(self.path.glob("export-*")))
+        doomed += (list(self.path.glob(f"{STAGING_PREFIX}*")) + list(self.path.glob(".adapter.*"))
+                   + list(self.path.glob(".primed_adapter.*")))
         doomed += list(self.path.glob(f".{BEST_ADAPTER}.*"))
         for path in doomed:
             if path.is_dir() and not path.is_symlink():
@@ -243,7 +250,8 @@ class RunDir:
                 if attempt == 4:
                     fh.close()
                     raise RunDirError(f"output dir {self.path} is being written by a running process "
-                                      f"({_holder(lock_file)}): wait for it to end, or pick another --output-dir") from None
+                                      f"({_holder(lock_file)}): wait for it to end, "
+                                      "or pick another --output-dir") from None
                 time.sleep(0.05)
         fh.seek(0)
         fh.truncate()
@@ -271,7 +279,8 @@ class RunDir:
             probe.write_text("")
             probe.unlink()
         except OSError as exc:
-            raise ConfigError(f"cannot create output dir {self.path}: {exc.strerror or exc}; pass a writable --output-dir") from None
+            raise ConfigError(f"cannot create output dir {self.path}: {exc.strerror or exc}; "
+                              "pass a writable --output-dir") from None
         return self
 
     def file(self, name: str) -> Path:
@@ -322,7 +331,8 @@ class RunDir:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise RunDirError(f"{self.path / CONFIG} is not YAML ({str(exc).splitlines()[0]}): the file is damaged") from None
+            raise RunDirError(f"{self.path / CONFIG} is not YAML ({str(exc).splitlines()[0]}): "
+                              "the file is damaged") from None
         if not isinstance(data, dict):
             raise RunDirError(f"{self.path / CONFIG} is not a YAML mapping: the file is damaged")
         return data
@@ -379,7 +389,8 @@ class RunDir:
             except json.JSONDecodeError as exc:
                 if cut_tail and number == len(lines):  # no newline after it: the append was cut short
                     break
-                raise RunDirError(f"{self.path / name} line {number} is not JSON ({exc.msg}): the file is damaged") from None
+                raise RunDirError(f"{self.path / name} line {number} is not JSON ({exc.msg}): "
+                                  "the file is damaged") from None
             if not isinstance(row, dict) or "step" not in row:
                 raise RunDirError(f"{self.path / name} line {number} is not {what} (an object with a 'step'): "
                                   "the file is damaged")
@@ -533,7 +544,8 @@ class RunDir:
                         shared_staging: bool = False, barrier: Callable[[], None] = lambda: None) -> Path:
         """checkpoint-`step`, complete or absent: `write_trainer_files(root)` writes transformers' files under
         a hidden staging root (into root/checkpoint-step), then our run_state.json, metrics copy and best_adapter/
-        copy (as validation/best_adapter) join them and the folder is renamed into place; older checkpoints beyond `keep` are deleted.
+        copy (as validation/best_adapter) join them and the folder is renamed into place; older checkpoints
+        beyond `keep` are deleted.
         Several processes (`shared_staging`) write into one staging root named by the step, and only the
         writer renames it, after `barrier()`."""
         name = f"checkpoint-{step}"
@@ -618,7 +630,8 @@ class RunDir:
         try:
             return json.loads((Path(checkpoint) / RUN_STATE).read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise RunDirError(f"{Path(checkpoint) / RUN_STATE} cannot be read ({exc}): the checkpoint is damaged") from None
+            raise RunDirError(f"{Path(checkpoint) / RUN_STATE} cannot be read ({exc}): "
+                              "the checkpoint is damaged") from None
 
     def restore_metrics(self, checkpoint: Path) -> None:
         """metrics.jsonl as it was when `checkpoint` was written (rows logged after it are logged again)."""

@@ -35,27 +35,30 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m lowvram_grpo.run", description="GRPO + LoRA training on one small GPU, or on a CPU.")
-    p.add_argument("--preset", default=None, help="preset name (see --list-presets) or a YAML file; default: smollm2_cpu "
-                   "without CUDA, the largest GPU preset that fits the card with one")
+    p = ArgumentParser(prog="python -m lowvram_grpo.run",
+                       description="GRPO + LoRA training on one small GPU, or on a CPU.")
+    p.add_argument("--preset", default=None, help="preset name (see --list-presets) or a YAML file; default: "
+                   "smollm2_cpu without CUDA, the largest GPU preset that fits the card with one")
     p.add_argument("--list-presets", action="store_true", help="list the presets and exit")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable), e.g. --set train.learning_rate=1e-5")
     p.add_argument("--max-steps", type=positive_int, help="training steps (train.max_steps)")
     p.add_argument("--dataset", help="a .jsonl/.json/.csv/.tsv/.parquet file (columns: data.question_column, "
-                   "data.answer_column, or TRL's prompt), a hub id or a dataset folder NAME[@config][:split] (data.dataset)")
+                   "data.answer_column, or TRL's prompt), a hub id or a dataset folder NAME[@config][:split] "
+                   "(data.dataset)")
     p.add_argument("--output-dir", type=Path, help="where the run writes its files (default: outputs/PRESET-TIME); "
                    "a folder that holds a run is refused unless --overwrite")
     p.add_argument("--init-adapter", type=Path, metavar="PATH", help="start from a saved PEFT LoRA adapter (e.g. a "
-                   "finished run's OUTPUT/adapter): its r, alpha and target modules are used; priming is skipped unless "
-                   "--set prime.steps=N (lora.init_adapter)")
+                   "finished run's OUTPUT/adapter): its r, alpha and target modules are used; priming is skipped "
+                   "unless --set prime.steps=N (lora.init_adapter)")
     p.add_argument("--overwrite", action="store_true", help="replace the run in --output-dir (its files are deleted "
                    "once the new run's data and model are accepted); never one that is still running")
     p.add_argument("--backend", default="auto", choices=["auto", "unsloth", "hf"], help="model backend (default: auto)")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR",
                    help="continue an interrupted run from its newest checkpoint to its configured end "
                         "(its config.yaml; no --preset/--set/--max-steps/--dataset/--output-dir)")
-    p.add_argument("--dry-run", action="store_true", help="print the resolved config and the memory plan, and exit without training")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the resolved config and the memory plan, and exit without training")
     p.add_argument("--gpu", metavar="PROFILE", help="with --dry-run: resolve the settings and plan memory for a named "
                    "card instead of the one present (t4, v100-16gb, rtx3060-12gb, rtx4060-8gb, rtx3090, rtx4090, l4, "
                    "a10g, a100-40gb, h100-80gb, cpu)")
@@ -64,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auto-fit", action="store_true", help="when the memory plan does not fit the card, apply the "
                    "settings it suggests (printed)")
     p.add_argument("--export", choices=["merged16", "gguf"], help="after training, also write the model with the "
-                   "adapter merged in: merged16 (16-bit safetensors) or gguf (q4_k_m; unsloth backend) into OUTPUT/export-KIND")
+                   "adapter merged in: merged16 (16-bit safetensors) or gguf (q4_k_m; unsloth backend) into "
+                   "OUTPUT/export-KIND")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     return p
 
@@ -107,10 +111,12 @@ def auto_fit(resolved):
         raise ConfigError("--auto-fit needs a card size and no GPU is visible: add --vram GB or --gpu PROFILE")
     p = plan(resolved)
     if p.fits:
-        print(f"auto-fit: {config.preset} already fits a {card:g} GiB card ({p.total_gb:.1f} GiB planned); nothing changed")
+        print(f"auto-fit: {config.preset} already fits a {card:g} GiB card ({p.total_gb:.1f} GiB planned); "
+              f"nothing changed")
         return resolved
     if not p.suggestions:
-        raise ConfigError(f"--auto-fit: no settings of preset {config.preset} fit a {card:g} GiB card ({p.no_fit_reason}); "
+        raise ConfigError(f"--auto-fit: no settings of preset {config.preset} fit a {card:g} GiB card "
+                          f"({p.no_fit_reason}); "
                           "pick a smaller model, e.g. --preset qwen1_5b_4bit")
     print(f"auto-fit for a {card:g} GiB card: set {', '.join(map(str, p.suggestions))} "
           f"({p.total_gb:.1f} -> {p.suggested_total_gb:.1f} GiB planned)")

@@ -90,7 +90,8 @@ def oom_message(p: Optional[MemoryPlan], config: RunConfig, phase: str = "traini
         planned = ""
         if p is not None and phase != "evaluation":
             fitted = p.resolved.with_config(apply_suggestions(config, changes))
-            planned = f" (plans {estimate(fitted, p.vram_gb or p.min_vram_gb).total_gb:.1f} instead of {p.total_gb:.1f} GiB)"
+            planned = (f" (plans {estimate(fitted, p.vram_gb or p.min_vram_gb).total_gb:.1f} instead of "
+                       f"{p.total_gb:.1f} GiB)")
         advice = f"set {', '.join(map(str, changes))}{planned}"
     else:
         advice = otherwise

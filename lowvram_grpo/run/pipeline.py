@@ -1,6 +1,7 @@
 """One training run, start to finish, as named steps: `run()` reads straight through.
 
-    grpo = GRPORun(config, "runs/x")   # settings decided (resolve.py), data read, output dir checked: nothing heavy, nothing written
+    grpo = GRPORun(config, "runs/x")   # settings decided (resolve.py), data read, output dir checked: nothing heavy,
+                                         nothing written
     grpo.load()                        # the 4-bit/LoRA model (backends/), prompts that fit
     grpo.start()                       # the output dir, config.yaml, a fresh metrics.jsonl
     grpo.measure("before")             # the base model on the held-out questions (evaluation.py)
@@ -79,7 +80,8 @@ from lowvram_grpo.task.tools import check_tool_prompts
 from lowvram_grpo.task.user_code import load as load_user_code
 from lowvram_grpo.training.validation import Validation
 
-STAGES = ("before", "primed", "after", "best")  # best: best_adapter/ (the held-out curve's best) on the held-out questions
+STAGES = ("before", "primed", "after", "best")  # best: best_adapter/ (the held-out
+                                                # curve's best) on the held-out questions
 
 
 @dataclass
@@ -119,10 +121,13 @@ class GRPORun:
         plan = run_plan(config)  # the phases' settings, built once for the run: the checks and resolve read this one
         self.user = load_user_code(plan)  # the user's reward, tool and environment files: imported and looked up once
         checks.before_load(config, plan)  # settings that cannot work together (lengths, LoRA vs the model's shape)
-        self.resolved = resolve_settings(config, hardware or detect(), backend, num_processes=_num_processes(), plan=plan)
-        self.user_config = config  # written to config.yaml and read by an out-of-memory line only: the steps read the plan
+        self.resolved = resolve_settings(config, hardware or detect(), backend, num_processes=_num_processes(),
+                                         plan=plan)
+        self.user_config = config  # written to config.yaml and read by an
+                                   # out-of-memory line only: the steps read the plan
         check_export(export, self.resolved.backend)
-        check_export_fits_host(export, config.model.name, self.resolved.backend)  # before the model downloads, not after training
+        check_export_fits_host(export, config.model.name, self.resolved.backend)  # before the model downloads,
+                                                                                  # not after training
         if self.resolved.generation == "vllm":
 
             check_run_servable(self.resolved)  # a model vLLM's CPU build has no kernels for: refused now
@@ -136,7 +141,8 @@ class GRPORun:
             self.train_questions, self.validation_questions = validation_questions(
                 config.data, self.train_questions, self.eval_questions, config.eval.validation_size)
         check_rewards(config.rewards, to_prompt_rows(self.train_questions, config.data.system_prompt),
-                      config.data.dataset or "built-in problems", self.user.reward_fns)  # as TRL will call each, on this data
+                      config.data.dataset or "built-in problems", self.user.reward_fns)  # as TRL will call
+                                                                                         # each, on this data
         if config.uses_tools:  # TRL runs tools for chat-message prompts only
             check_tool_prompts(to_prompt_rows(self.train_questions[:1], config.data.system_prompt),
                                config.data.dataset or "built-in problems")
@@ -155,7 +161,8 @@ class GRPORun:
         self.priming: Optional[dict] = None
         self.train_seconds = 0.0
         self.answer_seconds: Optional[float] = None  # a held-out answer's seconds, measured (measure)
-        self.decode_graphs: Optional[dict] = None  # unsloth's decode CUDA-graph counters after GRPO (CUDA, unsloth backend)
+        self.decode_graphs: Optional[dict] = None  # unsloth's decode CUDA-graph counters
+                                                   # after GRPO (CUDA, unsloth backend)
         self.adapter_dir: Optional[Path] = None
 
     @property
@@ -198,7 +205,8 @@ class GRPORun:
             with stops.deferred("once the vLLM engine has started"):  # then it is closed, not left behind
                 self.rollouts = start_for_run(self.handle, self.log)  # also the handle's engine for evaluation
         self._check_prompts(self.handle.text_tokenizer)  # the loaded model's tokenizer decides which prompts are kept
-        tools = self.user.prompt_tools()  # their schemas (the environment's methods too) are in every prompt TRL renders
+        tools = self.user.prompt_tools()  # their schemas (the environment's methods
+                                          # too) are in every prompt TRL renders
         limit = self.plan.prompts.max_prompt_length
         rows = to_prompt_rows(self.train_questions, self.plan.prompts.system_prompt)
         self.train_rows, dropped = drop_long_prompts(rows, self.handle.tokenizer, limit, tools,
@@ -306,8 +314,10 @@ class GRPORun:
                     raise
                 where = OOM_PHASES["rollout" if phase == "training" else phase]  # in training it serves only rollouts
                 checkpoint = self.run_dir.latest_checkpoint()
-                kept = (f"the last checkpoint is kept in {checkpoint}; continue with: {resume_command(self.run_dir.path)}"
-                        if checkpoint else f"no checkpoint was written yet: {resume_command(self.run_dir.path)} starts it again")
+                kept = (f"the last checkpoint is kept in {checkpoint}; "
+                        f"continue with: {resume_command(self.run_dir.path)}"
+                        if checkpoint else
+                        f"no checkpoint was written yet: {resume_command(self.run_dir.path)} starts it again")
                 raise EngineStopped(f"the vLLM engine stopped {where}: {cause}; {kept}") from None
 
     # ------------------------------------------------------------------ stops
@@ -358,7 +368,8 @@ class GRPORun:
         elif checkpoint is None and self.run_dir.primed_adapter_dir.is_dir():
             parts.append(f"primed adapter {self.run_dir.primed_adapter_dir}")
         if not parts:
-            return f"config.yaml and summary.json in {self.run_dir.path}, no checkpoint yet (--resume starts the run again)"
+            return (f"config.yaml and summary.json in {self.run_dir.path}, "
+                    "no checkpoint yet (--resume starts the run again)")
         return ", ".join(parts)
 
     def _write_settings(self) -> None:
@@ -367,7 +378,8 @@ class GRPORun:
         self.run_dir.write_plan(run_plan_text(self.resolved))
 
     def restore_priming(self, checkpoint: Path) -> None:
-        """A run resumed in its priming: its settings and the numbers measured before it (priming goes on in prime())."""
+        """A run resumed in its priming: its settings and the numbers measured before it (priming goes on in
+        prime())."""
         self._write_settings()
         self.run_dir.reset_metrics()
         self.run_dir.reset_completions()
@@ -380,7 +392,8 @@ class GRPORun:
         """A resumed run: the log as it was at `checkpoint`, and the numbers measured before GRPO."""
         self.run_dir.restore_metrics(checkpoint)
         self.run_dir.restore_completions(self.run_dir.read_run_state(checkpoint).get("global_step", 0))
-        self.run_dir.restore_best(checkpoint)  # the best as it was at the checkpoint: the curve after it is measured again
+        self.run_dir.restore_best(checkpoint)  # the best as it was at the checkpoint:
+                                               # the curve after it is measured again
         self._write_settings()  # with the --set keys the resume changed (config.RESUME_SETTABLE)
         start = self.run_dir.read_summary() or {}
         for stage in ("before", "primed"):
@@ -407,7 +420,8 @@ class GRPORun:
         started = time.perf_counter()
         try:
             with self._failures_reported("evaluation"):
-                self.measured[stage], self.texts[stage] = evaluate(self.handle, self.eval_rows, self.plan.eval, lora_request=request)
+                self.measured[stage], self.texts[stage] = evaluate(self.handle, self.eval_rows, self.plan.eval,
+                                                                   lora_request=request)
             if self.eval_rows:  # a held-out answer's seconds on this machine: the curve's measured cost (cadence.py)
                 self.answer_seconds = (time.perf_counter() - started) / len(self.eval_rows)
         finally:  # measured, it leaves the model as it was: GRPO trains and checkpoints the trained adapter alone
@@ -444,7 +458,8 @@ class GRPORun:
         before, primed, after, best = (self.measured[s] for s in ("before", "primed", "after", "best"))
         if not best:
             return {}
-        changes = {key.replace("_to_after", "_to_best"): value for key, value in paired_changes(before, best, primed).items()}
+        changes = {key.replace("_to_after", "_to_best"): value
+                   for key, value in paired_changes(before, best, primed).items()}
         changes.update({"after_to_best": value for value in paired_changes(after, best).values()})
         return changes
 
@@ -459,7 +474,8 @@ class GRPORun:
             from lowvram_grpo.training.priming import prime  # loads transformers
 
             self._enter("priming")
-            self.run_dir.write_summary(self._start_summary())  # the numbers measured before: a resumed priming reuses them
+            self.run_dir.write_summary(self._start_summary())  # the numbers measured before:
+                                                               # a resumed priming reuses them
             with self._failures_reported("priming"):
                 self.priming = prime(self.handle, self.train_questions, self.plan.prime, self.log,
                                      checkpoints=self.run_dir if self.run_dir.writer else None, resume_from=resume_from)
@@ -560,7 +576,8 @@ class GRPORun:
         kind = kind or self.export_kind
         if not kind or not self.run_dir.writer:
             return None
-        check_export_fits_host(kind, self.plan.model.name, self.resolved.backend)  # the notebook's export cell asks here
+        check_export_fits_host(kind, self.plan.model.name, self.resolved.backend)  # the notebook's
+                                                                                   # export cell asks here
         self._enter("exporting")
         written = export_model(self.handle, self.adapter_dir, self.run_dir.export_dir(kind), kind)
         self.log(f"exported ({kind}): {written}")
@@ -591,7 +608,8 @@ class GRPORun:
             "peak_rss": RUN_PEAK.facts(),  # this process's ru_maxrss and the phase that set it (peak_memory.py)
             "step_time": trainer.cadence.facts() if getattr(trainer, "cadence", None) is not None else None,
             "grpo_settings": trainer.effective_settings,
-            **({"decode_graph_stats": self.decode_graphs} if self.resolved.cuda and self.resolved.backend == "unsloth" else {}),
+            **({"decode_graph_stats": self.decode_graphs}
+               if self.resolved.cuda and self.resolved.backend == "unsloth" else {}),
             "skipped_nonfinite": trainer.nonfinite_guard.skipped,
             "reward_failures": {f.__name__: f.failures for f in trainer.reward_funcs if getattr(f, "failures", 0)},
             "samples": [
@@ -603,12 +621,14 @@ class GRPORun:
             "paired_changes_best": self._best_changes(),
             "what_changed": self._what_changed(),
         }
-        result = RunResult(output_dir=self.run_dir.path, adapter_dir=self.adapter_dir, summary=summary, handle=self.handle)
+        result = RunResult(output_dir=self.run_dir.path, adapter_dir=self.adapter_dir, summary=summary,
+                           handle=self.handle)
         if not self.run_dir.writer:
             return result
         self.run_dir.write_summary(summary)
         if measured["before"] and measured["after"]:
-            self.log("\n" + format_table(measured["before"], measured["after"], measured["primed"], summary["paired_changes"]))
+            self.log("\n" + format_table(measured["before"], measured["after"], measured["primed"],
+                                         summary["paired_changes"]))
             if summary["what_changed"]:
                 from lowvram_grpo.report.build import changed_lines  # loads transformers
 
@@ -685,7 +705,8 @@ def run(config: RunConfig, output_dir, backend: str = "auto", log=print, handle=
                                              prime_from)
 
 
-def _run(config, output_dir, backend, log, handle, resume_from, export, existing="refuse", prime_from=None) -> RunResult:
+def _run(config, output_dir, backend, log, handle, resume_from, export, existing="refuse",
+         prime_from=None) -> RunResult:
     grpo = GRPORun(config, output_dir, backend, log, export=export, existing=existing)
     try:
         return _steps(grpo, handle, resume_from, prime_from)

@@ -23,7 +23,8 @@ def adapter_settings(path) -> dict:
         if (path / "adapter" / "adapter_config.json").is_file():
             raise AdapterError(f"{path} holds a run, not an adapter: give its adapter, {path / 'adapter'}")
         what = "does not exist" if not path.exists() else "is not a PEFT adapter (no adapter_config.json)"
-        raise AdapterError(f"{path} {what}: give the folder of a saved PEFT LoRA adapter (adapter_config.json + weights)")
+        raise AdapterError(f"{path} {what}: give the folder of a saved PEFT LoRA adapter "
+                           "(adapter_config.json + weights)")
     if not any((path / name).is_file() for name in ADAPTER_WEIGHTS):
         raise AdapterError(f"adapter at {path} has no weights ({' or '.join(ADAPTER_WEIGHTS)})")
     if (path / ADAPTER_WEIGHTS[0]).is_file():

@@ -83,10 +83,12 @@ def check_model_folder(name: str) -> None:
     try:
         raw = local_model_config(name)
     except PlanError as exc:
-        raise ConfigError(f"model.name {name}: its config.json is not valid JSON ({str(exc).split('config.json: ', 1)[-1]}): "
+        raise ConfigError(f"model.name {name}: its config.json is not valid JSON "
+                          f"({str(exc).split('config.json: ', 1)[-1]}): "
                           "restore it from the checkpoint's source, or set model.name to another folder") from None
     if raw is None:
-        raise ConfigError(f"model.name {name} is a folder without a config.json: give a checkpoint folder (config.json, "
+        raise ConfigError(f"model.name {name} is a folder without a config.json: "
+                          "give a checkpoint folder (config.json, "
                           "weights, tokenizer), a hub id, or builtin:tiny")
     if not isinstance(raw, dict) or not (raw.get("model_type") or (raw.get("text_config") or {}).get("model_type")):
         raise ConfigError(f"model.name {name}: its config.json names no model_type: give a transformers checkpoint "
@@ -101,7 +103,8 @@ def check_model_folder(name: str) -> None:
                 json.loads((folder / file).read_text(encoding="utf-8"))
             except (OSError, ValueError) as exc:
                 raise ConfigError(f"model.name {name}: its {file} is not readable JSON ({type(exc).__name__}: "
-                                  f"{str(exc).splitlines()[0][:120]}): restore it from the checkpoint's source") from None
+                                  f"{str(exc).splitlines()[0][:120]}): "
+                                  "restore it from the checkpoint's source") from None
 
 
 def check_offline_model(name: str) -> None:
@@ -114,7 +117,8 @@ def check_offline_model(name: str) -> None:
     if cached_config_path(name) is None:
         from huggingface_hub import constants
 
-        raise ConfigError(f"model.name {name}: its config.json is not in the local hub cache ({constants.HF_HUB_CACHE}) "
+        raise ConfigError(f"model.name {name}: its config.json is not in the local hub cache "
+                          f"({constants.HF_HUB_CACHE}) "
                           "and HF_HUB_OFFLINE is set: download it once online (hf download "
                           f"{name}), or set model.name to a local checkpoint folder")
 
@@ -147,7 +151,8 @@ def _check_lengths(m, context: Optional[int]) -> None:
     need = m.rollout_tokens
     if need > m.max_seq_length:
         raise ConfigError(
-            f"train.max_prompt_length ({m.max_prompt_length}) + train.max_completion_length ({m.max_completion_length}) "
+            f"train.max_prompt_length ({m.max_prompt_length}) + "
+            f"train.max_completion_length ({m.max_completion_length}) "
             f"= {need} tokens do not fit model.max_seq_length ({m.max_seq_length}): set model.max_seq_length={need} "
             f"or lower train.max_completion_length to {max(m.max_seq_length - m.max_prompt_length, 1)}")
     if context is not None and m.max_seq_length > context:
@@ -231,7 +236,8 @@ def check_reward_names(config, plan: Optional[RunPlan] = None) -> None:
     """Every name in rewards.names is a built-in reward, a function of the rewards.module file, or a reward
     model; importing that file is where the user's code first runs (never when a config is built)."""
 
-    of(plan if plan is not None else run_plan(config))  # looked up once for the run (user_code.load): an unknown name or a broken file is one line
+    of(plan if plan is not None else run_plan(config))  # looked up once for the run (user_code.load):
+                                                        # an unknown name or a broken file is one line
     by = config.train.dynamic_sampling_reward
     if by is not None and by not in config.rewards.names:
         raise ConfigError(f"train.dynamic_sampling_reward must be one of the run's rewards.names "
@@ -258,7 +264,8 @@ def check_tools(config, plan: Optional[RunPlan] = None) -> None:
     from transformers.utils.chat_template_utils import get_json_schema
 
 
-    user = of(plan if plan is not None else run_plan(config))  # the run's tools and environment, looked up once (user_code.load)
+    user = of(plan if plan is not None else run_plan(config))  # the run's tools and environment,
+                                                               # looked up once (user_code.load)
     named = list(zip(config.tools.names, user.tool_functions()))
     cls = user.environment
     if cls is not None:
@@ -332,7 +339,8 @@ def check_tool_template(plan, tokenizer) -> None:
             get_training_chat_template(tokenizer)
         except ValueError:
             raise ConfigError(f"{name}'s chat template renders earlier turns differently once a tool result follows, "
-                              "and TRL has no training version of it: multi-turn tool calling cannot train on it") from None
+                              "and TRL has no training version of it: "
+                              "multi-turn tool calling cannot train on it") from None
 
 
 def before_load(config, plan: Optional[RunPlan] = None) -> None:
@@ -381,9 +389,11 @@ def surprises(config, n_train_available: Optional[int] = None) -> list[str]:
         * config.train.gradient_accumulation_steps
     if evals > EVAL_TO_TRAIN_WARNING * trained:
         extra = f" x (1 + eval.samples={config.eval.samples})" if config.eval.samples else ""
-        out.append(f"warning: evaluation samples {evals} completions (data.eval_size={config.data.eval_size} per measurement{extra}), "
+        out.append(f"warning: evaluation samples {evals} completions "
+                   f"(data.eval_size={config.data.eval_size} per measurement{extra}), "
                    f"{evals / trained:.0f}x the {trained} that training samples: lower data.eval_size or train longer")
     if n_train_available is not None and config.data.num_train and config.data.num_train > n_train_available:
-        out.append(f"warning: data.num_train={config.data.num_train} but the data has {n_train_available} training rows "
+        out.append(f"warning: data.num_train={config.data.num_train} "
+                   f"but the data has {n_train_available} training rows "
                    f"after the held-out split: training on {n_train_available}")
     return out

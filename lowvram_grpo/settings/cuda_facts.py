@@ -133,7 +133,8 @@ def read_cuda_facts(all_devices: bool = True) -> CudaFacts:
         vllm_version = importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
         vllm_version = None
-    return CudaFacts(torch.__version__, torch.version.cuda, arch, driver, driver_cuda, names, tuple(cards), vllm_version,
+    return CudaFacts(torch.__version__, torch.version.cuda, arch, driver, driver_cuda, names, tuple(cards),
+                     vllm_version,
                      hosted_runtime())
 
 
@@ -183,8 +184,9 @@ def cuda_lines(facts: CudaFacts, uses_vllm: bool) -> list[Line]:
         gpus = ", ".join(facts.nvidia_gpus) or "an NVIDIA GPU"
         if build is None:
             if fit is not None and fit.gpu:
-                fix = (f"install torch's CUDA build for this driver: pip install --force-reinstall torch=={fit.pinned.torch} "
-                       f"--index-url {fit.pinned.torch_index}, then pip install -r {fit.pinned.file}")
+                fix = (f"install torch's CUDA build for this driver: pip install --force-reinstall "
+                       f"torch=={fit.pinned.torch} --index-url {fit.pinned.torch_index}, then pip install -r "
+                       f"{fit.pinned.file}")
             else:
                 fix = advice
             lines.append(_block(f"this machine has {gpus} ({driver_text}) but torch is a CPU build", fix))
@@ -197,21 +199,23 @@ def cuda_lines(facts: CudaFacts, uses_vllm: bool) -> list[Line]:
             lines.append(_builds_line(facts, fit))
         return lines
     major = _version_tuple(build)[:1]
-    if facts.driver and major and major[0] in MIN_DRIVER and _version_tuple(facts.driver) < _version_tuple(MIN_DRIVER[major[0]]):
-        lines.append(_block(f"torch is built with CUDA {build}, which needs an NVIDIA driver >= {MIN_DRIVER[major[0]]}; "
-                            f"this one is {facts.driver}", advice))
+    if (facts.driver and major and major[0] in MIN_DRIVER
+            and _version_tuple(facts.driver) < _version_tuple(MIN_DRIVER[major[0]])):
+        lines.append(_block(f"torch is built with CUDA {build}, which needs an NVIDIA driver >= "
+                            f"{MIN_DRIVER[major[0]]}; this one is {facts.driver}", advice))
     elif facts.driver:
         lines.append(_ok(driver_text))
     else:
-        lines.append(_note(f"NVIDIA driver version unknown (no NVML, no nvidia-smi); it runs CUDA {facts.driver_cuda or '?'}"))
+        lines.append(_note(f"NVIDIA driver version unknown (no NVML, no nvidia-smi); it runs CUDA "
+                           f"{facts.driver_cuda or '?'}"))
     if fit is not None:
         lines.append(_builds_line(facts, fit))
     if uses_vllm:
         vllm_major = build_major(facts.vllm_version, VLLM_CUDA_MAJOR) or VLLM_CUDA_MAJOR
         need = MIN_DRIVER[vllm_major]
         if facts.driver and _version_tuple(facts.driver) < _version_tuple(need):
-            lines.append(_block(f"vllm {facts.vllm_version or SETS[13].vllm}'s wheels are built for CUDA {vllm_major}: they "
-                                f"need an NVIDIA driver >= {need}, this one is {facts.driver}",
+            lines.append(_block(f"vllm {facts.vllm_version or SETS[13].vllm}'s wheels are built for CUDA {vllm_major}: "
+                                f"they need an NVIDIA driver >= {need}, this one is {facts.driver}",
                                 f"{advice}; or generate without vLLM: --set model.fast_inference=false (unsloth) / "
                                 "model.generation=transformers (hf)"))
     for card in facts.cards:
@@ -219,8 +223,8 @@ def cuda_lines(facts: CudaFacts, uses_vllm: bool) -> list[Line]:
         lines.append(_ok(f"GPU {card.index}: {card.name}, {card.sm}, {bf16}; {card.free_bytes / GIB:.1f} of "
                          f"{card.total_bytes / GIB:.1f} GiB free"))
         if not torch_has_kernels(card.compute_capability, facts.arch_list):
-            lines.append(_block(f"torch {facts.torch_version} has kernels for {' '.join(facts.arch_list)} only: none runs on "
-                                f"{card.sm}", _kernels_advice(card, fit)))
+            lines.append(_block(f"torch {facts.torch_version} has kernels for {' '.join(facts.arch_list)} only: none "
+                                f"runs on {card.sm}", _kernels_advice(card, fit)))
         if (uses_vllm and card.index == 0 and card.compute_capability < CUDA13_MIN_COMPUTE_CAPABILITY
                 and (build_major(facts.vllm_version, VLLM_CUDA_MAJOR) or VLLM_CUDA_MAJOR) >= 13):
             lines.append(_block(f"vllm 0.31 (CUDA {VLLM_CUDA_MAJOR}) has no kernels for {card.sm}",

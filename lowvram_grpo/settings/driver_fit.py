@@ -20,8 +20,9 @@ the first, in the driver's order (CUDA 13, CUDA 12.9, CUDA 12.6), whose torch ca
 does, the CPU set and one line that says so.
 
 `fit_install(driver)` -> `InstallFit`: the set, the pip commands that install it, whether vLLM can run, the
-settings a run needs with it (a set without vLLM: `model.fast_inference=false`), and the one line that says so. `parse_nvidia_smi(text)` reads nvidia-smi's
-header into a `Driver`; `read_nvidia_smi()` runs it and asks it for GPU 0's compute capability. `hosted_runtime()` names a Colab or Kaggle runtime, where
+settings a run needs with it (a set without vLLM: `model.fast_inference=false`), and the one line that says so.
+`parse_nvidia_smi(text)` reads nvidia-smi's header into a `Driver`; `read_nvidia_smi()` runs it and asks it for
+GPU 0's compute capability. `hosted_runtime()` names a Colab or Kaggle runtime, where
 the driver is the host's and cannot be updated. Only the standard library: the notebook's install cell runs
 this before any package is installed.
 """
@@ -235,8 +236,8 @@ def fit_install(driver: Optional[Driver]) -> InstallFit:
                           f"{sm(cc)}: no torch 2.13 build carries kernels for it (its CUDA 12.6 build starts at sm50, "
                           "the CUDA 12.9 and 13.0 builds at sm75): the CPU set, runs on the CPU")
     return InstallFit("cpu-old-driver", driver, None, CPU_COMMANDS, False, (),
-                      f"NVIDIA driver {driver.version or '?'} runs CUDA up to {driver.cuda}: torch 2.13 has no build for "
-                      f"it (CUDA 12 builds need a driver >= {MIN_DRIVER[12]}): the CPU set, runs on the CPU")
+                      f"NVIDIA driver {driver.version or '?'} runs CUDA up to {driver.cuda}: torch 2.13 has no build "
+                      f"for it (CUDA 12 builds need a driver >= {MIN_DRIVER[12]}): the CPU set, runs on the CPU")
 
 
 def driver_advice(fit: InstallFit, runtime: Optional[str]) -> str:
@@ -250,13 +251,13 @@ def driver_advice(fit: InstallFit, runtime: Optional[str]) -> str:
     if install and fit.name == "cuda126":  # a newer driver does not help: CUDA 13 builds have no kernels below sm75
         return f"{install} (torch 2.13's one build with kernels for {sm(fit.driver.compute_capability)})"
     if fit.name == "cpu-no-kernels":
-        return (f"no torch 2.13 build runs on this card ({sm(fit.driver.compute_capability)}): use another GPU (sm50 or "
-                "newer; sm75 or newer for vLLM), or run a CPU preset (smollm2_cpu)")
+        return (f"no torch 2.13 build runs on this card ({sm(fit.driver.compute_capability)}): use another GPU (sm50 "
+                "or newer; sm75 or newer for vLLM), or run a CPU preset (smollm2_cpu)")
     if runtime:
         return (f"{install} (the set built for this driver's CUDA {fit.driver.cuda}; a {runtime} runtime's NVIDIA "
                 "driver is the host's and cannot be updated from inside it)" if install else
-                f"this {runtime} runtime's NVIDIA driver is too old for torch 2.13 and cannot be updated from inside it: "
-                "choose another runtime (a GPU one with a newer driver), or run a CPU preset (smollm2_cpu)")
+                f"this {runtime} runtime's NVIDIA driver is too old for torch 2.13 and cannot be updated from inside "
+                "it: choose another runtime (a GPU one with a newer driver), or run a CPU preset (smollm2_cpu)")
     if install and fit.name == "cuda13":
         return f"{install} (built for this driver's CUDA {fit.driver.cuda})"
 

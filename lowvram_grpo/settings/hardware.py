@@ -45,17 +45,21 @@ class Hardware:
     gpu_name: Optional[str] = None                   # e.g. 'Tesla T4'
     compute_capability: Optional[tuple[int, int]] = None
     total_gib: Optional[float] = None                # the card's memory as torch reports it (GiB = 2**30 bytes)
-    free_gib: Optional[float] = None                 # free on it when detected (torch.cuda.mem_get_info); None: all of it
+    free_gib: Optional[float] = None                 # free on it when detected (torch.cuda.mem_get_info);
+                                                     # None: all of it
     gpu_count: int = 0
     cpu_bf16: bool = False                           # the CPU computes bf16 natively (AVX512-BF16 / AMX)
     unsloth_installed: bool = False
     vllm_installed: bool = False
-    vllm_bnb_plugin_installed: bool = False          # vllm-bnb-plugin: vLLM >= 0.28 serves bitsandbytes 4-bit only with it
+    vllm_bnb_plugin_installed: bool = False          # vllm-bnb-plugin: vLLM >= 0.28 serves bitsandbytes 4-bit
+                                                     # only with it
     mimalloc_library: Optional[str] = None           # libmimalloc.so to preload (allocator.py), when installed
-    vllm_standby: Optional[str] = None               # UNSLOTH_VLLM_STANDBY's value when set and not "0" (unsloth_vllm_standby)
-    nvcc_cuda: Optional[tuple[int, int]] = None      # the CUDA release of the nvcc FlashInfer JIT-compiles with; None: none
-                                                     # found (the card present) or not known (a named profile)
-    torch_cuda: Optional[str] = None                 # torch.version.cuda ('13.0'); None: a CPU build, or a named profile
+    vllm_standby: Optional[str] = None               # UNSLOTH_VLLM_STANDBY's value when set and not "0"
+                                                     # (unsloth_vllm_standby)
+    nvcc_cuda: Optional[tuple[int, int]] = None      # the CUDA release of the nvcc FlashInfer JIT-compiles with; None:
+                                                     # none found (the card present) or not known (a named profile)
+    torch_cuda: Optional[str] = None                 # torch.version.cuda ('13.0'); None: a CPU build,
+                                                     # or a named profile
 
     @property
     def cuda(self) -> bool:
@@ -152,7 +156,8 @@ def nvcc_cuda_version(environ) -> Optional[tuple[int, int]]:
     """The CUDA release of the nvcc FlashInfer would JIT-compile with (`nvcc --version`: "release 13.0"), or None."""
     nvcc = shutil.which("nvcc", path=environ.get("PATH")) or next(
         (str(Path(root, "bin", "nvcc")) for root in (environ.get("CUDA_HOME", ""), environ.get("CUDA_PATH", ""),
-                                                     "/usr/local/cuda") if root and Path(root, "bin", "nvcc").is_file()), None)
+                                                     "/usr/local/cuda")
+         if root and Path(root, "bin", "nvcc").is_file()), None)
     if nvcc is None:
         return None
     try:

@@ -126,10 +126,12 @@ class InstallSet:
 
     @property
     def title(self) -> str:
-        return f"{'GPU' if self.name == 'gpu' else 'CPU'} set ({' + '.join(self.files) or 'requirement files not found'})"
+        return (f"{'GPU' if self.name == 'gpu' else 'CPU'} set "
+                f"({' + '.join(self.files) or 'requirement files not found'})")
 
     def install_hint(self) -> str:
-        commands = (tuple(f"install -q -r {f}" for f in self.files) or GPU_COMMANDS) if self.name == "gpu" else CPU_COMMANDS
+        commands = ((tuple(f"install -q -r {f}" for f in self.files) or GPU_COMMANDS) if self.name == "gpu"
+                    else CPU_COMMANDS)
         return "; ".join(f"pip {c}" for c in commands) + " (from the checkout's root)"
 
 
@@ -207,7 +209,8 @@ def smollm2_converted() -> bool:
 def path_modules(resolved) -> list[tuple[str, str]]:
     """(module, why) for each module the resolved run imports, in the order it imports them: unsloth and
     unsloth_zoo first on the unsloth backend, the install sets' core modules, vLLM (and its bitsandbytes
-    plugin for a 4-bit base, unless the installed vLLM is older than 0.28) where vLLM generates, the embedded model's wheel, the trackers asked for."""
+    plugin for a 4-bit base, unless the installed vLLM is older than 0.28) where vLLM generates, the embedded model's
+    wheel, the trackers asked for."""
 
     plan = resolved.plan
     vllm = resolved.generation in ("unsloth_vllm", "vllm")

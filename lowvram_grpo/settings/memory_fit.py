@@ -71,7 +71,8 @@ def _tune_utilization(resolved, vram_gb: float, reserve_gb: float = 0.0):
     for vLLM's KV cache and for training, nearest the middle of that range; `resolved` if none does."""
     if resolved.generation != "unsloth_vllm" or _fits(resolved, vram_gb, reserve_gb):
         return resolved
-    probe = estimate(resolved.with_config(with_settings(resolved.config, {"memory.gpu_memory_utilization": 0.5})), vram_gb)
+    probe = estimate(resolved.with_config(with_settings(resolved.config, {"memory.gpu_memory_utilization": 0.5})),
+                     vram_gb)
     card = probe.free_gb * GIB  # vLLM's share is of the free memory
     low = max(probe.vllm_min_share_bytes / card, 0.05)
     high = min(1 - (probe.vllm_outside_bytes + reserve_gb * GIB) / card, 0.95)
@@ -100,7 +101,8 @@ def _knobs(config: RunConfig) -> list[tuple[str, list]]:
         ("train.optim", ["paged_adamw_8bit"]),
         ("memory.load_in_4bit", [True]),
         # what GRPO's training does not depend on: priming's examples per step
-        *([("prime.batch_size", [b for b in (32, 16, 8, 4, 2, 1) if b < config.prime.batch_size])] if config.prime.steps else []),
+        *([("prime.batch_size", [b for b in (32, 16, 8, 4, 2, 1) if b < config.prime.batch_size])]
+          if config.prime.steps else []),
         ("train.num_generations", [n for n in (8, 6, 4) if n < t.num_generations]),
         ("train.max_completion_length", [c for c in (1024, 768, 512, 384, 256) if c < t.max_completion_length]),
         ("lora.r", [r for r in (32, 16, 8) if r < config.lora.r]),
@@ -138,7 +140,8 @@ def fit_settings(resolved, vram_gb: float, reserve_gb: float = 0.0) -> tuple[Opt
         turned.append((key, values))
     if not fits(current):
         need = estimate(current, vram_gb).min_vram_gb + reserve_gb
-        return None, f"even with {', '.join(s.as_override() for s in _diff(config, current.config))} it needs {need:.1f} GiB"
+        return None, (f"even with {', '.join(s.as_override() for s in _diff(config, current.config))} "
+                      f"it needs {need:.1f} GiB")
     for key, values in reversed(turned):  # give back: largest value (original first) that still fits
         for value in [_get(config, key)] + values:
             if value == _get(current.config, key):
@@ -150,9 +153,9 @@ def fit_settings(resolved, vram_gb: float, reserve_gb: float = 0.0) -> tuple[Opt
     return current, _diff(config, current.config)
 
 
-_SUGGESTED_KEYS = ["memory.gradient_checkpointing", "train.optim", "memory.load_in_4bit", "model.fast_inference", "model.generation",
-                   "memory.gpu_memory_utilization", "train.num_generations", "train.per_device_train_batch_size",
-                   "train.max_completion_length", "lora.r", "prime.batch_size"]
+_SUGGESTED_KEYS = ["memory.gradient_checkpointing", "train.optim", "memory.load_in_4bit", "model.fast_inference",
+                   "model.generation", "memory.gpu_memory_utilization", "train.num_generations",
+                   "train.per_device_train_batch_size", "train.max_completion_length", "lora.r", "prime.batch_size"]
 
 
 def _diff(original: RunConfig, changed: RunConfig) -> list[Suggestion]:

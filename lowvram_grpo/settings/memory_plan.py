@@ -85,8 +85,8 @@ def family_lines(p: MemoryPlan) -> list[str]:
     if not uses_vllm and shape.family in UNSLOTH_NO_VLLM:
         lines.append(f"  vLLM: off for {shape.family}: {serves.why_not}")
     elif resolved.generation == "unsloth_vllm" and shape.family in UNSLOTH_NO_VLLM:
-        lines.append(f"  vLLM: NOT for {shape.family}: {serves.why_not}; this plan counts a vLLM share the run would not "
-                     "take: set model.fast_inference=false")
+        lines.append(f"  vLLM: NOT for {shape.family}: {serves.why_not}; this plan counts a vLLM share "
+                     "the run would not take: set model.fast_inference=false")
     elif uses_vllm and not serves.lora:
         lines.append(f"  vLLM: {where} has no LoRA support in vLLM 0.31: set model.fast_inference=false")
     elif uses_vllm:
@@ -149,13 +149,15 @@ def _verdict(p: MemoryPlan) -> str:
                 f"({max(p.kv_cache_bytes, 0) / GIB:.2f} GiB) is below the {p.kv_needed_bytes / GIB:.2f} GiB a rollout "
                 f"batch ({p.resolved.generation_batch_size // p.resolved.num_processes} sequences) needs")
     if p.priming_fits is False:
-        why += f" and priming's peak ({p.priming.total_gb:.1f} GiB: prime.batch_size={p.priming.batch}) is above the {p.free_gb:.1f} GiB free"
+        why += (f" and priming's peak ({p.priming.total_gb:.1f} GiB: prime.batch_size={p.priming.batch}) is above the "
+                f"{p.free_gb:.1f} GiB free")
     if short:
-        why += (f" and unsloth_zoo would start vLLM with max_model_len {p.vllm_max_model_len}, below prompt + completion "
-                f"({p.rollout_tokens})")
+        why += (f" and unsloth_zoo would start vLLM with max_model_len {p.vllm_max_model_len}, below prompt + "
+                f"completion ({p.rollout_tokens})")
     if p.suggestions:
         sets = " ".join(f"--set {s.as_override()}" for s in p.suggestions)
-        return (f"{why}\nto fit, change: {', '.join(map(str, p.suggestions))} -> {p.suggested_total_gb:.1f} GiB planned\n"
+        return (f"{why}\nto fit, change: {', '.join(map(str, p.suggestions))} "
+                f"-> {p.suggested_total_gb:.1f} GiB planned\n"
                 f"  (run with --auto-fit, or add: {sets})")
 
     others = presets_that_fit(p.resolved.hardware, p.vram_gb, tools=p.config.uses_tools)

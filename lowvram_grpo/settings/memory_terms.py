@@ -117,8 +117,8 @@ def free_memory_text(resolved, card_gib: Optional[float]) -> str:
     elsewhere = used_elsewhere_gib(resolved)
     if elsewhere > 0:
         return (f"card: {card_gib:.1f} GiB, {card_gib - elsewhere:.1f} GiB free when detected "
-                f"({elsewhere:.1f} GiB held by others, e.g. a display): the plan and vLLM's share are on the free memory, "
-                "as unsloth sizes vLLM")
+                f"({elsewhere:.1f} GiB held by others, e.g. a display): the plan and vLLM's share are on the free "
+                "memory, as unsloth sizes vLLM")
     if resolved.config.memory.vram_gb is not None:
         return f"card: {card_gib:g} GiB (memory.vram_gb), planned as all free"
     if resolved.hardware.free_gib is None:
@@ -243,14 +243,16 @@ class MemoryPlan:
     min_vram_gb: float                # the smallest card these exact settings fit (with what others hold on it)
     kv_cache_bytes: Optional[int] = None   # vLLM KV cache at gpu_memory_utilization (None without vLLM)
     kv_needed_bytes: Optional[int] = None  # KV cache for one rollout batch at full length (fits needs it)
-    kv_sequences: Optional[int] = None     # the larger of the rollout and evaluation batches (memory_plan_terms.kv_batch)
+    kv_sequences: Optional[int] = None     # the larger of the rollout and evaluation batches
+                                           # (memory_plan_terms.kv_batch)
     kv_decided_by: str = ""                # 'rollout' or 'evaluation': which batch that is
     kv_largest_bytes: Optional[int] = None  # KV cache for that batch at full length
     free_gb: Optional[float] = None        # the memory free for the run on the card (None: no card given)
     priming: Optional[PrimingPeak] = None  # priming's own peak (prime.steps > 0 runs it before GRPO)
     vllm_min_share_bytes: Optional[int] = None  # what vLLM's gpu_memory_utilization share must hold at least
     vllm_outside_bytes: Optional[int] = None    # what must fit on the card beside vLLM's share
-    vllm_max_model_len: Optional[int] = None    # the max_model_len unsloth_zoo starts vLLM with (unsloth_sizing.vllm_budget)
+    vllm_max_model_len: Optional[int] = None    # the max_model_len unsloth_zoo starts vLLM with
+                                                # (unsloth_sizing.vllm_budget)
     suggestions: list = field(default_factory=list)  # [memory_fit.Suggestion]: settings that make it fit
     suggested_total_gb: Optional[float] = None  # the plan's total once the suggestions are applied
     no_fit_reason: str = ""           # set when no settings of this preset fit the card
@@ -288,12 +290,14 @@ class MemoryPlan:
         """A warning when vLLM's KV cache holds the rollout batch but not a whole evaluation batch, else None. vLLM
         then runs the held-out answers in waves (its scheduler admits what the KV cache holds): slower, not more memory,
         so it is a warning, not a reason the plan does not fit."""
-        if self.kv_cache_bytes is None or self.kv_decided_by != "evaluation" or self.kv_cache_bytes >= self.kv_largest_bytes:
+        if (self.kv_cache_bytes is None or self.kv_decided_by != "evaluation"
+                or self.kv_cache_bytes >= self.kv_largest_bytes):
             return None
         at_once = max(int(self.kv_cache_bytes // (self.kv_largest_bytes // self.kv_sequences)), 0)
-        return (f"vLLM's KV cache ({max(self.kv_cache_bytes, 0) / GIB:.2f} GiB) holds {at_once} of an evaluation batch's "
-                f"{self.kv_sequences} sequences at full length ({self.kv_largest_bytes / GIB:.2f} GiB): the held-out answers "
-                f"are generated in waves (slower, no more memory); --set eval.batch_size={max(at_once, 1)} (--resume can set it) "
+        return (f"vLLM's KV cache ({max(self.kv_cache_bytes, 0) / GIB:.2f} GiB) holds {at_once} of an evaluation "
+                f"batch's {self.kv_sequences} sequences at full length ({self.kv_largest_bytes / GIB:.2f} GiB): the "
+                "held-out answers are generated in waves (slower, no more memory); "
+                f"--set eval.batch_size={max(at_once, 1)} (--resume can set it) "
                 "or raise memory.gpu_memory_utilization")
 
     @property
@@ -314,9 +318,9 @@ class MemoryPlan:
         length, need = self.vllm_max_model_len, self.rollout_tokens
         if length is None or length >= need:
             return None
-        return (f"unsloth_zoo starts vLLM with max_model_len {length} (what its KV-cache estimate in vLLM's share holds), "
-                f"below train.max_prompt_length + train.max_completion_length = {need}: longer rollouts are cut at {length} "
-                f"tokens and a longer prompt is refused: raise memory.gpu_memory_utilization" + (
+        return (f"unsloth_zoo starts vLLM with max_model_len {length} (what its KV-cache estimate in vLLM's share "
+                f"holds), below train.max_prompt_length + train.max_completion_length = {need}: longer rollouts are "
+                f"cut at {length} tokens and a longer prompt is refused: raise memory.gpu_memory_utilization" + (
                     f", or lower train.max_completion_length to {length - self.config.train.max_prompt_length}"
                     if length > self.config.train.max_prompt_length else ""))
 
@@ -375,7 +379,8 @@ def _layer_activation_elements(shape: ModelShape, layer_type: str) -> int:
     else:
         q = shape.q_dim * (2 if shape.attention_gate else 1)
         mixer = q + 2 * shape.kv_dim + ((shape.q_dim + shape.kv_dim) if shape.qk_norm else 0)
-    mlp = 4 * shape.intermediate * max(shape.experts_per_token, 1) + shape.experts if shape.experts else 4 * shape.intermediate
+    mlp = (4 * shape.intermediate * max(shape.experts_per_token, 1) + shape.experts if shape.experts
+           else 4 * shape.intermediate)
     return 7 * shape.hidden + mixer + mlp
 
 
@@ -388,7 +393,8 @@ def activation_bytes_per_token_layer(shape: ModelShape, compute_bytes: int) -> i
 def _weights_term(shape: ModelShape, resolved, s: _Sizes) -> Term:
     if resolved.load_in_4bit:
         # hf: prepare_model_for_kbit_training casts embeddings, lm_head and norms to fp32
-        other_bytes = 4 if resolved.backend == "hf" else resolved.compute_bytes  # 16-bit, also where unsloth computes in fp32
+        other_bytes = 4 if resolved.backend == "hf" else resolved.compute_bytes  # 16-bit, also where unsloth computes
+                                                                                 # in fp32
         size = int(shape.linear_params * NF4_BYTES_PER_PARAM + shape.other_params * other_bytes)
         label = "base weights, 4-bit NF4"
         detail = (f"{shape.linear_params / 1e9:.2f}B linear params x {NF4_BYTES_PER_PARAM:.3f} B + "
@@ -432,7 +438,8 @@ def _logits_term(shape: ModelShape, s: _Sizes, backend: str = "hf") -> Term:
     one at a time, in the forward and again in the backward. The unsloth backend replaces that computation with
     unsloth_zoo's fused LM head (chunked_hidden_states_selective_log_softmax -> fused_linear_logprobs): chunks of
     `fused_linear_rows` rows x the whole vocabulary in fp32 (unsloth_sizing.py). The term is two such tiles or
-    chunks; the detail gives the size the logits (+ a log_softmax copy) would take held whole, as older TRL held them."""
+    chunks; the detail gives the size the logits (+ a log_softmax copy) would take held whole, as older TRL
+    held them."""
     whole = logits_bytes_held_whole(shape, s.batch, s.completion, s.compute_bytes)
     label = f"logits {s.batch} x {s.completion} x {shape.vocab}"
     if backend == "unsloth":
@@ -608,13 +615,16 @@ def estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
                   f"{kv_of(config.eval.batch_size) / GIB:.2f} GiB" if config.eval.enabled
                   else "evaluation is off")
     terms["vllm"] = Term(
-        "vllm", f"vLLM KV cache + runtime ({budget.utilization:.3g} x {card:.1f} GiB - weights)", max(reserved - weights, 0),
+        "vllm", f"vLLM KV cache + runtime ({budget.utilization:.3g} x {card:.1f} GiB - weights)",
+        max(reserved - weights, 0),
         f"unsloth_zoo gives vLLM gpu_memory_utilization {util:g} of the {free:.1f} GiB free at load, less the shared "
-        f"weights; KV cache {kv_cache / GIB:.2f} GiB ({resolved.kv_cache_dtype}): a rollout batch ({s.generation_batch} sequences x {s.seq_len} "
-        f"tokens) needs {rollout / GIB:.2f} GiB, {evaluation}; max_model_len {budget.max_model_len}",
+        f"weights; KV cache {kv_cache / GIB:.2f} GiB ({resolved.kv_cache_dtype}): a rollout batch "
+        f"({s.generation_batch} sequences x {s.seq_len} tokens) needs {rollout / GIB:.2f} GiB, {evaluation}; "
+        f"max_model_len {budget.max_model_len}",
         "memory.gpu_memory_utilization")
     return finish(min_free, kv_cache_bytes=kv_cache, kv_needed_bytes=kv_needed, kv_sequences=sequences,
-                  kv_decided_by=decided_by, kv_largest_bytes=kv_of(sequences), vllm_min_share_bytes=in_share + kv_needed, vllm_outside_bytes=max(outside, priming_outside),
+                  kv_decided_by=decided_by, kv_largest_bytes=kv_of(sequences),
+                  vllm_min_share_bytes=in_share + kv_needed, vllm_outside_bytes=max(outside, priming_outside),
                   vllm_max_model_len=budget.max_model_len, priming_counted=True)
 
 

@@ -140,7 +140,8 @@ class ModelShape:
 
     @property
     def expert_params(self) -> int:
-        """The experts' weights and biases (gpt-oss: gate_up_proj [E, h, 2i] + [E, 2i], down_proj [E, i, h] + [E, h])."""
+        """The experts' weights and biases (gpt-oss: gate_up_proj [E, h, 2i] + [E, 2i], down_proj [E, i, h] +
+        [E, h])."""
         if not self.experts:
             return 0
         h, i, e = self.hidden, self.intermediate, self.experts
@@ -234,12 +235,12 @@ def _vision_params(vision: dict) -> int:
 def family_unknowns(family: str) -> list:
     """What the plan cannot know of a family's memory, one sentence each (the plan prints them)."""
     if family == "qwen3_5":
-        return ["the Gated DeltaNet layers' backward working set (flash-linear-attention's chunked kernels) is estimated "
-                "from their projections' outputs, not read from the kernels"]
+        return ["the Gated DeltaNet layers' backward working set (flash-linear-attention's chunked kernels) is "
+                "estimated from their projections' outputs, not read from the kernels"]
     if family == "gpt_oss":
-        return ["which expert modules LoRA adapts and in what precision the experts load depend on the checkpoint layout "
-                "unsloth picks (fused experts or its bnb-4bit per-expert Linear; unsloth/models/loader.py): the experts "
-                "are counted as 4-bit NF4 weights with no LoRA"]
+        return ["which expert modules LoRA adapts and in what precision the experts load depend on the checkpoint "
+                "layout unsloth picks (fused experts or its bnb-4bit per-expert Linear; unsloth/models/loader.py): the "
+                "experts are counted as 4-bit NF4 weights with no LoRA"]
     return []
 
 
@@ -275,7 +276,8 @@ def shape_from_config(raw: dict, name: str, source: str = "") -> ModelShape:
             else:
                 unknown.append(f"its vision tower ({vision.get('model_type', 'vision_config')}) is loaded too and "
                                "not counted: the plan reads the text model only")
-        # a multimodal model's lm_head is tied by the top-level flag (its ForConditionalGeneration class), else the text's
+        # a multimodal model's lm_head is tied by the top-level flag (its ForConditionalGeneration class),
+        # else the text's
         unknown += family_unknowns(family)
         tied = (top["tie_word_embeddings"] if top is not raw and "tie_word_embeddings" in top
                 else raw.get("tie_word_embeddings", family == "gemma3"))
@@ -394,7 +396,8 @@ def model_shape(name: str) -> ModelShape:
     if name.startswith("builtin:"):
         key = _known_key(name)
         if key is None:
-            raise PlanError(f"no built-in model {name!r}: {', '.join(k for k in KNOWN_SHAPES if k.startswith('builtin:'))}")
+            raise PlanError(f"no built-in model {name!r}: "
+                            f"{', '.join(k for k in KNOWN_SHAPES if k.startswith('builtin:'))}")
         return replace(KNOWN_SHAPES[key], source="built locally (lowvram_grpo.model.builtin_models)")
     if not HUB_ID.match(name):
         raise PlanError(f"model.name {name!r} is neither a local folder with a config.json nor a hub id (org/name)")
@@ -413,8 +416,8 @@ def model_shape(name: str) -> ModelShape:
     key = _known_key(name)
     if key is not None:
         return replace(KNOWN_SHAPES[key], name=name,
-                       source=f"lowvram_grpo.settings.model_shapes.KNOWN_SHAPES[{key!r}], the offline fallback ({why}); "
-                              f"where its numbers come from: SHAPE_SOURCES[{key!r}]")
+                       source=f"lowvram_grpo.settings.model_shapes.KNOWN_SHAPES[{key!r}], the offline fallback "
+                              f"({why}); where its numbers come from: SHAPE_SOURCES[{key!r}]")
     from huggingface_hub import constants  # noqa: PLC0415
 
     raise PlanError(
@@ -425,7 +428,8 @@ def model_shape(name: str) -> ModelShape:
 
 # --------------------------------------------------------------------------- the offline fallback table
 
-def _shape(name, hidden, layers, heads, kv_heads, intermediate, vocab, tied, context, head_dim=None, **family) -> ModelShape:
+def _shape(name, hidden, layers, heads, kv_heads, intermediate, vocab, tied, context, head_dim=None,
+           **family) -> ModelShape:
     return ModelShape(name, hidden, layers, heads, kv_heads, intermediate, vocab, tied, head_dim, context, **family)
 
 
@@ -483,20 +487,21 @@ SHAPE_SOURCES: dict[str, str] = {
     "qwen3-4b": "Qwen/Qwen3-4B config.json (hidden_size 2560, num_hidden_layers 36, 32/8 heads, head_dim 128, "
                 "intermediate_size 9728, vocab_size 151936, tie_word_embeddings true, max_position_embeddings 40960), "
                 "as copied into public code found by the code search; the model card's 36 layers, 32 Q / 8 KV heads",
-    "qwen3.5-0.8b": "Qwen/Qwen3.5-0.8B@2fc06364 config.json as quoted in a public test fixture (text: hidden_size 1024, "
-                    "24 layers = 3 linear_attention + 1 full_attention x 6, 8/2 heads, head_dim 256, intermediate_size "
-                    "3584, linear 16/16 heads of 128, conv kernel 4, vocab 248320, tied, attn_output_gate; vision: depth "
-                    "12, hidden 768, intermediate 3072, out_hidden_size 1024); mamba_ssm_dtype float32 as in Qwen3.5 "
-                    "configs quoted elsewhere",
-    "gemma-3-1b": "google/gemma-3-1b-it config.json as quoted in public code (\"gemma-3-1B's real values\": hidden_size "
-                  "1152, 26 layers, 4/1 heads, head_dim 256, intermediate_size 6912, sliding_window 512, "
-                  "sliding_window_pattern 6, max_position_embeddings 32768); vocab_size 262144 and tied embeddings "
-                  "as in transformers' Gemma3TextConfig defaults",
+    "qwen3.5-0.8b": "Qwen/Qwen3.5-0.8B@2fc06364 config.json as quoted in a public test fixture (text: hidden_size "
+                    "1024, 24 layers = 3 linear_attention + 1 full_attention x 6, 8/2 heads, head_dim 256, "
+                    "intermediate_size 3584, linear 16/16 heads of 128, conv kernel 4, vocab 248320, tied, "
+                    "attn_output_gate; vision: depth 12, hidden 768, intermediate 3072, out_hidden_size 1024); "
+                    "mamba_ssm_dtype float32 as in Qwen3.5 configs quoted elsewhere",
+    "gemma-3-1b": "google/gemma-3-1b-it config.json as quoted in public code (\"gemma-3-1B's real values\": "
+                  "hidden_size 1152, 26 layers, 4/1 heads, head_dim 256, intermediate_size 6912, sliding_window 512, "
+                  "sliding_window_pattern 6, max_position_embeddings 32768); vocab_size 262144 and tied embeddings as "
+                  "in transformers' Gemma3TextConfig defaults",
     "gpt-oss-20b": "openai/gpt-oss-20b config.json as quoted in public code (hidden_size 2880, 24 layers, 64/8 heads, "
-                   "head_dim 64, intermediate_size 2880, 32 local experts, 4 a token, vocab_size 201088, sliding_window "
-                   "128, layer_types sliding/full alternating, attention_bias true, MXFP4 experts)",
+                   "head_dim 64, intermediate_size 2880, 32 local experts, 4 a token, vocab_size 201088, "
+                   "sliding_window 128, layer_types sliding/full alternating, attention_bias true, MXFP4 experts)",
     "llama-3.2-3b": "meta-llama/Llama-3.2-3B-Instruct config.json (hidden_size 3072, 28 layers, 24/8 heads, "
-                    "intermediate_size 8192, vocab_size 128256, tied); parameter count checked against the published 3.21B",
+                    "intermediate_size 8192, vocab_size 128256, tied); parameter count checked against the "
+                    "published 3.21B",
 }
 
 
@@ -531,7 +536,8 @@ class VllmServes:
 
     lora: Optional[bool]          # the model class implements SupportsLoRA
     bnb_4bit: Optional[bool]      # its weights load through the bitsandbytes loader (packed_modules_mapping)
-    unsloth_vllm: Optional[bool]  # unsloth's fast_inference shares the weights with vLLM (not in VLLM_UNSUPPORTED_MODEL_TYPES)
+    unsloth_vllm: Optional[bool]  # unsloth's fast_inference shares the weights with vLLM (not in
+                                  # VLLM_UNSUPPORTED_MODEL_TYPES)
     model_file: str               # vllm/model_executor/models/<file>
     model_class: str
     why_not: str = ""             # why a run of this family goes without vLLM, when it does

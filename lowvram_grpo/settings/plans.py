@@ -216,7 +216,8 @@ class RunPlan:
             + (f"; dynamic sampling, {t.dynamic_sampling_draws} draw(s)" if t.dynamic_sampling_draws else ""),
             f"  prompt of a group: {'computed once' if t.shared_prompt else 'computed per completion'} "
             f"({t.shared_prompt_note})",
-            f"  eval: {'greedy' if e.greedy else f'T={e.temperature:g} top-p {e.top_p:g}'}, batch {e.batch_size}, up to "
+            f"  eval: {'greedy' if e.greedy else f'T={e.temperature:g} top-p {e.top_p:g}'}, "
+            f"batch {e.batch_size}, up to "
             f"{e.max_tokens} new tokens" + (f", {e.samples} samples at T={e.sample_temperature:g}" if e.samples else "")
             + ("" if e.enabled else " (off)"),
             f"  rewards: {weights}; answers read as {self.prompts.answer_format}"
@@ -253,7 +254,8 @@ def run_plan(config: RunConfig) -> RunPlan:
                       keep_checkpoints=train.keep_checkpoints, **shared)
     log = config.log
     dynamic = train.dynamic_sampling
-    reward = train.dynamic_sampling_reward if dynamic and train.dynamic_sampling_reward in config.rewards.names else None
+    reward = (train.dynamic_sampling_reward if dynamic and train.dynamic_sampling_reward in config.rewards.names
+              else None)
     train_plan = TrainPlan(
         num_generations=train.num_generations, max_steps=train.max_steps, learning_rate=train.learning_rate,
         beta=train.beta, max_completion_length=train.max_completion_length, logging_steps=train.logging_steps,
@@ -346,7 +348,8 @@ def grpo_config_kwargs(resolved, output_dir: Path) -> dict:
         fp16=resolved.fp16,
         use_cpu=not resolved.cuda,
         report_to=t.trackers,  # TRL's integrations; metrics.jsonl is written either way
-        # TRL's completions table for the trackers that show one (W&B, trackio; never printed: completions.jsonl has them)
+        # TRL's completions table for the trackers that show one (W&B, trackio; never printed: completions.jsonl has
+        # them)
         log_completions=bool(set(t.trackers) & set(COMPLETION_TRACKERS)) and config.log.completions_every > 0,
         num_completions_to_print=0,
         disable_tqdm=True,  # our ProgressBar replaces HF's bar and its printed log dicts

@@ -10,8 +10,8 @@ Decisions, and why:
 - backend: `auto` is unsloth where CUDA and unsloth are both present, else hf (transformers + peft).
 - dtype: `auto` is bf16 only where the hardware computes it natively (compute capability >= 8.0), fp16
   on older cards (T4, V100); on a CPU bf16 where it has AVX512-BF16/AMX, else fp32 (emulated bf16
-  measured ~60x slower per training step on an AVX2-only EPYC). torch's `is_bf16_supported()` counts emulation and says yes
-  on a T4, where unsloth loads fp16: a GRPOConfig with bf16=True then dies in unsloth's trainer
+  measured ~60x slower per training step on an AVX2-only EPYC). torch's `is_bf16_supported()` counts emulation and
+  says yes on a T4, where unsloth loads fp16: a GRPOConfig with bf16=True then dies in unsloth's trainer
   ("Model is in float16 precision but you want to use bfloat16"). bf16 asked for on such a card is refused.
 - mixed precision: GRPOConfig's bf16/fp16 follow the compute dtype (CPU: neither), one rule
   (`mixed_precision`). On the unsloth backend `follow_loaded_dtype` re-applies it to the dtype unsloth
@@ -47,7 +47,8 @@ Decisions, and why:
   nothing to page, so it is plain adamw_8bit there (bitsandbytes would say it falls back anyway).
 - host allocator: `auto` is mimalloc on a CPU run where the cmeel-mimalloc wheel is installed (Linux): on
   the default CPU job it peaked at 1.7 GB RSS against glibc's 4.0 GB (both trimmed between steps), with
-  GRPO steps 0.90x as long (bench/host_memory.py, docs/results.md). On a GPU run `auto` keeps the system allocator: mimalloc under CUDA, bitsandbytes and
+  GRPO steps 0.90x as long (bench/host_memory.py, docs/results.md). On a GPU run `auto` keeps the system
+  allocator: mimalloc under CUDA, bitsandbytes and
   vLLM has not run on a GPU here. The CLI starts the process on it (allocator.py).
 - decode (choose_decode): where transformers generates on the hf backend, our decode loop (decoding.py) on a CPU,
   the inverse-CDF sampler, LoRA merged into a copy of 16-bit weights for sampled tokens: each measured there
@@ -94,7 +95,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 FLASHINFER_MIN_COMPUTE_CAPABILITY = (8, 0)
 NO_FLASHINFER_ENV = "UNSLOTH_VLLM_NO_FLASHINFER"
 # Importance-sampling correction (issue 54). TRL 1.15's GRPOConfig defaults vllm_importance_sampling_correction=True
-# (mode sequence_mask, clip_max 3.0); unsloth 2026.10.9's GRPOConfig defaults it to False (unsloth/models/rl.py), disables
+# (mode sequence_mask, clip_max 3.0); unsloth 2026.10.9's GRPOConfig defaults it to False (unsloth/models/rl.py),
+# disables
 # TRL's own computation and applies the ratio in its loss when the flag is set (unsloth/models/rl_replacements.py;
 # unsloth_zoo/rl_replacements.py grpo_compute_loss / grpo_accumulated_loss, whose mode UNSLOTH_GRPO_VLLM_IS_MODE
 # overrides). tests/test_gpu_wheels.py reads those lines in the pinned wheels.
@@ -120,7 +122,8 @@ FP8_KV_MIN_COMPUTE_CAPABILITY = (8, 0)
 # SM89+") and is not chosen there. With FlashInfer on, vLLM falls from FLASH_ATTN to FLASHINFER, which takes fp8 from
 # sm80 (flashinfer.py supported_kv_cache_dtypes, supports_compute_capability 8.0-12.1).
 FP8_KV_FLASH_ATTN_MAJORS = (9, 10)
-# Model types vLLM 0.31 refuses in float16 ("does not support float16. Reason: Numerical instability", vllm/config/model.py
+# Model types vLLM 0.31 refuses in float16 ("does not support float16. Reason: Numerical instability",
+# vllm/config/model.py
 # _FLOAT16_NOT_SUPPORTED_MODELS: gemma2, gemma3, gemma3_text, glm4; model_type_of strips "_text"). unsloth_zoo
 # 2026.10.9's load_vllm serves float16 on a CUDA card below sm80 whatever is asked (vllm_utils.py 4610-4634: bfloat16
 # switched to float16, float32 "not supported yet"), so on a card without bf16 its engine cannot start for these:
@@ -154,7 +157,8 @@ class Resolved:
     num_processes: int
     generation_batch_size: int
     host_allocator: str = "system"    # 'mimalloc' | 'system': the run process's malloc (allocator.py)
-    vllm_flashinfer: Optional[bool] = None  # unsloth's engine may use FlashInfer (False: kept off, below sm80); None without it
+    vllm_flashinfer: Optional[bool] = None  # unsloth's engine may use FlashInfer (False: kept off, below sm80); None
+                                            # without it
     save_steps: int = 1                # GRPO steps between checkpoints: choose_save_steps
     step_seconds: Optional[float] = None  # the estimated seconds of a GRPO step it was chosen from (step_time.py)
     decode_loop: str = "transformers"   # 'lowvram' (decoding.py) | 'transformers' (its generate): choose_decode
@@ -162,13 +166,17 @@ class Resolved:
     decode_merge_lora: bool = False      # sampled tokens from the adapter merged into a copy of 16-bit weights
     decode_fused: bool = False           # sampled tokens through fused_decode.py's layers (merged or unmerged)
     decode_weights: str = "bf16"         # what the fused layers multiply with: 'bf16' (the model's own) | 'int8'
-    is_correction: bool = False          # vLLM's sampling log-probs corrected against the trainer's: choose_is_correction
+    is_correction: bool = False          # vLLM's sampling log-probs corrected against the trainer's:
+                                         # choose_is_correction
     is_mode: Optional[str] = None        # GRPOConfig vllm_importance_sampling_mode where is_correction is on
     is_reason: str = ""
-    is_from_loss: bool = False           # the correction's trainer log-probs from the loss's forward: choose_is_logprobs
-    decode_graphs: bool = False          # unsloth captures its one-token decode step as CUDA graphs: choose_decode_graphs
+    is_from_loss: bool = False           # the correction's trainer log-probs from the loss's forward:
+                                         # choose_is_logprobs
+    decode_graphs: bool = False          # unsloth captures its one-token decode step as CUDA graphs:
+                                         # choose_decode_graphs
     decode_graphs_reason: str = ""
-    kv_cache_dtype: Optional[str] = None  # vLLM's KV cache: 'fp8' or the compute dtype; None without vLLM: choose_kv_cache_dtype
+    kv_cache_dtype: Optional[str] = None  # vLLM's KV cache: 'fp8' or the compute dtype; None without vLLM:
+                                          # choose_kv_cache_dtype
     kv_cache_reason: str = ""
     validation_every: int = 0            # the held-out curve: every N GRPO steps (0 = off): choose_validation
     notes: tuple[str, ...] = ()
@@ -210,14 +218,16 @@ class Resolved:
         return 2 if self.generation == "unsloth_vllm" else self.compute_bytes
 
     def levers(self) -> str:
-        """One line: the importance-sampling correction, unsloth's decode graphs and the KV-cache dtype, each with why."""
+        """One line: the importance-sampling correction, unsloth's decode graphs and the KV-cache dtype, each with
+        why."""
         is_part = f"on ({self.is_mode})" if self.is_correction else "off"
         source = ""
         if self.is_correction:  # train.is_logprobs: choose_is_logprobs
             source = (" (the trainer's log-probs from the loss's own forward, no extra forward)" if self.is_from_loss
                       else " (the trainer's log-probs from an extra no-grad forward)")
         kv_part = self.kv_cache_dtype or "no vLLM"
-        return (f"  IS correction {is_part}: {self.is_reason}{source}; decode CUDA graphs {'on' if self.decode_graphs else 'off'}: "
+        return (f"  IS correction {is_part}: {self.is_reason}{source}; "
+                f"decode CUDA graphs {'on' if self.decode_graphs else 'off'}: "
                 f"{self.decode_graphs_reason}; KV cache {kv_part}: {self.kv_cache_reason}")
 
     @property
@@ -242,7 +252,8 @@ class Resolved:
 
     def summary(self) -> dict:
         """The decided values, for --dry-run, the run log and summary.json."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("config", "hardware", "notes", "plan")}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("config", "hardware", "notes", "plan")}
         out.update(fast_inference=self.fast_inference, use_vllm=self.use_vllm)
         out["hardware"] = self.hardware.describe()
         out["notes"] = list(self.notes)
@@ -251,19 +262,22 @@ class Resolved:
     def describe(self) -> str:
         """A few lines: what will run, and the notes."""
         lines = [f"resolved for {self.hardware.describe()}",
-                 f"  backend {self.backend} on {self.device}; compute dtype {self.dtype} (bf16={self.bf16}, fp16={self.fp16}); "
+                 f"  backend {self.backend} on {self.device}; compute dtype {self.dtype} "
+                 f"(bf16={self.bf16}, fp16={self.fp16}); "
                  f"4-bit base: {self.load_in_4bit}; gradient checkpointing: {self.gradient_checkpointing}",
                  f"  generation: {self.generation}" + (f" (vLLM max_model_len {self.vllm_max_model_len}, "
                                                        f"max_lora_rank {self.vllm_max_lora_rank}"
                                                        + (f", gpu_memory_utilization {self.gpu_memory_utilization:g}"
                                                           if self.gpu_memory_utilization is not None else "")
                                                        + ("" if self.vllm_flashinfer is None else
-                                                          f", FlashInfer {'allowed' if self.vllm_flashinfer else 'off'}")
+                                                          ", FlashInfer "
+                                                          f"{'allowed' if self.vllm_flashinfer else 'off'}")
                                                        + ")"
                                                        if self.vllm_max_model_len is not None else "")
                  + (f"; decode: {self.decode.describe('4-bit' if self.load_in_4bit else self.dtype)}"
                     if self.generation == "transformers" else "")
-                 + f"; batch {self.per_device_train_batch_size} completions/micro-step x {self.gradient_accumulation_steps} "
+                 + f"; batch {self.per_device_train_batch_size} completions/micro-step "
+                   f"x {self.gradient_accumulation_steps} "
                    f"accumulation x {self.num_processes} process(es) = {self.generation_batch_size} per generation; "
                    f"host allocator {self.host_allocator}"]
         lines.append(self.levers())
@@ -326,16 +340,17 @@ def cuda_major(version: Optional[str]) -> Optional[int]:
 
 
 def choose_flashinfer(hardware: Hardware) -> tuple[bool, str]:
-    """(may unsloth's vLLM use FlashInfer, why not) for `hardware`'s card and build toolchain. Off below sm80 (vLLM 0.31 has
-    none there and unsloth_zoo still asks for its sampler: the load fails). From sm80 unsloth_zoo 2026.10.9's load_vllm
-    asks for it whenever nvcc, ninja and libcuda merely exist (vllm_utils.py 4680-4690, then 4743-4746
-    VLLM_USE_FLASHINFER_SAMPLER=1), and FlashInfer JIT-compiles its kernels with that nvcc during vLLM's start: minutes,
-    and an nvcc of another CUDA major than torch's builds for another runtime and may fail. So on only where nvcc's
-    CUDA major equals torch's; with no nvcc, or a toolchain not known (a named profile), off. Off costs the FlashInfer
-    sampler (unsloth's comment beside its switch: 280 vs 330 tokens/s on a T4); vLLM then samples with PyTorch."""
+    """(may unsloth's vLLM use FlashInfer, why not) for `hardware`'s card and build toolchain. Off below sm80 (vLLM
+    0.31 has none there and unsloth_zoo still asks for its sampler: the load fails). From sm80 unsloth_zoo
+    2026.10.9's load_vllm asks for it whenever nvcc, ninja and libcuda merely exist (vllm_utils.py 4680-4690, then
+    4743-4746 VLLM_USE_FLASHINFER_SAMPLER=1), and FlashInfer JIT-compiles its kernels with that nvcc during vLLM's
+    start: minutes, and an nvcc of another CUDA major than torch's builds for another runtime and may fail. So on only
+    where nvcc's CUDA major equals torch's; with no nvcc, or a toolchain not known (a named profile), off. Off costs the
+    FlashInfer sampler (unsloth's comment beside its switch: 280 vs 330 tokens/s on a T4); vLLM then samples with
+    PyTorch."""
     if hardware.compute_capability < FLASHINFER_MIN_COMPUTE_CAPABILITY:
-        return False, ("vLLM 0.31 has no FlashInfer below sm80 and unsloth would ask for its sampler, failing the load; "
-                       "vLLM samples with PyTorch and attends with Triton here")
+        return False, ("vLLM 0.31 has no FlashInfer below sm80 and unsloth would ask for its sampler, failing the "
+                       "load; vLLM samples with PyTorch and attends with Triton here")
     torch_major = cuda_major(hardware.torch_cuda)
     if hardware.name != "present" and (hardware.nvcc_cuda is None or torch_major is None):
         why = ("the nvcc and torch CUDA build of a named card are not known here (on the card itself resolve compares "
@@ -343,8 +358,8 @@ def choose_flashinfer(hardware: Hardware) -> tuple[bool, str]:
     elif hardware.nvcc_cuda is None:
         why = "no nvcc found, and FlashInfer JIT-compiles its kernels with it"
     elif torch_major is None:
-        why = (f"torch's CUDA build is not known ({hardware.torch_cuda!r}), so nvcc's CUDA {hardware.nvcc_cuda[0]} cannot "
-               "be matched to it; unsloth_zoo asks for it whenever nvcc merely exists")
+        why = (f"torch's CUDA build is not known ({hardware.torch_cuda!r}), so nvcc's CUDA {hardware.nvcc_cuda[0]} "
+               "cannot be matched to it; unsloth_zoo asks for it whenever nvcc merely exists")
     elif hardware.nvcc_cuda[0] != torch_major:
         why = (f"nvcc here is CUDA {hardware.nvcc_cuda[0]}.{hardware.nvcc_cuda[1]} and torch is built with CUDA "
                f"{hardware.torch_cuda}: FlashInfer's JIT build during vLLM's start would take minutes and compile for "
@@ -384,15 +399,17 @@ def choose_save_steps(config: RunConfig, hardware: Hardware, generation: str, co
             return train.save_steps, seconds, ""
         last = " (no checkpoint before the last step)" if train.save_steps >= train.max_steps else ""
         return train.save_steps, seconds, (
-            f"train.save_steps={train.save_steps} is ~{span_text(span)} of GRPO between checkpoints at ~{seconds:.0f} s a step "
+            f"train.save_steps={train.save_steps} is ~{span_text(span)} of GRPO between checkpoints "
+            f"at ~{seconds:.0f} s a step "
             f"(estimated for {what}){last}: a stop with no time to save (a Colab teardown, a kill) loses up to that; "
             f"train.save_steps={fits} (or null, auto) checkpoints every ~{CHECKPOINT_EVERY_S // 60} minutes")
     if seconds is None:
         steps = min(train.max_steps, SAVE_STEPS_WITHOUT_ESTIMATE)
-        return steps, None, (f"train.save_steps auto -> {steps}: no step-time estimate for {config.model.name} (the plan "
-                             "has no shape for it)")
+        return steps, None, (f"train.save_steps auto -> {steps}: no step-time estimate for {config.model.name} "
+                             "(the plan has no shape for it)")
     return fits, seconds, (f"train.save_steps auto -> {fits}: a checkpoint every ~{span_text(fits * seconds)} at "
-                           f"~{seconds:.0f} s a GRPO step, a conservative estimate for {what} (step_time.py), not measured")
+                           f"~{seconds:.0f} s a GRPO step, a conservative estimate for {what} (step_time.py), "
+                           "not measured")
 
 
 def choose_host_allocator(asked: str, hardware: Hardware) -> str:
@@ -407,14 +424,14 @@ def choose_host_allocator(asked: str, hardware: Hardware) -> str:
 
 def choose_decode(config: RunConfig, hardware: Hardware, backend: str,
                   generation: str) -> tuple[str, str, bool, bool, str]:
-    """(loop, sampler, merge_lora, fused, weights) for transformers' generation (decoding.py). Our loop where transformers generates
-    on the hf backend: measured faster on CPU (bench/decode_step.py); on CUDA transformers' generate stays the default
-    until a card measures ours (bench/gpu_first_run.py). unsloth's backend patches generate with its own fast path;
-    vLLM engines do not use this. merge_lora: a copy of the 16-bit weights merged for sampling, by default on a CPU
-    (host RAM); on a GPU when asked (card memory: the memory plan's `merged` term); never into 4-bit weights.
-    fused: the fused layers (fused_decode.py; the adapter merged or, with merge_lora off, unmerged on the base weights
-    read in place) wherever the merge is on, and on a CPU with a 16-bit base. weights: 'bf16' (auto), or
-    'int8' where the fused layers run (decode_int8_refusal says why not elsewhere, before anything loads)."""
+    """(loop, sampler, merge_lora, fused, weights) for transformers' generation (decoding.py). Our loop where
+    transformers generates on the hf backend: measured faster on CPU (bench/decode_step.py); on CUDA transformers'
+    generate stays the default until a card measures ours (bench/gpu_first_run.py). unsloth's backend patches
+    generate with its own fast path; vLLM engines do not use this. merge_lora: a copy of the 16-bit weights merged for
+    sampling, by default on a CPU (host RAM); on a GPU when asked (card memory: the memory plan's `merged` term); never
+    into 4-bit weights. fused: the fused layers (fused_decode.py; the adapter merged or, with merge_lora off, unmerged
+    on the base weights read in place) wherever the merge is on, and on a CPU with a 16-bit base. weights: 'bf16'
+    (auto), or 'int8' where the fused layers run (decode_int8_refusal says why not elsewhere, before anything loads)."""
     asked = config.decode
     applies = backend == "hf" and generation == "transformers"
     if asked.loop == "lowvram" and not applies:
@@ -423,8 +440,8 @@ def choose_decode(config: RunConfig, hardware: Hardware, backend: str,
         raise ResolveError(f"decode.loop=lowvram is the hf backend's transformers generation and {where}: "
                            "set decode.loop=auto")
     if asked.merge_lora == "true" and config.memory.load_in_4bit:
-        raise ResolveError("decode.merge_lora=true needs 16-bit base weights and memory.load_in_4bit is on (LoRA is never "
-                           "merged into 4-bit weights): set decode.merge_lora=auto or memory.load_in_4bit=false")
+        raise ResolveError("decode.merge_lora=true needs 16-bit base weights and memory.load_in_4bit is on (LoRA is "
+                           "never merged into 4-bit weights): set decode.merge_lora=auto or memory.load_in_4bit=false")
     if asked.loop == "auto":
         loop = "lowvram" if applies and not hardware.cuda else "transformers"
     else:
@@ -465,7 +482,8 @@ def decode_int8_refusal(config: RunConfig, hardware: Hardware, backend: str, gen
         return (f"{head}, which merge the adapter into 16-bit weights, and memory.load_in_4bit is on: set "
                 "decode.weights=auto or memory.load_in_4bit=false")
     if loop != "lowvram":
-        return f"{head} and decode.loop=transformers samples with transformers' generate: set decode.loop=auto or decode.weights=auto"
+        return (f"{head} and decode.loop=transformers samples with transformers' generate: set decode.loop=auto or "
+                "decode.weights=auto")
     if not fused:
         return f"{head} and decode.fused=false keeps them off: set decode.fused=auto or decode.weights=auto"
     model_type = model_type_of(config.model.name)
@@ -506,8 +524,8 @@ def choose_is_correction(config: RunConfig, generation: str, strict: bool = True
         # TRL's tool loop regenerates after each tool result through the same sampler; our sampler's log-probs are
         # returned for one turn a call only, so the turns after a tool result would not line up with the completion
         if asked == "on" and strict:
-            raise ResolveError("train.is_correction=on with tools or an environment: the model's own sampler returns its "
-                               "log-probs for a single turn, not for the turns after a tool result: set "
+            raise ResolveError("train.is_correction=on with tools or an environment: the model's own sampler returns "
+                               "its log-probs for a single turn, not for the turns after a tool result: set "
                                "train.is_correction=auto (off here), or generate with vLLM (model.generation=vllm)")
         return False, None, ("tools or an environment make rollouts multi-turn: the model's own sampler's log-probs "
                              "cover a single turn, so the correction stays off (the sampler's gap is not measured)")
@@ -515,8 +533,9 @@ def choose_is_correction(config: RunConfig, generation: str, strict: bool = True
         return False, None, ("train.is_correction=off: the sampler's and the trainer's log-probs differ uncorrected"
                              if sampled_elsewhere or own_loop else "train.is_correction=off")
     if sampled_elsewhere:
-        sampler = ("unsloth's vLLM engine samples with its own kernels (unsloth's GRPOConfig would leave the correction "
-                   "off)" if generation == "unsloth_vllm" else "our vLLM engine samples from the base + synced adapter")
+        sampler = ("unsloth's vLLM engine samples with its own kernels (unsloth's GRPOConfig would leave the "
+                   "correction off)" if generation == "unsloth_vllm"
+                   else "our vLLM engine samples from the base + synced adapter")
     elif own_loop and decode_weights == "int8":
         sampler = ("our decode loop samples from int8 weights (decode.weights=int8: the fused base weights quantized "
                    "for FBGEMM's int8 linear, the adapter added unmerged; one ratio a token, truncated at 3)")
@@ -532,8 +551,8 @@ def choose_is_correction(config: RunConfig, generation: str, strict: bool = True
         if asked == "on" and strict:
             raise ResolveError("train.is_correction=on corrects a sampler's log-probs against the trainer's, and this "
                                "run's rollouts come from unsloth's patched generate, which returns none: set "
-                               "train.is_correction=auto, or generate with vLLM (model.fast_inference=true on the unsloth "
-                               "backend), or train on the hf backend")
+                               "train.is_correction=auto, or generate with vLLM (model.fast_inference=true on the "
+                               "unsloth backend), or train on the hf backend")
         return False, None, "unsloth's generate samples the rollouts and returns no log-probs to correct with"
     how = "auto -> on" if asked == "auto" else "train.is_correction=on"
     return True, mode, f"{how}: {sampler} and the trainer scores with its own forward: their log-probs differ"
@@ -545,7 +564,8 @@ def choose_is_logprobs(config: RunConfig, is_on: bool, backend: str, strict: boo
     of the rollout batch. The same numbers: GRPOConfig here keeps num_iterations=1 and steps_per_generation =
     gradient_accumulation_steps (one optimizer step per generation), so the weights that score the rollouts at
     generation are those of the loss. auto = the loss's forward on the hf backend with the correction on; unsloth's
-    trainer applies the ratio in its own loss (TRL's forward stays); `loss` where it cannot apply is refused (strict)."""
+    trainer applies the ratio in its own loss (TRL's forward stays); `loss` where it cannot apply is refused
+    (strict)."""
     asked = config.train.is_logprobs
     if asked == "forward":
         return False
@@ -604,8 +624,8 @@ def choose_decode_graphs(config: RunConfig, hardware: Hardware, backend: str, ge
         what = f"model type {model_type}" if model_type else f"the model type of {config.model.name} is unknown here"
         return False, (f"{what}: unsloth 2026.10.9 captures {supported} only (_decode_graphs._SUPPORTED_MODEL_TYPES), "
                        "the rest decode with its eager step")
-    return True, (f"unsloth backend on CUDA without vLLM, model type {model_type}: unsloth captures the decode step inside "
-                  "GRPO's generate")
+    return True, (f"unsloth backend on CUDA without vLLM, model type {model_type}: unsloth captures the decode step "
+                  "inside GRPO's generate")
 
 
 def fp8_kv_refusal(hardware: Hardware, flashinfer: Optional[bool]) -> Optional[tuple[str, str]]:
@@ -622,7 +642,8 @@ def fp8_kv_refusal(hardware: Hardware, flashinfer: Optional[bool]) -> Optional[t
             "unsloth_zoo then pins FLASH_ATTN, whose fp8 KV cache needs sm90/sm100 (FlashAttention 3/4), and "
             "FlashInfer, which serves it from sm80, is off here (on only with an nvcc of torch's CUDA major; a --gpu "
             "card's is not known)",
-            f"fp8 KV has no attention backend on {hardware.sm} with FlashInfer off (FLASH_ATTN takes it on sm90/sm100 only)")
+            f"fp8 KV has no attention backend on {hardware.sm} with FlashInfer off "
+            "(FLASH_ATTN takes it on sm90/sm100 only)")
 
 
 def choose_kv_cache_dtype(config: RunConfig, hardware: Hardware, generation: str, dtype: str,
@@ -644,8 +665,8 @@ def choose_kv_cache_dtype(config: RunConfig, hardware: Hardware, generation: str
             raise ResolveError(f"model.kv_cache_dtype=fp8 is unsloth's vLLM engine's fp8 KV cache and {where}: set "
                                "model.kv_cache_dtype=auto")
         if asked not in ("auto", dtype):
-            raise ResolveError(f"model.kv_cache_dtype={asked}: the KV cache is kept in the compute dtype ({dtype}) here: "
-                               f"set model.kv_cache_dtype=auto or {dtype}")
+            raise ResolveError(f"model.kv_cache_dtype={asked}: the KV cache is kept in the compute dtype ({dtype}) "
+                               f"here: set model.kv_cache_dtype=auto or {dtype}")
         if generation == "vllm":
             return dtype, "our vLLM engine keeps its KV cache in the compute dtype", False
         return None, "no vLLM engine (transformers' KV cache, compute dtype)", False
@@ -721,7 +742,8 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
     notes: list[str] = []
     if config.requires_cuda and not hardware.cuda:
         raise ResolveError(f"preset '{config.preset}' needs an NVIDIA GPU (CUDA) and none is visible: on this "
-                           f"machine run --preset smollm2_cpu (or tiny); to see its plan for a card, add --dry-run --gpu t4")
+                           f"machine run --preset smollm2_cpu (or tiny); to see its plan for a card, "
+                           f"add --dry-run --gpu t4")
     chosen = choose_backend(backend, hardware)
     check_dynamic_sampling(config, chosen, num_processes)
     dtype = _dtype(config, hardware)
@@ -743,11 +765,12 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
     fast = False
     if config.model.fast_inference:
         if not hardware.cuda:
-            raise ResolveError("model.fast_inference uses vLLM, which needs an NVIDIA GPU: add --set model.fast_inference=false")
+            raise ResolveError("model.fast_inference uses vLLM, which needs an NVIDIA GPU: "
+                               "add --set model.fast_inference=false")
         if chosen != "unsloth":
-            notes.append("model.fast_inference is unsloth's vLLM sharing the weights and does not apply on the hf backend "
-                         "(TRL's own vLLM would load a second copy of the weights): use --backend unsloth for it, or "
-                         "model.generation=vllm for the hf backend's own engine")
+            notes.append("model.fast_inference is unsloth's vLLM sharing the weights and does not apply on the hf "
+                         "backend (TRL's own vLLM would load a second copy of the weights): use --backend unsloth "
+                         "for it, or model.generation=vllm for the hf backend's own engine")
         elif not hardware.vllm_installed:
             notes.append("model.fast_inference: vLLM is not installed, generating with transformers "
                          "(pip install -r requirements.txt installs it)")
@@ -769,7 +792,8 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
     own_vllm = generation in ("unsloth_vllm", "vllm")
     if own_vllm and hardware.cuda and config.memory.load_in_4bit and not hardware.vllm_bnb_plugin_installed:
         turn_off = "model.fast_inference=false" if generation == "unsloth_vllm" else "model.generation=transformers"
-        raise ResolveError("a 4-bit base with vLLM needs vllm-bnb-plugin (vLLM >= 0.28 moved bitsandbytes out of tree): "
+        raise ResolveError("a 4-bit base with vLLM needs vllm-bnb-plugin "
+                           "(vLLM >= 0.28 moved bitsandbytes out of tree): "
                            f"pip install vllm-bnb-plugin==0.0.3 (requirements.txt has it), or set {turn_off}")
     lora_rank = vllm_lora_rank(config.lora.r) if own_vllm else None
     if lora_rank is not None and lora_rank != config.lora.r:
@@ -781,8 +805,9 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         if not flashinfer:
             notes.append(f"vLLM's FlashInfer kept off on {hardware.sm} ({NO_FLASHINFER_ENV}=1): {why}")
     if generation == "vllm" and hardware.cuda:
-        notes.append("model.generation=vllm: the engine asks vLLM for its KV cache in bytes (kv_cache_memory_bytes) and "
-                     "passes its own share of the card as gpu_memory_utilization; memory.gpu_memory_utilization is unsloth's")
+        notes.append("model.generation=vllm: the engine asks vLLM for its KV cache in bytes (kv_cache_memory_bytes) "
+                     "and passes its own share of the card as gpu_memory_utilization; "
+                     "memory.gpu_memory_utilization is unsloth's")
     decode_loop, decode_sampler, decode_merge, decode_fused, decode_weights = choose_decode(config, hardware, chosen,
                                                                                            generation)
     is_on, is_mode, is_reason = choose_is_correction(config, generation, decode_loop=decode_loop, backend=chosen,
@@ -795,10 +820,12 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
     kv_dtype, kv_reason, plan_decides = choose_kv_cache_dtype(config, hardware, generation, dtype, flashinfer)
     per_device = config.train.batch_size
     accumulation = config.train.gradient_accumulation_steps
-    validation_every, validation_note = choose_validation(config, per_device * accumulation * num_processes, num_processes)
+    validation_every, validation_note = choose_validation(config, per_device * accumulation * num_processes,
+                                                          num_processes)
     if validation_note:
         notes.append(validation_note)
-    save_steps, step_seconds, save_note = choose_save_steps(config, hardware, generation, per_device * accumulation, dtype)
+    save_steps, step_seconds, save_note = choose_save_steps(config, hardware, generation, per_device * accumulation,
+                                                            dtype)
     if save_note:
         notes.append(save_note)
     vram = config.memory.vram_gb if config.memory.vram_gb is not None else hardware.total_gib
@@ -813,12 +840,14 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         num_processes=num_processes, generation_batch_size=per_device * accumulation * num_processes,
         host_allocator=choose_host_allocator(config.memory.host_allocator, hardware), vllm_flashinfer=flashinfer,
         save_steps=save_steps, step_seconds=step_seconds,
-        decode_loop=decode_loop, decode_sampler=decode_sampler, decode_merge_lora=decode_merge, decode_fused=decode_fused,
+        decode_loop=decode_loop, decode_sampler=decode_sampler, decode_merge_lora=decode_merge,
+        decode_fused=decode_fused,
         decode_weights=decode_weights,
         validation_every=validation_every, is_correction=is_on, is_mode=is_mode, is_reason=is_reason,
         is_from_loss=is_from_loss, decode_graphs=graphs, decode_graphs_reason=graphs_reason, kv_cache_dtype=kv_dtype,
         kv_cache_reason=kv_reason,
-        notes=tuple(notes), plan=choose_shared_prompt(plan if plan is not None else run_plan(config), chosen, generation, decode_loop),
+        notes=tuple(notes), plan=choose_shared_prompt(plan if plan is not None else run_plan(config), chosen,
+                                                      generation, decode_loop),
     )
     if plan_decides:  # auto on sm80+ with unsloth's engine: fp8 where the plan's 16-bit KV cache is short
         resolved = dataclasses.replace(resolved, kv_cache_reason=_auto_kv_reason(resolved))
@@ -836,7 +865,8 @@ def choose_shared_prompt(plan: RunPlan, backend: str, generation: str, decode_lo
     if not train.shared_prompt:
         return plan
     if backend == "unsloth":
-        note = "train.shared_prompt=on, kept per completion on the unsloth backend (its trainer's own loss, its generate)"
+        note = ("train.shared_prompt=on, kept per completion on the unsloth backend (its trainer's own loss, "
+                "its generate)")
         return dataclasses.replace(plan, train=dataclasses.replace(train, shared_prompt=False, shared_prompt_note=note))
     if plan.tools.used:
         note = "train.shared_prompt=on, kept per completion: tool turns (completions carry tool results)"
@@ -884,7 +914,8 @@ def choose_validation(config: RunConfig, generation_batch: int, num_processes: i
             return every, (f"eval.every_steps auto -> {every}: a held-out curve on {ev.validation_size} validation "
                            f"questions, estimated {share:.0%} of GRPO's time (on where under {VALIDATION_BUDGET:.0%})")
     least = validation_cost(max(1, steps // 2), steps, ev.validation_size, generation_batch)
-    return 0, (f"eval.every_steps auto -> off: a held-out curve of two points on {ev.validation_size} validation questions "
+    return 0, (f"eval.every_steps auto -> off: a held-out curve of two points on {ev.validation_size} validation "
+               "questions "
                f"would cost an estimated {least:.0%} of GRPO's time (on where under {VALIDATION_BUDGET:.0%}); "
                "--set eval.every_steps=N turns it on")
 
@@ -913,10 +944,11 @@ def decode_graphs_environment_note(resolved, environ=None) -> Optional[str]:
     if not resolved.cuda or resolved.backend != "unsloth" or value not in ("0", "1"):
         return None
     if value == "0" and resolved.decode_graphs:
-        return f"{DECODE_GRAPHS_ENV}=0 in the environment: unsloth decodes eagerly although this run would get its graphs"
+        return (f"{DECODE_GRAPHS_ENV}=0 in the environment: unsloth decodes eagerly although this run would get its "
+                "graphs")
     if value == "1" and not resolved.decode_graphs:
-        return (f"{DECODE_GRAPHS_ENV}=1 in the environment: unsloth captures graphs in every generate of a supported model "
-                f"type; decided off here ({resolved.decode_graphs_reason})")
+        return (f"{DECODE_GRAPHS_ENV}=1 in the environment: unsloth captures graphs in every generate of a supported "
+                f"model type; decided off here ({resolved.decode_graphs_reason})")
     return None
 
 

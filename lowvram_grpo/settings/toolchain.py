@@ -11,9 +11,9 @@ every import and fails minutes into the run, so the doctor says so first:
 - FlashInfer where vLLM generates, per compute capability (`flashinfer_lines`): below sm80 vLLM 0.31 has none
   (resolve keeps unsloth from asking for it: Triton attention, the PyTorch sampler); from sm80 on the unsloth
   backend resolve keeps it off too where nvcc is missing or of another CUDA major than torch (choose_flashinfer:
-  the line says which); with it allowed, without ninja a note on the unsloth backend (unsloth_zoo's load_vllm then keeps vLLM off FlashInfer: FLASH_ATTN
-  attention and the PyTorch sampler), a warning for the hf backend's own engine (VLLM_USE_FLASHINFER_SAMPLER=0);
-  with both, nvcc's CUDA release against torch's (a CUDA 12 nvcc beside cu13 torch).
+  the line says which); with it allowed, without ninja a note on the unsloth backend (unsloth_zoo's load_vllm then keeps
+  vLLM off FlashInfer: FLASH_ATTN attention and the PyTorch sampler), a warning for the hf backend's own engine
+  (VLLM_USE_FLASHINFER_SAMPLER=0); with both, nvcc's CUDA release against torch's (a CUDA 12 nvcc beside cu13 torch).
 """
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ def python_include_dir() -> Path:
 def _has_nvcc(environ) -> bool:
     if shutil.which("nvcc", path=environ.get("PATH")):
         return True
-    return any(Path(root, "bin", "nvcc").is_file() for root in (environ.get("CUDA_HOME", ""), environ.get("CUDA_PATH", ""),
-                                                                "/usr/local/cuda") if root)
+    return any(Path(root, "bin", "nvcc").is_file()
+               for root in (environ.get("CUDA_HOME", ""), environ.get("CUDA_PATH", ""), "/usr/local/cuda") if root)
 
 
 def toolchain_lines(resolved, environ=None, include_dir: Optional[Path] = None, torch_cuda: Optional[str] = None):
@@ -75,8 +75,8 @@ def toolchain_lines(resolved, environ=None, include_dir: Optional[Path] = None, 
     if not (include_dir / "Python.h").is_file():
         lines.append(_block(f"no Python headers ({include_dir / 'Python.h'} is missing): Triton compiles its kernel "
                             "launchers against them",
-                            "install them (apt-get install python3-dev, or the matching python3.X-dev), or use a Python "
-                            "that ships them (pyenv, conda, python.org builds)"))
+                            "install them (apt-get install python3-dev, or the matching python3.X-dev), "
+                            "or use a Python that ships them (pyenv, conda, python.org builds)"))
     if compiler is not None and (include_dir / "Python.h").is_file():
         lines.append(_ok(f"build tools for Triton's first-use compiles: {compiler}, {include_dir / 'Python.h'}"))
     if resolved.generation in ("unsloth_vllm", "vllm"):
@@ -96,7 +96,8 @@ def flashinfer_lines(resolved, environ, torch_cuda: Optional[str] = None):
                         "FlashInfer below sm80, so it attends with Triton (TRITON_ATTN) and samples with PyTorch")]
         if environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0") not in ("", "0"):
             return [_block(f"VLLM_USE_FLASHINFER_SAMPLER={environ['VLLM_USE_FLASHINFER_SAMPLER']} is set and {sm} has "
-                           "no FlashInfer in vLLM 0.31: its engine raises at load", "unset VLLM_USE_FLASHINFER_SAMPLER")]
+                           "no FlashInfer in vLLM 0.31: its engine raises at load",
+                           "unset VLLM_USE_FLASHINFER_SAMPLER")]
         return []
     if resolved.generation == "unsloth_vllm" and resolved.vllm_flashinfer is False:  # resolve kept it off: why
 
@@ -114,7 +115,8 @@ def flashinfer_lines(resolved, environ, torch_cuda: Optional[str] = None):
     if missing:
         return [_warn(f"{what}; {' and '.join(missing)} missing here: vLLM 0.31 samples with FlashInfer by default "
                       "(VLLM_USE_FLASHINFER_SAMPLER), and this run's own vLLM engine does not turn it off",
-                      "install the CUDA toolkit (nvcc) and ninja (pip install ninja), or export VLLM_USE_FLASHINFER_SAMPLER=0")]
+                      "install the CUDA toolkit (nvcc) and ninja (pip install ninja), "
+                      "or export VLLM_USE_FLASHINFER_SAMPLER=0")]
     nvcc = nvcc_cuda_version(environ)
     if torch_cuda is None:
         import torch
@@ -122,12 +124,14 @@ def flashinfer_lines(resolved, environ, torch_cuda: Optional[str] = None):
         torch_cuda = torch.version.cuda
     torch_major = int(str(torch_cuda).split(".")[0]) if torch_cuda and str(torch_cuda)[0].isdigit() else None
     if nvcc is not None and torch_major is not None and nvcc[0] != torch_major:
-        off = (f"export {NO_FLASHINFER_ENV}=1 (unsloth then keeps vLLM off FlashInfer)" if resolved.generation == "unsloth_vllm"
+        off = (f"export {NO_FLASHINFER_ENV}=1 (unsloth then keeps vLLM off FlashInfer)"
+               if resolved.generation == "unsloth_vllm"
                else "export VLLM_USE_FLASHINFER_SAMPLER=0")
-        return [_warn(f"{what}: nvcc here is CUDA {nvcc[0]}.{nvcc[1]} and torch is built with CUDA {torch_cuda}; kernels "
-                      "compiled by one for the other's runtime can fail to build or load minutes into the run",
+        return [_warn(f"{what}: nvcc here is CUDA {nvcc[0]}.{nvcc[1]} and torch is built with CUDA {torch_cuda}; "
+                      "kernels compiled by one for the other's runtime can fail to build or load minutes into the run",
                       f"put the CUDA {torch_major} toolkit's nvcc first on PATH (or CUDA_HOME), or {off}")]
-    return [_ok(f"{what}: nvcc (CUDA {nvcc[0]}.{nvcc[1]}) and ninja found" if nvcc else f"{what}: nvcc and ninja found")]
+    return [_ok(f"{what}: nvcc (CUDA {nvcc[0]}.{nvcc[1]}) and ninja found" if nvcc
+                else f"{what}: nvcc and ninja found")]
 
 
 def _find(module: str):

@@ -70,9 +70,9 @@ def max_activation_bytes(shape, max_seq_length: int) -> float:
 def vllm_budget(shape, gpu_memory_utilization: float, free_bytes: float, total_bytes: float, max_seq_length: int,
                 max_lora_rank: int, load_in_4bit: bool, float8_kv_cache: bool = False) -> VllmBudget:
     """approximate_vllm_memory_usage + _fit_max_seq_length_to_kv_cache for a dense text model (full, sliding-window
-    or linear-attention layers: Llama, Qwen2/3, Qwen3.5, Gemma 3), fast_inference with LoRA, training=True, as unsloth's from_pretrained calls it with our settings
-    (model.max_seq_length, the vLLM-rounded lora rank, memory.gpu_memory_utilization, float8_kv_cache: the resolved
-    model.kv_cache_dtype is fp8)."""
+    or linear-attention layers: Llama, Qwen2/3, Qwen3.5, Gemma 3), fast_inference with LoRA, training=True, as unsloth's
+    from_pretrained calls it with our settings (model.max_seq_length, the vLLM-rounded lora rank,
+    memory.gpu_memory_utilization, float8_kv_cache: the resolved model.kv_cache_dtype is fp8)."""
     free = gpu_memory_utilization * free_bytes
     maximum_activation = max_activation_bytes(shape, max_seq_length)
     if total_bytes - free < maximum_activation:
@@ -120,7 +120,8 @@ def kv_cache_tokens(memory_bytes: float, full_bytes: float, sliding_bytes: list,
 
 # --------------------------------------------------------------------------- unsloth's GRPO log-prob chunks
 
-FUSED_CHUNK_BYTES = 2 * GIB       # _CHUNK_GB (UNSLOTH_LOGPROB_CHUNK_GB): a chunk's logits at most, or half the free memory
+FUSED_CHUNK_BYTES = 2 * GIB       # _CHUNK_GB (UNSLOTH_LOGPROB_CHUNK_GB): a chunk's logits at most, or half the free
+                                  # memory
 FUSED_MIN_LOGITS = 512 * 151936   # _MIN_LOGITS: fewer rows starve the K = vocab GEMM
 FUSED_MAX_ROWS = 4096             # _MAX_ROWS (UNSLOTH_FUSED_LINEAR_MAX_ROWS)
 FUSED_BYTES_PER_LOGIT = 4         # fp32 logits

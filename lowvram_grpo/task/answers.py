@@ -96,7 +96,8 @@ def strict_answer(text: str) -> Optional[str]:
 def lenient_answer(text: str) -> Optional[str]:
     """The answer stated anywhere, any format: the <answer> block's (closed, else cut off) when there is
     one, else the last \\boxed{...}, else the last number of the whole text."""
-    if "<answer>" in text:  # the strict reading when a block is closed (so lenient is never stricter), else the cut-off one
+    # the strict reading when a block is closed (so lenient is never stricter), else the cut-off one
+    if "<answer>" in text:
         return final_answer(answer_block(text))
     boxed = _BOXED.findall(text)
     return boxed[-1] if boxed else final_answer(text)
@@ -206,7 +207,8 @@ def think_ok(text: str) -> bool:
     """A well-formed `think` completion: <think>...</think> at the start (or only the closing tag, the block opened
     by the prompt), one block, then an answer."""
     match = _THINK.fullmatch(text)
-    return bool(match) and "<think>" not in match.group(1) and text.count("</think>") == 1 and "<think>" not in match.group(2)
+    return (bool(match) and "<think>" not in match.group(1) and text.count("</think>") == 1
+            and "<think>" not in match.group(2))
 
 
 def think_strict_answer(text: str) -> Optional[str]:

@@ -59,7 +59,8 @@ class Question:
 
 # --------------------------------------------------------------------------- built-in generator
 
-_NAMES = ["Ava", "Ben", "Chloe", "Dev", "Emma", "Finn", "Grace", "Hugo", "Ivy", "Jack", "Kira", "Leo", "Maya", "Noah", "Olive", "Paul"]
+_NAMES = ["Ava", "Ben", "Chloe", "Dev", "Emma", "Finn", "Grace", "Hugo", "Ivy", "Jack", "Kira", "Leo", "Maya", "Noah",
+          "Olive", "Paul"]
 _ITEMS = ["apples", "marbles", "stickers", "books", "pencils", "cookies", "shells", "cards", "coins", "flowers"]
 
 
@@ -200,7 +201,8 @@ def _delimited(text: str, path: Path, delimiter: Optional[str] = None) -> list:
                 raise DataError(f"{path} line {rows.line_num} has {len(row)} fields, the header {len(header)}: "
                                 "quote fields that contain the separator")
             row = row + [""] * (len(header) - len(row))
-            records.append({name: cell for name, cell in zip(header, row) if name})  # an unnamed index column is dropped
+            records.append({name: cell for name, cell in zip(header, row) if name})  # an unnamed index
+                                                                                     # column is dropped
     except csv.Error as exc:
         raise DataError(f"{path} line {rows.line_num} is not valid CSV ({exc}): fix that line") from None
     return records
@@ -319,7 +321,8 @@ def layout(columns: list[str], data_config, source: str) -> Layout:
                         f"of {source}: map each to its own")
     clash = sorted(set(columns) & (set(TRL_KEYWORDS) - {"completion_ids"}))  # TRL drops that column itself
     if clash:
-        raise DataError(f"dataset {source} has a column {clash[0]!r}, a keyword TRL itself passes the reward functions: "
+        raise DataError(f"dataset {source} has a column {clash[0]!r}, "
+                        "a keyword TRL itself passes the reward functions: "
                         "rename that column")
     return Layout(question, answer, solution)
 
@@ -411,7 +414,8 @@ def load_questions(data_config) -> tuple[list[Question], list[Question]]:
     if data_config.dataset in (None, "", "builtin", "builtin:arithmetic"):
         n_train = data_config.num_train or BUILTIN_TRAIN_SIZE
         if separate:
-            return arithmetic_problems(n_train, data_config.seed, data_config.max_operand), _held_out(separate, data_config)
+            return (arithmetic_problems(n_train, data_config.seed, data_config.max_operand),
+                    _held_out(separate, data_config))
         problems = arithmetic_problems(n_train + eval_size, data_config.seed, data_config.max_operand)
         return problems[eval_size:], problems[:eval_size]
     questions = _from_spec(data_config.dataset, data_config)
@@ -432,7 +436,8 @@ def load_questions(data_config) -> tuple[list[Question], list[Question]]:
     return train, eval_set
 
 
-def split_validation(train: list[Question], held_out: list[Question], size: int) -> tuple[list[Question], list[Question]]:
+def split_validation(train: list[Question], held_out: list[Question],
+                     size: int) -> tuple[list[Question], list[Question]]:
     """(training questions left, validation questions) for the held-out curve (eval.every_steps): the last `size`
     training questions whose text is not one of the held-out questions', taken out of training, so the curve is
     measured on questions neither trained on nor the held-out ones (the final comparison's stay untouched).
@@ -456,7 +461,8 @@ def validation_questions(data_config, train: list[Question], held_out: list[Ques
     if data_config.dataset in (None, "", "builtin", "builtin:arithmetic"):
         n_train = data_config.num_train or BUILTIN_TRAIN_SIZE
         before = 0 if getattr(data_config, "eval_dataset", None) else data_config.eval_size
-        extra = arithmetic_problems(before + n_train + size, data_config.seed, data_config.max_operand)[before + n_train:]
+        extra = arithmetic_problems(before + n_train + size, data_config.seed,
+                                    data_config.max_operand)[before + n_train:]
         return train, extra
     return split_validation(train, held_out, size)
 

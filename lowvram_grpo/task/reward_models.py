@@ -70,10 +70,12 @@ class RewardModel:
 
         model, tokenizer = self.load()
         if is_conversational({"prompt": prompts[0]}):
-            texts = [apply_chat_template({"messages": p + c}, tokenizer, **self.chat_template_kwargs)["text"] for p, c in zip(prompts, completions)]
+            texts = [apply_chat_template({"messages": p + c}, tokenizer, **self.chat_template_kwargs)["text"]
+                     for p, c in zip(prompts, completions)]
         else:
             texts = [p + c for p, c in zip(prompts, completions)]
-        inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right",
+                           add_special_tokens=False)
         with torch.inference_mode():
             return model(**inputs.to(model.device)).logits[:, 0].tolist()
 

@@ -266,10 +266,12 @@ def check_scores(name: str, scores, n: int) -> list:
     """`scores` as TRL takes them: `n` values, each a float or None (None and NaN: the reward does not apply
     to that completion); RewardError naming the function for what TRL would fail on."""
     if isinstance(scores, (str, bytes)) or not hasattr(scores, "__iter__"):
-        raise RewardError(f"reward {name!r} returned {type(scores).__name__}, not a list of {n} numbers (one per completion)")
+        raise RewardError(
+            f"reward {name!r} returned {type(scores).__name__}, not a list of {n} numbers (one per completion)")
     values = list(scores)
     if len(values) != n:
-        raise RewardError(f"reward {name!r} returned {len(values)} scores for {n} completions: return one number per completion")
+        raise RewardError(
+            f"reward {name!r} returned {len(values)} scores for {n} completions: return one number per completion")
     checked = []
     for i, value in enumerate(values):
         if value is None:
@@ -278,10 +280,11 @@ def check_scores(name: str, scores, n: int) -> list:
         try:
             if isinstance(value, (str, bytes, complex)):
                 raise TypeError
-            checked.append(float(value))  # what torch.tensor(..., dtype=float32) takes: numbers, numpy, 1-element tensors
+            # what torch.tensor(..., dtype=float32) takes: numbers, numpy, 1-element tensors
+            checked.append(float(value))
         except (TypeError, ValueError, OverflowError):
-            raise RewardError(f"reward {name!r} returned {value!r} ({type(value).__name__}) as score {i}: scores must be "
-                              "numbers (or None where the reward does not apply)") from None
+            raise RewardError(f"reward {name!r} returned {value!r} ({type(value).__name__}) as score {i}: scores must "
+                              "be numbers (or None where the reward does not apply)") from None
     return checked
 
 
@@ -297,8 +300,8 @@ def _problem(name: str, exc: Exception) -> RewardError:
     missing = _UNEXPECTED_KEYWORD.search(str(exc)) if isinstance(exc, TypeError) else None
     if missing:
         return RewardError(f"reward {name!r} does not take the keyword {missing.group(1)!r} that TRL passes it (TRL "
-                           "passes prompts, completions, completion_ids, trainer_state, log_extra, log_metric and every "
-                           "dataset column): add **kwargs to its parameters")
+                           "passes prompts, completions, completion_ids, trainer_state, log_extra, log_metric and "
+                           "every dataset column): add **kwargs to its parameters")
     return RewardError(f"reward {name!r} raised {_first_line(exc)}")
 
 
@@ -360,7 +363,8 @@ def _warn(message: str) -> None:
 
 
 def load_reward_module(path: str):
-    """Import a user's reward file (user_files: cached by path and modification time). RewardError says what is wrong."""
+    """Import a user's reward file (user_files: cached by path and modification time). RewardError says what is
+    wrong."""
     return import_user_file(path, "rewards.module", "reward functions", RewardError)
 
 
@@ -376,7 +380,8 @@ def lookup_reward(name: str, module=None, chat_template_kwargs: Optional[dict] =
         return RewardModel(name, chat_template_kwargs)
     if module is not None and name in vars(module):
         if name in REWARDS:
-            raise RewardError(f"rewards.module {module.__file__} defines {name!r}, the name of a built-in reward: rename it")
+            raise RewardError(
+                f"rewards.module {module.__file__} defines {name!r}, the name of a built-in reward: rename it")
         fn = getattr(module, name)
         if not callable(fn):
             raise RewardError(f"{name!r} in rewards.module {module.__file__} is a {type(fn).__name__}, not a function")
@@ -433,7 +438,8 @@ def probe_reward(fn: RewardFn, name: str, row: Optional[dict] = None) -> None:
     """Call a user's reward once as TRL will: on `row` (a training row: its prompt and every other column)
     with a sample completion and TRL's own keywords, and check the scores."""
     if row is None:
-        row = {"prompt": [{"role": "system", "content": "Answer in the format."}, {"role": "user", "content": "What is 2 + 2?"}],
+        row = {"prompt": [{"role": "system", "content": "Answer in the format."},
+                          {"role": "user", "content": "What is 2 + 2?"}],
                "answer": "4", "solution": "2 + 2 = 4"}
     columns = {key: [value] for key, value in row.items() if key not in ("prompt", "completion", "completion_ids")}
     state = types.SimpleNamespace(global_step=0, max_steps=1, epoch=0.0, log_history=[])
@@ -459,7 +465,8 @@ def _check_rewards(rewards_config, rows: list[dict], source: str, functions=None
     """`functions`: (name, function) for rewards.names, already looked up (user_code.UserCode.reward_fns)."""
     if functions is None:
         module = load_reward_module(rewards_config.module) if rewards_config.module else None
-        functions = [(name, None if is_reward_model(name) else lookup_reward(name, module)) for name in rewards_config.names]
+        functions = [(name, None if is_reward_model(name) else lookup_reward(name, module))
+                     for name in rewards_config.names]
     for name, fn in functions:
         if is_reward_model(name):
             folder = Path(name).expanduser()
@@ -468,8 +475,8 @@ def _check_rewards(rewards_config, rows: list[dict], source: str, functions=None
             continue
         if name in NEEDS_GOLD and not any(row.get("answer") is not None for row in rows):
             columns = ", ".join(repr(k) for k in rows[0] if k != "prompt") or "none"
-            raise RewardError(f"reward {name!r} needs gold answers and the data {source} gives none (its other columns: "
-                              f"{columns}): map the answer column with data.answer_column=NAME, or choose other "
-                              "rewards.names (your own in rewards.module)")
+            raise RewardError(f"reward {name!r} needs gold answers and the data {source} gives none (its other "
+                              f"columns: {columns}): map the answer column with data.answer_column=NAME, or choose "
+                              "other rewards.names (your own in rewards.module)")
         if fn is not REWARDS.get(name):
             probe_reward(fn, name, rows[0])

@@ -185,7 +185,8 @@ def lookup_tool(name: str, module=None) -> Callable:
     """A tool by name: a function of the user's tools file, or a built-in tool."""
     if module is not None and name in vars(module):
         if name in BUILTIN_TOOLS:
-            raise ConfigError(f"tools.module {module.__file__} defines {name!r}, the name of a built-in tool: rename it")
+            raise ConfigError(f"tools.module {module.__file__} defines {name!r}, the name of a built-in tool: "
+                              "rename it")
         return getattr(module, name)
     if name in BUILTIN_TOOLS:
         return BUILTIN_TOOLS[name]
@@ -212,8 +213,8 @@ def check_tool_function(name: str, fn, where: str, method: bool = False) -> None
             raise ConfigError(f"tool {name!r} in {where} takes *{parameter.name}: a tool's parameters must be named "
                               "ones, each with a type hint")
         if parameter.annotation is inspect.Parameter.empty:
-            raise ConfigError(f"tool {name!r} in {where}: parameter {parameter.name!r} has no type hint: annotate every "
-                              "parameter (e.g. expression: str)")
+            raise ConfigError(f"tool {name!r} in {where}: parameter {parameter.name!r} has no type hint: annotate "
+                              "every parameter (e.g. expression: str)")
 
 
 def selected_tools(tools_config) -> list[Callable]:
@@ -229,8 +230,8 @@ def selected_tools(tools_config) -> list[Callable]:
         check_tool_function(name, fn, where)
         called = fn.__name__
         if called in by_name:
-            raise ConfigError(f"tools.names: {by_name[called]!r} and {name!r} are both the function {called!r}, and the "
-                              "model calls a tool by its function's name: list it once, or give each its own def")
+            raise ConfigError(f"tools.names: {by_name[called]!r} and {name!r} are both the function {called!r}, and "
+                              "the model calls a tool by its function's name: list it once, or give each its own def")
         by_name[called] = name
         chosen.append(fn)
     return chosen
@@ -243,7 +244,8 @@ def tool_functions(tools_config) -> list[Callable]:
 
 # --------------------------------------------------------------------------- an environment (environment.*)
 
-# What TRL 1.15's GRPOTrainer reads of an environment class by these names (not tools); every other public method is one.
+# What TRL 1.15's GRPOTrainer reads of an environment class by these names (not tools); every other public method is
+# one.
 ENVIRONMENT_HOOKS = ("reset", "get_reward")
 
 
@@ -373,10 +375,11 @@ def bounded(fn: Callable, timeout_seconds: float) -> Callable:
     return tool
 
 
-# --------------------------------------------------------------------------- the built-in models' tool-calling chat format
+# -------------------------------------------------------------------- the built-in models' tool-calling chat format
 
 _TOOLS_PREAMBLE = (
-    "# Tools\\n\\nYou may call one or more of these functions, given as JSON signatures within <tools></tools>:\\n<tools>")
+    "# Tools\\n\\nYou may call one or more of these functions, given as JSON signatures within "
+    "<tools></tools>:\\n<tools>")
 _TOOLS_CALL_FORMAT = (
     "\\n</tools>\\n\\nTo call one, write a JSON object with the function name and arguments within "
     "<tool_call></tool_call> tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"

@@ -31,7 +31,8 @@ class UserCode:
     def __init__(self, reward_fns: list[tuple[str, Callable]], tool_fns: list[Callable], environment: Optional[type],
                  on_error: str, timeout_seconds: float, environment_module: Optional[str]):
         self.on_error, self.timeout_seconds, self.environment_module = on_error, timeout_seconds, environment_module
-        self.reward_fns = tuple(reward_fns)  # (name in rewards.names, its function: built-in, the user's, a RewardModel)
+        self.reward_fns = tuple(reward_fns)  # (name in rewards.names, its function:
+                                             # built-in, the user's, a RewardModel)
         self.tools = tuple(tool_fns)         # tools.names' functions, checked (tools.selected_tools)
         self.environment = environment       # environment.name's class, checked (tools.environment_class)
         self._prompt_tools: Optional[list[Callable]] = None

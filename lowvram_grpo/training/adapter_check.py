@@ -6,11 +6,11 @@ when the adapter does not reach it: a vLLM engine whose LoRA sync is cut, a deco
 
 `trl_compat.SampledTokenScores` scores each scored step's sampled tokens under the adapter and under the base model
 (the adapter disabled), on every generation path. `AdapterGuard` judges them: once the adapter has moved the policy
-(after ADAPTER_GUARD_AFTER optimizer steps), a step whose tokens score more than ADAPTER_GUARD_MARGIN nats a token higher
-under the base than under the adapter is flagged: a warning line above the progress bar, a field on it, the report's
-section (report/build.py, from ADAPTER_SKIPPED_KEY in metrics.jsonl); `stop_after` flagged scored steps in a row stop
-the run at the end of that step with a checkpoint, and the pipeline raises the one line of `raise_if_stopped` naming
-the likely cause (the LoRA sync). `stop_after` 0: it warns and never stops. This module imports transformers.
+(after ADAPTER_GUARD_AFTER optimizer steps), a step whose tokens score more than ADAPTER_GUARD_MARGIN nats a token
+higher under the base than under the adapter is flagged: a warning line above the progress bar, a field on it, the
+report's section (report/build.py, from ADAPTER_SKIPPED_KEY in metrics.jsonl); `stop_after` flagged scored steps in a
+row stop the run at the end of that step with a checkpoint, and the pipeline raises the one line of `raise_if_stopped`
+naming the likely cause (the LoRA sync). `stop_after` 0: it warns and never stops. This module imports transformers.
 """
 from __future__ import annotations
 
@@ -84,10 +84,10 @@ class AdapterGuard(TrainerCallback):
         last = self.last
         kept = f"; checkpoint {checkpoint} kept" if checkpoint else ""
         raise TrainingStopped(
-            f"stopped at step {self.stopped_at} of {state.max_steps}: the rollouts of {self.in_a_row} scored steps in a "
-            f"row were closer to the base model than to the adapter being trained (the latest by {last['closer_to_base']:.4f} "
-            f"nats a token, {judged_by(last)}; margin {self.margin:g}, train.adapter_guard_steps={self.stop_after}): "
-            f"{CAUSE}{kept}")
+            f"stopped at step {self.stopped_at} of {state.max_steps}: the rollouts of {self.in_a_row} scored steps in "
+            f"a row were closer to the base model than to the adapter being trained (the latest by "
+            f"{last['closer_to_base']:.4f} nats a token, {judged_by(last)}; margin {self.margin:g}, "
+            f"train.adapter_guard_steps={self.stop_after}): {CAUSE}{kept}")
 
 
 def closer_to_base(scores: dict) -> float:

@@ -101,9 +101,11 @@ class MeasuredCadence(TrainerCallback):
             self.curve_note = (f"held-out curve off from now: measured ({answer}) even two points cost {share:.0%} of "
                                f"GRPO's time (on where under {VALIDATION_BUDGET:.0%}; planned every {planned})")
             return
-        if every <= planned:  # within the budget as planned: the plan's points stay (more would cost what it did not say)
+        if every <= planned:  # within the budget as planned: the plan's points
+                              # stay (more would cost what it did not say)
             share = curve_cost(planned, self.plan.max_steps, self.plan.validation_size, self.answer_seconds, seconds)
-            self.curve_note = f"held-out curve every {planned} steps as planned, measured {share:.0%} of GRPO's time at {answer}"
+            self.curve_note = (f"held-out curve every {planned} steps as planned, "
+                               f"measured {share:.0%} of GRPO's time at {answer}")
             return
         self.validation.every = every
         self.curve_note = (f"held-out curve every {every} steps (planned every {planned}), measured {share:.0%} of "

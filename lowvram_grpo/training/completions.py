@@ -14,8 +14,9 @@ One JSON object per completion, for the steps the policy below writes:
 - `tool_calls`: [{`name`, `arguments`, `result`}] in the order the model made them ([] without tools).
 
 The data is TRL 1.15's: the latest rollouts as its `log_completions` machinery keeps them (trl_compat.completion_log:
-prompts, completions with their tool messages, each reward function's scores, the advantages) plus what `CompletionFacts`
-logs through TRL's public `log_extra` keyword (the truncation and the gold answer; TRL shows them in its own tables too).
+prompts, completions with their tool messages, each reward function's scores, the advantages) plus what
+`CompletionFacts` logs through TRL's public `log_extra` keyword (the truncation and the gold answer; TRL shows them in
+its own tables too).
 
 Size policy (log.*): the completions of every `completions_every`-th logged step and of the last step; of each, the
 first `completions_groups` prompt groups, all their completions; the full prompt only at its first row. Before a step
@@ -117,7 +118,8 @@ class CompletionsLog:
                  max_steps: int, logging_steps: int = 1):
         self.run_dir, self.every, self.groups = run_dir, every, groups
         self.max_bytes = int(max_mb * 1_000_000)
-        self.group_size, self.weights, self.max_steps, self.logging_steps = group_size, weights, max_steps, logging_steps
+        self.group_size, self.weights, self.max_steps, self.logging_steps = (
+            group_size, weights, max_steps, logging_steps)
         self._texts: Optional[dict] = None  # prompt id -> prompt, of every row seen (read from the file at first use)
         self._in_file: set[str] = set()  # the prompt ids the file has a row of
 

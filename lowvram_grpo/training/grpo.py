@@ -117,12 +117,16 @@ def _plain(value):
 def describe_effective(effective: dict) -> str:
     """One line for the run log: the GRPO settings that shape the loss, and what the trainer changed."""
     s = effective["settings"]
-    line = (f"GRPO as the trainer runs it: trainer={effective['trainer']} loss_type={s['loss_type']} beta={s['beta']} "
-            f"epsilon={s['epsilon']} epsilon_high={s['epsilon_high']} importance_sampling_level={s['importance_sampling_level']} "
-            f"mask_truncated_completions={s['mask_truncated_completions']} top_entropy_quantile={s['top_entropy_quantile']} "
-            f"dynamic_sampling={_dynamic_sampling_label(s.get('dynamic_sampling_max_draws', 0), s.get('dynamic_sampling_reward'))} "
+    line = (f"GRPO as the trainer runs it: trainer={effective['trainer']} loss_type={s['loss_type']} "
+            f"beta={s['beta']} epsilon={s['epsilon']} epsilon_high={s['epsilon_high']} "
+            f"importance_sampling_level={s['importance_sampling_level']} "
+            f"mask_truncated_completions={s['mask_truncated_completions']} "
+            f"top_entropy_quantile={s['top_entropy_quantile']} "
+            "dynamic_sampling="
+            f"{_dynamic_sampling_label(s.get('dynamic_sampling_max_draws', 0), s.get('dynamic_sampling_reward'))} "
             f"scale_rewards={s['scale_rewards']} num_generations={s['num_generations']} "
-            f"generation_batch_size={s['generation_batch_size']} use_vllm={s['use_vllm']} bf16={s['bf16']} fp16={s['fp16']}")
+            f"generation_batch_size={s['generation_batch_size']} use_vllm={s['use_vllm']} bf16={s['bf16']} "
+            f"fp16={s['fp16']}")
     if s["use_vllm"] or s["vllm_importance_sampling_correction"]:  # resolve decides it for every vLLM path
         line += (f" vllm_importance_sampling_correction={s['vllm_importance_sampling_correction']}"
                  f" ({s['vllm_importance_sampling_mode']}"
@@ -146,7 +150,8 @@ def effective_grpo_settings(trainer, asked: dict) -> dict:
     {key: [asked, used]}} for EFFECTIVE_KEYS. Read from `trainer.args` (and the trainer's own attribute of the
     same name where it has one, as TRL and unsloth keep the live value there)."""
     used = {key: _plain(getattr(trainer, key, getattr(trainer.args, key, None))) for key in EFFECTIVE_KEYS}
-    used["dynamic_sampling_max_draws"] = getattr(trainer, "dynamic_sampling_draws", 0)  # ours (trl_compat.DynamicSampling)
+    used["dynamic_sampling_max_draws"] = getattr(trainer, "dynamic_sampling_draws", 0)  # ours
+                                                                                        # (trl_compat.DynamicSampling)
     used["dynamic_sampling_reward"] = getattr(trainer, "dynamic_sampling_reward", None)
     used["is_ratio_from_loss"] = isinstance(trainer, RatioFromLoss) and trainer.is_ratio_from_loss  # ours
     used["shared_prompt"] = isinstance(trainer, SharedPrompt) and trainer.shared_prompt  # ours
@@ -165,7 +170,8 @@ class ReleaseHostMemory(TrainerCallback):
 
 
 class MetricsWriter(TrainerCallback):
-    """Appends each logged step to metrics.jsonl (through RunDir): `step`, `reward`, `loss` and every other TRL metric."""
+    """Appends each logged step to metrics.jsonl (through RunDir): `step`, `reward`, `loss` and every other TRL
+    metric."""
     def __init__(self, run_dir: RunDir, tool_use=None):
         self.run_dir = run_dir
         self.tool_use = tool_use  # tool_metrics.ToolUse when the run has tools: a transcript at checkpoint steps
@@ -200,7 +206,8 @@ class CompletionsWriter(TrainerCallback):
         self.policy, self.trainer = policy, trainer
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not logs or "reward" not in logs or not state.is_world_process_zero or not self.policy.due(state.global_step):
+        if (not logs or "reward" not in logs or not state.is_world_process_zero
+                or not self.policy.due(state.global_step)):
             return
         from lowvram_grpo.training.trl_compat import completion_log  # loads transformers
 
@@ -517,7 +524,8 @@ class RunTrainer(SampledTokenScores, DynamicSampling, TrainerHooks):
             self.completions_log = CompletionsLog(self.run_dir, **settings)
             self.add_callback(CompletionsWriter(self.completions_log, self))
         self.validation = extras.validation
-        if extras.validation is not None:  # first: its numbers join the step's logs before the trackers and metrics.jsonl read them
+        if extras.validation is not None:  # first: its numbers join the step's logs before the trackers and
+                                           # metrics.jsonl read them
             self.callback_handler.callbacks.insert(0, ValidationCurve(extras.validation, self.run_dir))
         self.cadence = extras.cadence
         if extras.cadence is not None:

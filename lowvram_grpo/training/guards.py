@@ -67,7 +67,8 @@ class NonFiniteGuard(TrainerCallback):
     def raise_if_stopped(self, state, checkpoint) -> None:
         if self.stopped_at is None:
             return
-        kept = f"; the newest checkpoint is {checkpoint} (skipped steps leave the weights unchanged)" if checkpoint else ""
+        kept = (f"; the newest checkpoint is {checkpoint} (skipped steps leave the weights unchanged)" if checkpoint
+                else "")
         raise TrainingStopped(
             f"stopped at step {self.stopped_at} of {state.max_steps}: {self.in_a_row} steps in a row had a NaN/inf "
             f"loss or gradient (each skipped; train.max_nonfinite_steps={self.max_in_a_row}). Lower "

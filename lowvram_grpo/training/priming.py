@@ -58,7 +58,8 @@ def tool_transcript(messages: list[dict], solution: str) -> Optional[list[dict]]
     expressions = calculations(solution)
     if not expressions:
         return None
-    calls = [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": e}}} for e in expressions]
+    calls = [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": e}}}
+             for e in expressions]
     results = [{"role": "tool", "name": "calculator", "content": calculator(e)} for e in expressions]
     return [*messages, {"role": "assistant", "content": "", "tool_calls": calls}, *results]
 
@@ -179,12 +180,12 @@ def load_state(folder, model, optimizer) -> dict:
 def prime(handle, questions: list[Question], plan: PrimePlan, log=print, max_seconds: Optional[float] = None,
           on_step: Optional[Callable[[int, float], None]] = None, checkpoints=None,
           resume_from: Optional[Path] = None) -> dict:
-    """Run `plan.steps` (plans.PrimePlan: prime.*) supervised steps on `questions` that have worked solutions (cycling through
-    them); with `max_seconds`, no step starts once that much wall time has passed (the prime-only
-    baseline's equal-time budget, baseline.py). `on_step(steps_done, seconds_training_so_far)` runs after each step (bench/plateau.py
-    saves and measures checkpoints of one priming there; the time it takes is not counted against `max_seconds`
-    nor in the returned seconds). `checkpoints`: the run's RunDir, for prime-checkpoint-N; `resume_from`: one
-    to continue from. A signal (stops.py) stops priming after the step it arrived in: StopRequested, after
+    """Run `plan.steps` (plans.PrimePlan: prime.*) supervised steps on `questions` that have worked solutions (cycling
+    through them); with `max_seconds`, no step starts once that much wall time has passed (the prime-only
+    baseline's equal-time budget, baseline.py). `on_step(steps_done, seconds_training_so_far)` runs after each step
+    (bench/plateau.py saves and measures checkpoints of one priming there; the time it takes is not counted against
+    `max_seconds` nor in the returned seconds). `checkpoints`: the run's RunDir, for prime-checkpoint-N; `resume_from`:
+    one to continue from. A signal (stops.py) stops priming after the step it arrived in: StopRequested, after
     a checkpoint when there is `checkpoints`."""
     import torch
 
@@ -261,4 +262,5 @@ def prime(handle, questions: list[Question], plan: PrimePlan, log=print, max_sec
     if not losses:
         return {"steps": 0}
     return {"steps": len(losses), "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
-            "seconds": round(seconds(), 1), "last_step_started": None if last_started is None else round(last_started, 3)}
+            "seconds": round(seconds(), 1),
+            "last_step_started": None if last_started is None else round(last_started, 3)}

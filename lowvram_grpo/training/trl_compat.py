@@ -114,7 +114,8 @@ def check_versions(warn=None) -> list[str]:
                            f"{installed['transformers']} do not have as expected: install the pinned versions "
                            f"(pip install {pins.replace(', ', ' ')})")
     if installed != WRITTEN_FOR:
-        (warn or _warn)(f"warning: lowvram_grpo was written for {pins} (requirements*.txt); found trl {installed['trl']}, "
+        (warn or _warn)(f"warning: lowvram_grpo was written for {pins} (requirements*.txt); "
+                        f"found trl {installed['trl']}, "
                         f"transformers {installed['transformers']}: its checkpoint and log-prob hooks are present, "
                         "but if training misbehaves install the pinned versions")
     return missing
@@ -280,7 +281,8 @@ def set_trainer_state(trainer, state) -> None:
 
 # TRL 1.15's own generation of one turn (the transformers branch of GRPOTrainer._generate_single_turn), which
 # ModelSampler runs with the sampler's log-probs captured; check_versions refuses a TRL whose signature differs.
-SINGLE_TURN = ("_generate_single_turn", ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"))
+SINGLE_TURN = ("_generate_single_turn",
+               ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"))
 
 
 def missing_single_turn(trainer_class: type) -> list[str]:
@@ -344,7 +346,8 @@ class ModelSampler:
             trainer.use_vllm = True
             internals.restore_generate(model, own)
         logprobs = rows[0].cpu().tolist()
-        return prompts, completion_ids, [[[lp] for lp in row[:len(ids)]] for row, ids in zip(logprobs, completion_ids)], None
+        return (prompts, completion_ids,
+                [[[lp] for lp in row[:len(ids)]] for row, ids in zip(logprobs, completion_ids)], None)
 
 
 def use_torch_logprobs(device_type: str, kernel_available: bool) -> bool:
@@ -417,8 +420,9 @@ DYNAMIC_SAMPLING_KEYS = ("dynamic_sampling/extra_rollouts", "dynamic_sampling/ze
 # (completion side) tensors with their pad value (None: the tokenizer's pad token); recounted after a merge.
 ROW_KEYS = ("advantages",)
 LEFT_PADDED = {"prompt_ids": None, "prompt_mask": 0}
-RIGHT_PADDED = {"completion_ids": None, "completion_mask": 0, "old_per_token_logps": 0.0, "sampling_per_token_logps": 0.0,
-                "ref_per_token_logps": 0.0, "importance_sampling_ratio": 1.0, "tool_mask": 1}
+RIGHT_PADDED = {"completion_ids": None, "completion_mask": 0, "old_per_token_logps": 0.0,
+                "sampling_per_token_logps": 0.0, "ref_per_token_logps": 0.0, "importance_sampling_ratio": 1.0,
+                "tool_mask": 1}
 RECOUNTED = ("num_items_in_batch",)
 
 
@@ -434,7 +438,8 @@ def missing_dynamic_sampling_hooks(trainer_class: type) -> list[str]:
 
 class DynamicSampling:
     """The mixin (see the section's comment). `dynamic_sampling_draws`: 0 = off, else the most extra rounds per
-    generation batch (training.grpo.RunTrainer.__init__ sets it from train.dynamic_sampling / dynamic_sampling_max_draws)."""
+    generation batch (training.grpo.RunTrainer.__init__ sets it from train.dynamic_sampling /
+    dynamic_sampling_max_draws)."""
 
     dynamic_sampling_draws = 0
     dynamic_sampling_column = None  # train.dynamic_sampling_reward: judge by that reward function's column alone
@@ -457,7 +462,8 @@ class DynamicSampling:
         return self._batch_with_signal(inputs, batch)
 
     def _zero_signal_groups(self) -> list[bool]:
-        """Per group of the rollout just scored: True when its rewards carry no signal (TRL's frac_reward_zero_std test)."""
+        """Per group of the rollout just scored: True when its rewards carry no signal (TRL's frac_reward_zero_std
+        test)."""
         import torch
         from trl.trainer.utils import nanstd
 
@@ -501,7 +507,8 @@ class DynamicSampling:
         step and the round."""
         import torch
 
-        generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.state.global_step * 1_009 + round_number)
+        generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.state.global_step * 1_009
+                                                  + round_number)
         rows = []
         for index in torch.randperm(len(self.train_dataset), generator=generator).tolist():
             row = self.train_dataset[index]
@@ -521,7 +528,8 @@ class DynamicSampling:
         unknown = set(parts[0]) - set(ROW_KEYS) - set(LEFT_PADDED) - set(RIGHT_PADDED) - set(RECOUNTED)
         if unknown:
             raise BackendError(f"train.dynamic_sampling cannot merge the rollout batch's {', '.join(sorted(unknown))} "
-                               f"(written for trl {WRITTEN_FOR['trl']}'s text-only batches): set train.dynamic_sampling=false")
+                               f"(written for trl {WRITTEN_FOR['trl']}'s text-only batches): "
+                               "set train.dynamic_sampling=false")
         size = self.num_generations
         pad_token = (getattr(self, "_tokenizer", None) or self.processing_class).pad_token_id
         merged = {}
@@ -551,7 +559,8 @@ class DynamicSampling:
         return merged
 
 
-# --------------------------------------------------------------------------- the completions of a step (log.completions_*)
+# --------------------------------------------------------------------------- the completions of a step
+# (log.completions_*)
 # TRL 1.15 keeps the latest generation batch's rollouts in the private `GRPOTrainer._logs` (its `log_completions`
 # machinery prints and uploads them from there): `prompt` and `completion` (as the reward functions saw them: text, or
 # messages, a tool-calling completion's tool calls and tool results included), `rewards` {reward function name: one
@@ -586,15 +595,17 @@ def completion_log(trainer) -> dict:
     prompt's num_generations completions in a row). BackendError when the built trainer has no such log."""
     logs = getattr(trainer, "_logs", None)
     if not isinstance(logs, dict) or any(key not in logs for key in COMPLETION_LOG_KEYS):
-        raise BackendError(f"this GRPOTrainer keeps no completion log as trl {WRITTEN_FOR['trl']} does (_logs): install "
-                           "the pinned trl, or set log.completions_every=0")
+        raise BackendError(f"this GRPOTrainer keeps no completion log as trl {WRITTEN_FOR['trl']} does (_logs): "
+                           "install the pinned trl, or set log.completions_every=0")
     return {"prompt": list(logs["prompt"]), "completion": list(logs["completion"]),
             "rewards": {name: list(values) for name, values in logs["rewards"].items()},
-            "advantages": list(logs["advantages"]), "extra": {name: list(values) for name, values in logs["extra"].items()}}
+            "advantages": list(logs["advantages"]),
+            "extra": {name: list(values) for name, values in logs["extra"].items()}}
 
 
 
-# --------------------------------------------------------------------------- the ratio from the loss (train.is_logprobs)
+# --------------------------------------------------------------------------- the ratio from the loss
+# (train.is_logprobs)
 # TRL 1.15's importance-sampling correction (use_vllm + vllm_importance_sampling_correction) scores every rollout batch
 # with an extra no-grad forward of the policy in _generate_and_score_completions (old_per_token_logps) and takes the
 # ratio exp(old - sampler's) there. Where generation and optimization are aligned (TRL's own test:
@@ -662,7 +673,8 @@ def is_ratio(trainer_logps, sampler_logps, mask, mode: str, clip_min, clip_max):
         low = clip_min if clip_min is not None else -math.inf
         high = clip_max if clip_max is not None else math.inf
         return ratio.masked_fill((ratio < low) | (ratio > high), value=0.0)
-    raise BackendError(f"unknown vllm_importance_sampling_mode {mode!r} (trl {WRITTEN_FOR['trl']} knows token_truncate, "
+    raise BackendError(f"unknown vllm_importance_sampling_mode {mode!r} "
+                       f"(trl {WRITTEN_FOR['trl']} knows token_truncate, "
                        "token_mask, sequence_truncate, sequence_mask)")
 
 
@@ -693,7 +705,8 @@ class RatioFromLoss:
         return batch
 
     def _compute_loss(self, model, inputs):
-        if "importance_sampling_ratio" in inputs or "sampling_per_token_logps" not in inputs or not self._ratio_deferred():
+        if ("importance_sampling_ratio" in inputs or "sampling_per_token_logps" not in inputs
+                or not self._ratio_deferred()):
             return super()._compute_loss(model, inputs)
         self._ratio_inputs = inputs
         try:
@@ -713,7 +726,8 @@ class RatioFromLoss:
         import torch
 
         sampler_logps = inputs["sampling_per_token_logps"]
-        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        mask = (inputs["completion_mask"] if "tool_mask" not in inputs
+                else inputs["completion_mask"] * inputs["tool_mask"])
         ratio = is_ratio(trainer_logps, sampler_logps, mask, self.vllm_importance_sampling_mode,
                          self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max)
         inputs["importance_sampling_ratio"] = ratio
@@ -801,8 +815,8 @@ class SampledTokenScores:
         return bool(every) and self.model.training and (self.state.global_step + 1) % every == 0
 
     def _sampled_logps(self, batch: dict, adapter: bool):
-        """The batch's completion tokens' log-probs [B, T] under the adapter (or the base: adapter disabled), one no-grad
-        pass of TRL's own scoring; the run's RNG state kept (torch.random.fork_rng)."""
+        """The batch's completion tokens' log-probs [B, T] under the adapter (or the base: adapter disabled), one
+        no-grad pass of TRL's own scoring; the run's RNG state kept (torch.random.fork_rng)."""
         import torch
         from trl.models.utils import disable_gradient_checkpointing
 
@@ -814,7 +828,8 @@ class SampledTokenScores:
         with torch.random.fork_rng(devices=devices), torch.no_grad(), off, \
                 disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             logps, _, _ = self._get_per_token_logps_and_entropies(
-                self.model, ids, mask, batch["completion_ids"].size(1), batch_size=self.args.per_device_train_batch_size)
+                self.model, ids, mask, batch["completion_ids"].size(1),
+                batch_size=self.args.per_device_train_batch_size)
         return logps
 
     def _generate_and_score_completions(self, inputs):
@@ -895,7 +910,8 @@ class SampledTokenScores:
             self.adapter_score_observer(self.state.global_step + 1, scores)
 
 
-# ------------------------------------------------------------------------- the group's prompt once (train.shared_prompt)
+# ------------------------------------------------------------------------- the group's prompt once
+# (train.shared_prompt)
 # TRL 1.15's `_get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size, ...)`
 # scores each row [prompt, completion] in full (labels: the completion's tokens; `model(..., fused_lm_head=True)`, the
 # fused LM head add_fused_lm_head put on the model), so a group's prompt is computed once per completion. `SharedPrompt`

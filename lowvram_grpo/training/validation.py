@@ -5,7 +5,8 @@ where it costs under 10% of the run) and at the last step, the adapter as traine
 measured under the run's protocol (evaluation.py: greedy by default, one answer a question) on the validation
 questions: eval.validation_size questions of the training source that are never trained on and never the held-out
 questions of the final comparison (data.validation_questions: built-in problems generated after the training ones,
-so the training data is the very one of a run without the curve; other data: taken out of the training questions). Its numbers go into that step's row of metrics.jsonl as
+so the training data is the very one of a run without the curve; other data: taken out of the training questions).
+Its numbers go into that step's row of metrics.jsonl as
 `validation/<metric>` (so the trackers and the report's plots get them), and when the point is the best so far by
 the criterion (`validation/accuracy_strict`; `validation/reward_mean` for data without gold answers; the earliest
 step among equals), the saved adapter becomes best_adapter/ (RunDir.keep_best: atomically, with best_step.json).
@@ -123,4 +124,5 @@ class Validation:
     @staticmethod
     def describe(numbers: dict) -> str:
         key = next((k for k in CRITERIA if k in numbers), None)
-        return f"{key.removeprefix(PREFIX)} {numbers[key]:.3f} on {numbers[f'{PREFIX}n']} validation questions" if key else "no score"
+        return (f"{key.removeprefix(PREFIX)} {numbers[key]:.3f} on {numbers[f'{PREFIX}n']} validation questions"
+                if key else "no score")

@@ -20,7 +20,8 @@ def _prompt_ids(tokenizer, prompt, trainer=None) -> list[int]:
         return tokenizer(prompt, add_special_tokens=False)["input_ids"]
     extra = {}
     if trainer is not None:
-        extra = dict(tools=getattr(trainer, "tools", None) or None, chat_template=getattr(trainer, "chat_template", None),
+        extra = dict(tools=getattr(trainer, "tools", None) or None,
+                     chat_template=getattr(trainer, "chat_template", None),
                      **(getattr(trainer, "chat_template_kwargs", None) or {}))
     encoded = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, return_dict=True,
                                             **extra)

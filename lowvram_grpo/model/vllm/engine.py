@@ -180,7 +180,8 @@ class LocalVLLMEngine:
         while worker.is_alive():
             worker.join(0.5)
             if worker.is_alive() and self.pids and self.dead_pids():
-                raise VLLMEngineDied(f"its process {self.dead_pids()[0]} ended during {what} (killed, or out of memory)")
+                raise VLLMEngineDied(
+                    f"its process {self.dead_pids()[0]} ended during {what} (killed, or out of memory)")
         if "error" in outcome:
             dead = self.dead_pids() if self.pids else []
             if dead and not isinstance(outcome["error"], VLLMEngineDied):
@@ -263,7 +264,8 @@ class LocalVLLMEngine:
         ids = [self.tokenizer.eos_token_id]
         return [i for i in ids if i is not None]
 
-    def generate(self, texts: list[str], params: SamplingParams, lora_request: Optional[LoraRequest]) -> list[Completion]:
+    def generate(self, texts: list[str], params: SamplingParams,
+                 lora_request: Optional[LoraRequest]) -> list[Completion]:
         """The GenerationEngine call: templated prompt texts in, completions out (evaluation)."""
         llm = self._require()
         self._wake()
@@ -292,8 +294,9 @@ class LocalVLLMEngine:
         self._wake()
         params = [
             self._sampling(**rollout_sampling_kwargs(
-                k, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
-                max_tokens=max_tokens, stop_token_ids=stop_token_ids, seed=None if seed is None else seed + 1000 * i))
+                k, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                repetition_penalty=repetition_penalty, max_tokens=max_tokens, stop_token_ids=stop_token_ids,
+                seed=None if seed is None else seed + 1000 * i))
             for i, k in enumerate(n)
         ]
         outputs = self._watched("the rollout", llm.generate, [{"prompt_token_ids": list(p)} for p in prompt_ids],
@@ -317,7 +320,8 @@ def _close_ref(ref) -> None:
         engine.close()
 
 
-OPEN_ENGINES: "weakref.WeakSet[LocalVLLMEngine]" = weakref.WeakSet()  # engines started for runs (closes_engines_on_error)
+# engines started for runs (closes_engines_on_error)
+OPEN_ENGINES: "weakref.WeakSet[LocalVLLMEngine]" = weakref.WeakSet()
 
 
 def engine_stop_cause(exc: BaseException) -> Optional[str]:

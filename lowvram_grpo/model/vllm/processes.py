@@ -33,7 +33,8 @@ def sigint_blocked():
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *([signal.SIGHUP] if hasattr(signal, 'SIGHUP') else [])})
+    old = signal.pthread_sigmask(signal.SIG_BLOCK,
+                                 {signal.SIGINT, *([signal.SIGHUP] if hasattr(signal, 'SIGHUP') else [])})
     try:
         yield
     finally:

@@ -74,7 +74,8 @@ def settings_for(resolved, shape, model_path: str) -> EngineSettings:
                                           resolved.compute_bytes),
         device=resolved.device,
         cpu_threads=model.vllm_cpu_threads,
-        gpu_memory_utilization=engine_gpu_memory_utilization(shape, resolved, resolved.hardware.total_gib or resolved.vram_gib)
+        gpu_memory_utilization=engine_gpu_memory_utilization(shape, resolved,
+                                                             resolved.hardware.total_gib or resolved.vram_gib)
         if cuda else None,
         sleep_between_rollouts=cuda,
         seed=model.seed,
@@ -101,7 +102,8 @@ def engine_kwargs(s: EngineSettings) -> dict:
     )
     if s.device == "cuda":
         kwargs.update(gpu_memory_utilization=s.gpu_memory_utilization, enable_sleep_mode=s.sleep_between_rollouts)
-        if s.load_in_4bit:  # the trainer's base is NF4: vLLM quantizes the same checkpoint the same way (vllm-bnb-plugin)
+        if s.load_in_4bit:  # the trainer's base is NF4: vLLM quantizes the same checkpoint the same way
+                            # (vllm-bnb-plugin)
             kwargs.update(quantization="bitsandbytes")
     return kwargs
 
