@@ -31,8 +31,14 @@ pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 TINY = ["--preset", "tiny", "--max-steps", "2"]
 NO_EVAL = ["--set", "eval.enabled=false"]
-SIGNALS = [signal.SIGINT, signal.SIGTERM]
-IDS = ["SIGINT", "SIGTERM"]
+
+
+def stopped_by(*names: str):
+    """The signals a phase is stopped by. core/stops.py turns SIGINT, SIGTERM and SIGHUP into the same StopRequested
+    through one handler, so each phase takes one of them (each signal seen in several phases, its exit code and name
+    checked every time) and GRPO, where TRL's trainer runs between our safe points, takes SIGINT and SIGTERM both."""
+    return pytest.mark.parametrize("signum", [getattr(signal, n) for n in names], ids=list(names))
+
 
 # Pauses the PAUSE_CALL-th call of PAUSE_AT (module:function) for PAUSE_SECONDS after touching MARKER, then
 # runs DRIVE (lowvram_grpo.run.cli or lowvram_grpo.baseline) with the command line's arguments.
@@ -143,7 +149,7 @@ def _adapter(path):
 
 # ------------------------------------------------------------------------------------------- the run command
 
-@pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
+@stopped_by("SIGTERM")
 def test_loading(tmp_path, signum):
     out = tmp_path / "run"
     proc, marker = _paused(tmp_path, [*TINY, *NO_EVAL, "--output-dir", str(out)],
@@ -155,7 +161,7 @@ def test_loading(tmp_path, signum):
     assert json.loads((out / "summary.json").read_text())["status"] == "complete"
 
 
-@pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
+@stopped_by("SIGINT")
 def test_measuring_before(tmp_path, signum):
     out = tmp_path / "run"
     proc, marker = _paused(tmp_path, [*TINY, "--output-dir", str(out)],
@@ -169,7 +175,7 @@ def test_measuring_before(tmp_path, signum):
     assert json.loads((out / "summary.json").read_text())["before"] is not None
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
+@stopped_by("SIGHUP", "SIGINT")  # SIGTERM: test_a_stopped_priming_resumes_to_the_unbroken_adapter
 def test_priming(tmp_path, signum):
     out = tmp_path / "run"
     proc = _start([sys.executable, "-m", "lowvram_grpo.run", *TINY, *NO_EVAL, "--set", "prime.steps=400",
@@ -187,7 +193,7 @@ def test_priming(tmp_path, signum):
     assert [s for s, _ in RunDir(out).prime_checkpoint_dirs()] == [400]  # the end's, which a later resume starts after
 
 
-@pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
+@stopped_by("SIGTERM")
 def test_measuring_primed(tmp_path, signum):
     out = tmp_path / "run"
     proc, marker = _paused(tmp_path, [*TINY, "--set", "prime.steps=3", "--output-dir", str(out)],
@@ -200,7 +206,7 @@ def test_measuring_primed(tmp_path, signum):
     assert json.loads((out / "summary.json").read_text())["primed"] is not None
 
 
-@pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
+@stopped_by("SIGINT", "SIGTERM")
 def test_grpo(tmp_path, signum):
     out = tmp_path / "run"
     proc = _start([sys.executable, "-m", "lowvram_grpo.run", "--preset", "tiny", "--max-steps", "30", *NO_EVAL,
@@ -215,7 +221,7 @@ def test_grpo(tmp_path, signum):
     assert [r["step"] for r in rows] == list(range(1, 31))
 
 
-@pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
+@stopped_by("SIGINT")
 def test_saving(tmp_path, signum):
     out = tmp_path / "run"
     proc, marker = _paused(tmp_path, [*TINY, *NO_EVAL, "--output-dir", str(out)],
@@ -227,7 +233,7 @@ def test_saving(tmp_path, signum):
     _resumed(line, out)
 
 
-@pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
+@stopped_by("SIGTERM")
 def test_measuring_after(tmp_path, signum):
     out = tmp_path / "run"
     proc, marker = _paused(tmp_path, [*TINY, "--output-dir", str(out)],
@@ -243,7 +249,7 @@ def test_measuring_after(tmp_path, signum):
     assert trained.keys() == again.keys() and all(torch.equal(trained[k], again[k]) for k in trained)
 
 
-@pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
+@stopped_by("SIGHUP")
 def test_exporting(tmp_path, signum):
     out = tmp_path / "run"
     proc, marker = _paused(tmp_path, [*TINY, *NO_EVAL, "--export", "merged16", "--output-dir", str(out)],
@@ -254,7 +260,7 @@ def test_exporting(tmp_path, signum):
     assert f"exported (merged16): {out / 'export-merged16'}" in resumed.stdout
 
 
-@pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
+@stopped_by("SIGINT")
 def test_report(tmp_path, signum):
     out = tmp_path / "run"
     proc, marker = _paused(tmp_path, [*TINY, *NO_EVAL, "--output-dir", str(out)],
@@ -279,7 +285,7 @@ def finished(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
+@stopped_by("SIGTERM")
 def test_eval_command(tmp_path, finished, signum):
     proc, marker = _paused(tmp_path, ["eval", "--adapter", str(finished / "adapter")],
                            "lowvram_grpo.evaluate.evaluation:generate_answers", call=2)
@@ -289,7 +295,7 @@ def test_eval_command(tmp_path, finished, signum):
     assert "accuracy_strict" in again.stdout
 
 
-@pytest.mark.parametrize("signum", SIGNALS, ids=IDS)
+@stopped_by("SIGHUP")
 def test_baseline_command(tmp_path, finished, signum):
     proc, marker = _paused(tmp_path, [str(finished), "--steps", "4"],
                            "lowvram_grpo.training.priming:completion_loss", call=2,
