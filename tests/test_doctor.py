@@ -265,12 +265,18 @@ def _resolved(preset, card_profile, overrides=(), backend="auto"):
     return resolve(load_config(preset, list(overrides)), profile(card_profile), backend)
 
 
+def _run(preset, card_profile, overrides=(), backend="auto"):
+    """(config, its settings resolved on the card profile): what plan_lines takes."""
+    config = load_config(preset, list(overrides))
+    return config, resolve(config, profile(card_profile), backend)
+
+
 def test_the_plan_is_made_against_free_memory_and_the_settings_it_proposes_fit():
     """A T4 with 9 of its 14.7 GiB free: llama8b_4bit does not fit; the proposed settings, given back as
     --set values, fit the same free memory. unsloth_zoo gives vLLM gpu_memory_utilization x the FREE memory,
     so the suggested utilization is the setting itself, never scaled by total / free."""
     t4 = facts(card("Tesla T4", (7, 5), 14.7, 9.0))
-    lines = plan_lines(_resolved("llama8b_4bit", "t4"), t4)
+    lines = plan_lines(*_run("llama8b_4bit", "t4"), t4)
     assert lines[0].text.startswith("memory plan against the 9.0 GiB free on GPU 0 "
                                     "(unsloth/Meta-Llama-3.1-8B-Instruct, "
                                     "unsloth backend; unsloth gives vLLM 0.6 of the free memory, 5.4 GiB)")
@@ -278,7 +284,7 @@ def test_the_plan_is_made_against_free_memory_and_the_settings_it_proposes_fit()
     assert block.text.startswith("the plan (") and "does not fit the 9.0 GiB free on GPU 0" in block.text
     fix = re.findall(r"--set (\S+)", block.fix)
     assert fix and "memory.gpu_memory_utilization" in block.fix
-    again = plan_lines(_resolved("llama8b_4bit", "t4", fix), t4)
+    again = plan_lines(*_run("llama8b_4bit", "t4", fix), t4)
     assert [line.status for line in again if line.status in ("ok", "BLOCK")] == ["ok", "ok"], [str(x) for x in again]
     util = float(dict(s.split("=") for s in fix)["memory.gpu_memory_utilization"])
     assert again[-1].text.startswith(f"vLLM starts with gpu_memory_utilization {util * 9.0 / 14.7:.3f} ")
@@ -289,7 +295,7 @@ def test_vllm_on_the_unsloth_backend_takes_its_share_of_the_free_memory_and_star
     that share / the total (0.327): vLLM's own check that this much is free passes, so nothing blocks a run that
     fits beside a display. (The doctor used to block it: 'vLLM asks for 0.6 x 14.7 GiB at start'.)"""
     crowded = facts(card("Tesla T4", (7, 5), 14.7, 8.0))
-    lines = plan_lines(_resolved("qwen1_5b_4bit", "t4", ["memory.gpu_memory_utilization=0.6"]), crowded)
+    lines = plan_lines(*_run("qwen1_5b_4bit", "t4", ["memory.gpu_memory_utilization=0.6"]), crowded)
     assert not [line for line in lines if line.status == "BLOCK"], [str(x) for x in lines]
     assert lines[0].text.endswith("unsloth gives vLLM 0.6 of the free memory, 4.8 GiB):")
     assert ("ok", "vLLM starts with gpu_memory_utilization 0.327 (4.8 GiB) and max_model_len 768 (unsloth_zoo's "
@@ -300,7 +306,7 @@ def test_a_max_model_len_unsloth_shrinks_below_prompt_plus_completion_is_a_warni
     """unsloth_zoo shrinks vLLM's max_model_len to what its KV-cache estimate holds: a T4 with 14.4 GiB free at
     gpu_memory_utilization 0.45 gives llama8b_4bit's 4096-token sequences 768 tokens; the doctor says so."""
     t4 = facts(card("Tesla T4", (7, 5), 14.7, 14.4))
-    lines = plan_lines(_resolved("llama8b_4bit", "t4", ["memory.gpu_memory_utilization=0.45",
+    lines = plan_lines(*_run("llama8b_4bit", "t4", ["memory.gpu_memory_utilization=0.45",
                                                         "model.max_seq_length=4096",
                                                         "train.max_completion_length=3072"]), t4)
     (warning,) = [line for line in lines if line.text.startswith("vLLM starts with")]
@@ -314,10 +320,10 @@ def test_a_max_model_len_unsloth_shrinks_below_prompt_plus_completion_is_a_warni
 def test_the_hf_backends_own_engine_blocks_when_its_share_is_not_free_beside_the_trainer():
     """Our engine passes its own share as gpu_memory_utilization (memory_plan_terms.engine_gpu_memory_utilization) and
     starts after the trainer loaded: a T4 with 2 GiB free cannot hold both."""
-    ours = _resolved("qwen1_5b_4bit", "t4", ["model.generation=vllm"], backend="hf")
+    ours = _run("qwen1_5b_4bit", "t4", ["model.generation=vllm"], backend="hf")
     assert not any(line.text.startswith("the vLLM engine asks")
-                   for line in plan_lines(ours, facts(card("Tesla T4", (7, 5), 14.7, 14.0))))
-    start = [line for line in plan_lines(ours, facts(card("Tesla T4", (7, 5), 14.7, 2.0)))
+                   for line in plan_lines(*ours, facts(card("Tesla T4", (7, 5), 14.7, 14.0))))
+    start = [line for line in plan_lines(*ours, facts(card("Tesla T4", (7, 5), 14.7, 2.0)))
              if line.text.startswith("the vLLM engine asks")]
     assert start and start[0].status == "BLOCK" and "lower memory.vllm_kv_cache_gb or eval.batch_size" in start[0].fix
 

@@ -209,10 +209,11 @@ def test_hf_4bit_plan_counts_the_fp32_parts_prepare_model_for_kbit_training_make
     shape = model_shape("builtin:tiny")
     assert sum(p.numel() for p in other) == shape.other_params
     gpu = dataclasses.replace(profile("rtx3090"), total_gib=24)
-    hf = plan(resolve(config, gpu, "hf")).terms["weights"]
+    hf = plan(config, resolve(config, gpu, "hf")).terms["weights"]
     assert hf.bytes == int(shape.linear_params * NF4_BYTES_PER_PARAM + shape.other_params * 4)
-    llama_hf = plan(resolve(load_config("llama8b_4bit"), profile("rtx3090"), "hf")).terms["weights"].bytes
-    llama_unsloth = plan(resolve(load_config("llama8b_4bit"), profile("rtx3090"), "unsloth")).terms["weights"].bytes
+    llama = load_config("llama8b_4bit")
+    llama_hf = plan(llama, resolve(llama, profile("rtx3090"), "hf")).terms["weights"].bytes
+    llama_unsloth = plan(llama, resolve(llama, profile("rtx3090"), "unsloth")).terms["weights"].bytes
     assert (llama_hf - llama_unsloth) / 2 ** 30 == pytest.approx(
         model_shape("unsloth/Meta-Llama-3.1-8B-Instruct").other_params * 2 / 2 ** 30)
     assert llama_hf - llama_unsloth > 1.9 * 2 ** 30  # the ~2 GiB the plan used to miss

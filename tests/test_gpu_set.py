@@ -241,7 +241,8 @@ def test_bitsandbytes_and_lora_configs_of_the_hf_backend(combos):
         assert bnb.load_in_4bit and bnb.bnb_4bit_quant_type == "nf4"
         assert bnb.bnb_4bit_compute_dtype == getattr(torch, resolved.dtype)
         lora = LoraConfig(**resolved.plan.model.lora_kwargs())
-        assert lora.r == resolved.config.lora.r and set(lora.target_modules) == set(resolved.config.lora.target_modules)
+        model = resolved.plan.model
+        assert lora.r == model.lora_r and set(lora.target_modules) == set(model.lora_target_modules)
 
 
 def _model_dir(tmp_path: Path, shape, name: str) -> Path:
@@ -266,31 +267,29 @@ def test_the_hf_backends_vllm_engine_arguments_validate_in_vllm(combos, tmp_path
 
     from lowvram_grpo.model.handle import SamplingParams
     from lowvram_grpo.model.vllm import engine_kwargs, eval_sampling_kwargs, rollout_sampling_kwargs, settings_for
-    from lowvram_grpo.settings.model_shapes import model_shape
-
     checked = 0
     for preset, name, path, resolved in combos[0]:
         if path != "hf+vllm":
             continue
-        config = resolved.config
-        shape = model_shape(config.model.name)
-        settings = settings_for(resolved, shape, str(_model_dir(tmp_path, shape, config.model.name)))
+        run = resolved.plan
+        shape = run.model.facts.require_shape()  # the run's shape, derived once
+        settings = settings_for(resolved, shape, str(_model_dir(tmp_path, shape, run.model.name)))
         kwargs = engine_kwargs(settings)
         assert kwargs["quantization"] == "bitsandbytes" and kwargs["enable_sleep_mode"]
         kwargs.pop("enable_sleep_mode")  # only a CUDA platform accepts it
         engine_args = EngineArgs(**kwargs)
         model = engine_args.create_model_config()
         assert (model.quantization, model.max_model_len, model.logprobs_mode) == (
-            "bitsandbytes", config.model.max_seq_length, "processed_logprobs"), (preset, name)
+            "bitsandbytes", run.model.max_seq_length, "processed_logprobs"), (preset, name)
         LoRAConfig(max_lora_rank=kwargs["max_lora_rank"], max_loras=kwargs["max_loras"])
         cache = CacheConfig(gpu_memory_utilization=kwargs["gpu_memory_utilization"],
                             kv_cache_memory_bytes=kwargs["kv_cache_memory_bytes"])
         assert 0 < cache.gpu_memory_utilization <= 0.95 and cache.kv_cache_memory_bytes == settings.kv_cache_bytes
-        t = config.train
-        VLLMSamplingParams(**rollout_sampling_kwargs(t.num_generations, temperature=t.temperature, top_p=t.top_p,
-                                                     top_k=None, min_p=None, max_tokens=t.max_completion_length,
-                                                     stop_token_ids=[2], seed=7))
-        ev = config.eval
+        t = run.train
+        VLLMSamplingParams(**rollout_sampling_kwargs(t.num_generations, temperature=t.grpo.temperature,
+                                                     top_p=t.grpo.top_p, top_k=None, min_p=None,
+                                                     max_tokens=t.max_completion_length, stop_token_ids=[2], seed=7))
+        ev = run.eval
         VLLMSamplingParams(**eval_sampling_kwargs(SamplingParams(ev.temperature, ev.top_p, t.max_completion_length,
                                                                  ev.seed), [2]))
         LoRARequest(lora_name="policy-v1", lora_int_id=1, lora_path=str(tmp_path))
@@ -354,7 +353,7 @@ def test_the_dtype_we_pass_unsloth_passes_its_assert_and_is_not_changed(combos):
     for preset, name, path, resolved in combos[0]:
         if path != "unsloth":
             continue
-        kwargs = from_pretrained_kwargs(resolved, resolved.config.model.name)
+        kwargs = from_pretrained_kwargs(resolved, resolved.plan.model.name)
         assert kwargs["dtype"] in (torch.float16, torch.bfloat16, torch.float32)
         assert kwargs["dtype"] != torch.bfloat16 or resolved.hardware.bf16_native, (preset, name)
         if resolved.fast_inference:

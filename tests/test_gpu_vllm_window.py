@@ -192,7 +192,7 @@ def test_the_window_run_settings_fit_an_h100_with_vllm_holding_the_rollout(monke
     config = load_config(window.PRESET, sets)
     resolved = resolve(config, profile("h100-80gb"), "unsloth")
     assert resolved.fast_inference and resolved.generation == "unsloth_vllm" and resolved.load_in_4bit
-    facts = window.plan_facts(plan(resolved))
+    facts = window.plan_facts(plan(config, resolved))
     assert facts["vllm_share_gib"] == pytest.approx(facts["terms"]["weights"] + facts["terms"]["vllm"], abs=1e-3)
     assert facts["vllm_max_model_len"] >= config.train.max_prompt_length + config.train.max_completion_length
     assert facts["total_gib"] < facts["card_gib"]

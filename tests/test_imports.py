@@ -365,6 +365,51 @@ def test_config_is_read_only_where_the_plan_is_built_and_the_settings_are_checke
                        f"values: {reads}")
 
 
+# --------------------------------------------------------------------------- Resolved without the config (issue 67)
+
+def class_members(source: str, cls: str) -> tuple[set[str], set[str]]:
+    """(annotated fields, methods) of class `cls` in `source`."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            fields = {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+            methods = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            return fields, methods
+    raise AssertionError(f"no class {cls}")
+
+
+def test_resolved_carries_no_config():
+    """resolve.Resolved holds what was decided and the run's plan (plans.RunPlan), never the user's config: a phase
+    reads its plan, and what needs the config takes it beside the settings (`config, resolved`)."""
+    fields, methods = class_members((PACKAGE / "settings" / "resolve.py").read_text(), "Resolved")
+    assert {"hardware", "backend", "plan"} <= fields and "describe" in methods  # the rule reads the class
+    assert "config" not in fields and "user_config" not in fields, sorted(fields)
+    assert "with_config" not in methods
+
+
+def resolved_config_reads(source: str) -> list[int]:
+    """The lines of each `resolved.config` / `x.resolved.config` (read or handed on) and each `.with_config(...)`
+    call: the user's config reached through the resolved settings."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Attribute) and node.attr == "config"
+                and ((isinstance(node.value, ast.Name) and node.value.id == "resolved")
+                     or (isinstance(node.value, ast.Attribute) and node.value.attr == "resolved"))):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "with_config":
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_no_module_reaches_the_config_through_the_resolved_settings():
+    """Anywhere in the package, READS_CONFIG's modules too: the config is a parameter where it is needed."""
+    planted = ("def f(resolved, p, r, c):\n    x = resolved.config.train\n"
+               "    return g(p.resolved.config), r.with_config(c), resolved.plan, resolved.config_note\n")
+    assert resolved_config_reads(planted) == [2, 3, 3]
+    found = {str(path.relative_to(PACKAGE)): lines for path in sorted(PACKAGE.rglob("*.py"))
+             if (lines := resolved_config_reads(path.read_text()))}
+    assert not found, f"the config reached through Resolved (module: lines): pass it as a parameter: {found}"
+
+
 # --------------------------------------------------------------------------- files read where a config is built
 # (issue 50)
 

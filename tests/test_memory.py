@@ -27,9 +27,14 @@ from lowvram_grpo.settings.resolve import resolve
 GPU_PRESETS = ["llama8b_4bit", "qwen3b_4bit", "qwen1_5b_4bit"]
 
 
+def plan_of(config, hardware, backend="auto"):
+    """The memory plan of `config` resolved on `hardware` (memory_plan.plan takes the config beside its settings)."""
+    return plan(config, resolve(config, hardware, backend))
+
+
 def planned(config, card=None, backend="auto"):
     """The plan of `config` on a bf16 card of `card` GiB (None: the smallest that fits), as a run resolves it."""
-    return plan(resolve(config, dataclasses.replace(ANY_GPU, total_gib=card), backend))
+    return plan_of(config, dataclasses.replace(ANY_GPU, total_gib=card), backend)
 
 
 # --------------------------------------------------------------------------- shapes
@@ -70,10 +75,10 @@ def test_the_merged_copy_for_sampling_is_counted_where_the_loop_merges(tiny_mode
     from transformers import AutoModelForCausalLM
 
     asked = ["decode.loop=lowvram", "memory.load_in_4bit=false"]
-    merged = planned(load_config("tiny", [*asked, "decode.merge_lora=true"]), card=16, backend="hf")
+    config = load_config("tiny", [*asked, "decode.merge_lora=true"])
+    merged = planned(config, card=16, backend="hf")
     unmerged = planned(load_config("tiny", [*asked, "decode.merge_lora=false"]), card=16, backend="hf")
     assert "merged" not in unmerged.terms
-    config = merged.config
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16),
                            PeftLoraConfig(r=config.lora.r, lora_alpha=config.lora.alpha,
                                           target_modules=list(config.lora.target_modules)))
@@ -91,8 +96,8 @@ def test_the_int8_base_is_counted_instead_of_the_merged_copy(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     cpu = profile("cpu")
-    int8 = plan(resolve(load_config("tiny", ["decode.weights=int8"]), cpu, "hf"))
-    bf16 = plan(resolve(load_config("tiny", []), cpu, "hf"))
+    int8 = plan_of(load_config("tiny", ["decode.weights=int8"]), cpu, "hf")
+    bf16 = plan_of(load_config("tiny", []), cpu, "hf")
     assert "merged" in bf16.terms and "merged" not in int8.terms
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
     packed = sum(m.weight.numel() for layer in model.model.layers for m in layer.modules()
@@ -201,19 +206,20 @@ def test_the_plan_gives_the_max_model_len_unsloth_starts_vllm_with_and_refuses_o
     would cut do not fit: the suggestions give the whole prompt + completion."""
     from lowvram_grpo.settings.unsloth_sizing import vllm_budget
 
-    p = plan(resolve(load_config("llama8b_4bit"), profile("t4")))
+    p = plan_of(load_config("llama8b_4bit"), profile("t4"))
     assert p.vllm_max_model_len == 1024 and p.short_max_model_len() is None
     assert "max_model_len 1024" in p.terms["vllm"].detail
     budget = vllm_budget(p.shape, 0.6, 14.7 * GIB, 14.7 * GIB, 1024, 32, True)
     assert p.terms["vllm"].bytes == int(budget.share_bytes) - p.terms["weights"].bytes
-    long = plan(resolve(load_config("llama8b_4bit", ["memory.gpu_memory_utilization=0.45", "model.max_seq_length=4096",
-                                                     "train.max_completion_length=3072"]), profile("t4")))
+    long_config = load_config("llama8b_4bit", ["memory.gpu_memory_utilization=0.45", "model.max_seq_length=4096",
+                                               "train.max_completion_length=3072"])
+    long = plan_of(long_config, profile("t4"))
     assert long.vllm_max_model_len < 3328 and long.fits is False  # a plan whose rollouts vLLM would cut does not fit
     assert (f"and unsloth_zoo would start vLLM with max_model_len {long.vllm_max_model_len}, below prompt + completion "
             "(3328)") in format_plan(long)
-    fitted = plan(resolve(apply_suggestions(long.config, long.suggestions), profile("t4")))
+    fitted = plan_of(apply_suggestions(long_config, long.suggestions), profile("t4"))
     assert fitted.fits and fitted.vllm_max_model_len >= fitted.rollout_tokens  # the suggestions give the whole length
-    unsized = planned(long.config)  # no card: the smallest that fits, and the warning where vLLM's length is short
+    unsized = planned(long_config)  # no card: the smallest that fits, and the warning where vLLM's length is short
     assert unsized.short_max_model_len() is None or f"warning: {unsized.short_max_model_len()}" in format_plan(unsized)
     assert planned(load_config("llama8b_4bit", ["model.fast_inference=false"]), 16).vllm_max_model_len is None
 
@@ -508,9 +514,9 @@ def test_unsloth_load_arguments_for_the_gpu_preset(hw, dtype):
     from lowvram_grpo.model.unsloth_backend import from_pretrained_kwargs, get_peft_model_kwargs
 
     resolved = resolve(load_config("llama8b_4bit"), profile(hw))
-    load = from_pretrained_kwargs(resolved, resolved.config.model.name)
+    load = from_pretrained_kwargs(resolved, resolved.plan.model.name)
     fast = hw != "v100-16gb"  # vllm 0.31's CUDA 13 build has no kernels for sm70
-    assert load == dict(model_name=resolved.config.model.name, max_seq_length=1024, dtype=getattr(torch, dtype),
+    assert load == dict(model_name=resolved.plan.model.name, max_seq_length=1024, dtype=getattr(torch, dtype),
                         load_in_4bit=True, fast_inference=fast, max_lora_rank=32, gpu_memory_utilization=0.6,
                         float8_kv_cache=False, use_gradient_checkpointing="unsloth")
     # model.kv_cache_dtype auto: fp8 only where an attention backend serves it (issue 65): the 12 GB card's plan is
@@ -580,9 +586,9 @@ def test_the_plan_is_made_on_the_free_memory_as_unsloth_sizes_vllm():
     from lowvram_grpo.settings.unsloth_sizing import vllm_budget
 
     config = load_config("llama8b_4bit")
-    empty = plan(resolve(config, profile("t4")))
+    empty = plan_of(config, profile("t4"))
     shared_hw = dataclasses.replace(profile("t4"), name="present", free_gib=14.1)
-    shared = plan(resolve(config, shared_hw))
+    shared = plan_of(config, shared_hw)
     assert shared.vram_gb == 14.7 and shared.free_gb == pytest.approx(14.1)
     assert shared.terms["vllm"].bytes + shared.terms["weights"].bytes == pytest.approx(0.6 * 14.1 * GIB, abs=1)
     spare = lambda p: p.free_gb - p.total_gb  # noqa: E731
@@ -595,12 +601,12 @@ def test_the_plan_is_made_on_the_free_memory_as_unsloth_sizes_vllm():
     assert "t4 profile), planned as all free" in format_plan(empty)  # a profile says it assumes free == total
     # a plan that its total would hold but its free memory does not, does not fit (without vLLM: a fixed total)
     no_vllm = load_config("llama8b_4bit", ["model.fast_inference=false"])
-    whole = plan(resolve(no_vllm, profile("t4")))
-    tight = plan(resolve(no_vllm, dataclasses.replace(shared_hw, free_gib=whole.total_gb - 0.1)))
+    whole = plan_of(no_vllm, profile("t4"))
+    tight = plan_of(no_vllm, dataclasses.replace(shared_hw, free_gib=whole.total_gb - 0.1))
     assert whole.fits and tight.total_gb == whole.total_gb and tight.fits is False
     assert f"does NOT fit a 14.7 GiB card ({whole.total_gb - 0.1:.1f} GiB free)" in format_plan(tight)
     # memory.vram_gb keeps its meaning: a card of that size, nothing else on it
-    override = plan(resolve(load_config("llama8b_4bit", ["memory.vram_gb=14"]), shared_hw))
+    override = plan_of(load_config("llama8b_4bit", ["memory.vram_gb=14"]), shared_hw)
     assert (override.vram_gb == override.free_gb == 14
             and "14 GiB (memory.vram_gb), planned as all free" in format_plan(override))
 
@@ -621,27 +627,27 @@ def test_the_kv_cache_is_checked_against_the_larger_of_the_rollout_and_evaluatio
     scheduler then generates the answers in waves (slower, no more memory): a warning with the batch that fits,
     while a rollout batch the cache cannot hold still makes the plan not fit."""
     per_token = 2 * 32 * 1024 * 2  # K and V x layers x kv_dim x 2 bytes (Llama-3.1-8B)
-    notebook = plan(resolve(load_config("llama8b_4bit"), profile("t4")))
+    notebook = plan_of(load_config("llama8b_4bit"), profile("t4"))
     assert (notebook.kv_sequences, notebook.kv_decided_by) == (16, "evaluation")
     assert notebook.kv_largest_bytes == 16 * 1024 * per_token <= notebook.kv_cache_bytes
     assert notebook.kv_needed_bytes == 6 * 1024 * per_token and notebook.evaluation_kv_short() is None
     assert ("vLLM's KV cache 3.01 GiB holds the evaluation batch: 16 sequences x 1024 tokens = 2.00 GiB (the larger "
             "batch decides: rollout 6 sequences, evaluation 16 (eval.batch_size))") in format_plan(notebook)
-    small_eval = plan(resolve(load_config("llama8b_4bit", ["eval.batch_size=4"]), profile("t4")))
+    small_eval = plan_of(load_config("llama8b_4bit", ["eval.batch_size=4"]), profile("t4"))
     assert (small_eval.kv_sequences, small_eval.kv_decided_by) == (6, "rollout")
-    off = plan(resolve(load_config("llama8b_4bit", ["eval.enabled=false"]), profile("t4")))
+    off = plan_of(load_config("llama8b_4bit", ["eval.enabled=false"]), profile("t4"))
     assert off.kv_decided_by == "rollout" and "evaluation off" in format_plan(off)
-    starved = plan(resolve(load_config("llama8b_4bit", ["memory.gpu_memory_utilization=0.45"]), profile("t4")))
+    starved = plan_of(load_config("llama8b_4bit", ["memory.gpu_memory_utilization=0.45"]), profile("t4"))
     assert 6 * 1024 * per_token <= starved.kv_cache_bytes < 16 * 1024 * per_token and starved.fits
     text = format_plan(starved)
     assert "GiB does NOT hold the evaluation batch: 16 sequences x 1024 tokens = 2.00 GiB" in text
     assert ("warning: vLLM's KV cache (0.80 GiB) holds 6 of an evaluation batch's 16 sequences at full length "
             "(2.00 GiB): "
             "the held-out answers are generated in waves") in text and "--set eval.batch_size=6" in text
-    fixed = plan(resolve(load_config("llama8b_4bit", ["memory.gpu_memory_utilization=0.45", "eval.batch_size=6"]),
-                         profile("t4")))
+    fixed = plan_of(load_config("llama8b_4bit", ["memory.gpu_memory_utilization=0.45", "eval.batch_size=6"]),
+                    profile("t4"))
     assert fixed.evaluation_kv_short() is None
-    rollout_short = plan(resolve(load_config("llama8b_4bit", ["memory.gpu_memory_utilization=0.4"]), profile("t4")))
+    rollout_short = plan_of(load_config("llama8b_4bit", ["memory.gpu_memory_utilization=0.4"]), profile("t4"))
     assert rollout_short.fits is False and "GiB a rollout batch (6 sequences) needs" in format_plan(rollout_short)
 
 
@@ -660,13 +666,13 @@ def test_unsloth_vllm_standby_is_refused_in_one_line(monkeypatch):
     hardware = planning_hardware(config, "t4")
     assert hardware.vllm_standby == "1"
     with pytest.raises(ResolveError) as refused:
-        plan(resolve(config, hardware))
+        plan_of(config, hardware)
     message = str(refused.value)
     assert "\n" not in message and "from 0.6 to 0.76" in message and "unset UNSLOTH_VLLM_STANDBY" in message
     no_vllm = load_config("llama8b_4bit", ["model.fast_inference=false"])
-    assert plan(resolve(no_vllm, planning_hardware(no_vllm, "t4"))).total_gb > 0  # no unsloth vLLM: nothing to refuse
+    assert plan_of(no_vllm, planning_hardware(no_vllm, "t4")).total_gb > 0  # no unsloth vLLM: nothing to refuse
     monkeypatch.setenv("UNSLOTH_VLLM_STANDBY", "0")
-    assert plan(resolve(config, planning_hardware(config, "t4"))).fits
+    assert plan_of(config, planning_hardware(config, "t4")).fits
 
 
 @pytest.mark.slow
@@ -699,9 +705,9 @@ def test_priming_is_planned_with_its_own_optimizer_and_batch():
     plan; a T4 run with prime.batch_size=64 was planned to fit."""
     from lowvram_grpo.settings.memory_terms import activation_bytes_per_token_layer, lora_param_count
 
-    base = plan(resolve(load_config("llama8b_4bit", ["prime.steps=30"]), profile("t4")))
+    base = plan_of(load_config("llama8b_4bit", ["prime.steps=30"]), profile("t4"))
     peak, shape = base.priming, base.shape
-    lora = lora_param_count(shape, base.config)
+    lora = lora_param_count(shape, base.resolved.plan.model)
     assert peak.parts["AdamW fp32 state"] == 8 * lora == 4 * base.terms["optimizer"].bytes
     tokens = 8 * 1024
     assert (peak.parts["activations 8 x 1024 tokens"]
@@ -709,12 +715,13 @@ def test_priming_is_planned_with_its_own_optimizer_and_batch():
     assert peak.parts["vLLM"] == base.terms["vllm"].bytes and peak.parts["weights"] == base.terms["weights"].bytes
     assert base.terms["activations"].bytes < peak.parts["activations 8 x 1024 tokens"]
     assert base.fits and peak.fits and "priming (prime.steps=30): 12.26 GiB" in format_plan(base)
-    big = plan(resolve(load_config("llama8b_4bit", ["prime.steps=30", "prime.batch_size=64"]), profile("t4")))
+    big_config = load_config("llama8b_4bit", ["prime.steps=30", "prime.batch_size=64"])
+    big = plan_of(big_config, profile("t4"))
     assert big.total_gb == pytest.approx(base.total_gb) and big.priming.fits is False and big.fits is False
     assert "priming's peak (22.5 GiB: prime.batch_size=64) is above the 14.7 GiB free" in format_plan(big)
     assert [s.key for s in big.suggestions] == ["prime.batch_size"]
-    assert plan(resolve(apply_suggestions(big.config, big.suggestions), profile("t4"))).fits
+    assert plan_of(apply_suggestions(big_config, big.suggestions), profile("t4")).fits
     # without priming it is one line of what it would cost, never a reason not to fit
-    off = plan(resolve(load_config("llama8b_4bit", ["prime.batch_size=64"]), profile("t4")))
+    off = plan_of(load_config("llama8b_4bit", ["prime.batch_size=64"]), profile("t4"))
     assert off.fits and off.priming_fits is None and "priming: off (prime.steps=0)" in format_plan(off)
     assert planned(load_config("llama8b_4bit", ["prime.steps=30", "prime.batch_size=64"])).min_vram_gb > 20

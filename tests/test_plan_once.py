@@ -1,5 +1,7 @@
 """The run's plan (plans.run_plan) is built once per run, by the pipeline, and every check and resolve read that one
-(issue 67): counted on a real tiny run through `train()`, the way the notebook and Python users call it."""
+(issue 67): counted on a real tiny run through `train()`, the way the notebook and Python users call it. So is the
+model's shape (model_shapes.model_shape): derived once, with the plan (plan.model.facts), and read from there by the
+checks, resolve's step-time estimate and the memory plan."""
 from __future__ import annotations
 
 import sys
@@ -41,3 +43,52 @@ def test_the_count_sees_a_second_build(monkeypatch):
     calls = _count_run_plan(monkeypatch)
     checks.before_load(load_config("tiny", []))
     assert calls == ["tiny"]
+
+
+def _count_model_shape(monkeypatch) -> list:
+    """Every module of the package bound to model_shapes.model_shape (model_shapes itself included, so a lazy
+    `from ... import model_shape` is seen too) gets a counting wrapper; the list grows a model name each call."""
+    import lowvram_grpo.run.pipeline  # noqa: F401  (loads every module a run binds model_shape in)
+    from lowvram_grpo.settings import model_shapes
+
+    calls, original = [], model_shapes.model_shape
+
+    def counted(name):
+        calls.append(name)
+        return original(name)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("lowvram_grpo") and getattr(module, "model_shape", None) is original:
+            monkeypatch.setattr(module, "model_shape", counted)
+    return calls
+
+
+@pytest.mark.slow
+def test_the_model_shape_is_derived_once_per_run(tmp_path, monkeypatch):
+    from lowvram_grpo import train
+
+    calls = _count_model_shape(monkeypatch)
+    train("tiny", ["train.max_steps=1", "prime.steps=0", "eval.enabled=false"], output_dir=str(tmp_path / "run"))
+    assert calls == ["builtin:tiny"], f"the model's shape derived {len(calls)} times in one run"
+
+
+def test_the_checks_and_resolve_read_the_plans_shape(monkeypatch):
+    """What the pipeline does before the model loads, on a GPU card (the memory plan and its suggestions too): the
+    plan built once derives the shape once; before_load, resolve and the memory plan read it."""
+    from lowvram_grpo.settings import checks
+    from lowvram_grpo.settings.config import load_config
+    from lowvram_grpo.settings.hardware import profile
+    from lowvram_grpo.settings.memory_plan import plan
+    from lowvram_grpo.settings.plans import run_plan
+    from lowvram_grpo.settings.resolve import resolve
+
+    calls = _count_model_shape(monkeypatch)
+    config = load_config("tiny", ["model.fast_inference=false", "memory.vram_gb=0.5", "train.num_generations=16"])
+    run = run_plan(config)
+    checks.before_load(config, run)
+    resolved = resolve(config, profile("t4"), "hf", plan=run)
+    assert calls == ["builtin:tiny"], f"the model's shape derived {len(calls)} times by the checks and resolve"
+    planned = plan(config, resolved)
+    # too small a card: plan() searched settings that fit, re-resolving changed settings of the one model
+    assert planned.fits is False and "even with memory.gradient_checkpointing=unsloth" in planned.no_fit_reason
+    assert calls == ["builtin:tiny"], f"the model's shape derived {len(calls)} times"

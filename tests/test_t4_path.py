@@ -108,8 +108,9 @@ def test_merged16_host_ram_is_checked_for_what_each_backends_merge_holds(backend
     (the embedding: ~2.1 GB)."""
     from lowvram_grpo.model.backends import check_export_fits_host, host_available_bytes
     from lowvram_grpo.core.errors import BackendError
+    from lowvram_grpo.settings.model_shapes import model_facts
 
-    name = load_config("llama8b_4bit").model.name
+    name = model_facts(load_config("llama8b_4bit").model.name)  # the run's model facts (plan.model.facts)
     if refused:
         with pytest.raises(BackendError, match=refused):
             check_export_fits_host("merged16", name, backend, available=int(available_gb * 1e9))

@@ -19,8 +19,8 @@ from pathlib import Path
 from lowvram_grpo.model import hf_backend, unsloth_backend
 from lowvram_grpo.model.decoding import install
 from lowvram_grpo.model.handle import LoraRequest, ModelHandle, SamplingParams
-from lowvram_grpo.core.errors import BackendError, PlanError
-from lowvram_grpo.settings.model_shapes import model_shape
+from lowvram_grpo.core.errors import BackendError
+from lowvram_grpo.settings.model_shapes import ModelFacts
 
 
 def prepare_backend(name: str) -> None:
@@ -67,9 +67,10 @@ def host_available_bytes() -> "int | None":
     return None
 
 
-def export_host_bytes(kind, model_name: str, backend: str) -> "int | None":
-    """The host RAM `--export kind` of `model_name` holds at once on `backend`, in bytes; None when nothing of size
-    passes through it (gguf, no export) or the architecture is one the plan has no shape for.
+def export_host_bytes(kind, model: ModelFacts, backend: str) -> "int | None":
+    """The host RAM `--export kind` of the model holds at once on `backend`, in bytes (`model`: its facts, derived once
+    for the run: plans.ModelPlan.facts); None when nothing of size passes through it (gguf, no export) or the
+    architecture is one the plan has no shape for.
 
     - hf: PEFT's merge_and_unload builds the whole base in bfloat16 on the CPU (hf_backend.export_merged16): every
       parameter, 2 bytes each (~16.1 GB for Llama-3.1-8B).
@@ -82,9 +83,8 @@ def export_host_bytes(kind, model_name: str, backend: str) -> "int | None":
     if kind != "merged16":
         return None
 
-    try:
-        shape = model_shape(model_name)
-    except PlanError:  # an architecture the plan has no shape for: nothing to check against
+    shape = model.shape
+    if shape is None:  # an architecture the plan has no shape for: nothing to check against
         return None
     if backend == "unsloth":
         largest = max([shape.vocab * shape.hidden, *(a * b for a, b in shape.linear_dims().values())])
@@ -92,18 +92,18 @@ def export_host_bytes(kind, model_name: str, backend: str) -> "int | None":
     return shape.params * 2
 
 
-def check_export_fits_host(kind, model_name: str, backend: str, available: "int | None" = None) -> None:
+def check_export_fits_host(kind, model: ModelFacts, backend: str, available: "int | None" = None) -> None:
     """Refuse, before anything heavy, an export whose host RAM (export_host_bytes: the whole 16-bit base on the hf
     backend, one tensor on unsloth's streamed merge) this machine's available RAM cannot hold (a Colab T4 has
     ~12.7 GB; Llama-3.1-8B's merge on the hf backend needs ~16)."""
-    needed = export_host_bytes(kind, model_name, backend)
+    needed = export_host_bytes(kind, model, backend)
     if needed is None:
         return
     available = host_available_bytes() if available is None else available
     if available is not None and needed > available:
         what = ("largest 16-bit tensor and the merged copy (unsloth merges one tensor at a time)"
                 if backend == "unsloth" else "16-bit weights")
-        raise BackendError(f"--export {kind} needs ~{needed / 1e9:.1f} GB of host RAM for {model_name}'s {what} "
+        raise BackendError(f"--export {kind} needs ~{needed / 1e9:.1f} GB of host RAM for {model.name}'s {what} "
                            f"and this machine has {available / 1e9:.1f} GB available: leave --export out (the run's "
                            "adapter/ loads on the same base anywhere) and export on a machine with more RAM")
 

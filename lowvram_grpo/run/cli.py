@@ -21,7 +21,7 @@ from lowvram_grpo.settings.config import list_presets, load_config, read_preset
 from lowvram_grpo.settings.hardware import detect, planning_hardware
 from lowvram_grpo.settings.memory_fit import apply_suggestions, default_preset
 from lowvram_grpo.settings.memory_plan import plan, run_plan_text
-from lowvram_grpo.settings.resolve import resolve
+from lowvram_grpo.settings.resolve import resolve, resolve_again
 
 
 def _positive_float(text: str) -> float:
@@ -104,23 +104,24 @@ def resume_run(args, restart: bool = False) -> int:
     return 0
 
 
-def auto_fit(resolved):
-    """--auto-fit: the settings re-resolved with the memory plan's suggestions applied, saying which."""
-    config, card = resolved.config, resolved.vram_gib
+def auto_fit(config, resolved):
+    """--auto-fit: (config, resolved) with the memory plan's suggestions applied and re-resolved, saying which."""
+    card = resolved.vram_gib
     if card is None:
         raise ConfigError("--auto-fit needs a card size and no GPU is visible: add --vram GB or --gpu PROFILE")
-    p = plan(resolved)
+    p = plan(config, resolved)
     if p.fits:
         print(f"auto-fit: {config.preset} already fits a {card:g} GiB card ({p.total_gb:.1f} GiB planned); "
               f"nothing changed")
-        return resolved
+        return config, resolved
     if not p.suggestions:
         raise ConfigError(f"--auto-fit: no settings of preset {config.preset} fit a {card:g} GiB card "
                           f"({p.no_fit_reason}); "
                           "pick a smaller model, e.g. --preset qwen1_5b_4bit")
     print(f"auto-fit for a {card:g} GiB card: set {', '.join(map(str, p.suggestions))} "
           f"({p.total_gb:.1f} -> {p.suggested_total_gb:.1f} GiB planned)")
-    return resolved.with_config(apply_suggestions(config, p.suggestions))
+    fitted = apply_suggestions(config, p.suggestions)
+    return fitted, resolve_again(fitted, resolved)
 
 
 # `lowvram-grpo WORD ...`: commands beside training, each a module with its own `main(argv) -> int`.
@@ -180,10 +181,9 @@ def _main(args, restart: bool = False) -> int:
         before_load(config)
         resolved = resolve(config, planning_hardware(config, args.gpu), args.backend)
         if args.auto_fit:
-            resolved = auto_fit(resolved)
-            config = resolved.config
+            config, resolved = auto_fit(config, resolved)
         if args.dry_run:
-            print(run_plan_text(resolved), end="")  # what the run writes to its plan.txt
+            print(run_plan_text(config, resolved), end="")  # what the run writes to its plan.txt
             return 0
 
     run(config, args.output_dir or default_output_dir(config.preset), backend=args.backend, export=args.export,

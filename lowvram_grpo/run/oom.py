@@ -16,6 +16,7 @@ from lowvram_grpo.core.errors import OutOfMemory
 from lowvram_grpo.settings.config import RESUME_SETTABLE, RunConfig
 from lowvram_grpo.settings.memory_fit import Suggestion, apply_suggestions, fit_settings
 from lowvram_grpo.settings.memory_terms import GIB, MemoryPlan, estimate
+from lowvram_grpo.settings.resolve import resolve_again
 
 OOM_UNDERESTIMATE = 0.3           # after an OOM, assume the training-side terms were this much larger
 
@@ -69,7 +70,7 @@ def _oom_changes(p: Optional[MemoryPlan], config: RunConfig, phase: str) -> tupl
     # The real peak passed the card, so the plan fell short by at least its spare: plan that much lower,
     # and a margin more on the terms that grow during training.
     reserve = max(card - p.total_gb, 0) + OOM_UNDERESTIMATE * growing
-    fitted, changes = fit_settings(p.resolved, card, reserve)
+    fitted, changes = fit_settings(config, p.resolved, card, reserve)
     if fitted is None:
         return [], f"no settings of this preset plan under {card - reserve:.1f} GiB: use a smaller model"
     if not changes:
@@ -89,7 +90,7 @@ def oom_message(p: Optional[MemoryPlan], config: RunConfig, phase: str = "traini
     if changes:
         planned = ""
         if p is not None and phase != "evaluation":
-            fitted = p.resolved.with_config(apply_suggestions(config, changes))
+            fitted = resolve_again(apply_suggestions(config, changes), p.resolved)
             planned = (f" (plans {estimate(fitted, p.vram_gb or p.min_vram_gb).total_gb:.1f} instead of "
                        f"{p.total_gb:.1f} GiB)")
         advice = f"set {', '.join(map(str, changes))}{planned}"

@@ -123,10 +123,10 @@ class GRPORun:
         checks.before_load(config, plan)  # settings that cannot work together (lengths, LoRA vs the model's shape)
         self.resolved = resolve_settings(config, hardware or detect(), backend, num_processes=_num_processes(),
                                          plan=plan)
-        self.user_config = config  # written to config.yaml and read by an
-                                   # out-of-memory line only: the steps read the plan
+        self.user_config = config  # written to config.yaml and plan.txt, and read by the memory plan's
+                                   # suggestions and an out-of-memory line only: the steps read the plan
         check_export(export, self.resolved.backend)
-        check_export_fits_host(export, config.model.name, self.resolved.backend)  # before the model downloads,
+        check_export_fits_host(export, plan.model.facts, self.resolved.backend)  # before the model downloads,
                                                                                   # not after training
         if self.resolved.generation == "vllm":
 
@@ -256,7 +256,7 @@ class GRPORun:
             return None
 
         try:
-            memory_plan = plan(self.resolved)
+            memory_plan = plan(self.user_config, self.resolved)
         except PlanError as exc:
             self.log(f"memory plan: {exc}")
             return None
@@ -375,7 +375,7 @@ class GRPORun:
     def _write_settings(self) -> None:
         """config.yaml (what --resume reads back) and plan.txt (what --dry-run prints for these settings)."""
         self.run_dir.write_config(self.user_config)
-        self.run_dir.write_plan(run_plan_text(self.resolved))
+        self.run_dir.write_plan(run_plan_text(self.user_config, self.resolved))
 
     def restore_priming(self, checkpoint: Path) -> None:
         """A run resumed in its priming: its settings and the numbers measured before it (priming goes on in
@@ -576,7 +576,7 @@ class GRPORun:
         kind = kind or self.export_kind
         if not kind or not self.run_dir.writer:
             return None
-        check_export_fits_host(kind, self.plan.model.name, self.resolved.backend)  # the notebook's
+        check_export_fits_host(kind, self.plan.model.facts, self.resolved.backend)  # the notebook's
                                                                                    # export cell asks here
         self._enter("exporting")
         written = export_model(self.handle, self.adapter_dir, self.run_dir.export_dir(kind), kind)

@@ -14,7 +14,8 @@ and a value that works:
   tool calls (after).
 
 `before_load(config)` uses what is known without loading: the shape table or a local checkpoint's
-config.json (model_shapes.model_shape) and the module names of the Llama/Qwen/Mistral family. `after_load`
+config.json, as the run's plan derived them once (plans.ModelPlan.facts: model_shapes.model_facts), and the module
+names of the Llama/Qwen/Mistral family. `after_load`
 checks the loaded model itself (any architecture), before get_peft_model and before anything is written.
 `surprises(config, n_train)` returns the warnings for legal settings a user probably did not mean.
 Pure Python; imports nothing heavy.
@@ -33,10 +34,10 @@ from lowvram_grpo.settings.plans import RunPlan, run_plan
 from lowvram_grpo.settings.model_shapes import (
     HUB_ID,
     STANDARD_MODULE_FAMILIES,
+    ModelFacts,
     cached_config_path,
     hub_offline,
     local_model_config,
-    model_shape,
 )
 from lowvram_grpo.task import tools
 from lowvram_grpo.task.user_code import of
@@ -46,28 +47,24 @@ LLAMA_STYLE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qw
 EVAL_TO_TRAIN_WARNING = 5  # warn when evaluation generates this many times the completions training does
 
 
-def _context_length(name: str) -> Optional[int]:
+def _context_length(facts: ModelFacts) -> Optional[int]:
     """The model's own context (max_position_embeddings) where it is known without loading: a local
-    checkpoint's config.json, or the shape table (memory_plan.py) for the built-ins and known hub models."""
-
-    try:
-        raw = local_model_config(name)
-        if raw is not None:
-            return (raw.get("text_config") or raw).get("max_position_embeddings")
-        return model_shape(name).context
-    except PlanError:
+    checkpoint's config.json, or the shape (the table for the built-ins and known hub models), from the model's
+    facts (derived once for the run)."""
+    if facts.local_error:
         return None
+    if facts.local:
+        return facts.local_context
+    return facts.shape.context if facts.shape is not None else None
 
 
-def _architecture(name: str) -> Optional[str]:
+def _architecture(facts: ModelFacts) -> Optional[str]:
     """'llama' when the model is known to have Llama-style module names without loading it, else None."""
-    try:
-        raw = local_model_config(name)
-        if raw is not None:
-            return "llama" if any(a in LLAMA_STYLE for a in raw.get("architectures") or []) else None
-        return "llama" if model_shape(name).family in STANDARD_MODULE_FAMILIES else None
-    except PlanError:
+    if facts.local_error:
         return None
+    if facts.local:
+        return "llama" if any(a in LLAMA_STYLE for a in facts.local_architectures) else None
+    return "llama" if facts.shape is not None and facts.shape.family in STANDARD_MODULE_FAMILIES else None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -351,10 +348,10 @@ def before_load(config, plan: Optional[RunPlan] = None) -> None:
     check_reward_names(config, plan)
     check_tools(config, plan)
     check_init_adapter(config)
-    check_lengths(config, _context_length(config.model.name))
-    if _architecture(config.model.name) == "llama":
-
-        check_lora(config, model_shape(config.model.name).linear_dims())
+    facts = plan.model.facts  # the model's shape, derived once for the run
+    check_lengths(config, _context_length(facts))
+    if _architecture(facts) == "llama":
+        check_lora(config, facts.require_shape().linear_dims())
 
 
 def linear_layers(model) -> dict[str, tuple[int, int]]:

@@ -1,6 +1,6 @@
 """Settings that make a memory plan fit, and the preset a run without --preset gets.
 
-    fitted, changes = fit_settings(resolved, 15.0)   # (Resolved that fits, [Suggestion]) or (None, why)
+    fitted, changes = fit_settings(config, resolved, 15.0)   # (Resolved that fits, [Suggestion]) or (None, why)
     config = apply_suggestions(config, changes)      # what --auto-fit does
     default_preset()                                 # smollm2_cpu on a CPU; on a GPU the largest preset that fits
 
@@ -19,7 +19,7 @@ from lowvram_grpo.core.errors import ConfigError
 from lowvram_grpo.settings.config import RunConfig, config_from_dict, list_presets, load_config
 from lowvram_grpo.settings.hardware import detect
 from lowvram_grpo.settings.memory_terms import GIB, estimate
-from lowvram_grpo.settings.resolve import resolve
+from lowvram_grpo.settings.resolve import resolve, resolve_again
 
 SUGGESTION_SPARE = 0.05           # suggested settings leave this share of the card unplanned
 
@@ -66,22 +66,24 @@ def _fits(resolved, vram_gb: float, reserve_gb: float = 0.0) -> bool:
                                                                       p.priming.total_gb + reserve_gb <= p.free_gb)
 
 
-def _tune_utilization(resolved, vram_gb: float, reserve_gb: float = 0.0):
-    """With vLLM: the gpu_memory_utilization (a multiple of 0.05 where one works) that leaves room both
-    for vLLM's KV cache and for training, nearest the middle of that range; `resolved` if none does."""
+def _tune_utilization(config: RunConfig, resolved, vram_gb: float,
+                      reserve_gb: float = 0.0) -> tuple[RunConfig, Any]:
+    """With vLLM: (config, resolved) with the gpu_memory_utilization (a multiple of 0.05 where one works) that leaves
+    room both for vLLM's KV cache and for training, nearest the middle of that range; `resolved` (`config`
+    resolved) as it is if none does."""
     if resolved.generation != "unsloth_vllm" or _fits(resolved, vram_gb, reserve_gb):
-        return resolved
-    probe = estimate(resolved.with_config(with_settings(resolved.config, {"memory.gpu_memory_utilization": 0.5})),
-                     vram_gb)
+        return config, resolved
+    probe = estimate(resolve_again(with_settings(config, {"memory.gpu_memory_utilization": 0.5}), resolved), vram_gb)
     card = probe.free_gb * GIB  # vLLM's share is of the free memory
     low = max(probe.vllm_min_share_bytes / card, 0.05)
     high = min(1 - (probe.vllm_outside_bytes + reserve_gb * GIB) / card, 0.95)
     if low > high:
-        return resolved
+        return config, resolved
     grid = [k / 20 for k in range(1, 20) if low <= k / 20 <= high]
     middle = (low + high) / 2
     value = min(grid, key=lambda u: abs(u - middle)) if grid else math.ceil(low * 100) / 100
-    return resolved.with_config(with_settings(resolved.config, {"memory.gpu_memory_utilization": value}))
+    tuned = with_settings(config, {"memory.gpu_memory_utilization": value})
+    return tuned, resolve_again(tuned, resolved)
 
 
 def _num_generations(config: RunConfig, n: int) -> dict[str, Any]:
@@ -113,44 +115,46 @@ def _knobs(config: RunConfig) -> list[tuple[str, list]]:
     ]
 
 
-def fit_settings(resolved, vram_gb: float, reserve_gb: float = 0.0) -> tuple[Optional[Any], Any]:
-    """Settings that fit a card of `vram_gb` GiB, leaving `reserve_gb` unplanned: (fitted Resolved,
-    [Suggestion]) or, when none do, (None, why). Turns the knobs in order until the plan fits, then
-    gives back the cuts that turned out not to be needed. Each try is re-resolved for the same hardware."""
-    config = resolved.config
+def fit_settings(config: RunConfig, resolved, vram_gb: float,
+                 reserve_gb: float = 0.0) -> tuple[Optional[Any], Any]:
+    """Settings of `config` (resolved as `resolved`) that fit a card of `vram_gb` GiB, leaving `reserve_gb`
+    unplanned: (fitted Resolved, [Suggestion]) or, when none do, (None, why). Turns the knobs in order until the plan
+    fits, then gives back the cuts that turned out not to be needed. Each try is re-resolved for the same hardware
+    (resolve.resolve_again: the model's facts derived once)."""
 
     def fits(r):
         return _fits(r, vram_gb, reserve_gb)
 
-    def set_to(r, key, value):
-        settings = _num_generations(r.config, value) if key == "train.num_generations" else {key: value}
-        return _tune_utilization(r.with_config(with_settings(r.config, settings)), vram_gb, reserve_gb)
+    def set_to(c, r, key, value):
+        settings = _num_generations(c, value) if key == "train.num_generations" else {key: value}
+        changed = with_settings(c, settings)
+        return _tune_utilization(changed, resolve_again(changed, r), vram_gb, reserve_gb)
 
-    current = _tune_utilization(resolved, vram_gb, reserve_gb)
+    current_config, current = _tune_utilization(config, resolved, vram_gb, reserve_gb)
     turned: list[tuple[str, list]] = []
     for key, values in _knobs(config):
-        values = [v for v in values if v != _get(current.config, key)]
+        values = [v for v in values if v != _get(current_config, key)]
         if fits(current) or not values:
             continue
         for value in values:  # the least change that fits, else the most this knob gives
-            tried = set_to(current, key, value)
+            tried_config, tried = set_to(current_config, current, key, value)
             if fits(tried):
                 break
-        current = tried
+        current_config, current = tried_config, tried
         turned.append((key, values))
     if not fits(current):
         need = estimate(current, vram_gb).min_vram_gb + reserve_gb
-        return None, (f"even with {', '.join(s.as_override() for s in _diff(config, current.config))} "
+        return None, (f"even with {', '.join(s.as_override() for s in _diff(config, current_config))} "
                       f"it needs {need:.1f} GiB")
     for key, values in reversed(turned):  # give back: largest value (original first) that still fits
         for value in [_get(config, key)] + values:
-            if value == _get(current.config, key):
+            if value == _get(current_config, key):
                 break
-            candidate = set_to(current, key, value)
+            candidate_config, candidate = set_to(current_config, current, key, value)
             if fits(candidate):
-                current = candidate
+                current_config, current = candidate_config, candidate
                 break
-    return current, _diff(config, current.config)
+    return current, _diff(config, current_config)
 
 
 _SUGGESTED_KEYS = ["memory.gradient_checkpointing", "train.optim", "memory.load_in_4bit", "model.fast_inference",

@@ -1,11 +1,12 @@
 """The memory plan: an estimate, by component, of a run's peak GPU memory, and settings that make it fit.
 
-    p = plan(resolve(config, profile("t4")))   # a MemoryPlan: named terms in bytes, total, fits, suggestions
+    p = plan(config, resolve(config, profile("t4")))   # a MemoryPlan: named terms in bytes, total, fits, suggestions
     print(format_plan(p))                      # the table `--dry-run` and every GPU run print
     config = apply_suggestions(config, p.suggestions)   # what `--auto-fit` does (memory_fit.py)
 
 Everything device-dependent (backend, compute dtype, checkpointing mode, vLLM on or off, batch sizes,
-the card's size) comes from the `Resolved` settings (resolve.py), the same object the run uses.
+the card's size) comes from the `Resolved` settings (resolve.py), the same object the run uses, and the run's
+settings from its plan (`resolved.plan`); the config itself only where settings that fit are searched for.
 
 The plan by job: model_shapes.py (an architecture's sizes), memory_terms.py (the terms, each explained
 there, and their estimate), memory_fit.py (settings that fit; the default preset), this module (the plan with
@@ -26,8 +27,8 @@ from lowvram_grpo.settings.memory_terms import (
 from lowvram_grpo.settings.model_shapes import UNSLOTH_NO_VLLM, vllm_serves
 
 
-def plan(resolved) -> MemoryPlan:
-    """Peak GPU memory of a run with the resolved settings (resolve.py) on the card they were resolved
+def plan(config, resolved) -> MemoryPlan:
+    """Peak GPU memory of a run of `config` with its resolved settings (resolve.py) on the card they were resolved
     for (`resolved.vram_gib`: memory.vram_gb, else the card's; None = no card: the plan then gives the
     smallest card that fits), on the memory free on it (the card present: less what others held when it was
     detected). A plan that does not fit carries suggestions. UNSLOTH_VLLM_STANDBY with unsloth's vLLM is
@@ -36,7 +37,7 @@ def plan(resolved) -> MemoryPlan:
     vram_gb = resolved.vram_gib
     result = estimate(resolved, vram_gb)
     if result.fits is False:
-        fitted, changes = fit_settings(resolved, vram_gb, SUGGESTION_SPARE * vram_gb)
+        fitted, changes = fit_settings(config, resolved, vram_gb, SUGGESTION_SPARE * vram_gb)
         if fitted is None:
             result.no_fit_reason = changes
         else:
@@ -98,35 +99,35 @@ def family_lines(p: MemoryPlan) -> list[str]:
 
 def _kv_text(p: MemoryPlan) -> str:
     """Which batch vLLM's KV cache must hold, and whether it does."""
-    t = p.config.train
+    run = p.resolved.plan
     rollout = p.resolved.generation_batch_size // p.resolved.num_processes
-    evaluation = p.config.eval.batch_size if p.config.eval.enabled else None
+    evaluation = run.eval.batch_size if run.eval.enabled else None
     other = (f"rollout {rollout} sequences, evaluation {evaluation} (eval.batch_size)" if evaluation is not None
              else f"rollout {rollout} sequences, evaluation off")
     holds = "holds" if p.kv_cache_bytes >= p.kv_largest_bytes else "does NOT hold"
     return (f"vLLM's KV cache {max(p.kv_cache_bytes, 0) / GIB:.2f} GiB {holds} the {p.kv_decided_by} batch: "
-            f"{p.kv_sequences} sequences x {min(t.rollout_tokens, p.config.model.max_seq_length)} "
+            f"{p.kv_sequences} sequences x {min(run.model.rollout_tokens, run.model.max_seq_length)} "
             f"tokens = {p.kv_largest_bytes / GIB:.2f} GiB (the larger batch decides: {other})")
 
 
-def plan_text(resolved) -> str:
-    """The memory plan as `--dry-run` prints it (or why there is none)."""
+def plan_text(config, resolved) -> str:
+    """The memory plan of `config` resolved as `resolved` as `--dry-run` prints it (or why there is none)."""
     if not resolved.cuda:
         return ("GPU memory plan: none, this run is on the CPU; plan it for a card with --gpu PROFILE (e.g. t4) "
                 "or --vram GB")
-    title = f"GPU memory plan for {resolved.config.preset}: {resolved.config.model.name}, {resolved.backend} backend"
+    title = f"GPU memory plan for {resolved.plan.preset}: {resolved.plan.model.name}, {resolved.backend} backend"
     try:
-        return format_plan(plan(resolved), title=title)
+        return format_plan(plan(config, resolved), title=title)
     except PlanError as exc:
         return f"GPU memory plan: {exc}"
 
 
-def run_plan_text(resolved) -> str:
-    """The run's plan, whole: the config as YAML (what --resume reads back), the settings resolve decided and what
+def run_plan_text(config, resolved) -> str:
+    """The run's plan, whole: `config` as YAML (what --resume reads back), the settings resolve decided and what
     each phase reads (plans.RunPlan) as YAML comments, and the memory plan. What `--dry-run` prints and what a run
     writes to its folder's plan.txt."""
     decided = "\n".join(f"# {line}" for line in (resolved.describe() + "\n" + resolved.plan.describe()).splitlines())
-    return f"{resolved.config.to_yaml()}{decided}\n{plan_text(resolved)}\n"
+    return f"{config.to_yaml()}{decided}\n{plan_text(config, resolved)}\n"
 
 
 def _verdict(p: MemoryPlan) -> str:
@@ -145,7 +146,7 @@ def _verdict(p: MemoryPlan) -> str:
     why = f"does NOT fit a {p.vram_gb:g} GiB card" + (f" ({p.free_gb:.1f} GiB free)" if shared else "") + \
         f": {p.total_gb:.1f} GiB planned"
     if p.kv_cache_bytes is not None and p.kv_cache_bytes < p.kv_needed_bytes:
-        why += (f" and vLLM's KV cache at gpu_memory_utilization={p.config.memory.gpu_memory_utilization:g} "
+        why += (f" and vLLM's KV cache at gpu_memory_utilization={p.resolved.plan.model.gpu_memory_utilization:g} "
                 f"({max(p.kv_cache_bytes, 0) / GIB:.2f} GiB) is below the {p.kv_needed_bytes / GIB:.2f} GiB a rollout "
                 f"batch ({p.resolved.generation_batch_size // p.resolved.num_processes} sequences) needs")
     if p.priming_fits is False:
@@ -160,7 +161,7 @@ def _verdict(p: MemoryPlan) -> str:
                 f"-> {p.suggested_total_gb:.1f} GiB planned\n"
                 f"  (run with --auto-fit, or add: {sets})")
 
-    others = presets_that_fit(p.resolved.hardware, p.vram_gb, tools=p.config.uses_tools)
+    others = presets_that_fit(p.resolved.hardware, p.vram_gb, tools=p.resolved.plan.tools.used)
     alternative = (f"use a smaller model: {', '.join(f'--preset {n} ({gb:.1f} GiB)' for n, gb in others)}"
                    if others else "no preset fits this card")
     return f"{why}\nno settings of this preset fit: {p.no_fit_reason}; {alternative}"

@@ -4,7 +4,7 @@ KV cache must hold, unsloth's standby mode, and priming's own peak.
 
     p = estimate(resolve(config, profile("t4")), 15.0)   # a MemoryPlan without suggestions (memory.plan adds them)
     free = usable_gib(resolved, card_gib)       # the card less what others hold on it (hardware.free_gib)
-    sequences, which = kv_batch(config, 6)      # (16, 'evaluation'): the larger of the rollout and eval batches
+    sequences, which = kv_batch(plan, 6)        # (16, 'evaluation'): the larger of the rollout and eval batches
     refuse_standby(resolved)                    # ResolveError when UNSLOTH_VLLM_STANDBY is on for unsloth's vLLM
     peak = priming_peak(shape, resolved, terms, free_gib, *priming_inputs(shape, resolved, terms))
 
@@ -72,7 +72,7 @@ from typing import Any, Optional
 
 from lowvram_grpo.core.errors import ResolveError
 from lowvram_grpo.settings.config import RunConfig
-from lowvram_grpo.settings.model_shapes import LINEAR, UNSLOTH_FORCE_FLOAT32, ModelShape, model_shape
+from lowvram_grpo.settings.model_shapes import LINEAR, UNSLOTH_FORCE_FLOAT32, ModelShape
 from lowvram_grpo.settings.unsloth_sizing import FUSED_BYTES_PER_LOGIT, fused_linear_rows, vllm_budget
 
 GIB = 2 ** 30
@@ -98,7 +98,7 @@ def used_elsewhere_gib(resolved) -> float:
     """What other processes held on the card present when it was detected (total - free); 0 for a named profile,
     for memory.vram_gb (a card of that size, nothing else on it) and without a reading."""
     hw = resolved.hardware
-    if resolved.config.memory.vram_gb is not None or hw.free_gib is None or hw.total_gib is None:
+    if resolved.vram_asked or hw.free_gib is None or hw.total_gib is None:
         return 0.0
     return max(hw.total_gib - hw.free_gib, 0.0)
 
@@ -119,7 +119,7 @@ def free_memory_text(resolved, card_gib: Optional[float]) -> str:
         return (f"card: {card_gib:.1f} GiB, {card_gib - elsewhere:.1f} GiB free when detected "
                 f"({elsewhere:.1f} GiB held by others, e.g. a display): the plan and vLLM's share are on the free "
                 "memory, as unsloth sizes vLLM")
-    if resolved.config.memory.vram_gb is not None:
+    if resolved.vram_asked:
         return f"card: {card_gib:g} GiB (memory.vram_gb), planned as all free"
     if resolved.hardware.free_gib is None:
         return (f"card: {card_gib:.1f} GiB ({resolved.hardware.name} profile), planned as all free; unsloth sizes vLLM "
@@ -129,10 +129,11 @@ def free_memory_text(resolved, card_gib: Optional[float]) -> str:
 
 # --------------------------------------------------------------------------- the batch vLLM's KV cache must hold
 
-def kv_batch(config, rollout_sequences: int) -> tuple[int, str]:
+def kv_batch(plan, rollout_sequences: int) -> tuple[int, str]:
     """(sequences, 'rollout' | 'evaluation'): the larger of the rollout batch and the held-out evaluation's
-    (eval.batch_size, when evaluation is on) that unsloth's engine generates at once."""
-    evaluation = config.eval.batch_size if config.eval.enabled else 0
+    (eval.batch_size, when evaluation is on) that unsloth's engine generates at once. `plan`: the run's
+    (plans.RunPlan)."""
+    evaluation = plan.eval.batch_size if plan.eval.enabled else 0
     if evaluation > rollout_sequences:
         return evaluation, "evaluation"
     return rollout_sequences, "rollout"
@@ -203,8 +204,8 @@ def priming_peak(shape, resolved, terms: dict, free_gib: Optional[float], activa
     weights, LoRA, vLLM share and CUDA context; its own fp32 AdamW state (`lora_params` trainable parameters);
     `activation_bytes` of prime.batch_size examples of model.max_seq_length tokens under the run's gradient
     checkpointing (priming_inputs); two logits chunks (logprobs_fallback)."""
-    config = resolved.config
-    batch, tokens = config.prime.batch_size, config.model.max_seq_length
+    plan = resolved.plan
+    batch, tokens = plan.prime.batch_size, plan.model.max_seq_length
     rows = max(1, PRIMING_CHUNK_ELEMENTS // shape.vocab)
     parts = {"weights": terms["weights"].bytes, "LoRA + grads": terms["lora"].bytes,
              "AdamW fp32 state": lora_params * PRIMING_OPTIMIZER_BYTES_PER_PARAM,
@@ -213,7 +214,7 @@ def priming_peak(shape, resolved, terms: dict, free_gib: Optional[float], activa
     if "vllm" in terms:
         parts["vLLM"] = terms["vllm"].bytes
     parts["CUDA"] = terms["cuda"].bytes
-    return PrimingPeak(config.prime.steps, batch, tokens, parts,
+    return PrimingPeak(plan.prime.steps, batch, tokens, parts,
                        None if free_gib is None else int(free_gib * GIB))
 
 
@@ -258,16 +259,12 @@ class MemoryPlan:
     no_fit_reason: str = ""           # set when no settings of this preset fit the card
 
     @property
-    def config(self) -> RunConfig:
-        return self.resolved.config
-
-    @property
     def backend(self) -> str:
         return self.resolved.backend
 
     @property
     def model(self) -> str:
-        return self.config.model.name
+        return self.resolved.plan.model.name
 
     @property
     def total_bytes(self) -> int:
@@ -310,19 +307,18 @@ class MemoryPlan:
     @property
     def rollout_tokens(self) -> int:
         """Prompt + completion tokens a rollout may take."""
-        t = self.config.train
-        return t.rollout_tokens
+        return self.resolved.plan.model.rollout_tokens
 
     def short_max_model_len(self) -> Optional[str]:
         """A warning when unsloth_zoo starts vLLM with a max_model_len below prompt + completion, else None."""
         length, need = self.vllm_max_model_len, self.rollout_tokens
         if length is None or length >= need:
             return None
+        prompt = self.resolved.plan.model.max_prompt_length
         return (f"unsloth_zoo starts vLLM with max_model_len {length} (what its KV-cache estimate in vLLM's share "
                 f"holds), below train.max_prompt_length + train.max_completion_length = {need}: longer rollouts are "
                 f"cut at {length} tokens and a longer prompt is refused: raise memory.gpu_memory_utilization" + (
-                    f", or lower train.max_completion_length to {length - self.config.train.max_prompt_length}"
-                    if length > self.config.train.max_prompt_length else ""))
+                    f", or lower train.max_completion_length to {length - prompt}" if length > prompt else ""))
 
     def largest(self, n: int = 3) -> list[Term]:
         return sorted(self.terms.values(), key=lambda t: t.bytes, reverse=True)[:n]
@@ -346,24 +342,26 @@ def forced_float32(shape: ModelShape, resolved) -> bool:
 
 
 def _sizes(resolved, shape: Optional[ModelShape] = None) -> _Sizes:
-    t, config = resolved.config.train, resolved.config
-    seq_len = min(t.rollout_tokens, config.model.max_seq_length)
+    m = resolved.plan.model
+    seq_len = min(m.rollout_tokens, m.max_seq_length)
     compute = 4 if shape is not None and forced_float32(shape, resolved) else resolved.compute_bytes
     return _Sizes(batch=resolved.per_device_train_batch_size,
                   generation_batch=resolved.generation_batch_size // resolved.num_processes, seq_len=seq_len,
-                  completion=min(t.max_completion_length, seq_len), compute_bytes=compute)
+                  completion=min(m.max_completion_length, seq_len), compute_bytes=compute)
 
 
-def lora_param_count(shape: ModelShape, config: RunConfig) -> int:
-    """LoRA parameters of config.lora on the shape: r x (in + out) of each targeted module, in each layer that has
-    it (Qwen3.5's q/k/v/o only in its full-attention layers), and of lm_head when targeted."""
-    return config.lora.r * sum((a + b) * n for a, b, n in _targeted(shape, config))
+def lora_param_count(shape: ModelShape, model) -> int:
+    """LoRA parameters of the run's LoRA (`model`: its plans.ModelPlan, lora_r and lora_target_modules) on the shape:
+    r x (in + out) of each targeted module, in each layer that has it (Qwen3.5's q/k/v/o only in its full-attention
+    layers), and of lm_head when targeted."""
+    return model.lora_r * sum((a + b) * n for a, b, n in _targeted(shape, model))
 
 
-def _targeted(shape: ModelShape, config: RunConfig) -> list[tuple[int, int, int]]:
-    """(in, out, how many) of each linear module config.lora targets: the layers' (layer_modules) and lm_head."""
+def _targeted(shape: ModelShape, model) -> list[tuple[int, int, int]]:
+    """(in, out, how many) of each linear module the LoRA targets (`model`: plans.ModelPlan): the layers'
+    (layer_modules) and lm_head."""
     modules = {**shape.layer_modules(), "lm_head": (shape.hidden, shape.vocab, 1)}
-    return [dims for name, dims in modules.items() if name in config.lora.target_modules]
+    return [dims for name, dims in modules.items() if name in model.lora_target_modules]
 
 
 def _layer_activation_elements(shape: ModelShape, layer_type: str) -> int:
@@ -458,13 +456,13 @@ def _logits_term(shape: ModelShape, s: _Sizes, backend: str = "hf") -> Term:
 
 
 def _training_terms(shape: ModelShape, resolved) -> dict[str, Term]:
-    config = resolved.config
+    model = resolved.plan.model
     s = _sizes(resolved, shape)
-    lora = lora_param_count(shape, config)
+    lora = lora_param_count(shape, model)
     optim_bytes = OPTIMIZER_BYTES_PER_PARAM[resolved.optim]
     return {
         "weights": _weights_term(shape, resolved, s),
-        "lora": Term("lora", f"LoRA params + grads, r={config.lora.r}", lora * LORA_BYTES_PER_PARAM,
+        "lora": Term("lora", f"LoRA params + grads, r={model.lora_r}", lora * LORA_BYTES_PER_PARAM,
                      f"{lora / 1e6:.1f}M params x {LORA_BYTES_PER_PARAM} B (fp32 weight + grad)",
                      "lora.r, lora.target_modules"),
         "optimizer": Term("optimizer", f"optimizer state, {resolved.optim}", lora * optim_bytes,
@@ -476,14 +474,14 @@ def _training_terms(shape: ModelShape, resolved) -> dict[str, Term]:
     }
 
 
-def merged_copy_params(shape: ModelShape, config: RunConfig) -> int:
-    """Parameters of the LoRA-targeted projections (and lm_head when targeted): what decoding.py's merged copy for
-    sampled tokens holds once more while it generates."""
-    return sum(a * b * n for a, b, n in _targeted(shape, config))
+def merged_copy_params(shape: ModelShape, model) -> int:
+    """Parameters of the LoRA-targeted projections (and lm_head when targeted; `model`: plans.ModelPlan): what
+    decoding.py's merged copy for sampled tokens holds once more while it generates."""
+    return sum(a * b * n for a, b, n in _targeted(shape, model))
 
 
 def _merged_copy_term(shape: ModelShape, resolved) -> Term:
-    params = merged_copy_params(shape, resolved.config)
+    params = merged_copy_params(shape, resolved.plan.model)
     return Term("merged", "merged LoRA copy for sampled tokens", params * resolved.compute_bytes,
                 f"{params / 1e6:.1f}M targeted params x {resolved.compute_bytes} B, while our decode loop samples "
                 "(counted whole: the plan adds every term)", "decode.merge_lora")
@@ -508,7 +506,8 @@ KV_BLOCK_TOKENS = 32  # vLLM allocates the KV cache in blocks of 32 tokens
 
 
 def engine_sequences(config: RunConfig) -> int:
-    """Sequences the hf backend's vLLM engine decodes at once: a rollout batch, or an evaluation batch."""
+    """Sequences the hf backend's vLLM engine decodes at once: a rollout batch, or an evaluation batch (the run's
+    plan has it: plans.ModelPlan.engine_sequences)."""
     return max(config.train.generation_batch_size, config.eval.batch_size)
 
 
@@ -534,11 +533,17 @@ def _engine_weights_bytes(shape: ModelShape, load_in_4bit: bool) -> int:
     return int(shape.linear_params * NF4_BYTES_PER_PARAM + shape.other_params * 2) if load_in_4bit else shape.params * 2
 
 
+def _engine_kv_bytes(shape: ModelShape, resolved) -> int:
+    """engine_kv_cache_bytes of the run's plan (its ModelPlan) at the compute dtype's bytes."""
+    m = resolved.plan.model
+    return kv_cache_bytes_for(shape, m.engine_sequences, m.max_seq_length, m.vllm_kv_cache_gb, resolved.compute_bytes)
+
+
 def engine_share_bytes(shape: ModelShape, resolved) -> int:
     """What the engine allocates inside its process on the card: its weights, runtime, a LoRA slot and its KV cache."""
     return (_engine_weights_bytes(shape, resolved.load_in_4bit) + VLLM_RUNTIME_BYTES
-            + lora_param_count(shape, resolved.config) * 2
-            + engine_kv_cache_bytes(shape, resolved.config, resolved.compute_bytes))
+            + lora_param_count(shape, resolved.plan.model) * 2
+            + _engine_kv_bytes(shape, resolved))
 
 
 def engine_gpu_memory_utilization(shape: ModelShape, resolved, card_gib: float) -> float:
@@ -551,9 +556,10 @@ def engine_gpu_memory_utilization(shape: ModelShape, resolved, card_gib: float) 
 
 def estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
     """The plan's terms for the resolved settings on a card of `vram_gb` GiB (None: the smallest card that fits),
-    on the memory free on it for this run (usable_gib): memory.plan without its suggestions."""
-    config = resolved.config
-    shape = model_shape(config.model.name)
+    on the memory free on it for this run (usable_gib): memory.plan without its suggestions. The model's shape is the
+    one its plan derived (plan.model.facts); PlanError where there is none."""
+    plan = resolved.plan
+    shape = plan.model.facts.require_shape()
     terms = _training_terms(shape, resolved)
     cuda = Term("cuda", "CUDA context + allocator", CUDA_OVERHEAD_BYTES,
                 "CUDA context, cuBLAS workspace, fragmentation (a constant)", "")
@@ -567,7 +573,7 @@ def estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
         terms["cuda"] = cuda
         priming = priming_peak(shape, resolved, terms, free if vram_gb is not None else None,
                                *priming_inputs(shape, resolved, terms))
-        if config.prime.steps and not priming_counted:
+        if plan.prime.steps and not priming_counted:
             min_free_gb = max(min_free_gb, priming.total_gb)
         return MemoryPlan(resolved, shape, terms, vram_gb, min_free_gb + elsewhere,
                           free_gb=free if vram_gb is not None else None, priming=priming, **vllm)
@@ -576,12 +582,12 @@ def estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
         # our engine (hf backend): its own weights, a LoRA slot and exactly the KV cache it asks for, in a
         # process with its own CUDA context, started once the trainer has loaded; the whole trainer beside it
         share = engine_share_bytes(shape, resolved)
-        kv = engine_kv_cache_bytes(shape, config, resolved.compute_bytes)
+        kv = _engine_kv_bytes(shape, resolved)
         terms["vllm"] = Term(
             "vllm", "vLLM engine, its own weights and KV cache", share + VLLM_PROCESS_BYTES,
             f"its copy of the weights {_engine_weights_bytes(shape, resolved.load_in_4bit) / GIB:.2f} GiB, runtime "
             f"{VLLM_RUNTIME_BYTES / GIB:.1f} GiB, LoRA slot, KV cache {kv / GIB:.2f} GiB (kv_cache_memory_bytes: "
-            f"{engine_sequences(config)} sequences x {config.model.max_seq_length} tokens), + "
+            f"{plan.model.engine_sequences} sequences x {plan.model.max_seq_length} tokens), + "
             f"{VLLM_PROCESS_BYTES / GIB:.1f} GiB CUDA context. Asleep during backward, counted in full",
             "memory.vllm_kv_cache_gb, eval.batch_size, model.generation")
         return finish((sum(t.bytes for t in terms.values()) + cuda.bytes) / GIB)
@@ -595,24 +601,24 @@ def estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
         return shape.kv_cache_bytes(sequences, s.seq_len, resolved.kv_bytes)  # KV_BYTES, 1 with kv_cache_dtype fp8
 
     kv_needed = kv_of(s.generation_batch)  # a rollout batch: it must fit
-    sequences, decided_by = kv_batch(config, s.generation_batch)  # the larger batch: checked, a warning when short
+    sequences, decided_by = kv_batch(plan, s.generation_batch)  # the larger batch: checked, a warning when short
     in_share, outside = weights + VLLM_RUNTIME_BYTES, outside_vllm
     priming_outside = 0
-    if config.prime.steps:  # priming's parts beside vLLM's share (weights inside it): its own peak's outside
+    if plan.prime.steps:  # priming's parts beside vLLM's share (weights inside it): its own peak's outside
         priming_outside = priming_peak(shape, resolved, {**terms, "cuda": cuda}, None,
                                        *priming_inputs(shape, resolved, terms)).total_bytes - weights
     min_free = max((in_share + kv_needed) / util, max(outside, priming_outside) / (1 - util)) / GIB
     card = vram_gb if vram_gb is not None else min_free + elsewhere
     free = free if free is not None else min_free
     # unsloth_zoo's load_vllm: util x the memory free at load, its max_model_len from the free and total memory
-    budget = vllm_budget(shape, util, free * GIB, card * GIB, config.model.max_seq_length,
-                         resolved.vllm_max_lora_rank or config.lora.r, resolved.load_in_4bit,
+    budget = vllm_budget(shape, util, free * GIB, card * GIB, plan.model.max_seq_length,
+                         resolved.vllm_max_lora_rank or plan.model.lora_r, resolved.load_in_4bit,
                          float8_kv_cache=resolved.kv_cache_dtype == "fp8")
     reserved = int(budget.share_bytes)
     kv_cache = reserved - in_share
     rollout = kv_of(s.generation_batch)
-    evaluation = (f"an evaluation batch ({config.eval.batch_size} sequences) needs "
-                  f"{kv_of(config.eval.batch_size) / GIB:.2f} GiB" if config.eval.enabled
+    evaluation = (f"an evaluation batch ({plan.eval.batch_size} sequences) needs "
+                  f"{kv_of(plan.eval.batch_size) / GIB:.2f} GiB" if plan.eval.enabled
                   else "evaluation is off")
     terms["vllm"] = Term(
         "vllm", f"vLLM KV cache + runtime ({budget.utilization:.3g} x {card:.1f} GiB - weights)",
@@ -631,8 +637,8 @@ def estimate(resolved, vram_gb: Optional[float]) -> MemoryPlan:
 def priming_inputs(shape, resolved, terms: dict) -> tuple[int, int]:
     """(activation bytes, trainable LoRA parameters) of priming's step: prime.batch_size examples of
     model.max_seq_length tokens under the run's gradient checkpointing (priming_peak)."""
-    config = resolved.config
-    batch, tokens = config.prime.batch_size, config.model.max_seq_length
+    plan = resolved.plan
+    batch, tokens = plan.prime.batch_size, plan.model.max_seq_length
     sizes = _Sizes(batch=batch, generation_batch=batch, seq_len=tokens, completion=tokens,
                    compute_bytes=_sizes(resolved, shape).compute_bytes)
     return _activation_term(shape, resolved, sizes).bytes, terms["lora"].bytes // LORA_BYTES_PER_PARAM

@@ -426,6 +426,52 @@ def model_shape(name: str) -> ModelShape:
         "model.name to a local folder with its config.json")
 
 
+# --------------------------------------------------------------------------- derived once for a run
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a run knows of its model before loading it, derived once (model_facts; plans.run_plan keeps it as
+    `plan.model.facts`): the shape (model_shape) or why there is none, and what a local checkpoint's own
+    config.json says. The settings checks, the step-time estimate, the memory plan and the doctor read this one."""
+    name: str
+    shape: Optional[ModelShape] = None
+    why_no_shape: str = ""                  # model_shape's PlanError where shape is None
+    local: bool = False                     # `name` is a local folder with a config.json (read)
+    local_error: str = ""                   # that config.json could not be read (local_model_config's PlanError)
+    local_context: Optional[int] = None     # its (text config's) max_position_embeddings
+    local_model_type: Optional[str] = None  # its (text config's) model_type, as written
+    local_architectures: tuple = ()         # its `architectures`
+
+    def require_shape(self) -> ModelShape:
+        """The shape; PlanError (model_shape's own) where there is none."""
+        if self.shape is None:
+            raise PlanError(self.why_no_shape)
+        return self.shape
+
+
+def model_facts(name: str) -> ModelFacts:
+    """ModelFacts of model `name`: its local config.json (local_model_config) and its shape (model_shape), each
+    read once. Never raises PlanError: what is missing is kept, and raised by what needs it (require_shape)."""
+    try:
+        raw = local_model_config(name)
+    except PlanError as exc:  # an unreadable config.json: checks.check_model_folder refuses it in one line
+        return ModelFacts(name, why_no_shape=str(exc), local=True, local_error=str(exc))
+    local: dict = {}
+    if raw is not None:
+        text = (raw.get("text_config") or raw) if isinstance(raw, dict) else {}
+        text = text if isinstance(text, dict) else {}
+        local = dict(local=True, local_context=text.get("max_position_embeddings"),
+                     local_model_type=text.get("model_type"),
+                     local_architectures=tuple((raw.get("architectures") or []) if isinstance(raw, dict) else []))
+        if not isinstance(raw, dict):  # not a mapping (check_model_folder refuses it): no shape to read from it
+            return ModelFacts(name, why_no_shape=f"cannot read the model shape from {name}/config.json: "
+                                                 "not a JSON object", **local)
+    try:
+        return ModelFacts(name, shape=model_shape(name), **local)
+    except PlanError as exc:
+        return ModelFacts(name, why_no_shape=str(exc), **local)
+
+
 # --------------------------------------------------------------------------- the offline fallback table
 
 def _shape(name, hidden, layers, heads, kv_heads, intermediate, vocab, tied, context, head_dim=None,

@@ -13,11 +13,12 @@ joins the two into `GRPOConfig`'s arguments.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from lowvram_grpo.settings.config import RunConfig
+from lowvram_grpo.settings.model_shapes import ModelFacts, model_facts
 
 # GRPOConfig's importance-sampling mode by default: TRL 1.15's, one ratio per completion, masked above clip_max
 IS_MODE = "sequence_mask"
@@ -110,6 +111,9 @@ class ModelPlan:
     vllm_kv_cache_gb: Optional[float] = None  # memory.vllm_kv_cache_gb: our engine's KV cache, when set
     vllm_cpu_threads: Optional[int] = None    # memory.vllm_cpu_threads
     seed: int = 0                     # train.seed (our vLLM engine's sampling seed)
+    # the model's shape and its local config.json, derived once for the run (model_shapes.model_facts): the checks,
+    # resolve, the step-time estimate and the memory plan read this one
+    facts: Optional[ModelFacts] = field(default=None, repr=False)
 
     def lora_kwargs(self) -> dict:
         """peft's `LoraConfig` arguments for this LoRA."""
@@ -160,6 +164,27 @@ class CompletionsPlan:
 
 
 @dataclass(frozen=True)
+class GRPOSettings:
+    """train.*'s settings that GRPOConfig takes as they are (grpo_config_kwargs joins them with the device's)."""
+    adam_beta1: float
+    adam_beta2: float
+    weight_decay: float
+    warmup_ratio: float
+    lr_scheduler_type: str
+    temperature: float
+    top_p: float
+    epsilon: float
+    loss_type: str
+    scale_rewards: str
+    mask_truncated_completions: bool
+    importance_sampling_level: str
+    epsilon_high: Optional[float]
+    top_entropy_quantile: float
+    max_grad_norm: float
+    seed: int
+
+
+@dataclass(frozen=True)
 class TrainPlan:
     """What the GRPO trainer reads besides GRPOConfig's arguments (grpo_config_kwargs)."""
     num_generations: int
@@ -185,6 +210,8 @@ class TrainPlan:
     adapter_check_every: int = 0             # sampled tokens scored under adapter and base every N steps (0 = off)
     trackers: tuple[str, ...] = ()           # train.report_to's trackers (their modules: installed.path_modules)
     adapter_guard_steps: int = 0             # flagged scored steps in a row that stop the run (0 = warn only)
+    save_steps: Optional[int] = None         # train.save_steps as asked (None: auto, resolve.choose_save_steps)
+    grpo: Optional[GRPOSettings] = None      # train.*'s settings GRPOConfig takes as they are (grpo_config_kwargs)
 
 
 @dataclass(frozen=True)
@@ -226,8 +253,9 @@ class RunPlan:
         ])
 
 
-def run_plan(config: RunConfig) -> RunPlan:
-    """The frozen plan of `config`'s phases."""
+def run_plan(config: RunConfig, facts: Optional[ModelFacts] = None) -> RunPlan:
+    """The frozen plan of `config`'s phases. `facts`: the model's, derived already for a plan of the same model.name
+    (the memory plan's search re-plans changed settings of one model); derived here otherwise (model_facts)."""
     train, data, tools, env = config.train, config.data, config.tools, config.environment
     prompts = PromptPlan(system_prompt=data.system_prompt, answer_format=data.answer_format,
                          chat_template_kwargs=tuple(dict(data.chat_template_kwargs or {}).items()),
@@ -248,7 +276,9 @@ def run_plan(config: RunConfig) -> RunPlan:
                       max_completion_length=train.max_completion_length, rollout_tokens=train.rollout_tokens,
                       engine_sequences=max(train.generation_batch_size, config.eval.batch_size),
                       vllm_kv_cache_gb=config.memory.vllm_kv_cache_gb, vllm_cpu_threads=config.memory.vllm_cpu_threads,
-                      seed=train.seed)
+                      seed=train.seed,
+                      facts=facts if facts is not None and facts.name == config.model.name
+                      else model_facts(config.model.name))
     p = config.prime
     prime = PrimePlan(steps=p.steps, learning_rate=p.learning_rate, batch_size=p.batch_size, save_steps=p.save_steps,
                       keep_checkpoints=train.keep_checkpoints, **shared)
@@ -273,7 +303,14 @@ def run_plan(config: RunConfig) -> RunPlan:
         save_steps_auto=train.save_steps is None, curve_auto=config.eval.every_steps is None,
         validation_size=config.eval.validation_size,
         adapter_check_every=train.adapter_check_every, adapter_guard_steps=train.adapter_guard_steps,
-        trackers=tuple(train.trackers),
+        trackers=tuple(train.trackers), save_steps=train.save_steps,
+        grpo=GRPOSettings(
+            adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, weight_decay=train.weight_decay,
+            warmup_ratio=train.warmup_ratio, lr_scheduler_type=train.lr_scheduler_type, temperature=train.temperature,
+            top_p=train.top_p, epsilon=train.epsilon, loss_type=train.loss_type, scale_rewards=train.scale_rewards,
+            mask_truncated_completions=train.mask_truncated_completions,
+            importance_sampling_level=train.importance_sampling_level, epsilon_high=train.epsilon_high,
+            top_entropy_quantile=train.top_entropy_quantile, max_grad_norm=train.max_grad_norm, seed=train.seed),
         **shared)
     ev = config.eval
     eval_plan = EvalPlan(enabled=ev.enabled, temperature=ev.temperature, top_p=ev.top_p, seed=ev.seed,
@@ -299,58 +336,58 @@ def tool_config_kwargs(tools: ToolPlan, use_vllm: bool = False) -> dict:
 
 
 def grpo_config_kwargs(resolved, output_dir: Path) -> dict:
-    """`GRPOConfig`'s arguments: the config's GRPO settings and the resolved device settings (resolve.py), with the
-    tool loop's rounds (tool_config_kwargs)."""
-    config = resolved.config
-    t = config.train
+    """`GRPOConfig`'s arguments: the run's GRPO settings (its plan: `resolved.plan`) and the resolved device settings
+    (resolve.py), with the tool loop's rounds (tool_config_kwargs)."""
+    plan = resolved.plan
+    t, g = plan.train, plan.train.grpo
     kwargs = dict(
         output_dir=str(output_dir),
         learning_rate=t.learning_rate,
-        adam_beta1=t.adam_beta1,
-        adam_beta2=t.adam_beta2,
-        weight_decay=t.weight_decay,
-        warmup_steps=t.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of max_steps
-        lr_scheduler_type=t.lr_scheduler_type,
+        adam_beta1=g.adam_beta1,
+        adam_beta2=g.adam_beta2,
+        weight_decay=g.weight_decay,
+        warmup_steps=g.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of max_steps
+        lr_scheduler_type=g.lr_scheduler_type,
         optim=resolved.optim,
         per_device_train_batch_size=resolved.per_device_train_batch_size,
         gradient_accumulation_steps=resolved.gradient_accumulation_steps,
         num_generations=t.num_generations,
         max_completion_length=t.max_completion_length,
-        temperature=t.temperature,
-        top_p=t.top_p,
+        temperature=g.temperature,
+        top_p=g.top_p,
         beta=t.beta,
-        epsilon=t.epsilon,
-        loss_type=t.loss_type,
-        scale_rewards=t.scale_rewards,
-        mask_truncated_completions=t.mask_truncated_completions,
-        importance_sampling_level=t.importance_sampling_level,  # GSPO: sequence
-        epsilon_high=t.epsilon_high,  # DAPO's clip-higher; None = epsilon
-        top_entropy_quantile=t.top_entropy_quantile,
-        max_grad_norm=t.max_grad_norm,
+        epsilon=g.epsilon,
+        loss_type=g.loss_type,
+        scale_rewards=g.scale_rewards,
+        mask_truncated_completions=g.mask_truncated_completions,
+        importance_sampling_level=g.importance_sampling_level,  # GSPO: sequence
+        epsilon_high=g.epsilon_high,  # DAPO's clip-higher; None = epsilon
+        top_entropy_quantile=g.top_entropy_quantile,
+        max_grad_norm=g.max_grad_norm,
         max_steps=t.max_steps,
         save_strategy="steps",
         save_steps=resolved.save_steps,  # train.save_steps, or auto's choice (resolve.choose_save_steps)
         logging_steps=t.logging_steps,
-        seed=t.seed,
-        data_seed=t.seed,
-        reward_weights=config.rewards.weight_list,
-        chat_template_kwargs=dict(config.data.chat_template_kwargs) or None,  # e.g. enable_thinking
+        seed=g.seed,
+        data_seed=g.seed,
+        reward_weights=list(plan.rewards.weights),
+        chat_template_kwargs=plan.prompts.template_kwargs or None,  # e.g. enable_thinking
         use_vllm=resolved.use_vllm,  # only unsloth's engine, which shares the weights; never a second TRL engine
         # resolve.choose_is_correction: on wherever a vLLM engine samples (unsloth's GRPOConfig would default it off)
         vllm_importance_sampling_correction=resolved.is_correction,
         vllm_importance_sampling_mode=resolved.is_mode or IS_MODE,
         vllm_mode="colocate",
-        vllm_gpu_memory_utilization=config.memory.gpu_memory_utilization,
+        vllm_gpu_memory_utilization=plan.model.gpu_memory_utilization,
         vllm_max_model_length=resolved.vllm_max_model_len,
         gradient_checkpointing=resolved.gradient_checkpointing != "false",
         gradient_checkpointing_kwargs={"use_reentrant": False},
         bf16=resolved.bf16,
         fp16=resolved.fp16,
         use_cpu=not resolved.cuda,
-        report_to=t.trackers,  # TRL's integrations; metrics.jsonl is written either way
+        report_to=list(t.trackers),  # TRL's integrations; metrics.jsonl is written either way
         # TRL's completions table for the trackers that show one (W&B, trackio; never printed: completions.jsonl has
         # them)
-        log_completions=bool(set(t.trackers) & set(COMPLETION_TRACKERS)) and config.log.completions_every > 0,
+        log_completions=bool(set(t.trackers) & set(COMPLETION_TRACKERS)) and t.completions is not None,
         num_completions_to_print=0,
         disable_tqdm=True,  # our ProgressBar replaces HF's bar and its printed log dicts
         remove_unused_columns=False,

@@ -75,6 +75,7 @@ from typing import Optional
 from lowvram_grpo.core.errors import PlanError, ResolveError
 from lowvram_grpo.settings.config import RunConfig
 from lowvram_grpo.settings.hardware import Hardware
+from lowvram_grpo.settings.model_shapes import ModelFacts, model_facts
 # IS_MODE: TRL 1.15's default, one ratio per completion
 from lowvram_grpo.settings.plans import FUSED_TYPES, IS_MODE, DecodeSettings, RunPlan, run_plan
 
@@ -134,9 +135,21 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
+class WithoutVllm:
+    """The decisions that follow the generation path, made by resolve() for transformers' generation too: what
+    `without_vllm` applies when unsloth loads the model without its vLLM engine (the rest needs no config)."""
+    is_correction: bool
+    is_mode: Optional[str]
+    is_reason: str
+    is_from_loss: bool
+    decode_graphs: bool
+    decode_graphs_reason: str
+
+
+@dataclass(frozen=True)
 class Resolved:
-    """Every device-dependent setting of a run, decided once. Read it; never re-decide."""
-    config: RunConfig = field(repr=False)
+    """Every device-dependent setting of a run, decided once. Read it; never re-decide. The user's settings are not
+    in it: what a phase reads of them is in `plan` (plans.RunPlan); what takes the config takes it beside this."""
     hardware: Hardware
     requested_backend: str
     backend: str                      # 'unsloth' | 'hf'
@@ -181,6 +194,8 @@ class Resolved:
     validation_every: int = 0            # the held-out curve: every N GRPO steps (0 = off): choose_validation
     notes: tuple[str, ...] = ()
     plan: Optional[RunPlan] = field(default=None, repr=False)  # the phases' settings from the config (plans.run_plan)
+    vram_asked: bool = False             # vram_gib is memory.vram_gb: a card of that size with nothing else on it
+    no_vllm: Optional[WithoutVllm] = field(default=None, repr=False)  # transformers' generation: without_vllm
 
     @property
     def cuda(self) -> bool:
@@ -246,14 +261,10 @@ class Resolved:
     def compute_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
-    def with_config(self, config: RunConfig) -> "Resolved":
-        """The same hardware and backend request, re-decided for another config (the memory plan's search)."""
-        return resolve(config, self.hardware, self.requested_backend, num_processes=self.num_processes)
-
     def summary(self) -> dict:
         """The decided values, for --dry-run, the run log and summary.json."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in ("config", "hardware", "notes", "plan")}
+               if f.name not in ("hardware", "notes", "plan", "vram_asked", "no_vllm")}
         out.update(fast_inference=self.fast_inference, use_vllm=self.use_vllm)
         out["hardware"] = self.hardware.describe()
         out["notes"] = list(self.notes)
@@ -281,8 +292,8 @@ class Resolved:
                    f"accumulation x {self.num_processes} process(es) = {self.generation_batch_size} per generation; "
                    f"host allocator {self.host_allocator}"]
         lines.append(self.levers())
-        steps = min(self.save_steps, self.config.train.max_steps)
-        lines.append((f"  checkpoint every {steps} GRPO step(s)" if steps < self.config.train.max_steps else
+        steps = min(self.save_steps, self.plan.train.max_steps)
+        lines.append((f"  checkpoint every {steps} GRPO step(s)" if steps < self.plan.train.max_steps else
                       f"  checkpoint at the last GRPO step ({steps})") + (
             f" (~{span_text(steps * self.step_seconds)} at ~{self.step_seconds:.0f} s a step, estimated)"
             if self.step_seconds else ""))
@@ -380,17 +391,17 @@ def span_text(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{max(1, round(seconds / 60))} min"
 
 
-def choose_save_steps(config: RunConfig, hardware: Hardware, generation: str, completions: int,
-                      dtype: str) -> tuple[int, Optional[float], str]:
+def choose_save_steps(plan: RunPlan, hardware: Hardware, generation: str, completions: int, dtype: str,
+                      load_in_4bit: bool) -> tuple[int, Optional[float], str]:
     """(save_steps, the estimated seconds of a step, the note saying why) for train.save_steps: null (auto) = as many
     steps as fit in CHECKPOINT_EVERY_S of step_time.step_seconds' conservative estimate for this card, generation and
     `completions` a step per process (at least 1, at most train.max_steps); an explicit value is kept, with a note when
     it spans more than CHECKPOINT_EVERY_S of the estimate. Without an estimate (a model the plan has no shape for),
-    auto is SAVE_STEPS_WITHOUT_ESTIMATE."""
+    auto is SAVE_STEPS_WITHOUT_ESTIMATE. `plan`: the run's (plans.RunPlan), its model's shape derived once."""
     from lowvram_grpo.settings.step_time import step_seconds  # arithmetic on the model's shape (model_shapes), no torch
 
-    train = config.train
-    estimate = step_seconds(config, hardware, generation, completions, dtype)
+    train = plan.train
+    estimate = step_seconds(plan, hardware, generation, completions, dtype, load_in_4bit)
     seconds, what = estimate if estimate is not None else (None, "")
     fits = None if seconds is None else max(1, min(train.max_steps, int(CHECKPOINT_EVERY_S // seconds)))
     if train.save_steps is not None:
@@ -405,7 +416,7 @@ def choose_save_steps(config: RunConfig, hardware: Hardware, generation: str, co
             f"train.save_steps={fits} (or null, auto) checkpoints every ~{CHECKPOINT_EVERY_S // 60} minutes")
     if seconds is None:
         steps = min(train.max_steps, SAVE_STEPS_WITHOUT_ESTIMATE)
-        return steps, None, (f"train.save_steps auto -> {steps}: no step-time estimate for {config.model.name} "
+        return steps, None, (f"train.save_steps auto -> {steps}: no step-time estimate for {plan.model.name} "
                              "(the plan has no shape for it)")
     return fits, seconds, (f"train.save_steps auto -> {fits}: a checkpoint every ~{span_text(fits * seconds)} at "
                            f"~{seconds:.0f} s a GRPO step, a conservative estimate for {what} (step_time.py), "
@@ -422,8 +433,8 @@ def choose_host_allocator(asked: str, hardware: Hardware) -> str:
     return asked
 
 
-def choose_decode(config: RunConfig, hardware: Hardware, backend: str,
-                  generation: str) -> tuple[str, str, bool, bool, str]:
+def choose_decode(config: RunConfig, hardware: Hardware, backend: str, generation: str,
+                  facts: Optional[ModelFacts] = None) -> tuple[str, str, bool, bool, str]:
     """(loop, sampler, merge_lora, fused, weights) for transformers' generation (decoding.py). Our loop where
     transformers generates on the hf backend: measured faster on CPU (bench/decode_step.py); on CUDA transformers'
     generate stays the default until a card measures ours (bench/gpu_first_run.py). unsloth's backend patches
@@ -458,14 +469,14 @@ def choose_decode(config: RunConfig, hardware: Hardware, backend: str,
         sampler, merge, fused = "multinomial", False, False
     weights = "bf16" if asked.weights == "auto" else asked.weights
     if weights == "int8":
-        refused = decode_int8_refusal(config, hardware, backend, generation, loop, fused)
+        refused = decode_int8_refusal(config, hardware, backend, generation, loop, fused, facts)
         if refused:
             raise ResolveError(refused)
     return loop, sampler, merge, fused, weights
 
 
 def decode_int8_refusal(config: RunConfig, hardware: Hardware, backend: str, generation: str, loop: str,
-                        fused: bool) -> Optional[str]:
+                        fused: bool, facts: Optional[ModelFacts] = None) -> Optional[str]:
     """Why decode.weights=int8 cannot hold here (one line with the fix), or None: it is FBGEMM's CPU int8 linear in
     our decode loop's fused layers (fused_decode.FusedLayers), so it needs those to run: a CPU, the hf backend's
     transformers generation, decode.loop not transformers, a 16-bit base, decode.fused not off,
@@ -486,7 +497,7 @@ def decode_int8_refusal(config: RunConfig, hardware: Hardware, backend: str, gen
                 "decode.weights=auto")
     if not fused:
         return f"{head} and decode.fused=false keeps them off: set decode.fused=auto or decode.weights=auto"
-    model_type = model_type_of(config.model.name)
+    model_type = model_type_of(config.model.name, facts)
     if model_type is not None and model_type not in FUSED_TYPES:
         return (f"{head}, which cover {', '.join(FUSED_TYPES)}, and model.name {config.model.name} is model type "
                 f"{model_type}: set decode.weights=auto")
@@ -582,21 +593,20 @@ def choose_is_logprobs(config: RunConfig, is_on: bool, backend: str, strict: boo
     return False
 
 
-def model_type_of(name: str) -> Optional[str]:
+def model_type_of(name: str, facts: Optional[ModelFacts] = None) -> Optional[str]:
     """transformers' model_type of model `name` (of its text config, without `_text`): the family the memory plan's
     shape reads from its config.json (model_shapes.model_shape: a local folder, the hub cache, the offline table),
-    else read off a hub id's name; None when neither says. Built-in models are Llamas."""
-    from lowvram_grpo.settings.model_shapes import local_model_config, model_shape  # pure Python (json), no circle
-
+    else read off a hub id's name; None when neither says. Built-in models are Llamas. `facts`: the model's, derived
+    once for the run (plans.ModelPlan.facts); derived here without them."""
     if name.startswith("builtin:"):
         return "llama"  # the random tiny Llama and SmolLM2 (LlamaForCausalLM)
-    raw = local_model_config(name)  # a local checkpoint: its own config.json, whatever else it lacks
-    if raw is not None and (raw.get("text_config") or raw).get("model_type"):
-        return str((raw.get("text_config") or raw)["model_type"]).removesuffix("_text")
-    try:
-        return model_shape(name).family
-    except PlanError:
-        pass
+    facts = facts if facts is not None and facts.name == name else model_facts(name)
+    if facts.local_error:  # a local checkpoint whose config.json cannot be read
+        raise PlanError(facts.local_error)
+    if facts.local_model_type:  # a local checkpoint: its own config.json, whatever else it lacks
+        return str(facts.local_model_type).removesuffix("_text")
+    if facts.shape is not None:
+        return facts.shape.family
     key = name.lower().rsplit("/", 1)[-1]
     for marker, model_type in (("qwen3.5", "qwen3_5"), ("qwen3_5", "qwen3_5"), ("qwen3-next", "qwen3_next"),
                                ("qwen3", "qwen3"), ("qwen2", "qwen2"), ("llama", "llama"), ("smollm", "llama"),
@@ -607,7 +617,8 @@ def model_type_of(name: str) -> Optional[str]:
     return None
 
 
-def choose_decode_graphs(config: RunConfig, hardware: Hardware, backend: str, generation: str) -> tuple[bool, str]:
+def choose_decode_graphs(config: RunConfig, hardware: Hardware, backend: str, generation: str,
+                         facts: Optional[ModelFacts] = None) -> tuple[bool, str]:
     """(on, why): does unsloth 2026.10.9 capture the one-token decode step as CUDA graphs in this run's rollouts?
     unsloth/models/_decode_graphs.py turns them on inside an RL trainer's generate on NVIDIA CUDA, for the model types
     of DECODE_GRAPH_MODEL_TYPES only; vLLM rollouts never reach that generate. Decided, not changed: unsloth's own
@@ -618,7 +629,7 @@ def choose_decode_graphs(config: RunConfig, hardware: Hardware, backend: str, ge
         return False, "unsloth captures them on NVIDIA CUDA only"
     if generation != "transformers":
         return False, "vLLM samples the rollouts (with CUDA graphs of its own); unsloth's generate does not"
-    model_type = model_type_of(config.model.name)
+    model_type = model_type_of(config.model.name, facts)
     supported = ", ".join(DECODE_GRAPH_MODEL_TYPES)
     if model_type not in DECODE_GRAPH_MODEL_TYPES:
         what = f"model type {model_type}" if model_type else f"the model type of {config.model.name} is unknown here"
@@ -695,9 +706,10 @@ def kv_room_short(resolved: "Resolved") -> Optional[str]:
     if plan.kv_cache_bytes is not None and plan.kv_largest_bytes and plan.kv_cache_bytes < plan.kv_largest_bytes:
         return (f"the 16-bit cache ({max(plan.kv_cache_bytes, 0) / GIB:.2f} GiB) holds less than {plan.kv_sequences} "
                 f"sequences at full length ({plan.kv_largest_bytes / GIB:.2f} GiB)")
-    if plan.vllm_max_model_len is not None and plan.vllm_max_model_len < resolved.config.model.max_seq_length:
+    max_seq_length = resolved.plan.model.max_seq_length
+    if plan.vllm_max_model_len is not None and plan.vllm_max_model_len < max_seq_length:
         return (f"unsloth_zoo would start vLLM with max_model_len {plan.vllm_max_model_len} < model.max_seq_length "
-                f"{resolved.config.model.max_seq_length} at 16-bit")
+                f"{max_seq_length} at 16-bit")
     return None
 
 
@@ -738,7 +750,8 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
             plan: Optional[RunPlan] = None) -> Resolved:
     """Every device-dependent setting of `config` on `hardware` with the `backend` asked for (auto|unsloth|hf).
     `plan`: the run's plan (plans.run_plan(config)) when the caller built it already (the pipeline builds it once
-    and its checks read it too); built here otherwise."""
+    and its checks read it too); built here otherwise. Its model's facts (plan.model.facts: the shape, derived once)
+    are what every decision here that depends on the model reads."""
     notes: list[str] = []
     if config.requires_cuda and not hardware.cuda:
         raise ResolveError(f"preset '{config.preset}' needs an NVIDIA GPU (CUDA) and none is visible: on this "
@@ -747,6 +760,8 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
     chosen = choose_backend(backend, hardware)
     check_dynamic_sampling(config, chosen, num_processes)
     dtype = _dtype(config, hardware)
+    plan = plan if plan is not None else run_plan(config)
+    facts = plan.model.facts
     if not hardware.cuda and dtype == "bfloat16" and not hardware.cpu_bf16:
         notes.append("this CPU has no native bf16 (AVX512-BF16/AMX): training will be slow; "
                      "--set model.dtype=float32 is faster here (about 2x the weight memory)")
@@ -777,10 +792,11 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         elif hardware.compute_capability < VLLM_MIN_COMPUTE_CAPABILITY:
             notes.append(f"model.fast_inference: vLLM 0.31's CUDA 13 build needs compute capability >= 7.5 and "
                          f"{hardware.gpu_name} is {hardware.sm}: generating with transformers")
-        elif not hardware.bf16_native and model_type_of(config.model.name) in VLLM_NO_FLOAT16_TYPES:
+        elif not hardware.bf16_native and model_type_of(config.model.name, facts) in VLLM_NO_FLOAT16_TYPES:
             notes.append(f"model.fast_inference: unsloth starts vLLM in float16 on {hardware.sm} (no native bf16; "
                          f"float32 it does not take) and vLLM 0.31 refuses float16 for model type "
-                         f"{model_type_of(config.model.name)} (numerical instability): generating with transformers")
+                         f"{model_type_of(config.model.name, facts)} (numerical instability): generating with "
+                         "transformers")
         else:
             fast = True
 
@@ -809,14 +825,14 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
                      "and passes its own share of the card as gpu_memory_utilization; "
                      "memory.gpu_memory_utilization is unsloth's")
     decode_loop, decode_sampler, decode_merge, decode_fused, decode_weights = choose_decode(config, hardware, chosen,
-                                                                                           generation)
+                                                                                           generation, facts)
     is_on, is_mode, is_reason = choose_is_correction(config, generation, decode_loop=decode_loop, backend=chosen,
                                                      decode_weights=decode_weights)
     is_from_loss = choose_is_logprobs(config, is_on, chosen)
     if decode_weights == "int8" and not is_on:
         notes.append("decode.weights=int8 with train.is_correction=off: the rollouts sampled from int8 weights train "
                      "uncorrected (train.is_correction=auto corrects them)")
-    graphs, graphs_reason = choose_decode_graphs(config, hardware, chosen, generation)
+    graphs, graphs_reason = choose_decode_graphs(config, hardware, chosen, generation, facts)
     kv_dtype, kv_reason, plan_decides = choose_kv_cache_dtype(config, hardware, generation, dtype, flashinfer)
     per_device = config.train.batch_size
     accumulation = config.train.gradient_accumulation_steps
@@ -824,18 +840,24 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
                                                           num_processes)
     if validation_note:
         notes.append(validation_note)
-    save_steps, step_seconds, save_note = choose_save_steps(config, hardware, generation, per_device * accumulation,
-                                                            dtype)
+    save_steps, step_seconds, save_note = choose_save_steps(plan, hardware, generation, per_device * accumulation,
+                                                            dtype, config.memory.load_in_4bit)
     if save_note:
         notes.append(save_note)
     vram = config.memory.vram_gb if config.memory.vram_gb is not None else hardware.total_gib
+    # transformers' generation, decided now for without_vllm (unsloth may load the model without its vLLM engine)
+    no_is_on, no_is_mode, no_is_reason = choose_is_correction(config, "transformers", strict=False, backend=chosen)
+    no_graphs, no_graphs_reason = choose_decode_graphs(config, hardware, chosen, "transformers", facts)
+    no_vllm = WithoutVllm(is_correction=no_is_on, is_mode=no_is_mode, is_reason=no_is_reason,
+                          is_from_loss=choose_is_logprobs(config, no_is_on, chosen, strict=False),
+                          decode_graphs=no_graphs, decode_graphs_reason=no_graphs_reason)
     resolved = Resolved(
-        config=config, hardware=hardware, requested_backend=backend, backend=chosen, device=hardware.device,
+        hardware=hardware, requested_backend=backend, backend=chosen, device=hardware.device,
         dtype=dtype, bf16=bf16, fp16=fp16, load_in_4bit=config.memory.load_in_4bit,
         gradient_checkpointing=checkpointing, optim=optim, generation=generation,
         vllm_max_model_len=config.model.max_seq_length if own_vllm else None, vllm_max_lora_rank=lora_rank,
         gpu_memory_utilization=config.memory.gpu_memory_utilization if generation == "unsloth_vllm" else None,
-        vram_gib=vram if hardware.cuda else None,
+        vram_gib=vram if hardware.cuda else None, vram_asked=config.memory.vram_gb is not None,
         per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
         num_processes=num_processes, generation_batch_size=per_device * accumulation * num_processes,
         host_allocator=choose_host_allocator(config.memory.host_allocator, hardware), vllm_flashinfer=flashinfer,
@@ -846,8 +868,7 @@ def resolve(config: RunConfig, hardware: Hardware, backend: str = "auto", num_pr
         validation_every=validation_every, is_correction=is_on, is_mode=is_mode, is_reason=is_reason,
         is_from_loss=is_from_loss, decode_graphs=graphs, decode_graphs_reason=graphs_reason, kv_cache_dtype=kv_dtype,
         kv_cache_reason=kv_reason,
-        notes=tuple(notes), plan=choose_shared_prompt(plan if plan is not None else run_plan(config), chosen,
-                                                      generation, decode_loop),
+        notes=tuple(notes), plan=choose_shared_prompt(plan, chosen, generation, decode_loop), no_vllm=no_vllm,
     )
     if plan_decides:  # auto on sm80+ with unsloth's engine: fp8 where the plan's 16-bit KV cache is short
         resolved = dataclasses.replace(resolved, kv_cache_reason=_auto_kv_reason(resolved))
@@ -978,20 +999,30 @@ def for_unsloth_trainer(resolved: Resolved) -> Resolved:
 
 def without_vllm(resolved: Resolved, why: str) -> Resolved:
     """The settings with vLLM off: unsloth loaded the model without a `vllm_engine`, so GRPOConfig must
-    not say use_vllm (unsloth's trainer would start TRL's own engine, a second copy of the weights)."""
-    is_on, is_mode, is_reason = choose_is_correction(resolved.config, "transformers", strict=False,
-                                                     backend=resolved.backend)
-    graphs, graphs_reason = choose_decode_graphs(resolved.config, resolved.hardware, resolved.backend, "transformers")
+    not say use_vllm (unsloth's trainer would start TRL's own engine, a second copy of the weights). What follows
+    the generation path is what resolve() decided for transformers' generation (`no_vllm`); the checkpoint cadence
+    is re-estimated for it, at the dtype loaded."""
+    fallback = resolved.no_vllm
     save_steps, step_seconds, save_note = choose_save_steps(  # transformers' generation: slower steps
-        resolved.config, resolved.hardware, "transformers",
-        resolved.per_device_train_batch_size * resolved.gradient_accumulation_steps, resolved.dtype)
+        resolved.plan, resolved.hardware, "transformers",
+        resolved.per_device_train_batch_size * resolved.gradient_accumulation_steps, resolved.dtype,
+        resolved.load_in_4bit)
     kept = tuple(n for n in resolved.notes if not n.startswith("train.save_steps"))
     resolved = dataclasses.replace(resolved, save_steps=save_steps, step_seconds=step_seconds,
                                    notes=kept + ((save_note,) if save_note else ()))
     return dataclasses.replace(resolved, generation="transformers",
                                vllm_max_model_len=None, vllm_max_lora_rank=None, gpu_memory_utilization=None,
-                               vllm_flashinfer=None, is_correction=is_on, is_mode=is_mode, is_reason=is_reason,
-                               is_from_loss=choose_is_logprobs(resolved.config, is_on, resolved.backend, strict=False),
-                               decode_graphs=graphs, decode_graphs_reason=graphs_reason, kv_cache_dtype=None,
+                               vllm_flashinfer=None, is_correction=fallback.is_correction, is_mode=fallback.is_mode,
+                               is_reason=fallback.is_reason, is_from_loss=fallback.is_from_loss,
+                               decode_graphs=fallback.decode_graphs, decode_graphs_reason=fallback.decode_graphs_reason,
+                               kv_cache_dtype=None,
                                kv_cache_reason="no vLLM engine (transformers' KV cache, compute dtype)",
                                notes=resolved.notes + (why,))
+
+
+def resolve_again(config: RunConfig, resolved: Resolved, hardware: Optional[Hardware] = None) -> Resolved:
+    """`config` (another config of the same run: the memory plan's search, --auto-fit, an out-of-memory's lower plan)
+    resolved for `resolved`'s hardware (or `hardware`), backend request and processes, on the model facts its plan
+    derived already when model.name is the same."""
+    return resolve(config, hardware or resolved.hardware, resolved.requested_backend,
+                   num_processes=resolved.num_processes, plan=run_plan(config, resolved.plan.model.facts))

@@ -4,7 +4,7 @@ No GPU preset has trained on a card yet (docs/gpu.md), so this is arithmetic on 
 rounded to the slow side: a checkpoint that comes early costs a few seconds of writing, one that comes late loses
 the work since the last one when a session ends without SIGTERM's grace (a Colab teardown, a kill).
 
-    seconds = step_seconds(config, hardware, generation, completions)   # None: no shape known for the model
+    seconds = step_seconds(plan, hardware, generation, completions, dtype, load_in_4bit)   # None: no shape known
 
 One step = the rollouts' decode + the training pass over them:
 - decode: the completions of a generation batch decode together, so max_completion_length token steps (with tools:
@@ -20,7 +20,8 @@ One step = the rollouts' decode + the training pass over them:
 - a card not in the table (the card present, by its name) is planned as the slowest row: 272 GB/s, 6 TFLOP/s.
 - a CPU: 10 GB/s and 0.2 TFLOP/s with native bf16 (0.07 without): ~40 s a step for smollm2_cpu, whose measured
   steps took 7.1-24.5 s on the 2-core machines of bench/results/readme_first_command/.
-Pure arithmetic: no torch, no hub beyond what model_shapes.model_shape reads for the memory plan.
+Pure arithmetic on the run's plan (plans.RunPlan) and its model's shape, derived once (plan.model.facts): no torch,
+no hub.
 
 That estimate decides the plan before anything has run; once the run has trained, its own steps decide
 (`MeasuredStepTime`): after CALIBRATION_STEPS GRPO steps the estimate is the median of the steps measured since the
@@ -31,9 +32,6 @@ curve's interval (training/cadence.py applies them).
 from __future__ import annotations
 
 from typing import Optional
-
-from lowvram_grpo.core.errors import PlanError
-from lowvram_grpo.settings.model_shapes import model_shape
 
 # card (hardware.PROFILES' gpu_name) -> (memory bandwidth GB/s, sustained training TFLOP/s). Bandwidth and the dense
 # FP16 tensor peak from NVIDIA's spec sheets; the TFLOP/s here about 1/8 of that peak.
@@ -78,23 +76,23 @@ def weight_bytes(shape, load_in_4bit: bool, dtype: str) -> float:
     return shape.params * BYTES.get(dtype, 2)
 
 
-def step_seconds(config, hardware, generation: str, completions: int, dtype: str) -> Optional[tuple[float, str]]:
-    """(seconds, where the figures come from) of one GRPO step of `config` on `hardware`, generating with `generation`
-    ('unsloth_vllm' | 'vllm' | 'transformers') `completions` completions a step per process, computing in `dtype`;
-    None when the model's shape is not known (model_shapes raises PlanError)."""
-
-    try:
-        shape = model_shape(config.model.name)
-    except PlanError:
+def step_seconds(plan, hardware, generation: str, completions: int, dtype: str,
+                 load_in_4bit: bool) -> Optional[tuple[float, str]]:
+    """(seconds, where the figures come from) of one GRPO step of the run planned as `plan` (plans.RunPlan) on
+    `hardware`, generating with `generation` ('unsloth_vllm' | 'vllm' | 'transformers') `completions` completions a
+    step per process, computing in `dtype` on a 4-bit base or not; None when the model's shape is not known (its
+    plan's facts have none: model_shapes raised PlanError)."""
+    shape = plan.model.facts.shape
+    if shape is None:
         return None
     bandwidth, tflops, what = card_speed(hardware)
     efficiency, floor = VLLM_DECODE if generation in ("unsloth_vllm", "vllm") else TRANSFORMERS_DECODE
-    per_token = max(weight_bytes(shape, config.memory.load_in_4bit, dtype) / (bandwidth * 1e9 * efficiency), floor)
-    train = config.train
-    decode_steps = train.max_completion_length
-    if config.tools.names or config.environment.name:  # a tool loop: up to max_turns + 1 turns, each its own decode
-        decode_steps = max(decode_steps, (config.tools.max_turns + 1) * config.turn_tokens)
-    tokens = completions * train.rollout_tokens
+    per_token = max(weight_bytes(shape, load_in_4bit, dtype) / (bandwidth * 1e9 * efficiency), floor)
+    decode_steps = plan.model.max_completion_length
+    tools = plan.tools
+    if tools.used:  # a tool loop: up to max_turns + 1 turns, each its own decode
+        decode_steps = max(decode_steps, (tools.max_turns + 1) * tools.turn_tokens)
+    tokens = completions * plan.model.rollout_tokens
     training = TRAINING_PASSES * shape.params * tokens / (tflops * 1e12)
     return decode_steps * per_token + training, what
 
