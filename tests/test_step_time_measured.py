@@ -37,7 +37,9 @@ def test_the_cadence_and_the_curve_from_measured_seconds():
     assert checkpoint_cadence(1.0, 48, 900, 10) == 48  # never past the run
     assert checkpoint_cadence(None, 48, 900, 10) == 10
     every, share = curve_every(48, 32, answer_seconds=0.1, step_seconds=10.0, budget=0.10)
-    assert every == 4 and share == pytest.approx(12 * 32 * 0.1 / (48 * 10.0))  # every 3: 16 points, 0.107
+    assert every == 4 and share == pytest.approx(13 * 32 * 0.1 / (48 * 10.0))  # step 0 + 12 points; every 3: 17, 0.113
+    # step 0 and the last: 2 x 19.2 s against 480 s (every 24 would add a third point: 12%)
+    assert curve_every(48, 32, answer_seconds=0.6, step_seconds=10.0, budget=0.10) == (48, pytest.approx(0.08))
     assert curve_every(48, 32, answer_seconds=5.0, step_seconds=1.0, budget=0.10)[0] == 0  # off: too dear
 
 
@@ -109,11 +111,12 @@ def test_an_auto_curve_is_re_decided_from_the_measured_step_and_answer():
     cadence.on_train_begin(None, state, control)
     _steps(cadence, now, [10.0] * 3, state, control)  # 32 answers of 5 s against steps of 10 s: too dear
     assert validation.every == 0 and "held-out curve off from now" in lines[0]
-    dearer = _Validation()  # every 4 costs 16% at 0.2 s an answer: every 7 (7 points, 9%) keeps it under 10%
+    dearer = _Validation()  # every 4 costs 17% at 0.2 s an answer (step 0 + 12 points): every 8 (step 0 + 6, 9%) keeps
+    # it under 10%; every 7 (step 0 + 7) would be 10.7%
     cadence, now, lines = _cadence(["eval.every_steps=null", "eval.validation_size=32"], validation=dearer,
                                    answer_seconds=0.2)
     _steps(cadence, now, [10.0] * 3, state, control)
-    assert dearer.every == 7 and "held-out curve every 7 steps (planned every 4), measured 9% of GRPO's" in lines[0]
+    assert dearer.every == 8 and "held-out curve every 8 steps (planned every 4), measured 9% of GRPO's" in lines[0]
     cheap = _Validation()  # within the budget as planned: the plan's points stay, none added
     cadence, now, lines = _cadence(["eval.every_steps=null", "eval.validation_size=32"], validation=cheap,
                                    answer_seconds=0.01)
@@ -123,7 +126,7 @@ def test_an_auto_curve_is_re_decided_from_the_measured_step_and_answer():
     cadence, now, lines = _cadence(["eval.every_steps=4", "eval.validation_size=32"], validation=fixed,
                                    answer_seconds=5.0)
     _steps(cadence, now, [10.0] * 3, state, control)
-    assert fixed.every == 4 and "held-out curve every 4 steps, measured 400% of GRPO's time" in lines[0]  # as asked
+    assert fixed.every == 4 and "held-out curve every 4 steps, measured 433% of GRPO's time" in lines[0]  # as asked
 
 
 def _rss_bytes() -> int:

@@ -1,9 +1,10 @@
 """Issue 53, watching a run learn, on real tiny runs: completions.jsonl (completions.py) has a row per completion of
 every written step with every field, stays under its cap on a 200-step run and still covers it; a run whose reward is
 always 0 shows what the model wrote in the report; the held-out curve (eval.every_steps, validation.py) goes into
-metrics.jsonl, keeps best_adapter/ at the argmax of the curve (named in summary.json, measured on the held-out
-questions), and a run stopped between two measurements, or during one, and resumed ends with the curve whole and
-equal to an unbroken run's."""
+metrics.jsonl from its step 0 (curve_start.json: the adapter GRPO starts from, measured before GRPO), keeps
+best_adapter/ at the argmax of the curve (named in summary.json, measured on the held-out questions), and a run stopped
+between two measurements, or during one (step 0's too), and resumed ends with the curve whole and equal to an unbroken
+run's."""
 import json
 import os
 import signal
@@ -117,6 +118,17 @@ def _curve(rows):
     return [(r["step"], r["validation/reward_mean"]) for r in rows if "validation/reward_mean" in r]
 
 
+def _start(out):
+    """The curve's step 0 as the run recorded it (curve_start.json), or None."""
+    return RunDir(out).read_curve_start()
+
+
+def _whole_curve(out):
+    """[(step, value)] from step 0 (curve_start.json) through metrics.jsonl's points."""
+    start = _start(out)
+    return ([(0, start["validation/reward_mean"])] if start else []) + _curve(_rows(out / "metrics.jsonl"))
+
+
 # A reward that is a fixed function of the completion's characters: the validation reward_mean moves up and down
 # as the adapter changes what the model writes (the curve of the seed below peaks at step 4 of 6, not at the end).
 HASHY = """
@@ -149,11 +161,13 @@ def unbroken(no_gold, tmp_path_factory):
 
 def test_the_curve_goes_into_metrics_and_best_adapter_is_its_argmax(unbroken):
     rows = _rows(unbroken / "metrics.jsonl")
-    curve = _curve(rows)
-    assert [s for s, _ in curve] == [2, 4, 6] and len({v for _, v in curve}) > 1, curve
+    assert [r["step"] for r in rows] == list(range(1, 7))  # one row a GRPO step: step 0 is not a row
+    curve = _whole_curve(unbroken)
+    assert [s for s, _ in curve] == [0, 2, 4, 6] and len({v for _, v in curve}) > 1, curve
+    assert _start(unbroken)["validation/n"] == 8 and _start(unbroken)["start"] == "base"  # no priming: the base
     assert all(r["validation/n"] == 8 for r in rows if "validation/n" in r)
     best_step = max(curve, key=lambda p: (p[1], -p[0]))[0]
-    assert best_step != 6, curve  # the case the best adapter is for: the run's end is not its best point
+    assert best_step not in (0, 6), curve  # the case the best adapter is for: the run's end is not its best point
     summary = json.loads((unbroken / "summary.json").read_text())
     assert summary["best_adapter"]["step"] == best_step
     assert summary["best_adapter"]["dir"] == str(unbroken / "best_adapter")
@@ -170,6 +184,7 @@ def test_the_curve_goes_into_metrics_and_best_adapter_is_its_argmax(unbroken):
     # the validation questions are none of the held-out ones and are not trained on
     report = (unbroken / "report.md").read_text()
     assert "## Held-out curve during GRPO" in report and f"Best: step {best_step}" in report
+    assert f"step 0: {curve[0][1]:.3f}, step 2: " in report
     assert (unbroken / "validation.png").is_file()
 
 
@@ -227,17 +242,18 @@ def _stopped_then_resumed(tmp_path, no_gold, env):
             proc.wait()
     stderr = (tmp_path / "stderr.txt").read_text()
     assert proc.returncode == 143, stderr[-3000:]
-    stopped_rows = _rows(out / "metrics.jsonl")
+    stopped_rows = _rows(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []  # none: stopped pre-GRPO
+    stopped_start = _start(out)
     resumed = run_cli("--resume", str(out), env=ENV)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    return out, stopped_rows, resumed
+    return out, (stopped_rows, stopped_start, stderr), resumed
 
 
 def _same_curve_and_best(out, unbroken):
-    rows, reference = _rows(out / "metrics.jsonl"), _rows(unbroken / "metrics.jsonl")
+    rows = _rows(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 7))
-    got, want = _curve(rows), _curve(reference)
-    assert [s for s, _ in got] == [s for s, _ in want] == [2, 4, 6]  # whole: each point once
+    got, want = _whole_curve(out), _whole_curve(unbroken)
+    assert [s for s, _ in got] == [s for s, _ in want] == [0, 2, 4, 6]  # whole, from step 0: each point once
     assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=1e-6)  # and the unbroken run's
     summary, ref = (json.loads((d / "summary.json").read_text()) for d in (out, unbroken))
     assert summary["best_adapter"]["step"] == ref["best_adapter"]["step"] == RunDir(out).best_facts()["step"]
@@ -248,16 +264,30 @@ def _same_curve_and_best(out, unbroken):
 
 
 def test_a_stop_between_two_measurements_and_resume_keep_the_curve_whole(tmp_path, no_gold, unbroken):
-    out, stopped_rows, _ = _stopped_then_resumed(tmp_path, no_gold, {"MARK_AT": "3"})
+    out, (stopped_rows, stopped_start, _), resumed = _stopped_then_resumed(tmp_path, no_gold, {"MARK_AT": "3"})
     assert [s for s, _ in _curve(stopped_rows)] == [2]  # stopped after step 3: between the points of steps 2 and 4
+    assert stopped_start is not None and _start(out) == stopped_start  # step 0 kept as it was: not measured again
+    assert "held-out curve: step 0" not in resumed.stdout
     _same_curve_and_best(out, unbroken)
 
 
 def test_a_stop_during_a_measurement_is_measured_on_resume(tmp_path, no_gold, unbroken):
-    # generate_answers' calls: 1 the held-out 'before', 2 step 2's point, 3 step 4's point: the signal lands in it
-    out, stopped_rows, resumed = _stopped_then_resumed(tmp_path, no_gold, {"PAUSE_CALL": "3"})
+    # generate_answers' calls: 1 the held-out 'before', 2 step 0's point, 3 step 2's, 4 step 4's: the signal lands in it
+    out, (stopped_rows, stopped_start, _), resumed = _stopped_then_resumed(tmp_path, no_gold, {"PAUSE_CALL": "4"})
     assert [r["step"] for r in stopped_rows][-1] == 4 and [s for s, _ in _curve(stopped_rows)] == [2]
+    assert stopped_start is not None and _start(out) == stopped_start
     assert "held-out curve: step 4's point measured on resume" in resumed.stdout
+    _same_curve_and_best(out, unbroken)
+
+
+def test_a_stop_during_step_0_stops_before_grpo_and_resume_measures_it(tmp_path, no_gold, unbroken):
+    # generate_answers' calls: 1 the held-out 'before', 2 step 0's point (the adapter GRPO starts from): the signal
+    # lands in it, and the run stops there, before GRPO's first step (no GRPO checkpoint: --resume starts it again)
+    out, (stopped_rows, stopped_start, stderr), resumed = _stopped_then_resumed(tmp_path, no_gold, {"PAUSE_CALL": "2"})
+    assert stopped_rows == [] and stopped_start is None
+    assert "while measuring the held-out curve's step 0" in stderr and "no checkpoint yet" in stderr
+    assert "running it again from the start" in resumed.stdout
+    assert "held-out curve: step 0 (the base model" in resumed.stdout
     _same_curve_and_best(out, unbroken)
 
 
@@ -349,18 +379,19 @@ def test_tensorboard_gets_the_completions_as_text(tmp_path):
 
 
 def test_the_curve_is_on_by_default_where_it_costs_under_a_tenth_and_dry_run_says_which(tmp_path):
-    """resolve.choose_validation: null (auto) is on with the smallest interval of at least two points estimated under
-    10% of GRPO's time (the default CPU job: 2 x 32 validation answers against 48 steps x 16 completions, every 24
-    steps), off where even two points cost more (tiny: 3 steps of 4 completions); as asked otherwise; --dry-run
-    prints it."""
+    """resolve.choose_validation: null (auto) is on with the smallest interval whose points (step 0, every N-th, the
+    last) are estimated under 10% of GRPO's time (the default CPU job: steps 0 and 48, 2 x 32 validation answers
+    against 48 steps x 16 completions; every 24 steps would add a third point, 12.5%), off where even the two points
+    of step 0 and the last cost more (tiny: 3 steps of 4 completions); as asked otherwise; --dry-run prints it."""
     from lowvram_grpo.settings.config import load_config
     from lowvram_grpo.settings.hardware import profile
     from lowvram_grpo.settings.resolve import VALIDATION_BUDGET, resolve, validation_cost
 
     default = resolve(load_config("smollm2_cpu"), profile("cpu"))
-    assert default.validation_every == 24 and validation_cost(24, 48, 32, 16) == pytest.approx(64 / 768)
-    assert validation_cost(23, 48, 32, 16) > VALIDATION_BUDGET  # 23 would measure 3 times: 12.5%
-    assert "eval.every_steps auto -> 24: a held-out curve on 32 validation questions, estimated 8% of GRPO's time" in \
+    assert default.validation_every == 48 and validation_cost(48, 48, 32, 16) == pytest.approx(64 / 768)
+    assert validation_cost(24, 48, 32, 16) == pytest.approx(96 / 768)  # step 0, 24 and 48: 12.5%
+    assert validation_cost(24, 48, 32, 16) > VALIDATION_BUDGET
+    assert "eval.every_steps auto -> 48: a held-out curve on 32 validation questions, estimated 8% of GRPO's time" in \
         " ".join(default.notes)
     assert resolve(load_config("tiny"), profile("cpu")).validation_every == 0
     assert resolve(load_config("tiny", ["eval.every_steps=2"]), profile("cpu")).validation_every == 2

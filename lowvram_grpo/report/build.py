@@ -15,8 +15,10 @@ from `metrics.jsonl`, `summary.json` and `config.yaml`. It holds:
 - after beside each control the run was measured against (summary.json `controls`, baseline.py: the random-reward
   control, the prime-only baseline), paired, with one line saying what the run added beyond it;
 - the training-signal warnings (learning_signals.py), replayed over the whole log;
-- the held-out curve during GRPO (validation.py: `validation/*` in metrics.jsonl), its best step and best_adapter/, and
-  on the held-out questions the best adapter against the last (`best`, `paired_changes_best`);
+- the held-out curve during GRPO (validation.py: `validation/*` in metrics.jsonl, from step 0, the adapter GRPO starts
+  from, in curve_start.json), drawn to scale (accuracies on 0..1, a mean reward on an axis through 0), its best step
+  and best_adapter/ (step 0 where GRPO never beat its start), and on the held-out questions the best adapter against the
+  last (`best`, `paired_changes_best`);
 - what the model wrote (completions.jsonl, completions.py): for the latest written step and the worst-reward one, a
   few completions with each reward's score, the advantage and whether they were cut off.
 
@@ -63,7 +65,7 @@ from lowvram_grpo.report.learning_signals import (
     windowed,
 )
 from lowvram_grpo.report.records import (PREVIEW_CHARS, PREFIX, TRANSCRIPT_KEY, best_point, criterion, curve,
-                                         steps_to_show)
+                                         curve_rows, start_text, steps_to_show)
 
 
 # ----------------------------------------------------------------------------- plots
@@ -76,14 +78,15 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 def line_figure(title: str, ylabel: str, lines: list[tuple[str, str]], rows: list[dict],
                 hline: Optional[tuple[float, str, str]] = None, ylim: Optional[tuple[float, float]] = None,
                 smooth: Optional[str] = None, checked: Optional[dict[str, str]] = None,
-                shade: Optional[tuple[list[tuple[int, int]], str, str]] = None, caption: Optional[str] = None):
+                shade: Optional[tuple[list[tuple[int, int]], str, str]] = None, caption: Optional[str] = None,
+                xlabel: str = "GRPO step"):
     """One plot (a matplotlib Figure): each (label, metric key) as a line over GRPO steps, each in its own colour.
     None if no line has data. `smooth`: a key whose raw line is drawn thin and pale under its moving average
     (signals.moving_average). `checked`: key -> the legend name of its warning's threshold: the line is drawn as
     the warning reads it (signals.windowed, the raw steps pale beneath) with the threshold in the line's own
     colour. `shade`: (stretches, key, label): the steps a warning held on, shaded in that key's colour. `hline`: a
-    limit (value, label, key) drawn in the colour of `key`'s line. `caption`: a note above the plot. The legend
-    goes under the axes, clear of the title and of the lines."""
+    limit (value, label, key) drawn in the colour of `key`'s line. `caption`: a note above the plot. `xlabel`: the
+    x-axis's name. The legend goes under the axes, clear of the title and of the lines."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
@@ -125,7 +128,7 @@ def line_figure(title: str, ylabel: str, lines: list[tuple[str, str]], rows: lis
     if ylim is not None:
         ax.set_ylim(*ylim)
     ax.set_title(title, pad=8)
-    ax.set_xlabel("GRPO step")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
@@ -157,8 +160,28 @@ def reward_keys(rows: list[dict], config: dict) -> list[str]:
     return [k for k in ordered if k in logged] + sorted(logged - set(ordered))
 
 
-def plot_specs(rows: list[dict], config: dict) -> dict[str, dict]:
-    """Plot name -> line_figure's arguments (without `rows`), for the plots of a run's metric rows."""
+def through_zero(values: list[float]) -> Optional[tuple[float, float]]:
+    """A y-axis that holds `values` and 0, with a little room at each end (None without values): a curve drawn to
+    scale, so a small change does not read as a cliff."""
+    if not values:
+        return None
+    low, high = min(0.0, min(values)), max(0.0, max(values))
+    room = 0.03 * ((high - low) or 1.0)
+    return low - room, high + room
+
+
+def plot_specs(rows: list[dict], config: dict, start: Optional[dict] = None) -> dict[str, dict]:
+    """Plot name -> line_figure's arguments (without `rows`), for the plots of a run's metric rows.
+
+    Args:
+        rows: metrics.jsonl's rows.
+        config: config.yaml as a mapping.
+        start: curve_start.json (the held-out curve's step 0), or None: the validation plot is drawn from
+            records.curve_rows(start, rows) (write_plots).
+
+    Returns:
+        {plot name: line_figure's keyword arguments}.
+    """
     max_len = (config.get("train") or {}).get("max_completion_length")
     per_reward = [(key.split("/")[1], key) for key in reward_keys(rows, config)]
     plots = {
@@ -190,24 +213,51 @@ def plot_specs(rows: list[dict], config: dict) -> dict[str, dict]:
                    SAMPLER_GAP_KEY)),
         "loss": dict(title="GRPO loss", ylabel="loss", lines=[("loss", "loss")],
                      caption=BETA_ZERO_LOSS if (config.get("train") or {}).get("beta") == 0 else None),
-        "validation": dict(title="Held-out curve: the adapter during GRPO on the validation questions (greedy)",
-                           ylabel="accuracy" if criterion(rows) != f"{PREFIX}reward_mean" else "mean reward",
-                           lines=([("strict accuracy", f"{PREFIX}accuracy_strict"),
-                                   ("lenient accuracy", f"{PREFIX}accuracy_lenient")]
-                                  if criterion(rows) != f"{PREFIX}reward_mean"
-                                  else [("reward_mean", f"{PREFIX}reward_mean")]),
-                           # accuracies on their whole scale: a two-question change reads as what it is, not a cliff
-                           ylim=(-0.03, 1.03) if criterion(rows) != f"{PREFIX}reward_mean" else None),
+        "validation": validation_spec(curve_rows(start, rows), start),
     }
     return plots
 
 
-def write_plots(run_dir: Path, rows: list[dict], config: dict) -> dict[str, Optional[str]]:
-    """Write the PNGs; returns plot name -> file name (None where the run logged no such metric)."""
+def validation_spec(rows: list[dict], start: Optional[dict]) -> dict:
+    """line_figure's arguments (without `rows`) for the held-out curve, drawn from `rows` (records.curve_rows: step 0
+    first): accuracies on their whole scale 0..1, a mean reward on an axis through 0, so the start and the later points
+    are drawn to scale and a two-question change reads as what it is, not a cliff.
+
+    Args:
+        rows: the curve's rows (step 0, then metrics.jsonl's).
+        start: curve_start.json, or None (the x-axis then names no step 0).
+
+    Returns:
+        line_figure's keyword arguments.
+    """
+    reward = criterion(rows) == f"{PREFIX}reward_mean"
+    return dict(title="Held-out curve: the adapter during GRPO on the validation questions (greedy)",
+                ylabel="mean reward" if reward else "accuracy",
+                lines=([("reward_mean", f"{PREFIX}reward_mean")] if reward
+                       else [("strict accuracy", f"{PREFIX}accuracy_strict"),
+                             ("lenient accuracy", f"{PREFIX}accuracy_lenient")]),
+                ylim=through_zero([v for _, v in curve(rows)]) if reward else (-0.03, 1.03),
+                xlabel=f"GRPO step (step 0: {start_text(start)}, before GRPO)" if start else "GRPO step")
+
+
+def write_plots(run_dir: Path, rows: list[dict], config: dict,
+                start: Optional[dict] = None) -> dict[str, Optional[str]]:
+    """Write the PNGs.
+
+    Args:
+        run_dir: where they go.
+        rows: metrics.jsonl's rows.
+        config: config.yaml as a mapping.
+        start: curve_start.json (the held-out curve's step 0), or None.
+
+    Returns:
+        plot name -> file name (None where the run logged no such metric).
+    """
     written = {}
-    for name, spec in plot_specs(rows, config).items():
+    for name, spec in plot_specs(rows, config, start).items():
         file_name = f"{name}.png"
-        written[name] = file_name if _line_plot(run_dir / file_name, rows=rows, **spec) else None
+        drawn = curve_rows(start, rows) if name == "validation" else rows  # the curve from its step 0
+        written[name] = file_name if _line_plot(run_dir / file_name, rows=drawn, **spec) else None
     return written
 
 
@@ -506,29 +556,54 @@ def completions_section(rows: Optional[list[dict]], run_dir: Path) -> str:
     return "\n\n".join(parts)
 
 
-def curve_section(rows: list[dict], summary: Optional[dict]) -> str:
-    """The held-out curve (validation.py): its points, the best step and best_adapter/, and on the held-out questions
-    the best adapter against the last (summary.json `best`, `paired_changes_best`)."""
+def curve_section(rows: list[dict], summary: Optional[dict], start: Optional[dict] = None) -> str:
+    """The held-out curve (validation.py): its points from step 0, the best step and best_adapter/ (said plainly when
+    it is step 0, the adapter GRPO started from), and on the held-out questions the best adapter against the last
+    (summary.json `best`, `paired_changes_best`).
+
+    Args:
+        rows: metrics.jsonl's rows.
+        summary: summary.json of the finished run, or None.
+        start: curve_start.json (the curve's step 0), or None.
+
+    Returns:
+        The section's markdown.
+    """
+    rows = curve_rows(start, rows)
     key = criterion(rows)
     best = best_point(rows)
-    points = ", ".join(f"step {step}: {value:.3f}" for step, value in curve(rows, key))
-    lines = [f"The adapter measured on the validation questions during GRPO (`{key}` in metrics.jsonl; questions of "
-             f"the training source, never trained on, not the held-out ones): {points}.",
+    points = curve(rows, key)
+    begun = (f"from step 0, {start_text(start)} measured before GRPO's first step (`curve_start.json`), "
+             if start else "")
+    lines = [f"The adapter measured on the validation questions during GRPO, {begun}by `{key}` (metrics.jsonl; "
+             "questions of the training source, never trained on, not the held-out ones): "
+             + ", ".join(f"step {step}: {value:.3f}" for step, value in points) + ".",
              "", f"Best: step {best['step']} ({key.removeprefix(PREFIX)} {best['value']:.3f}), "
                  "kept as `best_adapter/`."]
+    if best["step"] == 0 and len(points) > 1:
+        lines[-1] = (f"Best: step 0 ({key.removeprefix(PREFIX)} {best['value']:.3f}), {start_text(start)}: **GRPO "
+                     "never beat the adapter it started from on the validation questions** (no later point was higher; "
+                     f"the earliest step wins a tie), so `best_adapter/` is {start_text(start)}.")
+    elif best["step"] == 0:  # a run stopped before its first GRPO point
+        lines[-1] = (f"Best so far: step 0 ({key.removeprefix(PREFIX)} {best['value']:.3f}), the only point yet: "
+                     f"`best_adapter/` is {start_text(start)} until a later point beats it.")
     best_column, after = (summary or {}).get("best"), (summary or {}).get("after")
     facts = (summary or {}).get("best_adapter") or {}
     if best_column and after:
         if facts.get("same_as_after"):
             lines += ["", "It is the last step's adapter: the held-out numbers above are its numbers."]
         else:
+            if facts.get("same_as_start"):
+                column = "primed" if facts.get("start") == "primed" else "before"
+                lines += ["", f"It is {start_text(start)}: its held-out numbers are the {column} column's above; "
+                              "against the last step's adapter:"]
             lines += ["", "| held-out metric | after (last step) | best adapter | best - after |", "|---|---|---|---|"]
             for metric, cells, ends in metric_rows([after, best_column]):
                 lines.append(f"| {metric} | " + " | ".join(cells)
                              + f" | {f'{ends[1] - ends[0]:+.3f}' if ends else '-'} |")
             pairs = [("after", after, "best", best_column)]
             primed = (summary or {}).get("primed")
-            if primed:
+            if primed and not facts.get("same_as_start"):  # step 0 is the primed adapter: no change to pair
                 pairs.insert(0, ("primed", primed, "best (GRPO's own change, best adapter)", best_column))
             lines += [""] + [f"- {note}" for note in pair_notes(pairs)]
     return "\n".join(lines)
@@ -604,14 +679,17 @@ def header(run_dir: Path, summary: Optional[dict], config: dict, rows: list[dict
 
 
 def render(run_dir: Path, rows: list[dict], summary: Optional[dict], config: dict,
-           signals: list[Signal], plots: dict[str, Optional[str]], completions: Optional[list[dict]] = None) -> str:
-    """report.md's text. `completions`: completions.jsonl's rows (None or []: the run wrote none)."""
+           signals: list[Signal], plots: dict[str, Optional[str]], completions: Optional[list[dict]] = None,
+           start: Optional[dict] = None) -> str:
+    """report.md's text. `completions`: completions.jsonl's rows (None or []: the run wrote none); `start`:
+    curve_start.json, the held-out curve's step 0 (None: not measured)."""
     sections = [
         header(run_dir, summary, config, rows),
         "## Before / after on the held-out questions\n\n" + (comparison_table(summary) if summary
                                                              else "Not available: the run did not finish."),
         *(["## After vs the controls\n\n" + controls_section(summary)] if summary and summary.get("controls") else []),
-        *(["## Held-out curve during GRPO\n\n" + curve_section(rows, summary)] if curve(rows) else []),
+        *(["## Held-out curve during GRPO\n\n" + curve_section(rows, summary, start)]
+          if curve(curve_rows(start, rows)) else []),
         *(["## Tool use\n\n" + tools_section(rows)] if tools_section(rows) else []),
         *(["## Sampler vs trainer (importance sampling)\n\n" + sampling_section(rows)]
           if sampling_section(rows) else []),
@@ -636,8 +714,9 @@ def write_report(run_dir) -> Path:
     max_len = (config.get("train") or {}).get("max_completion_length")
     signals = scan(rows, max_len, config)
     completions = folder.read_completions()
-    plots = write_plots(folder.path, rows, config)
-    return folder.write_report(render(folder.path, rows, summary, config, signals, plots, completions))
+    start = folder.read_curve_start()  # the held-out curve's step 0 (validation.py)
+    plots = write_plots(folder.path, rows, config, start)
+    return folder.write_report(render(folder.path, rows, summary, config, signals, plots, completions, start))
 
 
 def main(argv=None) -> int:

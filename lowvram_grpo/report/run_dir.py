@@ -14,6 +14,9 @@ A run folder holds:
   reuses them), then the whole summary with `status: complete`;
 - `completions.jsonl`: what the model wrote at logged GRPO steps, with each reward and the advantage (completions.py:
   rows and size policy); appended, thinned by an atomic rewrite under its cap;
+- `curve_start.json`: the held-out curve's step 0 (validation.py): the adapter GRPO starts from (primed_adapter/, the
+  lora.init_adapter, or a fresh LoRA: the base model) on the validation questions, measured before GRPO's first step
+  (metrics.jsonl holds GRPO's steps 1..max_steps; records.curve_rows puts the two together);
 - `best_adapter/`: the adapter of the best point of the held-out curve (validation.py), with `best_step.json`;
 - `checkpoint-N/`: what transformers' Trainer saves (adapter(s), optimizer, scheduler, RNG states,
   trainer_state.json) plus our `run_state.json` (data position, the NaN guard's counters),
@@ -67,6 +70,7 @@ PLAN = "plan.txt"
 ADAPTER, PRIMED_ADAPTER, BEST_ADAPTER = "adapter", "primed_adapter", "best_adapter"
 COMPLETIONS = "completions.jsonl"
 BEST_STEP = "best_step.json"  # inside best_adapter/: the GRPO step it is, and its validation numbers
+CURVE_START = "curve_start.json"  # the held-out curve's step 0: the adapter GRPO starts from (validation.py)
 CHECKPOINT_BEST = "validation"  # checkpoint-N/validation/best_adapter: the best adapter as it was at step N
 TRL_COMPLETIONS = "completions"  # TRL's log_completions writes its parquet tables there (grpo.py turns it on)
 PLOT_FILES = ("reward.png", "kl.png", "completion_length.png", "clipped_ratio.png",
@@ -201,8 +205,8 @@ class RunDir:
         doomed = [self.path / name for name in (CONFIG, PLAN, SUMMARY, METRICS, REPORT, ADAPTER, PRIMED_ADAPTER, "runs",
                                                   *PLOT_FILES,
                                                  "README.md",  # the run's model card (TRL's, then model_card.py's)
-                                                 COMPLETIONS, BEST_ADAPTER, TRL_COMPLETIONS, VALIDATION_PLOT,
-                                                 SAMPLER_PLOT)]
+                                                 COMPLETIONS, BEST_ADAPTER, CURVE_START, TRL_COMPLETIONS,
+                                                 VALIDATION_PLOT, SAMPLER_PLOT)]
         doomed += list(self.path.glob("vllm_gen_lora*"))  # unsloth's rollout LoRA folder, moved here after training
         doomed += ([p for _, p in self.checkpoint_dirs() + self.prime_checkpoint_dirs()]
                    + list(self.path.glob("export-*")))
@@ -483,6 +487,35 @@ class RunDir:
             return json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise RunDirError(f"{path} cannot be read ({exc}): the file is damaged") from None
+
+    def write_curve_start(self, numbers: dict) -> None:
+        """curve_start.json, the held-out curve's step 0, written atomically.
+
+        Args:
+            numbers: the point's metrics keys (`validation/<metric>`, validation.logged_numbers) and `start`, what was
+                measured ('primed', 'init_adapter' or 'base').
+        """
+        self._write_text(CURVE_START, json.dumps({"step": 0, **numbers}, indent=2) + "\n")
+
+    def read_curve_start(self) -> Optional[dict]:
+        """The held-out curve's step 0 ({'step': 0, 'validation/...': ...}), or None when it was not measured (no
+        curve, or a run stopped before it); a damaged file raises RunDirError."""
+        text = self._read_text(CURVE_START)
+        if text is None:
+            return None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise RunDirError(f"{self.path / CURVE_START} is not JSON ({exc.msg}): the file is damaged") from None
+        if not isinstance(data, dict) or data.get("step") != 0:
+            raise RunDirError(f"{self.path / CURVE_START} is not the curve's step 0 (an object with 'step': 0): "
+                              "the file is damaged")
+        return data
+
+    def reset_curve_start(self) -> None:
+        """No step-0 point (a run whose GRPO starts afresh measures it again)."""
+        if self.writer:
+            (self.path / CURVE_START).unlink(missing_ok=True)
 
     def reset_best(self) -> None:
         """No best adapter (a run that starts its GRPO afresh)."""

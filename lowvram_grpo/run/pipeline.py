@@ -6,7 +6,8 @@
     grpo.start()                       # the output dir, config.yaml, a fresh metrics.jsonl
     grpo.measure("before")             # the base model on the held-out questions (evaluation.py)
     grpo.prime()                       # optional supervised priming (priming.py) + measure("primed")
-    grpo.train()                       # TRL's GRPOTrainer with our callbacks (grpo.py)
+    grpo.train()                       # the held-out curve's step 0 (validation.py), then TRL's GRPOTrainer with our
+                                         callbacks (grpo.py)
     grpo.save()                        # adapter/ (lora_io.py)
     grpo.measure("after")              # the trained adapter, loaded back from disk
     grpo.export("merged16")            # optional merged model (backends.export_model)
@@ -46,6 +47,7 @@ from lowvram_grpo.model.vllm import check_run_servable, closes_engines_on_error
 from lowvram_grpo.training.vllm_rollouts import start_for_run
 from lowvram_grpo.report.model_card import write_card
 from lowvram_grpo.report.peak_memory import RUN_PEAK, describe
+from lowvram_grpo.report.records import START_KEY, start_text
 from lowvram_grpo.report.run_dir import RunDir, resume_command
 from lowvram_grpo.core import allocator, stops
 from lowvram_grpo.core.errors import (
@@ -278,6 +280,7 @@ class GRPORun:
         self.run_dir.reset_metrics()  # a rerun into the same dir starts its log afresh
         self.run_dir.reset_completions()
         self.run_dir.reset_best()
+        self.run_dir.reset_curve_start()
         self.run_dir.write_summary(self._start_summary())
 
     def _start_summary(self) -> dict:
@@ -324,10 +327,12 @@ class GRPORun:
     _PHASES = {"loading": "while loading the model", "starting": "while starting the run",
                "measuring before": "while measuring before training", "priming": "during priming",
                "measuring primed": "while measuring the primed adapter", "training": "during GRPO",
+               "measuring start": "while measuring the held-out curve's step 0 (the adapter GRPO starts from)",
                "saving": "while saving the adapter", "measuring after": "while measuring the trained adapter",
                "measuring best": "while measuring the best adapter",
                "exporting": "while exporting", "report": "while writing the report"}
     _WHERE = {"measuring before": "after this batch of answers", "measuring primed": "after this batch of answers",
+              "measuring start": "after this batch of answers, before GRPO",
               "measuring after": "after this batch of answers", "measuring best": "after this batch of answers",
               "starting": "once the run's files are written",
               "saving": "once the adapter is saved", "exporting": "once the export is written",
@@ -384,6 +389,7 @@ class GRPORun:
         self.run_dir.reset_metrics()
         self.run_dir.reset_completions()
         self.run_dir.reset_best()
+        self.run_dir.reset_curve_start()  # measured again once the priming ends
         start = self.run_dir.read_summary() or {}
         self.measured["before"] = start.get("before")
         self.texts["before"] = start.get("before_texts", [])
@@ -438,7 +444,33 @@ class GRPORun:
         if facts["step"] == self.trainer.state.global_step:
             self.measured["best"], self.texts["best"] = self.measured["after"], self.texts["after"]
             return self.measured["best"]
+        start = self._start_stage() if facts["step"] == 0 else None
+        if start is not None and self.measured[start]:  # the adapter GRPO started from: its column is measured
+            self.log(f"best_adapter/ is step 0, {start_text({START_KEY: self._start_kind()})}: GRPO never beat it on "
+                     f"the validation questions; its held-out numbers are the {start} column's")
+            self.measured["best"], self.texts["best"] = self.measured[start], self.texts[start]
+            return self.measured["best"]
         return self.measure("best", self.run_dir.best_adapter_dir)
+
+    def _start_kind(self) -> str:
+        """What GRPO starts from, as the curve's step 0 names it (records.STARTS): 'primed' (primed_adapter/),
+        'init_adapter' (lora.init_adapter) or 'base' (a fresh LoRA)."""
+        if self.plan.prime.steps > 0:
+            return "primed"
+        return "init_adapter" if self.plan.model.init_adapter else "base"
+
+    def _start_stage(self) -> str:
+        """The held-out column measured on the adapter GRPO starts from: 'primed', else 'before' (the base model, or
+        the lora.init_adapter it is measured on)."""
+        return "primed" if self._start_kind() == "primed" else "before"
+
+    def _start_adapter(self) -> Optional[Path]:
+        """The adapter GRPO starts from as a folder on disk (primed_adapter/, lora.init_adapter), None for a fresh
+        LoRA."""
+        kind = self._start_kind()
+        if kind == "primed":
+            return self.run_dir.primed_adapter_dir
+        return Path(self.plan.model.init_adapter) if kind == "init_adapter" else None
 
     def _best_summary(self) -> Optional[dict]:
         """summary.json's `best_adapter`: where it is, its step (the argmax of the curve in metrics.jsonl), its
@@ -448,6 +480,7 @@ class GRPORun:
             return None
         return {"dir": str(self.run_dir.best_adapter_dir), "step": facts["step"], "criterion": facts["criterion"],
                 "validation": facts["value"], "same_as_after": facts["step"] == self.trainer.state.global_step,
+                "same_as_start": facts["step"] == 0, "start": self._start_kind(),
                 "every_steps": self.resolved.validation_every, "validation_questions": len(self.validation_rows)}
 
     def _best_changes(self) -> dict:
@@ -495,7 +528,10 @@ class GRPORun:
         if self.resolved.validation_every and self.validation_rows:
 
             validation = Validation(self.handle, self.validation_rows, self.plan.eval, self.run_dir,
-                                    self.resolved.validation_every, self.log)
+                                    self.resolved.validation_every, self.log, start=self._start_kind(),
+                                    start_adapter=self._start_adapter())
+            if resume_from is None:
+                self._measure_curve_start(validation)
         self.trainer = trainer = build_trainer(self.handle, self.train_rows, self.run_dir, rollouts=self.rollouts,
                                                reward_funcs=self.trainer_rewards, validation=validation,
                                                answer_seconds=self.answer_seconds, log=self.log)
@@ -534,6 +570,19 @@ class GRPORun:
 
             write_report(self.run_dir.path)
         trainer.adapter_guard.raise_if_stopped(trainer.state, self.run_dir.latest_checkpoint())
+
+    def _measure_curve_start(self, validation: Validation) -> None:
+        """The held-out curve's step 0 (validation.Validation.start): the model as GRPO starts from it, on the
+        validation questions, before the trainer is built. A signal during it stops the run here, before GRPO: no GRPO
+        checkpoint exists yet, so --resume measures it again.
+
+        Args:
+            validation: the run's curve.
+        """
+        self._enter("measuring start")
+        with self._failures_reported("evaluation"):
+            validation.start()
+        self._enter("training")  # a safe point: a stop that abandoned the measurement ends the run here
 
     def _rollout_files(self):
         """unsloth's vLLM rollouts write a LoRA folder into the working directory: moved into the run's folder."""

@@ -59,8 +59,8 @@ Decisions, and why:
   micro-step); the generation batch is per_device x gradient_accumulation x processes.
 - train.dynamic_sampling (DAPO): the hf backend in one process only (`check_dynamic_sampling` says why).
 - the held-out curve (eval.every_steps, validation.py): as asked; `null` (auto) is on where its estimated cost
-  (`validation_cost`) is under 10% of GRPO's time, with at least two points, else off (`choose_validation`; the note
-  says which, and --dry-run prints it).
+  (`validation_cost`, step 0 counted) is under 10% of GRPO's time, step 0 and the last at least, else off
+  (`choose_validation`; the note says which, and --dry-run prints it).
 
 Decisions that differ from what was asked come with a one-line note (printed by --dry-run and at the
 start of a run). A config this hardware cannot run raises `ResolveError` (exit 2) saying what would.
@@ -904,20 +904,21 @@ VALIDATION_BUDGET = 0.10
 
 
 def validation_cost(every: int, steps: int, validation_size: int, generation_batch: int) -> float:
-    """The held-out curve's estimated share of GRPO's time: its greedy answers (validation_size at every `every`-th
-    step and the last) over the GRPO steps' completions (generation_batch a step), one answer counted as one
-    completion with its share of the training pass. Measured on the default CPU job (bench/results/
+    """The held-out curve's estimated share of GRPO's time: its greedy answers (validation_size at step 0, every
+    `every`-th step and the last) over the GRPO steps' completions (generation_batch a step), one answer counted as
+    one completion with its share of the training pass. Measured on the default CPU job (bench/results/
     readme_first_command/): a held-out answer ~0.44 s at eval.batch_size 32, a GRPO step ~7.1 s for 16 completions,
     ~0.44 s each."""
-    evaluations = -(-steps // every)  # every multiple of `every`, and the last step
+    evaluations = -(-steps // every) + 1  # every multiple of `every`, the last step, and step 0 (Validation.start)
     return evaluations * validation_size / (steps * generation_batch)
 
 
 def choose_validation(config: RunConfig, generation_batch: int, num_processes: int = 1) -> tuple[int, str]:
     """(every N steps, the note saying why) for the held-out curve: eval.every_steps as given (0 = off); null (auto) =
-    the smallest N whose curve has at least two points and costs at most VALIDATION_BUDGET of the run
-    (validation_cost), else off. Off, without a note, wherever eval.enabled is off; off under several processes
-    (accelerate: one process would measure while the others wait in the next step's collectives)."""
+    the smallest N whose curve (step 0, every N-th step and the last: two points at least) costs at most
+    VALIDATION_BUDGET of the run (validation_cost), else off. Off, without a note, wherever eval.enabled is off; off
+    under several processes (accelerate: one process would measure while the others wait in the next step's
+    collectives)."""
     ev, steps = config.eval, config.train.max_steps
     if not ev.enabled:
         return 0, ""  # nothing is measured at all
@@ -929,12 +930,12 @@ def choose_validation(config: RunConfig, generation_batch: int, num_processes: i
         share = validation_cost(ev.every_steps, steps, ev.validation_size, generation_batch)
         return ev.every_steps, (f"held-out curve every {ev.every_steps} steps on {ev.validation_size} validation "
                                 f"questions (eval.every_steps): estimated {share:.0%} of GRPO's time")
-    for every in range(1, steps // 2 + 1):  # two points at least: N <= steps / 2
+    for every in range(1, steps + 1):  # N = steps: the two points of step 0 and the last
         share = validation_cost(every, steps, ev.validation_size, generation_batch)
         if share <= VALIDATION_BUDGET:
             return every, (f"eval.every_steps auto -> {every}: a held-out curve on {ev.validation_size} validation "
                            f"questions, estimated {share:.0%} of GRPO's time (on where under {VALIDATION_BUDGET:.0%})")
-    least = validation_cost(max(1, steps // 2), steps, ev.validation_size, generation_batch)
+    least = validation_cost(steps, steps, ev.validation_size, generation_batch)
     return 0, (f"eval.every_steps auto -> off: a held-out curve of two points on {ev.validation_size} validation "
                "questions "
                f"would cost an estimated {least:.0%} of GRPO's time (on where under {VALIDATION_BUDGET:.0%}); "

@@ -156,18 +156,19 @@ def checkpoint_cadence(seconds: Optional[float], max_steps: int, every_s: float,
 
 
 def curve_cost(every: int, steps: int, validation_size: int, answer_seconds: float, step_seconds: float) -> float:
-    """The held-out curve's share of GRPO's time, measured: its answers (validation_size at every `every`-th step and
-    the last) at `answer_seconds` each, over `steps` GRPO steps at `step_seconds` each."""
-    evaluations = -(-steps // every)
+    """The held-out curve's share of GRPO's time, measured: its answers (validation_size at step 0, every `every`-th
+    step and the last) at `answer_seconds` each, over `steps` GRPO steps at `step_seconds` each."""
+    evaluations = -(-steps // every) + 1  # step 0: validation.Validation.start, before GRPO
     return evaluations * validation_size * answer_seconds / (steps * step_seconds)
 
 
 def curve_every(steps: int, validation_size: int, answer_seconds: float, step_seconds: float,
                 budget: float) -> tuple[int, float]:
-    """(every N steps, its share) for an automatic held-out curve from measured times: the smallest N whose curve has
-    at least two points and costs at most `budget` of GRPO's time; (0, the two-point curve's share) when none does."""
-    for every in range(1, steps // 2 + 1):
+    """(every N steps, its share) for an automatic held-out curve from measured times: the smallest N whose curve
+    (step 0, every N-th step and the last) costs at most `budget` of GRPO's time; (0, the share of the two points of
+    step 0 and the last) when none does."""
+    for every in range(1, steps + 1):
         share = curve_cost(every, steps, validation_size, answer_seconds, step_seconds)
         if share <= budget:
             return every, share
-    return 0, curve_cost(max(1, steps // 2), steps, validation_size, answer_seconds, step_seconds)
+    return 0, curve_cost(steps, steps, validation_size, answer_seconds, step_seconds)

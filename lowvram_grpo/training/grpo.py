@@ -66,7 +66,7 @@ from lowvram_grpo.training.trl_compat import (
     trainer_callbacks,
     trainer_name,
 )
-from lowvram_grpo.training.validation import due
+from lowvram_grpo.training.validation import due, start_to_trackers
 
 
 def grpo_args(resolved, output_dir: Path) -> GRPOConfig:
@@ -531,6 +531,9 @@ class RunTrainer(SampledTokenScores, DynamicSampling, TrainerHooks):
         if extras.cadence is not None:
             self.add_callback(extras.cadence)
         self.add_callback(ReleaseHostMemory())  # freed step memory back to the OS: RSS stays flat (host_memory.py)
+        if extras.validation is not None and extras.validation.started is not None:  # the curve's step 0, measured
+            # before GRPO, to the trackers too: added last, so the trackers are set up when it logs
+            self.add_callback(start_to_trackers(self, extras.validation.started))
         self.dynamic_sampling_draws = extras.dynamic_sampling_draws
         if extras.dynamic_sampling_reward is not None:
             self.dynamic_sampling_reward = extras.dynamic_sampling_reward
