@@ -127,7 +127,7 @@ def run_measured(job: dict) -> int:
 
     config = load_config(job["preset"], job["sets"])
     resolved = resolve(config, detect(), "hf")
-    plan = _summary_of_plan(resolved)
+    plan = _summary_of_plan(config, resolved)
     memory = device_memory()
     phases = Phases(memory)
     code = 1

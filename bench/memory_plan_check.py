@@ -152,7 +152,7 @@ def measure(case: str) -> dict:
     model = build_wide_model(work / "model") if spec["model"] == "wide" else spec["model"]
     config = load_config("tiny", [f"model.name={model}", *spec["overrides"]])
     handle = load_model(resolve(config, detect(), "hf"))
-    shape = plan(config, backend="hf").shape
+    shape = plan(config, handle.resolved).shape
     train_questions, _ = load_questions(config.data)
     rows, _ = drop_long_prompts(to_prompt_rows(train_questions, config.data.system_prompt), handle.tokenizer,
                                 config.train.max_prompt_length)
@@ -175,7 +175,7 @@ def measure(case: str) -> dict:
     step_seq = longest_prompt + int(completion)
     sized = load_config("tiny", [f"model.name={model}", *spec["overrides"], f"train.max_prompt_length={longest_prompt}",
                                  f"train.max_completion_length={int(completion)}"])
-    terms = plan(sized, backend="hf").terms
+    terms = plan(sized, resolve(sized, detect(), "hf")).terms
     chunk_rows = max(1, 8 * MIB // shape.vocab)  # logprobs_fallback.CHUNK_ELEMENTS fp32 logits per chunk
     predicted = {
         "lora_grads": terms["lora"].bytes // 2,  # the weights exist before training

@@ -110,13 +110,13 @@ def test_merged16_host_ram_is_checked_for_what_each_backends_merge_holds(backend
     from lowvram_grpo.core.errors import BackendError
     from lowvram_grpo.settings.model_shapes import model_facts
 
-    name = model_facts(load_config("llama8b_4bit").model.name)  # the run's model facts (plan.model.facts)
+    facts = model_facts(load_config("llama8b_4bit").model.name)  # the run's model facts (plan.model.facts)
     if refused:
         with pytest.raises(BackendError, match=refused):
-            check_export_fits_host("merged16", name, backend, available=int(available_gb * 1e9))
+            check_export_fits_host("merged16", facts, backend, available=int(available_gb * 1e9))
     else:
-        check_export_fits_host("merged16", name, backend, available=int(available_gb * 1e9))
-    check_export_fits_host("gguf", name, backend, available=int(1e8))  # unsloth's GGUF writer streams: not this check
+        check_export_fits_host("merged16", facts, backend, available=int(available_gb * 1e9))
+    check_export_fits_host("gguf", facts, backend, available=int(1e8))  # unsloth's GGUF writer streams: not this check
     assert host_available_bytes() > 0  # read from /proc/meminfo here
 
 
