@@ -348,17 +348,21 @@ class RunDir:
         return load_config(str(self.path / CONFIG), list(overrides))
 
     # ------------------------------------------------------------------ summary.json
-    def read_summary(self) -> Optional[dict]:
-        text = self._read_text(SUMMARY)
+    def _read_json_object(self, name: str) -> Optional[dict]:
+        """The run folder's JSON file `name` as a dict, None when it is absent; RunDirError when it is damaged."""
+        text = self._read_text(name)
         if text is None:
             return None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise RunDirError(f"{self.path / SUMMARY} is not JSON ({exc.msg}): the file is damaged") from None
+            raise RunDirError(f"{self.path / name} is not JSON ({exc.msg}): the file is damaged") from None
         if not isinstance(data, dict):
-            raise RunDirError(f"{self.path / SUMMARY} is not a JSON object: the file is damaged")
+            raise RunDirError(f"{self.path / name} is not a JSON object: the file is damaged")
         return data
+
+    def read_summary(self) -> Optional[dict]:
+        return self._read_json_object(SUMMARY)
 
     def write_summary(self, summary: dict) -> None:
         self._write_text(SUMMARY, json.dumps(summary, indent=2) + "\n")
@@ -500,14 +504,10 @@ class RunDir:
     def read_curve_start(self) -> Optional[dict]:
         """The held-out curve's step 0 ({'step': 0, 'validation/...': ...}), or None when it was not measured (no
         curve, or a run stopped before it); a damaged file raises RunDirError."""
-        text = self._read_text(CURVE_START)
-        if text is None:
+        data = self._read_json_object(CURVE_START)
+        if data is None:
             return None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise RunDirError(f"{self.path / CURVE_START} is not JSON ({exc.msg}): the file is damaged") from None
-        if not isinstance(data, dict) or data.get("step") != 0:
+        if data.get("step") != 0:
             raise RunDirError(f"{self.path / CURVE_START} is not the curve's step 0 (an object with 'step': 0): "
                               "the file is damaged")
         return data
