@@ -9,21 +9,28 @@ import sys
 import pytest
 
 
+def _count_calls(monkeypatch, module, attr: str, label) -> list:
+    """Every module of the package bound to `module.attr` (`module` itself included, so a lazy `from ... import` is
+    seen too) gets a counting wrapper; the list grows `label(first argument)` at each call."""
+    import lowvram_grpo.run.pipeline  # noqa: F401  (loads every module a run binds it in)
+
+    calls, original = [], getattr(module, attr)
+
+    def counted(first, *args, **kwargs):
+        calls.append(label(first))
+        return original(first, *args, **kwargs)
+
+    for name, bound in list(sys.modules.items()):
+        if name.startswith("lowvram_grpo") and getattr(bound, attr, None) is original:
+            monkeypatch.setattr(bound, attr, counted)
+    return calls
+
+
 def _count_run_plan(monkeypatch) -> list:
-    """Every module of the package bound to plans.run_plan gets a counting wrapper; the list grows a call each."""
-    import lowvram_grpo.run.pipeline  # noqa: F401  (loads every module a run binds run_plan in)
+    """plans.run_plan's calls, by the config's preset."""
     from lowvram_grpo.settings import plans
 
-    calls, original = [], plans.run_plan
-
-    def counted(config):
-        calls.append(config.preset)
-        return original(config)
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith("lowvram_grpo") and getattr(module, "run_plan", None) is original:
-            monkeypatch.setattr(module, "run_plan", counted)
-    return calls
+    return _count_calls(monkeypatch, plans, "run_plan", lambda config: config.preset)
 
 
 @pytest.mark.slow
@@ -46,21 +53,10 @@ def test_the_count_sees_a_second_build(monkeypatch):
 
 
 def _count_model_shape(monkeypatch) -> list:
-    """Every module of the package bound to model_shapes.model_shape (model_shapes itself included, so a lazy
-    `from ... import model_shape` is seen too) gets a counting wrapper; the list grows a model name each call."""
-    import lowvram_grpo.run.pipeline  # noqa: F401  (loads every module a run binds model_shape in)
+    """model_shapes.model_shape's calls, by model name."""
     from lowvram_grpo.settings import model_shapes
 
-    calls, original = [], model_shapes.model_shape
-
-    def counted(name):
-        calls.append(name)
-        return original(name)
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith("lowvram_grpo") and getattr(module, "model_shape", None) is original:
-            monkeypatch.setattr(module, "model_shape", counted)
-    return calls
+    return _count_calls(monkeypatch, model_shapes, "model_shape", lambda name: name)
 
 
 @pytest.mark.slow
