@@ -76,13 +76,13 @@ def pytest_runtest_makereport(item, call):
 
 
 # What runs first, each a work unit of its own, before the modules that stay whole on one worker: the longest units
-# of a two-worker run, measured on an AVX2-only EPYC (float32; the whole suite 2428 s): left where collection puts
-# them, two of them met on one worker at the end while the other worker had nothing left to do.
-FIRST = ("tests/test_eval_protocol.py",  # its module-scoped SmolLM2 run: 414 s, made once (the module stays whole)
-         "tests/test_decoding.py::test_greedy_answers_are_token_for_token_those_of_transformers_generate",  # 432 s
-         "tests/test_decoding.py::test_sampled_first_tokens_have_transformers_distribution_merged_or_not",  # 400 s
+# of a two-worker run, measured on an AVX2-only EPYC (float32): left where collection puts them, two of them met on
+# one worker at the end while the other worker had nothing left to do. Times: a CI run's (549 s, 148 s) or alone
+# with one torch thread, as a worker runs them (200 s, 132 s).
+FIRST = ("tests/test_eval_protocol.py",  # its module-scoped SmolLM2 run: 549 s, made once (the module stays whole)
          "tests/test_tools.py::test_the_readme_tools_example_trains_smollm2_with_a_users_tool_and_the_calculator",
-         "tests/test_package.py::test_pip_install_gives_a_console_script_that_runs_from_any_folder")  # 350 s, 108 s
+         "tests/test_package.py::test_pip_install_gives_a_console_script_that_runs_from_any_folder",
+         "tests/test_decoding.py::test_greedy_answers_are_token_for_token_those_of_transformers_generate")
 
 
 def work_unit(nodeid: str) -> tuple[int, str]:
