@@ -56,7 +56,14 @@ def test_a_stage_that_must_run_fails_on_a_skip(tmp_path):
 
 
 def test_ci_runs_the_vllm_stage_with_skips_as_failures():
-    """.ci/run's vLLM CPU stage (the pytest line after the extra's install) runs under LOWVRAM_GRPO_NO_SKIPS=1."""
-    lines = (REPO / ".ci" / "run").read_text().splitlines()
-    stage = [line for line in lines if "pytest" in line and "tests/test_vllm_engine.py" in line]
-    assert stage and all(f"{NO_SKIPS_ENV}=1 " in line for line in stage), stage
+    """.ci/run's vLLM CPU stage (from the extra's install to its `deactivate`) runs every pytest under
+    LOWVRAM_GRPO_NO_SKIPS=1, and its two halves side by side split the same files by one -k expression and its
+    negation, so every test of them runs in exactly one half."""
+    text = (REPO / ".ci" / "run").read_text()
+    start = text.index('echo "ci: vLLM CPU extra')
+    stage = text[start:text.index("\ndeactivate\n", start)]
+    runs = [line for line in stage.splitlines() if "python -m pytest" in line]
+    assert len(runs) == 3 and all(line.lstrip("( ").startswith(f"{NO_SKIPS_ENV}=1 ") for line in runs), runs
+    assert stage.count('"${VLLM_FILES[@]}" -k "$HALF"') == 1 and stage.count('"${VLLM_FILES[@]}" -k "not ($HALF)"') == 1
+    assert "VLLM_FILES=(tests/test_vllm_engine.py tests/test_vllm_choice.py)" in stage
+    assert "tests/test_adapter_guard.py -k vllm" in stage
