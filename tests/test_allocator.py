@@ -14,7 +14,7 @@ from conftest import REPO, run_cli
 from lowvram_grpo.core import allocator
 from lowvram_grpo.settings.config import load_config
 from lowvram_grpo.core.errors import ResolveError
-from lowvram_grpo.settings.hardware import PROFILES, Hardware
+from lowvram_grpo.settings.hardware import PROFILES, Hardware, no_gpu_without_torch
 from lowvram_grpo.settings.resolve import choose_host_allocator, resolve
 
 pytestmark = pytest.mark.slow  # pytest.ini: the fast tier is -m "not slow"
@@ -118,13 +118,28 @@ def test_restart_with_runs_the_same_command_on_mimalloc_and_its_children_on_the_
                    "child": "glibc"}
 
 
+def test_no_gpu_is_known_without_torch_only_where_torch_could_not_see_one(tmp_path):
+    node = tmp_path / "nvidiactl"
+    node.touch()
+    assert no_gpu_without_torch("2.13.0+cpu", nodes=(str(node),))  # a CPU build of torch sees no card
+    assert not no_gpu_without_torch("2.13.0", nodes=(str(node),))  # a CUDA build and a driver's node: ask torch
+    assert no_gpu_without_torch("2.13.0+cu126", nodes=(str(tmp_path / "absent"),))  # no driver: no card
+    import torch
+
+    assert not (no_gpu_without_torch() and torch.cuda.is_available())  # this machine: never wrong about a card
+
+
 @needs_mimalloc
 @pytest.mark.parametrize("asked, active", [("auto", "mimalloc"), ("system", "glibc")])
 def test_the_cli_runs_on_the_allocator_it_resolves_to(tmp_path, tiny_model_dir, asked, active):
     out = tmp_path / "run"
     proc = run_cli("--preset", "tiny", "--max-steps", "1", "--set", f"memory.host_allocator={asked}",
-                   "--set", "eval.enabled=false", "--output-dir", str(out), timeout=300)
-    assert proc.returncode == 0, proc.stderr
+                   "--set", "eval.enabled=false", "--output-dir", str(out), timeout=300,
+                   env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"})  # each process's imports, on stderr
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    imports = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    # auto: the first process decides without torch (no GPU here) and restarts; torch is imported once, after it
+    assert (imports.count("site"), imports.count("torch")) == ((2, 1) if asked == "auto" else (1, 1))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["host_allocator_active"] == active
     assert summary["resolved"]["host_allocator"] == ("mimalloc" if asked == "auto" else "system")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from lowvram_grpo.report.run_dir import RunDir
@@ -18,10 +19,10 @@ from lowvram_grpo.core.errors import ConfigError
 from lowvram_grpo.run.pipeline import default_output_dir, resume, run
 from lowvram_grpo.settings.checks import before_load
 from lowvram_grpo.settings.config import list_presets, load_config, read_preset
-from lowvram_grpo.settings.hardware import detect, planning_hardware
+from lowvram_grpo.settings.hardware import PROFILES, detect, no_gpu_without_torch, planning_hardware
 from lowvram_grpo.settings.memory_fit import apply_suggestions, default_preset
 from lowvram_grpo.settings.memory_plan import plan, run_plan_text
-from lowvram_grpo.settings.resolve import resolve, resolve_again
+from lowvram_grpo.settings.resolve import choose_host_allocator, resolve, resolve_again
 
 
 def _positive_float(text: str) -> float:
@@ -149,11 +150,18 @@ def cli() -> int:
 
 def start_on_allocator(config, backend: str) -> None:
     """Restart this process (same command line) with the host allocator `config` resolves to, when it
-    does not run on it yet. Called once the settings are accepted, before anything heavy or written."""
+    does not run on it yet. Called once the settings are accepted, before anything heavy or written. Where no GPU
+    can be visible (hardware.no_gpu_without_torch), the allocator is decided as resolve decides it, without importing
+    torch; resolve's own refusals then come from the restarted process, before anything heavy as well."""
 
-    resolved = resolve(config, detect(), backend)
-    if resolved.host_allocator == "mimalloc" and allocator.active() != "mimalloc":
-        allocator.restart_with(resolved.hardware.mimalloc_library, sys.orig_argv)
+    if no_gpu_without_torch():  # decided without importing torch (~2 s), which the restarted process imports anyway
+        hardware = replace(PROFILES["cpu"], name="present", mimalloc_library=allocator.mimalloc_library())
+        chosen = choose_host_allocator(config.memory.host_allocator, hardware)
+    else:
+        hardware = detect()
+        chosen = resolve(config, hardware, backend).host_allocator
+    if chosen == "mimalloc" and allocator.active() != "mimalloc":
+        allocator.restart_with(hardware.mimalloc_library, sys.orig_argv)
 
 
 def _main(args, restart: bool = False) -> int:

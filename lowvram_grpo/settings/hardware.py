@@ -181,6 +181,23 @@ def vllm_has_in_tree_bitsandbytes(version: Optional[str] = None) -> bool:
     return bool(found) and (int(found.group(1)), int(found.group(2))) < (0, 28)
 
 
+# A GPU driver's device nodes: NVIDIA's, WSL2's GPU paravirtualization (its CUDA), ROCm's (torch.cuda on HIP).
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+
+
+def no_gpu_without_torch(torch_version: Optional[str] = None, nodes: tuple[str, ...] = GPU_DEVICE_NODES) -> bool:
+    """True when `torch.cuda.is_available()` is certainly False, known without importing torch (~2 s): the
+    installed torch is a CPU build (its version's local label `+cpu`, read from its metadata), or no GPU driver's
+    device node exists (CUDA and ROCm open one of GPU_DEVICE_NODES to find a card). False means "maybe a GPU":
+    ask torch (detect)."""
+    if torch_version is None:
+        try:
+            torch_version = md.version("torch")
+        except md.PackageNotFoundError:
+            return True
+    return torch_version.endswith("+cpu") or not any(os.path.exists(node) for node in nodes)
+
+
 def detect() -> Hardware:
     """The machine this process runs on. Imports torch (fine before unsloth), not transformers or trl."""
     import torch
