@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 import textwrap
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from lowvram_grpo.evaluate.evaluation import beyond_line, interval_notes, metric_rows, pair_notes, protocol_lines
 from lowvram_grpo.report.run_dir import (  # noqa: F401  (PLOT_FILES: the plots below, named where a run's files are)
@@ -703,8 +703,16 @@ def render(run_dir: Path, rows: list[dict], summary: Optional[dict], config: dic
 
 
 # ----------------------------------------------------------------------------- entry points
-def write_report(run_dir) -> Path:
-    """Write report.md and the PNGs into `run_dir` from its metrics.jsonl, summary.json and config.yaml."""
+def write_report(run_dir, after_plots: Optional[Callable[[], None]] = None) -> Path:
+    """Write report.md and the PNGs into `run_dir` from its metrics.jsonl, summary.json and config.yaml.
+
+    Args:
+        run_dir: a lowvram_grpo run's output folder.
+        after_plots: called once the PNGs are written, before report.md is made from summary.json, which is read
+            again after it (the pipeline records there the peak memory that drawing the plots reached).
+
+    Returns:
+        report.md's path."""
     folder = RunDir(run_dir)
     if not folder.path.is_dir():
         raise RunDirError(f"run dir {folder} does not exist: pass the --output-dir of a lowvram_grpo run")
@@ -716,6 +724,9 @@ def write_report(run_dir) -> Path:
     completions = folder.read_completions()
     start = folder.read_curve_start()  # the held-out curve's step 0 (validation.py)
     plots = write_plots(folder.path, rows, config, start)
+    if after_plots is not None:
+        after_plots()
+        summary = folder.complete_summary()
     return folder.write_report(render(folder.path, rows, summary, config, signals, plots, completions, start))
 
 

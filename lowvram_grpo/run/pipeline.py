@@ -690,12 +690,14 @@ class GRPORun:
 
         card = write_card(self.run_dir.path, summary)  # README.md, over TRL's; before the report, which a stop may cut
         self._enter("report")
-        report = write_report(self.run_dir.path)  # report.md + plots from metrics.jsonl and summary.json
-        if RUN_PEAK.facts() != summary["peak_rss"]:  # the report's plots raised it: summary.json and the report say so
-            summary["peak_rss"] = RUN_PEAK.facts()
-            self.run_dir.write_summary(summary)
-            report = write_report(self.run_dir.path)
-        peak = summary["peak_rss"]  # as recorded: writing the report a second time may raise ru_maxrss again
+
+        def record_peak() -> None:  # the plots may raise the peak: summary.json says so before report.md
+            if RUN_PEAK.facts() != summary["peak_rss"]:
+                summary["peak_rss"] = RUN_PEAK.facts()
+                self.run_dir.write_summary(summary)
+
+        report = write_report(self.run_dir.path, after_plots=record_peak)  # report.md + plots: metrics, summary.json
+        peak = summary["peak_rss"]  # as recorded
         self.log(f"\nadapter: {self.adapter_dir}\nsummary: {self.run_dir.file('summary.json')}\nreport:  {report}"
                  f"\ncard:    {card}\nmemory:  {describe(peak['gib'], peak['phase'])}, this process's ru_maxrss "
                  "(summary.json's peak_rss)")
