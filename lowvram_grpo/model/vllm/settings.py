@@ -6,12 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from lowvram_grpo.model.builtin_models import resolve_model_path
 from lowvram_grpo.model.handle import SamplingParams
 from lowvram_grpo.model.vllm.processes import allowed_cpus
 from lowvram_grpo.core.errors import BackendError
 from lowvram_grpo.settings.memory_terms import engine_gpu_memory_utilization, kv_cache_bytes_for
-from lowvram_grpo.settings.model_shapes import model_shape
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32's CPU attention kernels
 
@@ -151,7 +149,7 @@ def check_run_servable(resolved) -> None:
             raise BackendError(problem)
         return
 
-    try:
-        check_servable(model_shape(resolve_model_path(resolved.plan.model.name)), resolved.device)
+    try:  # the shape the plan derived once (plans.run_plan: plan.model.facts); PlanError where it has none
+        check_servable(resolved.plan.model.facts.require_shape(), resolved.device)
     except VLLMEngineError as exc:
         raise BackendError(str(exc)) from None
